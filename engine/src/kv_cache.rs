@@ -1,0 +1,150 @@
+//! Paged KV cache: a pool of fixed-size blocks shared by all sequences, and per-sequence block
+//! tables that map token positions to cache slots.
+//!
+//! A block is owned by at most one [`BlockTable`] at a time; tables are not `Clone`, and
+//! [`KvCache::release`] consumes a table, so every block is freed exactly once.
+
+use half::f16;
+
+use crate::error::{EngineError, Result};
+
+/// The blocks one sequence holds, in token order: token `j` lives in `blocks[j / block_size]`.
+#[derive(Debug, Default)]
+pub struct BlockTable {
+    blocks: Vec<u32>,
+}
+
+impl BlockTable {
+    /// Block ids, in token order.
+    pub fn blocks(&self) -> &[u32] {
+        &self.blocks
+    }
+}
+
+/// One layer's keys and values, `[num_blocks, block_size, n_kv_heads * head_dim]` as f16.
+pub struct LayerKv {
+    /// Keys.
+    pub k: Vec<f16>,
+    /// Values.
+    pub v: Vec<f16>,
+}
+
+/// The KV cache of all layers plus its block allocator.
+pub struct KvCache {
+    block_size: usize,
+    width: usize,
+    layers: Vec<LayerKv>,
+    free: Vec<u32>,
+    in_use: Vec<bool>,
+}
+
+fn zeroed_f16(n: usize) -> Vec<f16> {
+    // Zeroed allocation stays lazy: pages are touched only when a block is first written.
+    half::vec::HalfBitsVecExt::reinterpret_into(vec![0u16; n])
+}
+
+impl KvCache {
+    /// A cache of `num_blocks` blocks of `block_size` tokens for `n_layers` layers of `width`
+    /// (= KV heads × head dim) values per token.
+    pub fn new(n_layers: usize, width: usize, block_size: usize, num_blocks: usize) -> Result<KvCache> {
+        if block_size == 0 || num_blocks == 0 {
+            return Err(EngineError::InvalidRequest("KV cache needs at least one block of at least one token".into()));
+        }
+        let per_layer = num_blocks * block_size * width;
+        let layers = (0..n_layers).map(|_| LayerKv { k: zeroed_f16(per_layer), v: zeroed_f16(per_layer) }).collect();
+        Ok(KvCache {
+            block_size,
+            width,
+            layers,
+            // Pop from the end: hand out low ids first.
+            free: (0..num_blocks as u32).rev().collect(),
+            in_use: vec![false; num_blocks],
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Values per token per layer (KV heads × head dim).
+    pub fn width(&self) -> usize {
+        self.width
+    }
+    /// Blocks in the pool.
+    pub fn total_blocks(&self) -> usize {
+        self.in_use.len()
+    }
+    /// Blocks not held by any table.
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+    /// Blocks needed to hold `tokens` tokens.
+    pub fn blocks_for(&self, tokens: usize) -> usize {
+        tokens.div_ceil(self.block_size)
+    }
+    /// One layer's storage.
+    pub fn layer(&self, l: usize) -> &LayerKv {
+        &self.layers[l]
+    }
+    /// One layer's storage, writable.
+    pub fn layer_mut(&mut self, l: usize) -> &mut LayerKv {
+        &mut self.layers[l]
+    }
+
+    /// Grows `table` to cover `tokens` tokens. All or nothing: on failure the table is unchanged.
+    pub fn reserve(&mut self, table: &mut BlockTable, tokens: usize) -> Result<()> {
+        let need = self.blocks_for(tokens).saturating_sub(table.blocks.len());
+        if need > self.free.len() {
+            return Err(EngineError::OutOfBlocks(format!(
+                "{need} more blocks needed for {tokens} tokens, {} free of {}",
+                self.free.len(),
+                self.total_blocks()
+            )));
+        }
+        for _ in 0..need {
+            let b = self.free.pop().expect("counted above");
+            debug_assert!(!self.in_use[b as usize]);
+            self.in_use[b as usize] = true;
+            table.blocks.push(b);
+        }
+        Ok(())
+    }
+
+    /// Returns every block of `table` to the pool.
+    pub fn release(&mut self, table: BlockTable) {
+        for b in table.blocks {
+            assert!(self.in_use[b as usize], "KV block {b} freed twice");
+            self.in_use[b as usize] = false;
+            self.free.push(b);
+        }
+    }
+
+    /// The cache slot (block × block_size + offset) of token `pos` of a sequence.
+    pub fn slot(&self, table: &[u32], pos: usize) -> Option<usize> {
+        table.get(pos / self.block_size).map(|&b| b as usize * self.block_size + pos % self.block_size)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn blocks_are_reserved_all_or_nothing_and_freed_once() {
+        let mut kv = KvCache::new(2, 8, 16, 4).unwrap();
+        let mut a = BlockTable::default();
+        kv.reserve(&mut a, 33).unwrap();
+        assert_eq!(a.blocks().len(), 3);
+        assert_eq!(kv.free_blocks(), 1);
+        let mut b = BlockTable::default();
+        assert!(kv.reserve(&mut b, 20).is_err());
+        assert_eq!(b.blocks().len(), 0);
+        assert_eq!(kv.free_blocks(), 1);
+        kv.reserve(&mut b, 16).unwrap();
+        assert_eq!(kv.slot(a.blocks(), 17), Some(a.blocks()[1] as usize * 16 + 1));
+        assert_eq!(kv.slot(a.blocks(), 48), None);
+        kv.release(a);
+        kv.release(b);
+        assert_eq!(kv.free_blocks(), 4);
+    }
+}

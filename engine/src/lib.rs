@@ -1,0 +1,43 @@
+//! tandem's engine: everything that turns token ids into next tokens on one machine.
+//!
+//! - [`gguf`] and [`loader`]: GGUF v2/v3 files and Hugging Face directories, memory-mapped.
+//! - [`tokenizer`] and [`text`]: byte-level BPE, the model's own chat template (minijinja),
+//!   streaming detokenisation and stop strings.
+//! - [`model`]: the Llama forward pass over a paged KV cache ([`kv_cache`]) for a batch of
+//!   sequences at different positions.
+//! - [`sampler`] and [`scheduler`]: sampling and continuous batching.
+//! - [`fetch`]: the default model's cache.
+
+pub mod config;
+pub mod error;
+pub mod fetch;
+pub mod gguf;
+pub mod kv_cache;
+pub mod loader;
+pub mod model;
+pub mod sampler;
+pub mod scheduler;
+pub mod text;
+pub mod tokenizer;
+
+pub use config::ModelConfig;
+pub use error::{EngineError, Result};
+pub use kv_cache::{BlockTable, KvCache};
+pub use loader::load;
+pub use model::{Model, SeqChunk};
+pub use sampler::{Sampler, SamplingParams};
+pub use scheduler::{Engine, EngineConfig, FinishReason, TokenEvent};
+pub use tokenizer::{ChatMessage, Tokenizer};
+
+/// The identity a worker announces: model name, KV dtype and KV geometry.
+pub fn identity(model: &Model, block_size: usize) -> proto::ModelIdentity {
+    let c = &model.config;
+    proto::ModelIdentity {
+        model: c.name.clone(),
+        kv_dtype: "f16".into(),
+        block_size: block_size as u32,
+        n_layers: c.n_layers as u32,
+        n_kv_heads: c.n_kv_heads as u32,
+        head_dim: c.head_dim as u32,
+    }
+}

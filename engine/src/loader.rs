@@ -1,0 +1,168 @@
+//! Loading a model from a GGUF file or a Hugging Face directory (config.json, tokenizer.json,
+//! *.safetensors in f32/f16/bf16).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use kernels::{DType, Device, Matrix};
+
+use crate::config::ModelConfig;
+use crate::error::{EngineError, Result};
+use crate::gguf::Gguf;
+use crate::model::{Model, Names, TensorSource, Weights};
+use crate::tokenizer::Tokenizer;
+
+const GGUF_NAMES: Names = Names {
+    embed: "token_embd.weight",
+    norm: "output_norm.weight",
+    output: "output.weight",
+    layer: |i, s| {
+        let t = match s {
+            "attn_norm" => "attn_norm",
+            "q" => "attn_q",
+            "k" => "attn_k",
+            "v" => "attn_v",
+            "o" => "attn_output",
+            "ffn_norm" => "ffn_norm",
+            "gate" => "ffn_gate",
+            "up" => "ffn_up",
+            _ => "ffn_down",
+        };
+        format!("blk.{i}.{t}.weight")
+    },
+};
+
+const HF_NAMES: Names = Names {
+    embed: "model.embed_tokens.weight",
+    norm: "model.norm.weight",
+    output: "lm_head.weight",
+    layer: |i, s| {
+        let t = match s {
+            "attn_norm" => "input_layernorm",
+            "q" => "self_attn.q_proj",
+            "k" => "self_attn.k_proj",
+            "v" => "self_attn.v_proj",
+            "o" => "self_attn.o_proj",
+            "ffn_norm" => "post_attention_layernorm",
+            "gate" => "mlp.gate_proj",
+            "up" => "mlp.up_proj",
+            _ => "mlp.down_proj",
+        };
+        format!("model.layers.{i}.{t}.weight")
+    },
+};
+
+impl TensorSource for Gguf {
+    fn path(&self) -> &Path {
+        Gguf::path(self)
+    }
+    fn matrix(&self, name: &str) -> Result<Matrix> {
+        Gguf::matrix(self, name)
+    }
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        Gguf::vector(self, name, len)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Tensors of all safetensors files of a directory, memory-mapped.
+struct SafetensorsDir {
+    dir: PathBuf,
+    tensors: HashMap<String, (Arc<memmap2::Mmap>, PathBuf, DType, Vec<usize>, usize)>,
+}
+
+impl SafetensorsDir {
+    fn open(dir: &Path) -> Result<SafetensorsDir> {
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+            .map_err(|source| EngineError::Io { path: dir.into(), source })?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
+            .collect();
+        files.sort();
+        if files.is_empty() {
+            return Err(EngineError::model(dir, "no *.safetensors files in the model directory"));
+        }
+        let mut tensors = HashMap::new();
+        for f in files {
+            let file = std::fs::File::open(&f).map_err(|source| EngineError::Io { path: f.clone(), source })?;
+            // SAFETY: read-only map of a model file that is not modified while in use.
+            let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io { path: f.clone(), source })?);
+            let st = safetensors::SafeTensors::deserialize(&map)
+                .map_err(|e| EngineError::model(&f, format!("not a valid safetensors file: {e}")))?;
+            for (name, view) in st.tensors() {
+                let dt = match view.dtype() {
+                    safetensors::Dtype::F32 => DType::F32,
+                    safetensors::Dtype::F16 => DType::F16,
+                    safetensors::Dtype::BF16 => DType::BF16,
+                    other => return Err(EngineError::model(&f, format!("tensor {name} has dtype {other:?}; supported: F32, F16, BF16"))),
+                };
+                let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
+                tensors.insert(name, (map.clone(), f.clone(), dt, view.shape().to_vec(), offset));
+            }
+        }
+        Ok(SafetensorsDir { dir: dir.into(), tensors })
+    }
+}
+
+impl TensorSource for SafetensorsDir {
+    fn path(&self) -> &Path {
+        &self.dir
+    }
+    fn matrix(&self, name: &str) -> Result<Matrix> {
+        let (map, file, dt, shape, off) =
+            self.tensors.get(name).ok_or_else(|| EngineError::model(&self.dir, format!("missing tensor {name}")))?;
+        let (rows, cols) = match shape.as_slice() {
+            [c] => (1, *c),
+            [r, c] => (*r, *c),
+            _ => return Err(EngineError::model(file, format!("tensor {name} has shape {shape:?}, expected 1 or 2 dims"))),
+        };
+        let backing: kernels::Backing = map.clone();
+        Matrix::new(*dt, rows, cols, backing, *off).map_err(|e| EngineError::model(file, format!("tensor {name}: {e}")))
+    }
+    fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
+        let m = self.matrix(name)?;
+        if m.rows() * m.cols() != len {
+            return Err(EngineError::model(&self.dir, format!("tensor {name} has {} values, expected {len}", m.rows() * m.cols())));
+        }
+        let mut out = vec![0f32; len];
+        m.dequantize_row(0, &mut out[..m.cols()]);
+        for r in 1..m.rows() {
+            m.dequantize_row(r, &mut out[r * m.cols()..(r + 1) * m.cols()]);
+        }
+        Ok(out)
+    }
+    fn has(&self, name: &str) -> bool {
+        self.tensors.contains_key(name)
+    }
+}
+
+/// Loads a model and its tokenizer from a `.gguf` file or a Hugging Face directory.
+pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
+    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io { path: path.into(), source })?;
+    if meta.is_dir() {
+        let cfg_path = path.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io { path: cfg_path.clone(), source })?;
+        let json: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
+        let config = ModelConfig::from_hf_json(&cfg_path, &json)?;
+        let src = SafetensorsDir::open(path)?;
+        let mut weights = Weights::load(&src, &HF_NAMES, &config)?;
+        if json["tie_word_embeddings"] == false && !src.has(HF_NAMES.output) {
+            return Err(EngineError::model(path, "tie_word_embeddings is false but lm_head.weight is missing"));
+        }
+        if json["tie_word_embeddings"] == true {
+            weights.output = weights.embed.clone();
+        }
+        let tok = Tokenizer::from_hf_dir(path)?;
+        Ok((Model::new(config, weights, device), tok))
+    } else {
+        let g = Gguf::open(path)?;
+        let config = ModelConfig::from_gguf(&g)?;
+        let weights = Weights::load(&g, &GGUF_NAMES, &config)?;
+        let tok = Tokenizer::from_gguf(&g)?;
+        Ok((Model::new(config, weights, device), tok))
+    }
+}

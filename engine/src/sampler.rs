@@ -1,0 +1,189 @@
+//! Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator so a
+//! seed reproduces the same tokens whatever else is being served.
+
+use crate::error::{EngineError, Result};
+
+/// How to pick tokens and when to stop.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// Most tokens to generate (`None`: until the context is full).
+    pub max_tokens: Option<usize>,
+    /// 0 is greedy; otherwise logits are divided by this before softmax.
+    pub temperature: f32,
+    /// Keep only the k most likely tokens (0: all).
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches this (1: all).
+    pub top_p: f32,
+    /// Seed of the request's random generator.
+    pub seed: u64,
+    /// Extra token ids that end generation.
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams { max_tokens: None, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, stop_token_ids: Vec::new(), ignore_eos: false }
+    }
+}
+
+impl SamplingParams {
+    /// Greedy decoding of up to `max_tokens` tokens.
+    pub fn greedy(max_tokens: usize) -> SamplingParams {
+        SamplingParams { max_tokens: Some(max_tokens), ..Default::default() }
+    }
+
+    /// Rejects parameters outside their ranges.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |m: String| Err(EngineError::InvalidRequest(m));
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return bad(format!("temperature must be a non-negative number, got {}", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
+        }
+        if self.max_tokens == Some(0) {
+            return bad("max_tokens must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// xoshiro256** seeded through splitmix64: small, fast, reproducible across platforms.
+#[derive(Debug, Clone)]
+pub struct Rng([u64; 4]);
+
+impl Rng {
+    /// A generator for `seed`.
+    pub fn new(seed: u64) -> Rng {
+        let mut z = seed;
+        let mut next = || {
+            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut x = z;
+            x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            x ^ (x >> 31)
+        };
+        Rng([next(), next(), next(), next()])
+    }
+
+    /// The next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        let s = &mut self.0;
+        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
+        let t = s[1] << 17;
+        s[2] ^= s[0];
+        s[3] ^= s[1];
+        s[1] ^= s[2];
+        s[0] ^= s[3];
+        s[2] ^= t;
+        s[3] = s[3].rotate_left(45);
+        out
+    }
+
+    /// A uniform float in [0, 1).
+    pub fn next_f64(&mut self) -> f64 {
+        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// Index of the largest logit (the lowest index among equals).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Picks tokens for one request.
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    params: SamplingParams,
+    rng: Rng,
+}
+
+impl Sampler {
+    /// A sampler with its generator seeded from `params.seed`.
+    pub fn new(params: SamplingParams) -> Sampler {
+        let rng = Rng::new(params.seed);
+        Sampler { params, rng }
+    }
+
+    /// Chooses the next token from `logits`.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = &self.params;
+        if p.temperature == 0.0 || p.top_k == 1 {
+            return argmax(logits);
+        }
+        // Candidates by descending logit (ties: lower id first), cut to top-k.
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        if p.top_k > 0 && p.top_k < idx.len() {
+            idx.select_nth_unstable_by(p.top_k - 1, by_logit);
+            idx.truncate(p.top_k);
+        }
+        idx.sort_unstable_by(by_logit);
+        let max = logits[idx[0] as usize] as f64;
+        let t = p.temperature as f64;
+        let mut probs: Vec<f64> = idx.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
+        let z: f64 = probs.iter().sum();
+        probs.iter_mut().for_each(|v| *v /= z);
+        if p.top_p < 1.0 {
+            let mut cum = 0.0;
+            let keep = probs.iter().position(|v| {
+                cum += v;
+                cum >= p.top_p as f64
+            });
+            let keep = keep.map_or(probs.len(), |k| k + 1);
+            probs.truncate(keep);
+            let z: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|v| *v /= z);
+        }
+        let mut u = self.rng.next_f64();
+        for (i, v) in probs.iter().enumerate() {
+            if u < *v {
+                return idx[i];
+            }
+            u -= v;
+        }
+        idx[probs.len() - 1]
+    }
+
+    /// The parameters this sampler follows.
+    pub fn params(&self) -> &SamplingParams {
+        &self.params
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_and_seeded_sampling() {
+        let logits = [0.1f32, 2.0, 1.9, -1.0];
+        assert_eq!(Sampler::new(SamplingParams::greedy(1)).sample(&logits), 1);
+        let p = SamplingParams { temperature: 1.0, seed: 42, ..Default::default() };
+        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        assert_eq!(a, b);
+        assert!(a.contains(&1) && a.contains(&2), "both likely tokens appear: {a:?}");
+        let k2 = SamplingParams { top_k: 2, ..p.clone() };
+        let mut s = Sampler::new(k2);
+        assert!((0..200).all(|_| matches!(s.sample(&logits), 1 | 2)));
+        let tp = SamplingParams { top_p: 0.5, ..p };
+        let mut s = Sampler::new(tp);
+        assert!((0..200).all(|_| s.sample(&logits) == 1));
+    }
+
+    #[test]
+    fn bad_parameters_are_refused() {
+        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
+        assert!(SamplingParams { max_tokens: Some(0), ..Default::default() }.validate().is_err());
+    }
+}

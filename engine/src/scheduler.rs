@@ -1,0 +1,247 @@
+//! Continuous batching over the paged KV cache.
+//!
+//! Each [`Engine::step`] runs one forward pass: every running sequence that is decoding
+//! contributes its newest token, and the remaining token budget goes to prompt chunks of
+//! sequences still prefilling (first come, first served). Sequences join between steps and leave
+//! (freeing their blocks) as soon as they finish. A request is admitted only when the cache can
+//! hold its prompt plus `max_tokens`, reserved up front, so a running sequence never runs out of
+//! blocks and admissions simply wait.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::{BlockTable, KvCache};
+use crate::model::{Model, SeqChunk};
+use crate::sampler::{Sampler, SamplingParams};
+
+/// Sizes of the scheduler and its cache.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Tokens per KV block.
+    pub block_size: usize,
+    /// KV blocks in the pool.
+    pub num_blocks: usize,
+    /// Most tokens in one forward step (decode tokens plus prefill chunks).
+    pub max_batch_tokens: usize,
+    /// Most sequences running at once.
+    pub max_running: usize,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig { block_size: 16, num_blocks: 1024, max_batch_tokens: 512, max_running: 64 }
+    }
+}
+
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token.
+    Stop,
+    /// `max_tokens` reached or the context is full.
+    Length,
+}
+
+/// A token produced by a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenEvent {
+    /// The request it belongs to.
+    pub id: u64,
+    /// The token.
+    pub token: u32,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+}
+
+struct Seq {
+    id: u64,
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose KV is in the cache.
+    computed: usize,
+    max_tokens: usize,
+    table: BlockTable,
+    sampler: Sampler,
+    stop_ids: Vec<u32>,
+}
+
+/// A model, its KV cache and the sequences being served.
+pub struct Engine {
+    model: Arc<Model>,
+    kv: KvCache,
+    config: EngineConfig,
+    eos_ids: Vec<u32>,
+    waiting: VecDeque<Seq>,
+    running: Vec<Seq>,
+}
+
+impl Engine {
+    /// An engine over `model`; `eos_ids` end every request unless it sets `ignore_eos`.
+    pub fn new(model: Arc<Model>, config: EngineConfig, eos_ids: Vec<u32>) -> Result<Engine> {
+        if config.max_batch_tokens == 0 || config.max_running == 0 {
+            return Err(EngineError::InvalidRequest("max_batch_tokens and max_running must be positive".into()));
+        }
+        let kv = model.new_kv_cache(config.block_size, config.num_blocks)?;
+        Ok(Engine { model, kv, config, eos_ids, waiting: VecDeque::new(), running: Vec::new() })
+    }
+
+    /// The model being served.
+    pub fn model(&self) -> &Arc<Model> {
+        &self.model
+    }
+
+    /// Free KV blocks.
+    pub fn free_blocks(&self) -> usize {
+        self.kv.free_blocks()
+    }
+
+    /// Total KV blocks.
+    pub fn total_blocks(&self) -> usize {
+        self.kv.total_blocks()
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_work(&self) -> bool {
+        !self.waiting.is_empty() || !self.running.is_empty()
+    }
+
+    /// Queues a request. Refused at once if it could never fit: empty prompt, prompt plus
+    /// `max_tokens` beyond the context, or more blocks than the whole cache holds.
+    pub fn add(&mut self, id: u64, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        params.validate()?;
+        let ctx = self.model.config.context_len;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        if prompt.len() >= ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt has {} tokens; the model's context is {ctx} tokens",
+                prompt.len()
+            )));
+        }
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary")));
+        }
+        let max_tokens = params.max_tokens.unwrap_or(ctx - prompt.len());
+        if prompt.len() + max_tokens > ctx {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) plus max_tokens ({max_tokens}) exceeds the model's context of {ctx} tokens",
+                prompt.len()
+            )));
+        }
+        let need = self.kv.blocks_for(prompt.len() + max_tokens);
+        if need > self.kv.total_blocks() {
+            return Err(EngineError::OutOfBlocks(format!(
+                "the request needs {need} KV blocks; the cache has {} in all",
+                self.kv.total_blocks()
+            )));
+        }
+        let mut stop_ids = params.stop_token_ids.clone();
+        if !params.ignore_eos {
+            stop_ids.extend_from_slice(&self.eos_ids);
+        }
+        self.waiting.push_back(Seq {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            max_tokens,
+            table: BlockTable::default(),
+            sampler: Sampler::new(params),
+            stop_ids,
+        });
+        Ok(())
+    }
+
+    /// Drops a request wherever it is and frees its blocks. Returns whether it was found.
+    pub fn abort(&mut self, id: u64) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            let s = self.waiting.remove(i).expect("index found");
+            self.kv.release(s.table);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let s = self.running.remove(i);
+            self.kv.release(s.table);
+            return true;
+        }
+        false
+    }
+
+    /// Runs one forward step and returns the tokens it produced.
+    pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        // Admit waiting requests, in order, while their full reservation fits.
+        while self.running.len() < self.config.max_running {
+            let Some(front) = self.waiting.front_mut() else { break };
+            let need = front.prompt_len + front.max_tokens;
+            if self.kv.reserve(&mut front.table, need).is_err() {
+                break;
+            }
+            self.running.push(self.waiting.pop_front().expect("front exists"));
+        }
+        // Decode tokens first (one each), then prompt chunks under the remaining budget.
+        let mut budget = self.config.max_batch_tokens;
+        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (seq index, start, len)
+        for (i, s) in self.running.iter().enumerate() {
+            if s.computed >= s.prompt_len && budget > 0 {
+                plan.push((i, s.computed, 1));
+                budget -= 1;
+            }
+        }
+        for (i, s) in self.running.iter().enumerate() {
+            if s.computed < s.prompt_len && budget > 0 {
+                let n = (s.prompt_len - s.computed).min(budget);
+                plan.push((i, s.computed, n));
+                budget -= n;
+            }
+        }
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        let chunks: Vec<SeqChunk<'_>> = plan
+            .iter()
+            .map(|&(i, start, n)| {
+                let s = &self.running[i];
+                SeqChunk { tokens: &s.tokens[start..start + n], start_pos: start, block_table: s.table.blocks(), logits: start + n == s.tokens.len() }
+            })
+            .collect();
+        let logits = self.model.forward(&mut self.kv, &chunks)?;
+        let mut events = Vec::new();
+        let mut finished = Vec::new();
+        for (&(i, _, n), l) in plan.iter().zip(logits) {
+            let s = &mut self.running[i];
+            s.computed += n;
+            let Some(l) = l else { continue };
+            let tok = s.sampler.sample(&l);
+            s.tokens.push(tok);
+            let generated = s.tokens.len() - s.prompt_len;
+            let finish = if s.stop_ids.contains(&tok) {
+                Some(FinishReason::Stop)
+            } else if generated >= s.max_tokens {
+                Some(FinishReason::Length)
+            } else {
+                None
+            };
+            if finish.is_some() {
+                finished.push(s.id);
+            }
+            events.push(TokenEvent { id: s.id, token: tok, finish });
+        }
+        for id in finished {
+            self.abort(id);
+        }
+        Ok(events)
+    }
+
+    /// Runs steps until every request has finished; returns each request's tokens by id.
+    pub fn run_to_completion(&mut self) -> Result<std::collections::BTreeMap<u64, Vec<u32>>> {
+        let mut out = std::collections::BTreeMap::<u64, Vec<u32>>::new();
+        while self.has_work() {
+            for e in self.step()? {
+                out.entry(e.id).or_default().push(e.token);
+            }
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,189 @@
+//! Tokenizer and chat template.
+//!
+//! Byte-level BPE is built with the `tokenizers` crate, either from the vocabulary and merges
+//! stored in a GGUF file (with the pre-tokenizer the file names) or from a `tokenizer.json`.
+//! The chat template is the Jinja template stored with the model, rendered by `minijinja`.
+
+use std::path::Path;
+
+use serde::Serialize;
+use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
+use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
+use tokenizers::AddedToken;
+
+use crate::error::{EngineError, Result};
+use crate::gguf::Gguf;
+
+/// One chat message.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct ChatMessage {
+    /// "system", "user" or "assistant".
+    pub role: String,
+    /// The message text.
+    pub content: String,
+}
+
+impl ChatMessage {
+    /// A user message.
+    pub fn user(content: impl Into<String>) -> ChatMessage {
+        ChatMessage { role: "user".into(), content: content.into() }
+    }
+}
+
+/// A model's tokenizer, special tokens and chat template.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    bos: Option<String>,
+    eos: Option<String>,
+    add_bos: Option<u32>,
+    stop_ids: Vec<u32>,
+    chat_template: Option<String>,
+}
+
+/// Token texts that end a turn in common chat formats; any present in the vocabulary stops
+/// generation, as does the model's declared end-of-sequence token.
+const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"];
+
+impl Tokenizer {
+    fn finish(inner: tokenizers::Tokenizer, bos: Option<String>, eos: Option<String>, add_bos: bool, chat_template: Option<String>) -> Tokenizer {
+        let mut stop_ids: Vec<u32> = END_OF_TURN.iter().chain(eos.as_slice().iter().map(|s| &**s).collect::<Vec<_>>().iter())
+            .filter_map(|t| inner.token_to_id(t))
+            .collect();
+        stop_ids.sort_unstable();
+        stop_ids.dedup();
+        let add_bos = if add_bos { bos.as_deref().and_then(|b| inner.token_to_id(b)) } else { None };
+        Tokenizer { inner, bos, eos, add_bos, stop_ids, chat_template }
+    }
+
+    /// Builds the tokenizer stored in a GGUF file (byte-level BPE, `tokenizer.ggml.model = gpt2`).
+    pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
+        let bad = |m: String| EngineError::model(g.path(), m);
+        let model = g.get_str("tokenizer.ggml.model")?;
+        if model != "gpt2" {
+            return Err(bad(format!("tokenizer model {model:?} is not supported (tandem reads byte-level BPE, \"gpt2\")")));
+        }
+        let tokens = g.get_strings("tokenizer.ggml.tokens")?;
+        let merges = g.get_strings("tokenizer.ggml.merges")?;
+        let types: Vec<u64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+            Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
+            None => vec![1; tokens.len()],
+        };
+        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let merges = merges
+            .iter()
+            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| bad(format!("malformed merge {m:?}"))))
+            .collect::<Result<Vec<_>>>()?;
+        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| bad(format!("tokenizer: {e}")))?;
+        let mut inner = tokenizers::Tokenizer::new(bpe);
+        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let byte_level: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
+        let pre_tok: PreTokenizerWrapper = match pre {
+            "smollm" | "starcoder" | "refact" => Sequence::new(vec![Digits::new(true).into(), byte_level]).into(),
+            "default" | "gpt2" => byte_level,
+            other => return Err(bad(format!("pre-tokenizer {other:?} is not supported (supported: smollm, starcoder, refact, gpt2)"))),
+        };
+        inner.with_pre_tokenizer(Some(pre_tok));
+        inner.with_decoder(Some(ByteLevelDecoder::default()));
+        // Control (3) tokens are special; user-defined (4) tokens are matched verbatim.
+        let added: Vec<AddedToken> = tokens
+            .iter()
+            .zip(&types)
+            .filter(|(_, t)| **t == 3 || **t == 4)
+            .map(|(s, t)| AddedToken::from(s.to_string(), *t == 3))
+            .collect();
+        inner.add_special_tokens(added).map_err(|e| bad(format!("tokenizer: {e}")))?;
+        let name = |k: &str| {
+            g.metadata.get(k).and_then(|v| v.as_u64()).and_then(|i| tokens.get(i as usize)).map(|s| s.to_string())
+        };
+        let add_bos = matches!(g.metadata.get("tokenizer.ggml.add_bos_token"), Some(crate::gguf::Value::Bool(true)));
+        let template = g.metadata.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
+        Ok(Tokenizer::finish(inner, name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"), add_bos, template))
+    }
+
+    /// Loads `tokenizer.json` (and `tokenizer_config.json` for special tokens and the chat
+    /// template) from a Hugging Face model directory.
+    pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
+        let tj = dir.join("tokenizer.json");
+        let inner = tokenizers::Tokenizer::from_file(&tj).map_err(|e| EngineError::model(&tj, format!("cannot load tokenizer: {e}")))?;
+        let cfg_path = dir.join("tokenizer_config.json");
+        let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
+            Ok(s) => serde_json::from_str(&s).map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?,
+            Err(_) => serde_json::Value::Null,
+        };
+        let tok = |k: &str| match &cfg[k] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+            _ => None,
+        };
+        let template = match &cfg["chat_template"] {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(a) => a
+                .iter()
+                .find(|t| t["name"] == "default")
+                .and_then(|t| t["template"].as_str())
+                .map(str::to_string),
+            _ => None,
+        };
+        Ok(Tokenizer::finish(inner, tok("bos_token"), tok("eos_token"), cfg["add_bos_token"] == true, template))
+    }
+
+    /// Token ids of `text`; special-token texts (like `<|im_start|>`) become their ids.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let mut ids = Vec::with_capacity(enc.len() + 1);
+        ids.extend(self.add_bos);
+        ids.extend_from_slice(enc.get_ids());
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens included verbatim unless `skip_special`.
+    pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        self.inner.decode(ids, skip_special).map_err(|e| EngineError::Tokenizer(e.to_string()))
+    }
+
+    /// Token ids that end generation (end of sequence / end of turn).
+    pub fn stop_ids(&self) -> &[u32] {
+        &self.stop_ids
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The chat template text, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref()
+    }
+
+    /// Renders `messages` through the model's own chat template.
+    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+        let src = self
+            .chat_template
+            .as_deref()
+            .ok_or_else(|| EngineError::Tokenizer("the model has no chat template".into()))?;
+        let mut env = minijinja::Environment::new();
+        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
+            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
+        });
+        env.add_template("chat", src).map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+        let ctx = minijinja::context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        };
+        env.get_template("chat")
+            .and_then(|t| t.render(ctx))
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))
+    }
+
+    /// The underlying `tokenizers` tokenizer (for export).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

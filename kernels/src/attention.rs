@@ -1,0 +1,224 @@
+//! Causal attention over a paged KV cache.
+//!
+//! The cache of one layer holds `num_blocks` blocks of `block_size` token slots; each slot holds
+//! `n_kv_heads * head_dim` f16 keys (and values). A sequence's tokens live in the blocks its
+//! block table lists, in order: token `j` is in block `table[j / block_size]`, slot
+//! `j % block_size`. Query heads share KV heads in groups (GQA).
+
+use half::f16;
+use rayon::prelude::*;
+
+use crate::{isa, Isa};
+
+/// One layer's paged key and value storage.
+#[derive(Clone, Copy)]
+pub struct PagedKv<'a> {
+    /// Keys, `[num_blocks, block_size, n_kv_heads, head_dim]`.
+    pub k: &'a [f16],
+    /// Values, same layout as `k`.
+    pub v: &'a [f16],
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Number of KV heads.
+    pub n_kv_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+}
+
+/// A query token: it attends to its sequence's tokens `0..=pos`.
+#[derive(Clone, Copy, Debug)]
+pub struct Query<'a> {
+    /// Position of the token in its sequence.
+    pub pos: usize,
+    /// The sequence's block table (must cover `pos`).
+    pub block_table: &'a [u32],
+}
+
+impl PagedKv<'_> {
+    #[inline]
+    fn offset(&self, table: &[u32], j: usize, g: usize) -> usize {
+        let b = table[j / self.block_size] as usize;
+        ((b * self.block_size + j % self.block_size) * self.n_kv_heads + g) * self.head_dim
+    }
+}
+
+/// `out[t, h] = softmax(q[t, h] . K[0..=pos] * scale) . V[0..=pos]` for every token and head.
+///
+/// `q` and `out` are `[queries.len(), n_heads * head_dim]`. Like GGML's CPU path, queries are
+/// rounded to f16 before the dot products with the f16 keys, and the normalised probabilities are
+/// rounded to f16 before they weight the f16 values; sums are in f32.
+pub fn attention(q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]) {
+    let hd = kv.head_dim;
+    let group = n_heads / kv.n_kv_heads;
+    let isa = isa();
+    out.par_chunks_mut(hd).enumerate().with_min_len(4).for_each_init(Vec::new, |scores, (th, o)| {
+        let (t, h) = (th / n_heads, th % n_heads);
+        let qh = &q[th * hd..(th + 1) * hd];
+        head(isa, qh, queries[t], kv, h / group, scale, scores, o);
+    });
+}
+
+#[allow(clippy::too_many_arguments)]
+fn head(isa: Isa, q: &[f32], query: Query<'_>, kv: PagedKv<'_>, g: usize, scale: f32, s: &mut Vec<f32>, out: &mut [f32]) {
+    let n = query.pos + 1;
+    let hd = kv.head_dim;
+    s.clear();
+    s.resize(n, 0.0);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx2 && hd % 8 == 0 && hd <= 256 {
+        // SAFETY: the CPU has AVX2/FMA/F16C (checked by `isa`); offsets come from the block table.
+        unsafe { avx2::head(q, query, kv, g, scale, s, out) };
+        return;
+    }
+    let _ = isa;
+    let q16: Vec<f32> = q.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
+    for (j, sj) in s.iter_mut().enumerate() {
+        let k = &kv.k[kv.offset(query.block_table, j, g)..][..hd];
+        *sj = q16.iter().zip(k).fold(0f32, |a, (x, y)| x.mul_add(y.to_f32(), a)) * scale;
+    }
+    let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0f32;
+    for v in s.iter_mut() {
+        *v = crate::ops::exp(*v - max);
+        sum += *v;
+    }
+    let inv = 1.0 / sum;
+    out.fill(0.0);
+    for (j, &e) in s.iter().enumerate() {
+        let p = f16::from_f32(e * inv).to_f32();
+        let v = &kv.v[kv.offset(query.block_table, j, g)..][..hd];
+        for (o, x) in out.iter_mut().zip(v) {
+            *o = p.mul_add(x.to_f32(), *o);
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    use half::f16;
+
+    use super::{PagedKv, Query};
+    use crate::matmul_hsum as hsum;
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn exp8(x: __m256) -> __m256 {
+        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.7));
+        let n = _mm256_round_ps(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+        );
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
+        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
+        let mut p = _mm256_set1_ps(1.987_569_1e-4);
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_6e-1));
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+        p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
+        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C must be available; `query.block_table` must cover `query.pos`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn head(
+        q: &[f32], query: Query<'_>, kv: PagedKv<'_>, g: usize, scale: f32, s: &mut [f32], out: &mut [f32],
+    ) {
+        let hd = kv.head_dim;
+        let lanes = hd / 8;
+        debug_assert!(lanes <= 32);
+        let mut qv = [_mm256_setzero_ps(); 32];
+        // SAFETY (whole body): q, out have hd values; cache offsets index whole heads in bounds.
+        unsafe {
+            for (l, v) in qv.iter_mut().enumerate().take(lanes) {
+                let x = _mm256_loadu_ps(q.as_ptr().add(8 * l));
+                *v = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
+            }
+            for (j, sj) in s.iter_mut().enumerate() {
+                let k = kv.k.as_ptr().add(kv.offset(query.block_table, j, g)) as *const __m128i;
+                let mut acc = _mm256_setzero_ps();
+                for (l, v) in qv.iter().enumerate().take(lanes) {
+                    acc = _mm256_fmadd_ps(*v, _mm256_cvtph_ps(_mm_loadu_si128(k.add(l))), acc);
+                }
+                *sj = hsum(acc) * scale;
+            }
+            let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
+            let n8 = s.len() / 8 * 8;
+            for c in (0..n8).step_by(8) {
+                mx = _mm256_max_ps(mx, _mm256_loadu_ps(s.as_ptr().add(c)));
+            }
+            let mut m8 = [0f32; 8];
+            _mm256_storeu_ps(m8.as_mut_ptr(), mx);
+            let max = s[n8..].iter().chain(&m8).copied().fold(f32::NEG_INFINITY, f32::max);
+            let mv = _mm256_set1_ps(max);
+            let mut sv = _mm256_setzero_ps();
+            for c in (0..n8).step_by(8) {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(c)), mv));
+                _mm256_storeu_ps(s.as_mut_ptr().add(c), e);
+                sv = _mm256_add_ps(sv, e);
+            }
+            let mut sum = hsum(sv);
+            for v in s[n8..].iter_mut() {
+                *v = crate::ops::exp(*v - max);
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            let mut acc = [_mm256_setzero_ps(); 32];
+            for (j, &e) in s.iter().enumerate() {
+                let v = kv.v.as_ptr().add(kv.offset(query.block_table, j, g)) as *const __m128i;
+                let p = f16::from_f32(e * inv).to_f32();
+                let pv = _mm256_set1_ps(p);
+                for (l, a) in acc.iter_mut().enumerate().take(lanes) {
+                    *a = _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128(v.add(l))), *a);
+                }
+            }
+            for (l, a) in acc.iter().enumerate().take(lanes) {
+                _mm256_storeu_ps(out.as_mut_ptr().add(8 * l), *a);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paged_matches_contiguous_reference() {
+        let (bs, nkv, hd, nh) = (4, 2, 16, 4);
+        let blocks = 6;
+        let mut k = vec![f16::ZERO; blocks * bs * nkv * hd];
+        let mut v = k.clone();
+        for (i, (a, b)) in k.iter_mut().zip(v.iter_mut()).enumerate() {
+            *a = f16::from_f32(((i * 7919) % 113) as f32 / 113.0 - 0.5);
+            *b = f16::from_f32(((i * 104729) % 97) as f32 / 97.0 - 0.5);
+        }
+        let table = [5u32, 2, 0];
+        let kv = PagedKv { k: &k, v: &v, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let pos = 9;
+        let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.37).sin()).collect();
+        let mut out = vec![0f32; nh * hd];
+        attention(&q, &[Query { pos, block_table: &table }], kv, nh, 0.25, &mut out);
+        for h in 0..nh {
+            let g = h / (nh / nkv);
+            let mut s: Vec<f64> = (0..=pos)
+                .map(|j| {
+                    let o = kv.offset(&table, j, g);
+                    (0..hd).map(|d| q[h * hd + d] as f64 * k[o + d].to_f64()).sum::<f64>() * 0.25
+                })
+                .collect();
+            let m = s.iter().copied().fold(f64::MIN, f64::max);
+            s.iter_mut().for_each(|x| *x = (*x - m).exp());
+            let z: f64 = s.iter().sum();
+            for d in 0..hd {
+                let want: f64 = (0..=pos).map(|j| s[j] / z * v[kv.offset(&table, j, g) + d].to_f64()).sum();
+                assert!((out[h * hd + d] as f64 - want).abs() < 1e-5, "h{h} d{d}");
+            }
+        }
+    }
+}

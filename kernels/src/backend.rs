@@ -1,0 +1,89 @@
+//! The backend seam: the model's forward pass calls kernels only through [`Backend`].
+//!
+//! [`Device`] dispatches by enum, so the choice of backend is made once, at model load. Today the
+//! CPU backend is the only one; a CUDA backend slots in as another variant.
+
+use half::f16;
+
+use crate::{attention, matmul, ops, KernelError, Matrix, PagedKv, Query, RopeStyle};
+
+/// The kernels a Llama forward pass needs. Activations are row-major f32 host slices.
+pub trait Backend: Send + Sync {
+    /// Short name for logs ("cpu-avx2", …).
+    fn name(&self) -> String;
+    /// `out[m, n] = x[m, :] . w[n, :]`.
+    fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError>;
+    /// Row-wise RMSNorm scaled by `weight`.
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
+    /// In-place rotary embedding of rows at `positions`.
+    fn rope(&self, x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle);
+    /// `gate = silu(gate) * up`.
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+    /// Causal attention of `q` over a paged cache.
+    fn attention(&self, q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]);
+    /// Writes rows of keys and values (f32) into their cache slots as f16.
+    fn store_kv(&self, k_cache: &mut [f16], v_cache: &mut [f16], slots: &[usize], k: &[f32], v: &[f32], width: usize);
+}
+
+/// CPU backend: the kernels of this crate, on rayon's thread pool.
+#[derive(Debug, Clone, Default)]
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    fn name(&self) -> String {
+        format!("cpu-{:?}", crate::isa()).to_lowercase()
+    }
+    fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
+        matmul::matmul(w, x, m, out)
+    }
+    fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+        ops::rms_norm(x, weight, eps, out)
+    }
+    fn rope(&self, x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle) {
+        ops::rope(x, positions, n_heads, head_dim, base, style)
+    }
+    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
+        ops::silu_mul(gate, up)
+    }
+    fn attention(&self, q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]) {
+        attention::attention(q, queries, kv, n_heads, scale, out)
+    }
+    fn store_kv(&self, k_cache: &mut [f16], v_cache: &mut [f16], slots: &[usize], k: &[f32], v: &[f32], width: usize) {
+        for (t, &slot) in slots.iter().enumerate() {
+            let dst = slot * width;
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                &mut k_cache[dst..dst + width],
+                &k[t * width..(t + 1) * width],
+            );
+            half::slice::HalfFloatSliceExt::convert_from_f32_slice(
+                &mut v_cache[dst..dst + width],
+                &v[t * width..(t + 1) * width],
+            );
+        }
+    }
+}
+
+/// The backend a model runs on, chosen at load time.
+#[derive(Debug, Clone)]
+pub enum Device {
+    /// The CPU kernels.
+    Cpu(CpuBackend),
+}
+
+impl Device {
+    /// Parses a device name: `cpu` (the default). Other names are refused with a clear error.
+    pub fn parse(name: &str) -> Result<Device, KernelError> {
+        match name {
+            "cpu" => Ok(Device::Cpu(CpuBackend)),
+            "cuda" => Err(KernelError::Unavailable("tandem was not compiled with CUDA support".into())),
+            other => Err(KernelError::Unavailable(format!("unknown device {other:?} (expected \"cpu\")"))),
+        }
+    }
+
+    /// The backend behind this device.
+    pub fn backend(&self) -> &dyn Backend {
+        match self {
+            Device::Cpu(b) => b,
+        }
+    }
+}

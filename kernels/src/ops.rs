@@ -1,0 +1,144 @@
+//! Element-wise and per-row operations of the Llama block: RMSNorm, RoPE, SiLU·mul, exp.
+//!
+//! Each works row by row with a fixed operation order, so results do not depend on batching.
+
+use rayon::prelude::*;
+
+/// Which elements RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])`: GGUF files (llama.cpp permutes Q/K at conversion).
+    Interleaved,
+    /// Pairs `(x[i], x[i + d/2])`: Hugging Face checkpoints ("rotate half").
+    Halves,
+}
+
+/// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight` for each row of `weight.len()` values.
+pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
+    let d = weight.len();
+    let body = |(xr, or): (&[f32], &mut [f32])| {
+        let ss: f64 = xr.iter().map(|v| (v * v) as f64).sum();
+        let scale = 1.0 / ((ss / d as f64) as f32 + eps).sqrt();
+        for ((o, v), w) in or.iter_mut().zip(xr).zip(weight) {
+            *o = (v * scale) * w;
+        }
+    };
+    if x.len() >= 64 * d {
+        x.par_chunks(d).zip(out.par_chunks_mut(d)).for_each(body);
+    } else {
+        x.chunks(d).zip(out.chunks_mut(d)).for_each(body);
+    }
+}
+
+/// Rotary position embedding, in place, on rows of `n_heads * head_dim` values.
+///
+/// Row `t` is at position `positions[t]`; pair `i` turns by `pos * base^(-2i / head_dim)`,
+/// the power taken by repeated f32 multiplication as in GGML.
+pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle) {
+    let half = head_dim / 2;
+    let step = base.powf(-2.0 / head_dim as f32);
+    let mut cs = vec![(0f32, 0f32); half];
+    for (row, &pos) in x.chunks_mut(n_heads * head_dim).zip(positions) {
+        // Angles by repeated multiplication in f32, as GGML computes them: the reference
+        // implementations agree to the last bit on the angles, which keeps logits comparable.
+        let mut theta = pos as f32;
+        for c in cs.iter_mut() {
+            *c = (theta.cos(), theta.sin());
+            theta *= step;
+        }
+        for head in row.chunks_mut(head_dim) {
+            for (i, &(c, s)) in cs.iter().enumerate() {
+                let (a, b) = match style {
+                    RopeStyle::Interleaved => (2 * i, 2 * i + 1),
+                    RopeStyle::Halves => (i, i + half),
+                };
+                let (x0, x1) = (head[a], head[b]);
+                head[a] = x0 * c - x1 * s;
+                head[b] = x0 * s + x1 * c;
+            }
+        }
+    }
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, where `silu(v) = v / (1 + exp(-v))`.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let body = |(g, u): (&mut [f32], &[f32])| {
+        for (gv, uv) in g.iter_mut().zip(u) {
+            *gv = *gv / (1.0 + exp(-*gv)) * uv;
+        }
+    };
+    if gate.len() >= 1 << 15 {
+        gate.par_chunks_mut(4096).zip(up.par_chunks(4096)).for_each(body);
+    } else {
+        body((gate, up));
+    }
+}
+
+/// `a[i] += b[i]`.
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x += y;
+    }
+}
+
+/// e^x, accurate to about 1 ulp over the f32 range (Cephes-style range reduction and a degree-6
+/// polynomial); written with explicit FMAs so the SIMD version in `attention` gives the same bits.
+#[inline]
+pub fn exp(x: f32) -> f32 {
+    let x = x.clamp(-87.3, 88.7);
+    let n = (x * std::f32::consts::LOG2_E).round_ties_even();
+    let r = n.mul_add(-0.693_359_4, x);
+    let r = n.mul_add(2.121_944_4e-4, r);
+    let mut p = 1.987_569_1e-4f32;
+    p = p.mul_add(r, 1.398_199_9e-3);
+    p = p.mul_add(r, 8.333_452e-3);
+    p = p.mul_add(r, 4.166_579_6e-2);
+    p = p.mul_add(r, 1.666_666_6e-1);
+    p = p.mul_add(r, 0.5);
+    p = p.mul_add(r * r, r) + 1.0;
+    p * f32::from_bits(((n as i32 + 127) as u32) << 23)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_accurate() {
+        let mut x = -80.0f32;
+        while x < 80.0 {
+            let (a, b) = (exp(x), x.exp());
+            assert!(((a - b) / b).abs() < 4e-7, "exp({x}) = {a}, std {b}");
+            x += 0.173;
+        }
+        assert_eq!(exp(-1000.0) < 1e-37, true);
+    }
+
+    #[test]
+    fn rope_styles_agree_up_to_permutation() {
+        let hd = 8;
+        let x: Vec<f32> = (0..hd).map(|i| i as f32 + 1.0).collect();
+        // Interleaved layout of the same pairs as the halves layout.
+        let perm: Vec<usize> = (0..hd / 2).flat_map(|i| [i, i + hd / 2]).collect();
+        let mut a: Vec<f32> = perm.iter().map(|&p| x[p]).collect();
+        let mut b = x.clone();
+        rope(&mut a, &[5], 1, hd, 10000.0, RopeStyle::Interleaved);
+        rope(&mut b, &[5], 1, hd, 10000.0, RopeStyle::Halves);
+        for (i, &p) in perm.iter().enumerate() {
+            assert_eq!(a[i], b[p]);
+        }
+        // Position 0 is the identity.
+        let mut c = x.clone();
+        rope(&mut c, &[0], 1, hd, 10000.0, RopeStyle::Halves);
+        assert_eq!(c, x);
+    }
+
+    #[test]
+    fn rms_norm_normalises() {
+        let x = [3.0f32, 4.0];
+        let mut out = [0f32; 2];
+        rms_norm(&x, &[1.0, 2.0], 0.0, &mut out);
+        let s = (12.5f32).sqrt();
+        assert!((out[0] - 3.0 / s).abs() < 1e-6 && (out[1] - 8.0 / s).abs() < 1e-6);
+    }
+}

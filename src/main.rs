@@ -1,0 +1,257 @@
+//! The `tandem` command line: `generate` text with the engine, `model fetch` the default model,
+//! `bench engine` for prefill/decode throughput.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use engine::text::{StopStrings, StreamDecoder};
+use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
+
+#[derive(Parser)]
+#[command(name = "tandem", version, about = "tandem: prefill/decode disaggregated LLM serving")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text from a prompt, streamed to stdout.
+    Generate(GenerateArgs),
+    /// Manage the model cache.
+    #[command(subcommand)]
+    Model(ModelCmd),
+    /// Benchmarks.
+    #[command(subcommand)]
+    Bench(BenchCmd),
+}
+
+#[derive(Subcommand)]
+enum ModelCmd {
+    /// Download the default model (SmolLM2-135M-Instruct Q4_1) into the cache if missing.
+    Fetch,
+    /// Print the default model's path.
+    Path,
+}
+
+#[derive(Subcommand)]
+enum BenchCmd {
+    /// Prefill and decode throughput of the engine on one machine.
+    Engine(BenchArgs),
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// A .gguf file or a Hugging Face model directory (default: the cached SmolLM2-135M-Instruct).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Worker threads for the kernels (default: all cores).
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Raw prompt text, fed to the model as is.
+    #[arg(long, conflicts_with = "chat", required_unless_present = "chat")]
+    prompt: Option<String>,
+    /// A user message, rendered through the model's chat template.
+    #[arg(long)]
+    chat: Option<String>,
+    /// Most tokens to generate.
+    #[arg(long, default_value_t = 256)]
+    max_tokens: usize,
+    /// Sampling temperature (0 = greedy).
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling threshold.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Keep only the k most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// Random seed.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when this text is generated (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Prompt length for the prefill measurement.
+    #[arg(long, default_value_t = 512)]
+    prompt_len: usize,
+    /// Decode batch sizes to measure.
+    #[arg(long, value_delimiter = ',', default_value = "1,16")]
+    batch: Vec<usize>,
+    /// Decode steps per measurement.
+    #[arg(long, default_value_t = 64)]
+    steps: usize,
+    /// Repetitions (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().cmd {
+        Cmd::Generate(a) => generate(a),
+        Cmd::Model(ModelCmd::Fetch) => {
+            let p = engine::fetch::ensure_default_model()?;
+            println!("{}", p.display());
+            Ok(())
+        }
+        Cmd::Model(ModelCmd::Path) => {
+            println!("{}", engine::fetch::default_model_path().display());
+            Ok(())
+        }
+        Cmd::Bench(BenchCmd::Engine(a)) => bench(a),
+    }
+}
+
+fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
+    if let Some(t) = args.threads {
+        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting the thread count")?;
+    }
+    let path = match &args.model {
+        Some(p) => p.clone(),
+        None => engine::fetch::ensure_default_model()?,
+    };
+    let t0 = Instant::now();
+    let (model, tok) = engine::load(&path, kernels::Device::parse("cpu")?)?;
+    eprintln!(
+        "tandem: loaded {} ({} layers, {}) from {} in {:.2}s",
+        model.config.name,
+        model.config.n_layers,
+        model.device_name(),
+        path.display(),
+        t0.elapsed().as_secs_f64()
+    );
+    Ok((Arc::new(model), tok))
+}
+
+fn generate(a: GenerateArgs) -> Result<()> {
+    let (model, tok) = load(&a.model)?;
+    let text = match (&a.prompt, &a.chat) {
+        (Some(p), _) => p.clone(),
+        (None, Some(c)) => tok.apply_chat_template(&[ChatMessage::user(c)], true)?,
+        (None, None) => bail!("give --prompt or --chat"),
+    };
+    let ids = tok.encode(&text)?;
+    let params = SamplingParams {
+        max_tokens: Some(a.max_tokens),
+        temperature: a.temperature,
+        top_p: a.top_p,
+        top_k: a.top_k,
+        seed: a.seed,
+        ..Default::default()
+    };
+    let blocks = (ids.len() + a.max_tokens).div_ceil(16) + 1;
+    let cfg = EngineConfig { num_blocks: blocks, ..Default::default() };
+    let mut engine = Engine::new(model, cfg, tok.stop_ids().to_vec())?;
+    engine.add(0, ids.clone(), params)?;
+    let mut dec = StreamDecoder::default();
+    let mut stops = StopStrings::new(&a.stop);
+    let mut out = std::io::stdout().lock();
+    let t0 = Instant::now();
+    let (mut n, mut first) = (0usize, None);
+    'run: while engine.has_work() {
+        for ev in engine.step()? {
+            n += 1;
+            first.get_or_insert_with(|| t0.elapsed());
+            if ev.finish == Some(engine::FinishReason::Stop) && tok.stop_ids().contains(&ev.token) {
+                break 'run;
+            }
+            let (text, stopped) = stops.push(&dec.push(&tok, ev.token)?);
+            out.write_all(text.as_bytes())?;
+            out.flush()?;
+            if stopped {
+                engine.abort(0);
+                break 'run;
+            }
+        }
+    }
+    out.write_all(stops.flush().as_bytes())?;
+    writeln!(out)?;
+    let total = t0.elapsed().as_secs_f64();
+    let ttft = first.map_or(0.0, |d| d.as_secs_f64());
+    eprintln!(
+        "tandem: {} prompt tokens, {n} generated; first token {:.0} ms, {:.1} tokens/s after it",
+        ids.len(),
+        ttft * 1e3,
+        (n.saturating_sub(1)) as f64 / (total - ttft).max(1e-9)
+    );
+    Ok(())
+}
+
+fn bench(a: BenchArgs) -> Result<()> {
+    let (model, _) = load(&a.model)?;
+    let threads = rayon::current_num_threads();
+    let vocab = model.config.vocab_size as u32;
+    let prompt: Vec<u32> = (0..a.prompt_len as u32).map(|i| (i * 7919 + 101) % vocab).collect();
+    let bs = 16;
+    let max_b = a.batch.iter().copied().max().unwrap_or(1);
+    let per_seq = (a.prompt_len.max(32) + a.steps).div_ceil(bs) + 1;
+    let mut kv = model.new_kv_cache(bs, per_seq * max_b.max(1))?;
+    println!("model: {}  device: {}  threads: {threads}", model.config.name, model.device_name());
+    println!("weights read per decoded token: {:.1} MB", model.weights.bytes_per_token() as f64 / 1e6);
+    // Prefill: one chunk of the whole prompt.
+    let mut best = f64::MAX;
+    for _ in 0..a.reps {
+        let mut table = engine::BlockTable::default();
+        kv.reserve(&mut table, a.prompt_len)?;
+        let t0 = Instant::now();
+        let chunk = engine::SeqChunk { tokens: &prompt, start_pos: 0, block_table: table.blocks(), logits: true };
+        model.forward(&mut kv, &[chunk])?;
+        best = best.min(t0.elapsed().as_secs_f64());
+        kv.release(table);
+    }
+    println!("prefill {} tokens: {:.1} tokens/s ({:.1} ms)", a.prompt_len, a.prompt_len as f64 / best, best * 1e3);
+    // Decode: `b` sequences with a 32-token context each, one token per sequence per step.
+    for &b in &a.batch {
+        let mut best = f64::MAX;
+        for _ in 0..a.reps {
+            let mut tables = Vec::new();
+            for s in 0..b {
+                let mut t = engine::BlockTable::default();
+                kv.reserve(&mut t, 32 + a.steps)?;
+                let p = &prompt[s % 8..s % 8 + 32];
+                model.forward(&mut kv, &[engine::SeqChunk { tokens: p, start_pos: 0, block_table: t.blocks(), logits: false }])?;
+                tables.push(t);
+            }
+            let t0 = Instant::now();
+            for step in 0..a.steps {
+                let toks: Vec<u32> = (0..b as u32).map(|s| (s * 31 + step as u32 * 17 + 5) % vocab).collect();
+                let chunks: Vec<engine::SeqChunk<'_>> = tables
+                    .iter()
+                    .zip(&toks)
+                    .map(|(t, tok)| engine::SeqChunk {
+                        tokens: std::slice::from_ref(tok),
+                        start_pos: 32 + step,
+                        block_table: t.blocks(),
+                        logits: true,
+                    })
+                    .collect();
+                model.forward(&mut kv, &chunks)?;
+            }
+            best = best.min(t0.elapsed().as_secs_f64());
+            tables.into_iter().for_each(|t| kv.release(t));
+        }
+        let tps = (b * a.steps) as f64 / best;
+        println!("decode batch {b}: {tps:.1} tokens/s ({:.2} ms/step)", best * 1e3 / a.steps as f64);
+    }
+    Ok(())
+}

