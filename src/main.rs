@@ -12,7 +12,11 @@ use engine::text::{StopStrings, StreamDecoder};
 use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
 
 #[derive(Parser)]
-#[command(name = "tandem", version, about = "tandem: prefill/decode disaggregated LLM serving")]
+#[command(
+    name = "tandem",
+    version,
+    about = "tandem: prefill/decode disaggregated LLM serving"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -124,7 +128,10 @@ fn main() -> Result<()> {
 
 fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
     if let Some(t) = args.threads {
-        rayon::ThreadPoolBuilder::new().num_threads(t).build_global().context("setting the thread count")?;
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(t)
+            .build_global()
+            .context("setting the thread count")?;
     }
     let path = match &args.model {
         Some(p) => p.clone(),
@@ -160,7 +167,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
         ..Default::default()
     };
     let blocks = (ids.len() + a.max_tokens).div_ceil(16) + 1;
-    let cfg = EngineConfig { num_blocks: blocks, ..Default::default() };
+    let cfg = EngineConfig {
+        num_blocks: blocks,
+        ..Default::default()
+    };
     let mut engine = Engine::new(model, cfg, tok.stop_ids().to_vec())?;
     engine.add(0, ids.clone(), params)?;
     let mut dec = StreamDecoder::default();
@@ -201,25 +211,44 @@ fn bench(a: BenchArgs) -> Result<()> {
     let (model, _) = load(&a.model)?;
     let threads = rayon::current_num_threads();
     let vocab = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..a.prompt_len as u32).map(|i| (i * 7919 + 101) % vocab).collect();
+    let prompt: Vec<u32> = (0..a.prompt_len as u32)
+        .map(|i| (i * 7919 + 101) % vocab)
+        .collect();
     let bs = 16;
     let max_b = a.batch.iter().copied().max().unwrap_or(1);
     let per_seq = (a.prompt_len.max(32) + a.steps).div_ceil(bs) + 1;
     let mut kv = model.new_kv_cache(bs, per_seq * max_b.max(1))?;
-    println!("model: {}  device: {}  threads: {threads}", model.config.name, model.device_name());
-    println!("weights read per decoded token: {:.1} MB", model.weights.bytes_per_token() as f64 / 1e6);
+    println!(
+        "model: {}  device: {}  threads: {threads}",
+        model.config.name,
+        model.device_name()
+    );
+    println!(
+        "weights read per decoded token: {:.1} MB",
+        model.weights.bytes_per_token() as f64 / 1e6
+    );
     // Prefill: one chunk of the whole prompt.
     let mut best = f64::MAX;
     for _ in 0..a.reps {
         let mut table = engine::BlockTable::default();
         kv.reserve(&mut table, a.prompt_len)?;
         let t0 = Instant::now();
-        let chunk = engine::SeqChunk { tokens: &prompt, start_pos: 0, block_table: table.blocks(), logits: true };
+        let chunk = engine::SeqChunk {
+            tokens: &prompt,
+            start_pos: 0,
+            block_table: table.blocks(),
+            logits: true,
+        };
         model.forward(&mut kv, &[chunk])?;
         best = best.min(t0.elapsed().as_secs_f64());
         kv.release(table);
     }
-    println!("prefill {} tokens: {:.1} tokens/s ({:.1} ms)", a.prompt_len, a.prompt_len as f64 / best, best * 1e3);
+    println!(
+        "prefill {} tokens: {:.1} tokens/s ({:.1} ms)",
+        a.prompt_len,
+        a.prompt_len as f64 / best,
+        best * 1e3
+    );
     // Decode: `b` sequences with a 32-token context each, one token per sequence per step.
     for &b in &a.batch {
         let mut best = f64::MAX;
@@ -229,12 +258,22 @@ fn bench(a: BenchArgs) -> Result<()> {
                 let mut t = engine::BlockTable::default();
                 kv.reserve(&mut t, 32 + a.steps)?;
                 let p = &prompt[s % 8..s % 8 + 32];
-                model.forward(&mut kv, &[engine::SeqChunk { tokens: p, start_pos: 0, block_table: t.blocks(), logits: false }])?;
+                model.forward(
+                    &mut kv,
+                    &[engine::SeqChunk {
+                        tokens: p,
+                        start_pos: 0,
+                        block_table: t.blocks(),
+                        logits: false,
+                    }],
+                )?;
                 tables.push(t);
             }
             let t0 = Instant::now();
             for step in 0..a.steps {
-                let toks: Vec<u32> = (0..b as u32).map(|s| (s * 31 + step as u32 * 17 + 5) % vocab).collect();
+                let toks: Vec<u32> = (0..b as u32)
+                    .map(|s| (s * 31 + step as u32 * 17 + 5) % vocab)
+                    .collect();
                 let chunks: Vec<engine::SeqChunk<'_>> = tables
                     .iter()
                     .zip(&toks)
@@ -251,7 +290,10 @@ fn bench(a: BenchArgs) -> Result<()> {
             tables.into_iter().for_each(|t| kv.release(t));
         }
         let tps = (b * a.steps) as f64 / best;
-        println!("decode batch {b}: {tps:.1} tokens/s ({:.2} ms/step)", best * 1e3 / a.steps as f64);
+        println!(
+            "decode batch {b}: {tps:.1} tokens/s ({:.2} ms/step)",
+            best * 1e3 / a.steps as f64
+        );
     }
     Ok(())
 }

@@ -45,10 +45,16 @@ impl ModelConfig {
     fn check(self, path: &Path) -> Result<ModelConfig> {
         let bad = |m: String| Err(EngineError::model(path, m));
         if self.n_heads == 0 || self.n_kv_heads == 0 || self.n_heads % self.n_kv_heads != 0 {
-            return bad(format!("{} heads cannot be grouped over {} KV heads", self.n_heads, self.n_kv_heads));
+            return bad(format!(
+                "{} heads cannot be grouped over {} KV heads",
+                self.n_heads, self.n_kv_heads
+            ));
         }
         if self.dim % self.n_heads != 0 || self.head_dim % 2 != 0 {
-            return bad(format!("hidden size {} does not split into {} even-sized heads", self.dim, self.n_heads));
+            return bad(format!(
+                "hidden size {} does not split into {} even-sized heads",
+                self.dim, self.n_heads
+            ));
         }
         if self.n_layers == 0 || self.vocab_size == 0 || self.context_len == 0 {
             return bad("model has no layers, vocabulary or context".into());
@@ -66,20 +72,37 @@ impl ModelConfig {
             ));
         }
         let u = |k: &str| g.get_u64(&format!("llama.{k}")).map(|v| v as usize);
-        let f = |k: &str, d: f64| g.metadata.get(&format!("llama.{k}")).and_then(|v| v.as_f64()).unwrap_or(d) as f32;
+        let f = |k: &str, d: f64| {
+            g.metadata
+                .get(&format!("llama.{k}"))
+                .and_then(|v| v.as_f64())
+                .unwrap_or(d) as f32
+        };
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
         let vocab_size = match g.metadata.get("llama.vocab_size").and_then(|v| v.as_u64()) {
             Some(v) => v as usize,
-            None => g.get("tokenizer.ggml.tokens")?.as_array().map_or(0, |a| a.len()),
+            None => g
+                .get("tokenizer.ggml.tokens")?
+                .as_array()
+                .map_or(0, |a| a.len()),
         };
         ModelConfig {
-            name: g.metadata.get("general.name").and_then(|v| v.as_str()).unwrap_or("unnamed").to_string(),
+            name: g
+                .metadata
+                .get("general.name")
+                .and_then(|v| v.as_str())
+                .unwrap_or("unnamed")
+                .to_string(),
             n_layers: u("block_count")?,
             dim,
             ffn_dim: u("feed_forward_length")?,
             n_heads,
-            n_kv_heads: g.metadata.get("llama.attention.head_count_kv").and_then(|v| v.as_u64()).map_or(n_heads, |v| v as usize),
+            n_kv_heads: g
+                .metadata
+                .get("llama.attention.head_count_kv")
+                .and_then(|v| v.as_u64())
+                .map_or(n_heads, |v| v as usize),
             head_dim: if n_heads > 0 { dim / n_heads } else { 0 },
             vocab_size,
             context_len: u("context_length")?,
@@ -92,16 +115,24 @@ impl ModelConfig {
 
     /// Reads a Llama config from a Hugging Face `config.json`.
     pub fn from_hf_json(path: &Path, json: &serde_json::Value) -> Result<ModelConfig> {
-        let arch_ok = json["architectures"].as_array().is_some_and(|a| a.iter().any(|v| v == "LlamaForCausalLM"))
+        let arch_ok = json["architectures"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|v| v == "LlamaForCausalLM"))
             || json["model_type"] == "llama";
         if !arch_ok {
             return Err(EngineError::model(
                 path,
-                format!("unsupported architecture {} (tandem runs LlamaForCausalLM)", json["architectures"]),
+                format!(
+                    "unsupported architecture {} (tandem runs LlamaForCausalLM)",
+                    json["architectures"]
+                ),
             ));
         }
         let u = |k: &str| {
-            json[k].as_u64().map(|v| v as usize).ok_or_else(|| EngineError::model(path, format!("missing or non-integer key {k}")))
+            json[k]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or_else(|| EngineError::model(path, format!("missing or non-integer key {k}")))
         };
         let dim = u("hidden_size")?;
         let n_heads = u("num_attention_heads")?;
@@ -109,13 +140,20 @@ impl ModelConfig {
             return Err(EngineError::model(path, "rope_scaling is not supported"));
         }
         ModelConfig {
-            name: json["_name_or_path"].as_str().unwrap_or("hf-llama").to_string(),
+            name: json["_name_or_path"]
+                .as_str()
+                .unwrap_or("hf-llama")
+                .to_string(),
             n_layers: u("num_hidden_layers")?,
             dim,
             ffn_dim: u("intermediate_size")?,
             n_heads,
-            n_kv_heads: json["num_key_value_heads"].as_u64().map_or(n_heads, |v| v as usize),
-            head_dim: json["head_dim"].as_u64().map_or(if n_heads > 0 { dim / n_heads } else { 0 }, |v| v as usize),
+            n_kv_heads: json["num_key_value_heads"]
+                .as_u64()
+                .map_or(n_heads, |v| v as usize),
+            head_dim: json["head_dim"]
+                .as_u64()
+                .map_or(if n_heads > 0 { dim / n_heads } else { 0 }, |v| v as usize),
             vocab_size: u("vocab_size")?,
             context_len: u("max_position_embeddings")?,
             rope_base: json["rope_theta"].as_f64().unwrap_or(10000.0) as f32,

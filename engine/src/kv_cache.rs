@@ -46,12 +46,24 @@ fn zeroed_f16(n: usize) -> Vec<f16> {
 impl KvCache {
     /// A cache of `num_blocks` blocks of `block_size` tokens for `n_layers` layers of `width`
     /// (= KV heads × head dim) values per token.
-    pub fn new(n_layers: usize, width: usize, block_size: usize, num_blocks: usize) -> Result<KvCache> {
+    pub fn new(
+        n_layers: usize,
+        width: usize,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
-            return Err(EngineError::InvalidRequest("KV cache needs at least one block of at least one token".into()));
+            return Err(EngineError::InvalidRequest(
+                "KV cache needs at least one block of at least one token".into(),
+            ));
         }
         let per_layer = num_blocks * block_size * width;
-        let layers = (0..n_layers).map(|_| LayerKv { k: zeroed_f16(per_layer), v: zeroed_f16(per_layer) }).collect();
+        let layers = (0..n_layers)
+            .map(|_| LayerKv {
+                k: zeroed_f16(per_layer),
+                v: zeroed_f16(per_layer),
+            })
+            .collect();
         Ok(KvCache {
             block_size,
             width,
@@ -121,7 +133,9 @@ impl KvCache {
 
     /// The cache slot (block × block_size + offset) of token `pos` of a sequence.
     pub fn slot(&self, table: &[u32], pos: usize) -> Option<usize> {
-        table.get(pos / self.block_size).map(|&b| b as usize * self.block_size + pos % self.block_size)
+        table
+            .get(pos / self.block_size)
+            .map(|&b| b as usize * self.block_size + pos % self.block_size)
     }
 }
 
@@ -141,7 +155,10 @@ mod tests {
         assert_eq!(b.blocks().len(), 0);
         assert_eq!(kv.free_blocks(), 1);
         kv.reserve(&mut b, 16).unwrap();
-        assert_eq!(kv.slot(a.blocks(), 17), Some(a.blocks()[1] as usize * 16 + 1));
+        assert_eq!(
+            kv.slot(a.blocks(), 17),
+            Some(a.blocks()[1] as usize * 16 + 1)
+        );
         assert_eq!(kv.slot(a.blocks(), 48), None);
         kv.release(a);
         kv.release(b);

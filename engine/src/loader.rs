@@ -77,33 +77,59 @@ struct SafetensorsDir {
 impl SafetensorsDir {
     fn open(dir: &Path) -> Result<SafetensorsDir> {
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-            .map_err(|source| EngineError::Io { path: dir.into(), source })?
+            .map_err(|source| EngineError::Io {
+                path: dir.into(),
+                source,
+            })?
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.extension().is_some_and(|e| e == "safetensors"))
             .collect();
         files.sort();
         if files.is_empty() {
-            return Err(EngineError::model(dir, "no *.safetensors files in the model directory"));
+            return Err(EngineError::model(
+                dir,
+                "no *.safetensors files in the model directory",
+            ));
         }
         let mut tensors = HashMap::new();
         for f in files {
-            let file = std::fs::File::open(&f).map_err(|source| EngineError::Io { path: f.clone(), source })?;
+            let file = std::fs::File::open(&f).map_err(|source| EngineError::Io {
+                path: f.clone(),
+                source,
+            })?;
             // SAFETY: read-only map of a model file that is not modified while in use.
-            let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|source| EngineError::Io { path: f.clone(), source })?);
-            let st = safetensors::SafeTensors::deserialize(&map)
-                .map_err(|e| EngineError::model(&f, format!("not a valid safetensors file: {e}")))?;
+            let map = Arc::new(unsafe { memmap2::Mmap::map(&file) }.map_err(|source| {
+                EngineError::Io {
+                    path: f.clone(),
+                    source,
+                }
+            })?);
+            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
+                EngineError::model(&f, format!("not a valid safetensors file: {e}"))
+            })?;
             for (name, view) in st.tensors() {
                 let dt = match view.dtype() {
                     safetensors::Dtype::F32 => DType::F32,
                     safetensors::Dtype::F16 => DType::F16,
                     safetensors::Dtype::BF16 => DType::BF16,
-                    other => return Err(EngineError::model(&f, format!("tensor {name} has dtype {other:?}; supported: F32, F16, BF16"))),
+                    other => {
+                        return Err(EngineError::model(
+                            &f,
+                            format!("tensor {name} has dtype {other:?}; supported: F32, F16, BF16"),
+                        ))
+                    }
                 };
                 let offset = view.data().as_ptr() as usize - map.as_ptr() as usize;
-                tensors.insert(name, (map.clone(), f.clone(), dt, view.shape().to_vec(), offset));
+                tensors.insert(
+                    name,
+                    (map.clone(), f.clone(), dt, view.shape().to_vec(), offset),
+                );
             }
         }
-        Ok(SafetensorsDir { dir: dir.into(), tensors })
+        Ok(SafetensorsDir {
+            dir: dir.into(),
+            tensors,
+        })
     }
 }
 
@@ -112,20 +138,34 @@ impl TensorSource for SafetensorsDir {
         &self.dir
     }
     fn matrix(&self, name: &str) -> Result<Matrix> {
-        let (map, file, dt, shape, off) =
-            self.tensors.get(name).ok_or_else(|| EngineError::model(&self.dir, format!("missing tensor {name}")))?;
+        let (map, file, dt, shape, off) = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| EngineError::model(&self.dir, format!("missing tensor {name}")))?;
         let (rows, cols) = match shape.as_slice() {
             [c] => (1, *c),
             [r, c] => (*r, *c),
-            _ => return Err(EngineError::model(file, format!("tensor {name} has shape {shape:?}, expected 1 or 2 dims"))),
+            _ => {
+                return Err(EngineError::model(
+                    file,
+                    format!("tensor {name} has shape {shape:?}, expected 1 or 2 dims"),
+                ))
+            }
         };
         let backing: kernels::Backing = map.clone();
-        Matrix::new(*dt, rows, cols, backing, *off).map_err(|e| EngineError::model(file, format!("tensor {name}: {e}")))
+        Matrix::new(*dt, rows, cols, backing, *off)
+            .map_err(|e| EngineError::model(file, format!("tensor {name}: {e}")))
     }
     fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let m = self.matrix(name)?;
         if m.rows() * m.cols() != len {
-            return Err(EngineError::model(&self.dir, format!("tensor {name} has {} values, expected {len}", m.rows() * m.cols())));
+            return Err(EngineError::model(
+                &self.dir,
+                format!(
+                    "tensor {name} has {} values, expected {len}",
+                    m.rows() * m.cols()
+                ),
+            ));
         }
         let mut out = vec![0f32; len];
         m.dequantize_row(0, &mut out[..m.cols()]);
@@ -141,17 +181,26 @@ impl TensorSource for SafetensorsDir {
 
 /// Loads a model and its tokenizer from a `.gguf` file or a Hugging Face directory.
 pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
-    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io { path: path.into(), source })?;
+    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
+        path: path.into(),
+        source,
+    })?;
     if meta.is_dir() {
         let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io { path: cfg_path.clone(), source })?;
-        let json: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
+            path: cfg_path.clone(),
+            source,
+        })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
         let config = ModelConfig::from_hf_json(&cfg_path, &json)?;
         let src = SafetensorsDir::open(path)?;
         let mut weights = Weights::load(&src, &HF_NAMES, &config)?;
         if json["tie_word_embeddings"] == false && !src.has(HF_NAMES.output) {
-            return Err(EngineError::model(path, "tie_word_embeddings is false but lm_head.weight is missing"));
+            return Err(EngineError::model(
+                path,
+                "tie_word_embeddings is false but lm_head.weight is missing",
+            ));
         }
         if json["tie_word_embeddings"] == true {
             weights.output = weights.embed.clone();

@@ -65,13 +65,21 @@ pub(crate) struct Names {
 }
 
 impl Weights {
-    pub(crate) fn load(src: &dyn TensorSource, names: &Names, cfg: &ModelConfig) -> Result<Weights> {
+    pub(crate) fn load(
+        src: &dyn TensorSource,
+        names: &Names,
+        cfg: &ModelConfig,
+    ) -> Result<Weights> {
         let shape = |name: &str, rows: usize, cols: usize| -> Result<Matrix> {
             let m = src.matrix(name)?;
             if m.rows() != rows || m.cols() != cols {
                 return Err(EngineError::model(
                     src.path(),
-                    format!("tensor {name} is {}x{}, expected {rows}x{cols}", m.rows(), m.cols()),
+                    format!(
+                        "tensor {name} is {}x{}, expected {rows}x{cols}",
+                        m.rows(),
+                        m.cols()
+                    ),
                 ));
             }
             Ok(m)
@@ -79,7 +87,11 @@ impl Weights {
         let (d, kvw, ff) = (cfg.dim, cfg.kv_width(), cfg.ffn_dim);
         let qd = cfg.n_heads * cfg.head_dim;
         let embed = shape(names.embed, cfg.vocab_size, d)?;
-        let output = if src.has(names.output) { shape(names.output, cfg.vocab_size, d)? } else { embed.clone() };
+        let output = if src.has(names.output) {
+            shape(names.output, cfg.vocab_size, d)?
+        } else {
+            embed.clone()
+        };
         let layers = (0..cfg.n_layers)
             .map(|i| {
                 let n = |s: &str| (names.layer)(i, s);
@@ -96,7 +108,12 @@ impl Weights {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Weights { embed, layers, norm: src.vector(names.norm, d)?, output })
+        Ok(Weights {
+            embed,
+            layers,
+            norm: src.vector(names.norm, d)?,
+            output,
+        })
     }
 
     /// Bytes of weights read per decoded token (all matrices and norms; one embedding row).
@@ -106,7 +123,13 @@ impl Weights {
             .layers
             .iter()
             .map(|l| {
-                m(&l.wq) + m(&l.wk) + m(&l.wv) + m(&l.wo) + m(&l.w_gate) + m(&l.w_up) + m(&l.w_down)
+                m(&l.wq)
+                    + m(&l.wk)
+                    + m(&l.wv)
+                    + m(&l.wo)
+                    + m(&l.w_gate)
+                    + m(&l.w_up)
+                    + m(&l.w_down)
                     + 4 * (l.attn_norm.len() + l.ffn_norm.len())
             })
             .sum();
@@ -139,7 +162,11 @@ pub struct Model {
 impl Model {
     /// Builds a model from loaded weights.
     pub fn new(config: ModelConfig, weights: Weights, device: Device) -> Model {
-        Model { config, weights, device }
+        Model {
+            config,
+            weights,
+            device,
+        }
     }
 
     /// The backend's name.
@@ -149,12 +176,21 @@ impl Model {
 
     /// A KV cache shaped for this model.
     pub fn new_kv_cache(&self, block_size: usize, num_blocks: usize) -> Result<KvCache> {
-        KvCache::new(self.config.n_layers, self.config.kv_width(), block_size, num_blocks)
+        KvCache::new(
+            self.config.n_layers,
+            self.config.kv_width(),
+            block_size,
+            num_blocks,
+        )
     }
 
     /// Runs one forward step over `batch`, writing each chunk's K/V into `kv`, and returns the
     /// logits of each chunk that asked for them (in batch order; `None` for the others).
-    pub fn forward(&self, kv: &mut KvCache, batch: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+    pub fn forward(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let c = &self.config;
         let be = self.device.backend();
         let (d, kvw, hd) = (c.dim, c.kv_width(), c.head_dim);
@@ -172,18 +208,27 @@ impl Model {
             }
             for p in s.start_pos..s.start_pos + s.tokens.len() {
                 let slot = kv.slot(s.block_table, p).ok_or_else(|| {
-                    EngineError::InvalidRequest(format!("block table of {} blocks does not cover position {p}", s.block_table.len()))
+                    EngineError::InvalidRequest(format!(
+                        "block table of {} blocks does not cover position {p}",
+                        s.block_table.len()
+                    ))
                 })?;
                 positions.push(p);
                 slots.push(slot);
-                queries.push(Query { pos: p, block_table: s.block_table });
+                queries.push(Query {
+                    pos: p,
+                    block_table: s.block_table,
+                });
             }
         }
         let t = positions.len();
         let mut x = vec![0f32; t * d];
         for (row, &tok) in x.chunks_mut(d).zip(batch.iter().flat_map(|s| s.tokens)) {
             if tok as usize >= c.vocab_size {
-                return Err(EngineError::InvalidRequest(format!("token id {tok} is outside the vocabulary of {}", c.vocab_size)));
+                return Err(EngineError::InvalidRequest(format!(
+                    "token id {tok} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
             }
             self.weights.embed.dequantize_row(tok as usize, row);
         }
@@ -202,11 +247,24 @@ impl Model {
             be.matmul(&w.wk, &h, t, &mut k)?;
             be.matmul(&w.wv, &h, t, &mut v)?;
             be.rope(&mut q, &positions, c.n_heads, hd, c.rope_base, c.rope_style);
-            be.rope(&mut k, &positions, c.n_kv_heads, hd, c.rope_base, c.rope_style);
+            be.rope(
+                &mut k,
+                &positions,
+                c.n_kv_heads,
+                hd,
+                c.rope_base,
+                c.rope_style,
+            );
             let layer = kv.layer_mut(l);
             be.store_kv(&mut layer.k, &mut layer.v, &slots, &k, &v, kvw);
             let layer = kv.layer(l);
-            let paged = PagedKv { k: &layer.k, v: &layer.v, block_size: kv.block_size(), n_kv_heads: c.n_kv_heads, head_dim: hd };
+            let paged = PagedKv {
+                k: &layer.k,
+                v: &layer.v,
+                block_size: kv.block_size(),
+                n_kv_heads: c.n_kv_heads,
+                head_dim: hd,
+            };
             be.attention(&q, &queries, paged, c.n_heads, scale, &mut att);
             be.matmul(&w.wo, &att, t, &mut o)?;
             kernels::ops::add_assign(&mut x, &o);
@@ -234,7 +292,10 @@ impl Model {
         let mut it = logits.chunks(c.vocab_size);
         Ok(batch
             .iter()
-            .map(|s| (s.logits && !s.tokens.is_empty()).then(|| it.next().expect("one row per chunk").to_vec()))
+            .map(|s| {
+                (s.logits && !s.tokens.is_empty())
+                    .then(|| it.next().expect("one row per chunk").to_vec())
+            })
             .collect())
     }
 }

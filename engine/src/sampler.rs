@@ -24,21 +24,35 @@ pub struct SamplingParams {
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        SamplingParams { max_tokens: None, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, stop_token_ids: Vec::new(), ignore_eos: false }
+        SamplingParams {
+            max_tokens: None,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
     }
 }
 
 impl SamplingParams {
     /// Greedy decoding of up to `max_tokens` tokens.
     pub fn greedy(max_tokens: usize) -> SamplingParams {
-        SamplingParams { max_tokens: Some(max_tokens), ..Default::default() }
+        SamplingParams {
+            max_tokens: Some(max_tokens),
+            ..Default::default()
+        }
     }
 
     /// Rejects parameters outside their ranges.
     pub fn validate(&self) -> Result<()> {
         let bad = |m: String| Err(EngineError::InvalidRequest(m));
         if !(self.temperature.is_finite() && self.temperature >= 0.0) {
-            return bad(format!("temperature must be a non-negative number, got {}", self.temperature));
+            return bad(format!(
+                "temperature must be a non-negative number, got {}",
+                self.temperature
+            ));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return bad(format!("top_p must be in (0, 1], got {}", self.top_p));
@@ -121,7 +135,11 @@ impl Sampler {
         }
         // Candidates by descending logit (ties: lower id first), cut to top-k.
         let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
         if p.top_k > 0 && p.top_k < idx.len() {
             idx.select_nth_unstable_by(p.top_k - 1, by_logit);
             idx.truncate(p.top_k);
@@ -129,7 +147,10 @@ impl Sampler {
         idx.sort_unstable_by(by_logit);
         let max = logits[idx[0] as usize] as f64;
         let t = p.temperature as f64;
-        let mut probs: Vec<f64> = idx.iter().map(|&i| ((logits[i as usize] as f64 - max) / t).exp()).collect();
+        let mut probs: Vec<f64> = idx
+            .iter()
+            .map(|&i| ((logits[i as usize] as f64 - max) / t).exp())
+            .collect();
         let z: f64 = probs.iter().sum();
         probs.iter_mut().for_each(|v| *v /= z);
         if p.top_p < 1.0 {
@@ -167,12 +188,28 @@ mod tests {
     fn greedy_and_seeded_sampling() {
         let logits = [0.1f32, 2.0, 1.9, -1.0];
         assert_eq!(Sampler::new(SamplingParams::greedy(1)).sample(&logits), 1);
-        let p = SamplingParams { temperature: 1.0, seed: 42, ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p.clone()); (0..50).map(|_| s.sample(&logits)).collect() };
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 42,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p.clone());
+            (0..50).map(|_| s.sample(&logits)).collect()
+        };
         assert_eq!(a, b);
-        assert!(a.contains(&1) && a.contains(&2), "both likely tokens appear: {a:?}");
-        let k2 = SamplingParams { top_k: 2, ..p.clone() };
+        assert!(
+            a.contains(&1) && a.contains(&2),
+            "both likely tokens appear: {a:?}"
+        );
+        let k2 = SamplingParams {
+            top_k: 2,
+            ..p.clone()
+        };
         let mut s = Sampler::new(k2);
         assert!((0..200).all(|_| matches!(s.sample(&logits), 1 | 2)));
         let tp = SamplingParams { top_p: 0.5, ..p };
@@ -182,8 +219,23 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_refused() {
-        assert!(SamplingParams { temperature: -1.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { top_p: 0.0, ..Default::default() }.validate().is_err());
-        assert!(SamplingParams { max_tokens: Some(0), ..Default::default() }.validate().is_err());
+        assert!(SamplingParams {
+            temperature: -1.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            top_p: 0.0,
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            max_tokens: Some(0),
+            ..Default::default()
+        }
+        .validate()
+        .is_err());
     }
 }

@@ -30,7 +30,12 @@ pub struct EngineConfig {
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { block_size: 16, num_blocks: 1024, max_batch_tokens: 512, max_running: 64 }
+        EngineConfig {
+            block_size: 16,
+            num_blocks: 1024,
+            max_batch_tokens: 512,
+            max_running: 64,
+        }
     }
 }
 
@@ -80,10 +85,19 @@ impl Engine {
     /// An engine over `model`; `eos_ids` end every request unless it sets `ignore_eos`.
     pub fn new(model: Arc<Model>, config: EngineConfig, eos_ids: Vec<u32>) -> Result<Engine> {
         if config.max_batch_tokens == 0 || config.max_running == 0 {
-            return Err(EngineError::InvalidRequest("max_batch_tokens and max_running must be positive".into()));
+            return Err(EngineError::InvalidRequest(
+                "max_batch_tokens and max_running must be positive".into(),
+            ));
         }
         let kv = model.new_kv_cache(config.block_size, config.num_blocks)?;
-        Ok(Engine { model, kv, config, eos_ids, waiting: VecDeque::new(), running: Vec::new() })
+        Ok(Engine {
+            model,
+            kv,
+            config,
+            eos_ids,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+        })
     }
 
     /// The model being served.
@@ -120,8 +134,13 @@ impl Engine {
                 prompt.len()
             )));
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
-            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary")));
+        if let Some(&bad) = prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.config.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
         }
         let max_tokens = params.max_tokens.unwrap_or(ctx - prompt.len());
         if prompt.len() + max_tokens > ctx {
@@ -173,12 +192,15 @@ impl Engine {
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
         // Admit waiting requests, in order, while their full reservation fits.
         while self.running.len() < self.config.max_running {
-            let Some(front) = self.waiting.front_mut() else { break };
+            let Some(front) = self.waiting.front_mut() else {
+                break;
+            };
             let need = front.prompt_len + front.max_tokens;
             if self.kv.reserve(&mut front.table, need).is_err() {
                 break;
             }
-            self.running.push(self.waiting.pop_front().expect("front exists"));
+            self.running
+                .push(self.waiting.pop_front().expect("front exists"));
         }
         // Decode tokens first (one each), then prompt chunks under the remaining budget.
         let mut budget = self.config.max_batch_tokens;
@@ -203,7 +225,12 @@ impl Engine {
             .iter()
             .map(|&(i, start, n)| {
                 let s = &self.running[i];
-                SeqChunk { tokens: &s.tokens[start..start + n], start_pos: start, block_table: s.table.blocks(), logits: start + n == s.tokens.len() }
+                SeqChunk {
+                    tokens: &s.tokens[start..start + n],
+                    start_pos: start,
+                    block_table: s.table.blocks(),
+                    logits: start + n == s.tokens.len(),
+                }
             })
             .collect();
         let logits = self.model.forward(&mut self.kv, &chunks)?;
@@ -226,7 +253,11 @@ impl Engine {
             if finish.is_some() {
                 finished.push(s.id);
             }
-            events.push(TokenEvent { id: s.id, token: tok, finish });
+            events.push(TokenEvent {
+                id: s.id,
+                token: tok,
+                finish,
+            });
         }
         for id in finished {
             self.abort(id);

@@ -40,14 +40,22 @@ pub struct StopStrings {
 impl StopStrings {
     /// Stops on any of `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> StopStrings {
-        StopStrings { stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(), pending: String::new() }
+        StopStrings {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+        }
     }
 
     /// Adds text; returns the text safe to emit and whether a stop string was reached (the stop
     /// string and anything after it are dropped).
     pub fn push(&mut self, text: &str) -> (String, bool) {
         self.pending.push_str(text);
-        if let Some(i) = self.stops.iter().filter_map(|s| self.pending.find(s.as_str())).min() {
+        if let Some(i) = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min()
+        {
             let out = self.pending[..i].to_string();
             self.pending.clear();
             return (out, true);

@@ -30,7 +30,10 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A user message.
     pub fn user(content: impl Into<String>) -> ChatMessage {
-        ChatMessage { role: "user".into(), content: content.into() }
+        ChatMessage {
+            role: "user".into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -49,14 +52,39 @@ pub struct Tokenizer {
 const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"];
 
 impl Tokenizer {
-    fn finish(inner: tokenizers::Tokenizer, bos: Option<String>, eos: Option<String>, add_bos: bool, chat_template: Option<String>) -> Tokenizer {
-        let mut stop_ids: Vec<u32> = END_OF_TURN.iter().chain(eos.as_slice().iter().map(|s| &**s).collect::<Vec<_>>().iter())
+    fn finish(
+        inner: tokenizers::Tokenizer,
+        bos: Option<String>,
+        eos: Option<String>,
+        add_bos: bool,
+        chat_template: Option<String>,
+    ) -> Tokenizer {
+        let mut stop_ids: Vec<u32> = END_OF_TURN
+            .iter()
+            .chain(
+                eos.as_slice()
+                    .iter()
+                    .map(|s| &**s)
+                    .collect::<Vec<_>>()
+                    .iter(),
+            )
             .filter_map(|t| inner.token_to_id(t))
             .collect();
         stop_ids.sort_unstable();
         stop_ids.dedup();
-        let add_bos = if add_bos { bos.as_deref().and_then(|b| inner.token_to_id(b)) } else { None };
-        Tokenizer { inner, bos, eos, add_bos, stop_ids, chat_template }
+        let add_bos = if add_bos {
+            bos.as_deref().and_then(|b| inner.token_to_id(b))
+        } else {
+            None
+        };
+        Tokenizer {
+            inner,
+            bos,
+            eos,
+            add_bos,
+            stop_ids,
+            chat_template,
+        }
     }
 
     /// Builds the tokenizer stored in a GGUF file (byte-level BPE, `tokenizer.ggml.model = gpt2`).
@@ -68,18 +96,37 @@ impl Tokenizer {
         }
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
         let merges = g.get_strings("tokenizer.ggml.merges")?;
-        let types: Vec<u64> = match g.metadata.get("tokenizer.ggml.token_type").and_then(|v| v.as_array()) {
+        let types: Vec<u64> = match g
+            .metadata
+            .get("tokenizer.ggml.token_type")
+            .and_then(|v| v.as_array())
+        {
             Some(a) => a.iter().map(|v| v.as_u64().unwrap_or(1)).collect(),
             None => vec![1; tokens.len()],
         };
-        let vocab: tokenizers::models::bpe::Vocab = tokens.iter().enumerate().map(|(i, t)| (t.to_string(), i as u32)).collect();
+        let vocab: tokenizers::models::bpe::Vocab = tokens
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (t.to_string(), i as u32))
+            .collect();
         let merges = merges
             .iter()
-            .map(|m| m.split_once(' ').map(|(a, b)| (a.to_string(), b.to_string())).ok_or_else(|| bad(format!("malformed merge {m:?}"))))
+            .map(|m| {
+                m.split_once(' ')
+                    .map(|(a, b)| (a.to_string(), b.to_string()))
+                    .ok_or_else(|| bad(format!("malformed merge {m:?}")))
+            })
             .collect::<Result<Vec<_>>>()?;
-        let bpe = BPE::builder().vocab_and_merges(vocab, merges).build().map_err(|e| bad(format!("tokenizer: {e}")))?;
+        let bpe = BPE::builder()
+            .vocab_and_merges(vocab, merges)
+            .build()
+            .map_err(|e| bad(format!("tokenizer: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
-        let pre = g.metadata.get("tokenizer.ggml.pre").and_then(|v| v.as_str()).unwrap_or("default");
+        let pre = g
+            .metadata
+            .get("tokenizer.ggml.pre")
+            .and_then(|v| v.as_str())
+            .unwrap_or("default");
         let byte_level: PreTokenizerWrapper = ByteLevel::new(false, true, true).into();
         let pre_tok: PreTokenizerWrapper = match pre {
             "smollm" | "starcoder" | "refact" => Sequence::new(vec![Digits::new(true).into(), byte_level]).into(),
@@ -95,28 +142,52 @@ impl Tokenizer {
             .filter(|(_, t)| **t == 3 || **t == 4)
             .map(|(s, t)| AddedToken::from(s.to_string(), *t == 3))
             .collect();
-        inner.add_special_tokens(added).map_err(|e| bad(format!("tokenizer: {e}")))?;
+        inner
+            .add_special_tokens(added)
+            .map_err(|e| bad(format!("tokenizer: {e}")))?;
         let name = |k: &str| {
-            g.metadata.get(k).and_then(|v| v.as_u64()).and_then(|i| tokens.get(i as usize)).map(|s| s.to_string())
+            g.metadata
+                .get(k)
+                .and_then(|v| v.as_u64())
+                .and_then(|i| tokens.get(i as usize))
+                .map(|s| s.to_string())
         };
-        let add_bos = matches!(g.metadata.get("tokenizer.ggml.add_bos_token"), Some(crate::gguf::Value::Bool(true)));
-        let template = g.metadata.get("tokenizer.chat_template").and_then(|v| v.as_str()).map(str::to_string);
-        Ok(Tokenizer::finish(inner, name("tokenizer.ggml.bos_token_id"), name("tokenizer.ggml.eos_token_id"), add_bos, template))
+        let add_bos = matches!(
+            g.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(crate::gguf::Value::Bool(true))
+        );
+        let template = g
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
+        Ok(Tokenizer::finish(
+            inner,
+            name("tokenizer.ggml.bos_token_id"),
+            name("tokenizer.ggml.eos_token_id"),
+            add_bos,
+            template,
+        ))
     }
 
     /// Loads `tokenizer.json` (and `tokenizer_config.json` for special tokens and the chat
     /// template) from a Hugging Face model directory.
     pub fn from_hf_dir(dir: &Path) -> Result<Tokenizer> {
         let tj = dir.join("tokenizer.json");
-        let inner = tokenizers::Tokenizer::from_file(&tj).map_err(|e| EngineError::model(&tj, format!("cannot load tokenizer: {e}")))?;
+        let inner = tokenizers::Tokenizer::from_file(&tj)
+            .map_err(|e| EngineError::model(&tj, format!("cannot load tokenizer: {e}")))?;
         let cfg_path = dir.join("tokenizer_config.json");
         let cfg: serde_json::Value = match std::fs::read_to_string(&cfg_path) {
-            Ok(s) => serde_json::from_str(&s).map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?,
+            Ok(s) => serde_json::from_str(&s)
+                .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?,
             Err(_) => serde_json::Value::Null,
         };
         let tok = |k: &str| match &cfg[k] {
             serde_json::Value::String(s) => Some(s.clone()),
-            serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(str::to_string),
+            serde_json::Value::Object(o) => o
+                .get("content")
+                .and_then(|c| c.as_str())
+                .map(str::to_string),
             _ => None,
         };
         let template = match &cfg["chat_template"] {
@@ -128,12 +199,21 @@ impl Tokenizer {
                 .map(str::to_string),
             _ => None,
         };
-        Ok(Tokenizer::finish(inner, tok("bos_token"), tok("eos_token"), cfg["add_bos_token"] == true, template))
+        Ok(Tokenizer::finish(
+            inner,
+            tok("bos_token"),
+            tok("eos_token"),
+            cfg["add_bos_token"] == true,
+            template,
+        ))
     }
 
     /// Token ids of `text`; special-token texts (like `<|im_start|>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self.inner.encode(text, false).map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+        let enc = self
+            .inner
+            .encode(text, false)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
         let mut ids = Vec::with_capacity(enc.len() + 1);
         ids.extend(self.add_bos);
         ids.extend_from_slice(enc.get_ids());
@@ -142,7 +222,9 @@ impl Tokenizer {
 
     /// Text of `ids`, special tokens included verbatim unless `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special).map_err(|e| EngineError::Tokenizer(e.to_string()))
+        self.inner
+            .decode(ids, skip_special)
+            .map_err(|e| EngineError::Tokenizer(e.to_string()))
     }
 
     /// Token ids that end generation (end of sequence / end of turn).
@@ -161,16 +243,27 @@ impl Tokenizer {
     }
 
     /// Renders `messages` through the model's own chat template.
-    pub fn apply_chat_template(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
+    pub fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let src = self
             .chat_template
             .as_deref()
             .ok_or_else(|| EngineError::Tokenizer("the model has no chat template".into()))?;
         let mut env = minijinja::Environment::new();
-        env.add_function("raise_exception", |msg: String| -> std::result::Result<String, minijinja::Error> {
-            Err(minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, msg))
-        });
-        env.add_template("chat", src).map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
+        env.add_function(
+            "raise_exception",
+            |msg: String| -> std::result::Result<String, minijinja::Error> {
+                Err(minijinja::Error::new(
+                    minijinja::ErrorKind::InvalidOperation,
+                    msg,
+                ))
+            },
+        );
+        env.add_template("chat", src)
+            .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))?;
         let ctx = minijinja::context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,

@@ -47,19 +47,38 @@ impl PagedKv<'_> {
 /// `q` and `out` are `[queries.len(), n_heads * head_dim]`. Like GGML's CPU path, queries are
 /// rounded to f16 before the dot products with the f16 keys, and the normalised probabilities are
 /// rounded to f16 before they weight the f16 values; sums are in f32.
-pub fn attention(q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]) {
+pub fn attention(
+    q: &[f32],
+    queries: &[Query<'_>],
+    kv: PagedKv<'_>,
+    n_heads: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
     let hd = kv.head_dim;
     let group = n_heads / kv.n_kv_heads;
     let isa = isa();
-    out.par_chunks_mut(hd).enumerate().with_min_len(4).for_each_init(Vec::new, |scores, (th, o)| {
-        let (t, h) = (th / n_heads, th % n_heads);
-        let qh = &q[th * hd..(th + 1) * hd];
-        head(isa, qh, queries[t], kv, h / group, scale, scores, o);
-    });
+    out.par_chunks_mut(hd)
+        .enumerate()
+        .with_min_len(4)
+        .for_each_init(Vec::new, |scores, (th, o)| {
+            let (t, h) = (th / n_heads, th % n_heads);
+            let qh = &q[th * hd..(th + 1) * hd];
+            head(isa, qh, queries[t], kv, h / group, scale, scores, o);
+        });
 }
 
 #[allow(clippy::too_many_arguments)]
-fn head(isa: Isa, q: &[f32], query: Query<'_>, kv: PagedKv<'_>, g: usize, scale: f32, s: &mut Vec<f32>, out: &mut [f32]) {
+fn head(
+    isa: Isa,
+    q: &[f32],
+    query: Query<'_>,
+    kv: PagedKv<'_>,
+    g: usize,
+    scale: f32,
+    s: &mut Vec<f32>,
+    out: &mut [f32],
+) {
     let n = query.pos + 1;
     let hd = kv.head_dim;
     s.clear();
@@ -74,7 +93,11 @@ fn head(isa: Isa, q: &[f32], query: Query<'_>, kv: PagedKv<'_>, g: usize, scale:
     let q16: Vec<f32> = q.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
     for (j, sj) in s.iter_mut().enumerate() {
         let k = &kv.k[kv.offset(query.block_table, j, g)..][..hd];
-        *sj = q16.iter().zip(k).fold(0f32, |a, (x, y)| x.mul_add(y.to_f32(), a)) * scale;
+        *sj = q16
+            .iter()
+            .zip(k)
+            .fold(0f32, |a, (x, y)| x.mul_add(y.to_f32(), a))
+            * scale;
     }
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     let mut sum = 0f32;
@@ -105,7 +128,10 @@ mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3)), _mm256_set1_ps(88.7));
+        let x = _mm256_min_ps(
+            _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+            _mm256_set1_ps(88.7),
+        );
         let n = _mm256_round_ps(
             _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
@@ -118,8 +144,14 @@ mod avx2 {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_6e-1));
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-        p = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0));
-        let e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+        p = _mm256_add_ps(
+            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+            _mm256_set1_ps(1.0),
+        );
+        let e = _mm256_slli_epi32(
+            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+            23,
+        );
         _mm256_mul_ps(p, _mm256_castsi256_ps(e))
     }
 
@@ -127,7 +159,13 @@ mod avx2 {
     /// AVX2, FMA and F16C must be available; `query.block_table` must cover `query.pos`.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn head(
-        q: &[f32], query: Query<'_>, kv: PagedKv<'_>, g: usize, scale: f32, s: &mut [f32], out: &mut [f32],
+        q: &[f32],
+        query: Query<'_>,
+        kv: PagedKv<'_>,
+        g: usize,
+        scale: f32,
+        s: &mut [f32],
+        out: &mut [f32],
     ) {
         let hd = kv.head_dim;
         let lanes = hd / 8;
@@ -154,7 +192,11 @@ mod avx2 {
             }
             let mut m8 = [0f32; 8];
             _mm256_storeu_ps(m8.as_mut_ptr(), mx);
-            let max = s[n8..].iter().chain(&m8).copied().fold(f32::NEG_INFINITY, f32::max);
+            let max = s[n8..]
+                .iter()
+                .chain(&m8)
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max);
             let mv = _mm256_set1_ps(max);
             let mut sv = _mm256_setzero_ps();
             for c in (0..n8).step_by(8) {
@@ -199,24 +241,45 @@ mod tests {
             *b = f16::from_f32(((i * 104729) % 97) as f32 / 97.0 - 0.5);
         }
         let table = [5u32, 2, 0];
-        let kv = PagedKv { k: &k, v: &v, block_size: bs, n_kv_heads: nkv, head_dim: hd };
+        let kv = PagedKv {
+            k: &k,
+            v: &v,
+            block_size: bs,
+            n_kv_heads: nkv,
+            head_dim: hd,
+        };
         let pos = 9;
         let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.37).sin()).collect();
         let mut out = vec![0f32; nh * hd];
-        attention(&q, &[Query { pos, block_table: &table }], kv, nh, 0.25, &mut out);
+        attention(
+            &q,
+            &[Query {
+                pos,
+                block_table: &table,
+            }],
+            kv,
+            nh,
+            0.25,
+            &mut out,
+        );
         for h in 0..nh {
             let g = h / (nh / nkv);
             let mut s: Vec<f64> = (0..=pos)
                 .map(|j| {
                     let o = kv.offset(&table, j, g);
-                    (0..hd).map(|d| q[h * hd + d] as f64 * k[o + d].to_f64()).sum::<f64>() * 0.25
+                    (0..hd)
+                        .map(|d| q[h * hd + d] as f64 * k[o + d].to_f64())
+                        .sum::<f64>()
+                        * 0.25
                 })
                 .collect();
             let m = s.iter().copied().fold(f64::MIN, f64::max);
             s.iter_mut().for_each(|x| *x = (*x - m).exp());
             let z: f64 = s.iter().sum();
             for d in 0..hd {
-                let want: f64 = (0..=pos).map(|j| s[j] / z * v[kv.offset(&table, j, g) + d].to_f64()).sum();
+                let want: f64 = (0..=pos)
+                    .map(|j| s[j] / z * v[kv.offset(&table, j, g) + d].to_f64())
+                    .sum();
                 assert!((out[h * hd + d] as f64 - want).abs() < 1e-5, "h{h} d{d}");
             }
         }

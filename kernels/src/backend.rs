@@ -16,13 +16,37 @@ pub trait Backend: Send + Sync {
     /// Row-wise RMSNorm scaled by `weight`.
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// In-place rotary embedding of rows at `positions`.
-    fn rope(&self, x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle);
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        n_heads: usize,
+        head_dim: usize,
+        base: f32,
+        style: RopeStyle,
+    );
     /// `gate = silu(gate) * up`.
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
     /// Causal attention of `q` over a paged cache.
-    fn attention(&self, q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]);
+    fn attention(
+        &self,
+        q: &[f32],
+        queries: &[Query<'_>],
+        kv: PagedKv<'_>,
+        n_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+    );
     /// Writes rows of keys and values (f32) into their cache slots as f16.
-    fn store_kv(&self, k_cache: &mut [f16], v_cache: &mut [f16], slots: &[usize], k: &[f32], v: &[f32], width: usize);
+    fn store_kv(
+        &self,
+        k_cache: &mut [f16],
+        v_cache: &mut [f16],
+        slots: &[usize],
+        k: &[f32],
+        v: &[f32],
+        width: usize,
+    );
 }
 
 /// CPU backend: the kernels of this crate, on rayon's thread pool.
@@ -39,16 +63,40 @@ impl Backend for CpuBackend {
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         ops::rms_norm(x, weight, eps, out)
     }
-    fn rope(&self, x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle) {
+    fn rope(
+        &self,
+        x: &mut [f32],
+        positions: &[usize],
+        n_heads: usize,
+        head_dim: usize,
+        base: f32,
+        style: RopeStyle,
+    ) {
         ops::rope(x, positions, n_heads, head_dim, base, style)
     }
     fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
         ops::silu_mul(gate, up)
     }
-    fn attention(&self, q: &[f32], queries: &[Query<'_>], kv: PagedKv<'_>, n_heads: usize, scale: f32, out: &mut [f32]) {
+    fn attention(
+        &self,
+        q: &[f32],
+        queries: &[Query<'_>],
+        kv: PagedKv<'_>,
+        n_heads: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) {
         attention::attention(q, queries, kv, n_heads, scale, out)
     }
-    fn store_kv(&self, k_cache: &mut [f16], v_cache: &mut [f16], slots: &[usize], k: &[f32], v: &[f32], width: usize) {
+    fn store_kv(
+        &self,
+        k_cache: &mut [f16],
+        v_cache: &mut [f16],
+        slots: &[usize],
+        k: &[f32],
+        v: &[f32],
+        width: usize,
+    ) {
         for (t, &slot) in slots.iter().enumerate() {
             let dst = slot * width;
             half::slice::HalfFloatSliceExt::convert_from_f32_slice(
@@ -75,8 +123,12 @@ impl Device {
     pub fn parse(name: &str) -> Result<Device, KernelError> {
         match name {
             "cpu" => Ok(Device::Cpu(CpuBackend)),
-            "cuda" => Err(KernelError::Unavailable("tandem was not compiled with CUDA support".into())),
-            other => Err(KernelError::Unavailable(format!("unknown device {other:?} (expected \"cpu\")"))),
+            "cuda" => Err(KernelError::Unavailable(
+                "tandem was not compiled with CUDA support".into(),
+            )),
+            other => Err(KernelError::Unavailable(format!(
+                "unknown device {other:?} (expected \"cpu\")"
+            ))),
         }
     }
 

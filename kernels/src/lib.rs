@@ -51,7 +51,10 @@ pub fn isa() -> Isa {
             return Isa::Scalar;
         }
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c") {
+        if is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+        {
             return Isa::Avx2;
         }
         Isa::Scalar

@@ -46,9 +46,9 @@ impl Matrix {
         backing: Backing,
         start: usize,
     ) -> Result<Matrix, KernelError> {
-        let row_bytes = dtype
-            .row_bytes(cols)
-            .ok_or(KernelError::Shape(format!("{cols} columns is not a whole number of {dtype:?} blocks")))?;
+        let row_bytes = dtype.row_bytes(cols).ok_or(KernelError::Shape(format!(
+            "{cols} columns is not a whole number of {dtype:?} blocks"
+        )))?;
         let len = rows * row_bytes;
         let have = (*backing).as_ref().len();
         if start.checked_add(len).is_none_or(|end| end > have) {
@@ -57,7 +57,9 @@ impl Matrix {
             )));
         }
         if dtype.is_quantized() && cols % QK != 0 {
-            return Err(KernelError::Shape(format!("{cols} columns is not a multiple of {QK}")));
+            return Err(KernelError::Shape(format!(
+                "{cols} columns is not a multiple of {QK}"
+            )));
         }
         if dtype == DType::BF16 {
             let src = &(*backing).as_ref()[start..start + len];
@@ -66,28 +68,51 @@ impl Matrix {
             let bytes: Vec<u8> = wide.iter().flat_map(|v| v.to_le_bytes()).collect();
             return Matrix::new(DType::F32, rows, cols, Arc::new(bytes), 0);
         }
-        Ok(Matrix { dtype, rows, cols, backing, start })
+        Ok(Matrix {
+            dtype,
+            rows,
+            cols,
+            backing,
+            start,
+        })
     }
 
     /// An owned matrix from f32 values (row-major `rows x cols`), stored as `dtype`.
-    pub fn from_f32(dtype: DType, rows: usize, cols: usize, values: &[f32]) -> Result<Matrix, KernelError> {
+    pub fn from_f32(
+        dtype: DType,
+        rows: usize,
+        cols: usize,
+        values: &[f32],
+    ) -> Result<Matrix, KernelError> {
         if values.len() != rows * cols {
-            return Err(KernelError::Shape(format!("{} values for {rows}x{cols}", values.len())));
+            return Err(KernelError::Shape(format!(
+                "{} values for {rows}x{cols}",
+                values.len()
+            )));
         }
-        let rb = dtype
-            .row_bytes(cols)
-            .ok_or(KernelError::Shape(format!("{cols} columns is not a whole number of {dtype:?} blocks")))?;
+        let rb = dtype.row_bytes(cols).ok_or(KernelError::Shape(format!(
+            "{cols} columns is not a whole number of {dtype:?} blocks"
+        )))?;
         let mut bytes = vec![0u8; rows * rb];
         for (src, dst) in values.chunks_exact(cols).zip(bytes.chunks_exact_mut(rb)) {
             match dtype {
-                DType::F32 => dst.iter_mut().zip(src.iter().flat_map(|v| v.to_le_bytes())).for_each(|(d, s)| *d = s),
+                DType::F32 => dst
+                    .iter_mut()
+                    .zip(src.iter().flat_map(|v| v.to_le_bytes()))
+                    .for_each(|(d, s)| *d = s),
                 DType::F16 => dst
                     .iter_mut()
-                    .zip(src.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()))
+                    .zip(
+                        src.iter()
+                            .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()),
+                    )
                     .for_each(|(d, s)| *d = s),
                 DType::BF16 => dst
                     .iter_mut()
-                    .zip(src.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()))
+                    .zip(
+                        src.iter()
+                            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()),
+                    )
                     .for_each(|(d, s)| *d = s),
                 DType::Q4_0 => crate::quant::quantize_row_q4_0(src, dst),
                 DType::Q4_1 => crate::quant::quantize_row_q4_1(src, dst),
@@ -172,14 +197,22 @@ pub fn matmul(w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), Ke
         }
         _ => (Vec::new(), k * 4),
     };
-    let xptr: *const u8 = if xbytes.is_empty() { x.as_ptr() as *const u8 } else { xbytes.as_ptr() };
+    let xptr: *const u8 = if xbytes.is_empty() {
+        x.as_ptr() as *const u8
+    } else {
+        xbytes.as_ptr()
+    };
     let xaddr = xptr as usize;
     let wbytes = w.bytes();
     let w_row = w.row_bytes();
     let threads = rayon::current_num_threads().max(1);
     // Enough chunks to balance the threads, each a whole number of NR-row tiles.
     let work = m * n * k;
-    let chunks = if work < 1 << 16 { 1 } else { (threads * 4).min(n.div_ceil(NR)) };
+    let chunks = if work < 1 << 16 {
+        1
+    } else {
+        (threads * 4).min(n.div_ceil(NR))
+    };
     let chunk = n.div_ceil(chunks).div_ceil(NR) * NR;
     let optr = SendPtr(out.as_mut_ptr());
     let isa = isa();
@@ -194,7 +227,20 @@ pub fn matmul(w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), Ke
         // SAFETY: each chunk writes only columns n0..n1 of `out`, which no other chunk touches;
         // all pointers stay within the buffers checked above.
         unsafe {
-            chunk_kernel(isa, dtype, wbytes.as_ptr(), w_row, xaddr as *const u8, x_row, k, m, n0, n1, o.0, n);
+            chunk_kernel(
+                isa,
+                dtype,
+                wbytes.as_ptr(),
+                w_row,
+                xaddr as *const u8,
+                x_row,
+                k,
+                m,
+                n0,
+                n1,
+                o.0,
+                n,
+            );
         }
     };
     if chunks == 1 {
@@ -237,7 +283,17 @@ unsafe fn chunk_kernel(
                 let mr = if me - i >= MR { MR } else { 1 };
                 // SAFETY: tile (i..i+mr, j..j+nr) lies inside the ranges the caller vouched for.
                 unsafe {
-                    tile(mr, nr, w.add(j * w_row), w_row, x.add(i * x_row), x_row, k, out.add(i * ldo + j), ldo)
+                    tile(
+                        mr,
+                        nr,
+                        w.add(j * w_row),
+                        w_row,
+                        x.add(i * x_row),
+                        x_row,
+                        k,
+                        out.add(i * ldo + j),
+                        ldo,
+                    )
                 };
                 i += mr;
             }
@@ -288,7 +344,14 @@ mod scalar {
     /// See `TileFn`: pointers cover `mr` activation rows and `nr` weight rows of `k` values.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile_q<const F: u8>(
-        mr: usize, nr: usize, w: *const u8, w_row: usize, x: *const u8, x_row: usize, k: usize, out: *mut f32,
+        mr: usize,
+        nr: usize,
+        w: *const u8,
+        w_row: usize,
+        x: *const u8,
+        x_row: usize,
+        k: usize,
+        out: *mut f32,
         ldo: usize,
     ) {
         let nb = k / 32;
@@ -341,7 +404,14 @@ mod scalar {
     /// See `TileFn`; `x` points at f32 activations.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn tile_f<const HALF: bool>(
-        mr: usize, nr: usize, w: *const u8, w_row: usize, x: *const u8, x_row: usize, k: usize, out: *mut f32,
+        mr: usize,
+        nr: usize,
+        w: *const u8,
+        w_row: usize,
+        x: *const u8,
+        x_row: usize,
+        k: usize,
+        out: *mut f32,
         ldo: usize,
     ) {
         for i in 0..mr {
@@ -425,7 +495,14 @@ pub(crate) mod avx2 {
     #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn tile<const F: u8>(
-        mr: usize, nr: usize, w: *const u8, w_row: usize, x: *const u8, x_row: usize, k: usize, out: *mut f32,
+        mr: usize,
+        nr: usize,
+        w: *const u8,
+        w_row: usize,
+        x: *const u8,
+        x_row: usize,
+        k: usize,
+        out: *mut f32,
         ldo: usize,
     ) {
         // SAFETY: forwarded caller contract.
@@ -442,7 +519,13 @@ pub(crate) mod avx2 {
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_n<const F: u8, const M: usize, const N: usize>(
-        w: *const u8, w_row: usize, x: *const u8, x_row: usize, k: usize, out: *mut f32, ldo: usize,
+        w: *const u8,
+        w_row: usize,
+        x: *const u8,
+        x_row: usize,
+        k: usize,
+        out: *mut f32,
+        ldo: usize,
     ) {
         let mut acc = [[_mm256_setzero_ps(); N]; M];
         let mut summ = [[0f32; N]; M];
@@ -456,7 +539,9 @@ pub(crate) mod avx2 {
                     let mut wv = [_mm256_setzero_ps(); N];
                     for (j, v) in wv.iter_mut().enumerate() {
                         *v = if F == F16 {
-                            _mm256_cvtph_ps(_mm_loadu_si128(w.add(j * w_row + 2 * t) as *const __m128i))
+                            _mm256_cvtph_ps(_mm_loadu_si128(
+                                w.add(j * w_row + 2 * t) as *const __m128i
+                            ))
                         } else {
                             _mm256_loadu_ps((w.add(j * w_row) as *const f32).add(t))
                         };
@@ -510,7 +595,11 @@ pub(crate) mod avx2 {
                         let xs = if F == Q4_1 { h(p.add(2)) } else { 0.0 };
                         let xv = _mm256_loadu_si256(p.add(xq) as *const __m256i);
                         for j in 0..N {
-                            let xy = if F == Q4_1 { dot_us(wq[j], xv) } else { dot_ss(wq[j], xv) };
+                            let xy = if F == Q4_1 {
+                                dot_us(wq[j], xv)
+                            } else {
+                                dot_ss(wq[j], xv)
+                            };
                             let d = _mm256_mul_ps(_mm256_set1_ps(wd[j]), xd);
                             acc[i][j] = _mm256_fmadd_ps(d, xy, acc[i][j]);
                             if F == Q4_1 {
@@ -552,7 +641,9 @@ mod tests {
         for j in 0..n {
             w.dequantize_row(j, &mut row);
             for i in 0..m {
-                out[i * n + j] = (0..k).map(|t| row[t] as f64 * x[i * k + t] as f64).sum::<f64>() as f32;
+                out[i * n + j] = (0..k)
+                    .map(|t| row[t] as f64 * x[i * k + t] as f64)
+                    .sum::<f64>() as f32;
             }
         }
         out
@@ -562,7 +653,14 @@ mod tests {
     fn matches_dequantised_reference_all_formats() {
         let (n, k) = (37, 96);
         let wv = data(n * k, 1);
-        for dt in [DType::F32, DType::F16, DType::BF16, DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        for dt in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::Q4_0,
+            DType::Q4_1,
+            DType::Q8_0,
+        ] {
             let w = Matrix::from_f32(dt, n, k, &wv).unwrap();
             for m in [1, 3, 9] {
                 let x = data(m * k, 7 + m as u32);

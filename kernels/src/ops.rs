@@ -34,7 +34,14 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 ///
 /// Row `t` is at position `positions[t]`; pair `i` turns by `pos * base^(-2i / head_dim)`,
 /// the power taken by repeated f32 multiplication as in GGML.
-pub fn rope(x: &mut [f32], positions: &[usize], n_heads: usize, head_dim: usize, base: f32, style: RopeStyle) {
+pub fn rope(
+    x: &mut [f32],
+    positions: &[usize],
+    n_heads: usize,
+    head_dim: usize,
+    base: f32,
+    style: RopeStyle,
+) {
     let half = head_dim / 2;
     let step = base.powf(-2.0 / head_dim as f32);
     let mut cs = vec![(0f32, 0f32); half];
@@ -68,7 +75,9 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
         }
     };
     if gate.len() >= 1 << 15 {
-        gate.par_chunks_mut(4096).zip(up.par_chunks(4096)).for_each(body);
+        gate.par_chunks_mut(4096)
+            .zip(up.par_chunks(4096))
+            .for_each(body);
     } else {
         body((gate, up));
     }

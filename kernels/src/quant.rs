@@ -220,7 +220,9 @@ mod tests {
     use super::*;
 
     fn ramp(n: usize) -> Vec<f32> {
-        (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0).collect()
+        (0..n)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) / 17.0)
+            .collect()
     }
 
     #[test]

@@ -30,13 +30,32 @@ impl ModelIdentity {
         let fields = [
             ("model", self.model.clone(), other.model.clone()),
             ("kv_dtype", self.kv_dtype.clone(), other.kv_dtype.clone()),
-            ("block_size", self.block_size.to_string(), other.block_size.to_string()),
-            ("n_layers", self.n_layers.to_string(), other.n_layers.to_string()),
-            ("n_kv_heads", self.n_kv_heads.to_string(), other.n_kv_heads.to_string()),
-            ("head_dim", self.head_dim.to_string(), other.head_dim.to_string()),
+            (
+                "block_size",
+                self.block_size.to_string(),
+                other.block_size.to_string(),
+            ),
+            (
+                "n_layers",
+                self.n_layers.to_string(),
+                other.n_layers.to_string(),
+            ),
+            (
+                "n_kv_heads",
+                self.n_kv_heads.to_string(),
+                other.n_kv_heads.to_string(),
+            ),
+            (
+                "head_dim",
+                self.head_dim.to_string(),
+                other.head_dim.to_string(),
+            ),
         ];
-        let diffs: Vec<String> =
-            fields.into_iter().filter(|(_, a, b)| a != b).map(|(k, a, b)| format!("{k}: {a} vs {b}")).collect();
+        let diffs: Vec<String> = fields
+            .into_iter()
+            .filter(|(_, a, b)| a != b)
+            .map(|(k, a, b)| format!("{k}: {a} vs {b}"))
+            .collect();
         (!diffs.is_empty()).then(|| diffs.join(", "))
     }
 }
@@ -56,7 +75,10 @@ mod tests {
             head_dim: 64,
         };
         assert_eq!(a.incompatibility(&a.clone()), None);
-        let b = ModelIdentity { block_size: 32, ..a.clone() };
+        let b = ModelIdentity {
+            block_size: 32,
+            ..a.clone()
+        };
         assert_eq!(a.incompatibility(&b).unwrap(), "block_size: 16 vs 32");
     }
 }

