@@ -128,10 +128,7 @@ fn main() -> Result<()> {
 
 fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
     if let Some(t) = args.threads {
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(t)
-            .build_global()
-            .context("setting the thread count")?;
+        kernels::set_threads(t).context("setting the thread count")?;
     }
     let path = match &args.model {
         Some(p) => p.clone(),
@@ -209,7 +206,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
 
 fn bench(a: BenchArgs) -> Result<()> {
     let (model, _) = load(&a.model)?;
-    let threads = rayon::current_num_threads();
+    let threads = kernels::pool().current_num_threads();
     let vocab = model.config.vocab_size as u32;
     let prompt: Vec<u32> = (0..a.prompt_len as u32)
         .map(|i| (i * 7919 + 101) % vocab)

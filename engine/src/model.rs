@@ -243,9 +243,11 @@ impl Model {
         let scale = 1.0 / (hd as f32).sqrt();
         for (l, w) in self.weights.layers.iter().enumerate() {
             be.rms_norm(&x, &w.attn_norm, c.rms_eps, &mut h);
-            be.matmul(&w.wq, &h, t, &mut q)?;
-            be.matmul(&w.wk, &h, t, &mut k)?;
-            be.matmul(&w.wv, &h, t, &mut v)?;
+            be.matmul_many(
+                &h,
+                t,
+                &mut [(&w.wq, &mut q), (&w.wk, &mut k), (&w.wv, &mut v)],
+            )?;
             be.rope(&mut q, &positions, c.n_heads, hd, c.rope_base, c.rope_style);
             be.rope(
                 &mut k,
@@ -269,8 +271,7 @@ impl Model {
             be.matmul(&w.wo, &att, t, &mut o)?;
             kernels::ops::add_assign(&mut x, &o);
             be.rms_norm(&x, &w.ffn_norm, c.rms_eps, &mut h);
-            be.matmul(&w.w_gate, &h, t, &mut gate)?;
-            be.matmul(&w.w_up, &h, t, &mut up)?;
+            be.matmul_many(&h, t, &mut [(&w.w_gate, &mut gate), (&w.w_up, &mut up)])?;
             be.silu_mul(&mut gate, &up);
             be.matmul(&w.w_down, &gate, t, &mut o)?;
             kernels::ops::add_assign(&mut x, &o);

@@ -212,7 +212,7 @@ mod tests {
         };
         let mut s = Sampler::new(k2);
         assert!((0..200).all(|_| matches!(s.sample(&logits), 1 | 2)));
-        let tp = SamplingParams { top_p: 0.5, ..p };
+        let tp = SamplingParams { top_p: 0.4, ..p };
         let mut s = Sampler::new(tp);
         assert!((0..200).all(|_| s.sample(&logits) == 1));
     }

@@ -123,37 +123,7 @@ mod avx2 {
     use half::f16;
 
     use super::{PagedKv, Query};
-    use crate::matmul_hsum as hsum;
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn exp8(x: __m256) -> __m256 {
-        let x = _mm256_min_ps(
-            _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
-            _mm256_set1_ps(88.7),
-        );
-        let n = _mm256_round_ps(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
-        );
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
-        let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
-        let mut p = _mm256_set1_ps(1.987_569_1e-4);
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_6e-1));
-        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
-        p = _mm256_add_ps(
-            _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
-            _mm256_set1_ps(1.0),
-        );
-        let e = _mm256_slli_epi32(
-            _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
-            23,
-        );
-        _mm256_mul_ps(p, _mm256_castsi256_ps(e))
-    }
+    use crate::x86::{exp8, hsum, load_partial};
 
     /// # Safety
     /// AVX2, FMA and F16C must be available; `query.block_table` must cover `query.pos`.
@@ -185,30 +155,30 @@ mod avx2 {
                 }
                 *sj = hsum(acc) * scale;
             }
+            // Softmax over all scores, 8 at a time; a partial last group is padded with -inf
+            // for the max and its padding lanes are dropped after the exponential.
+            let n = s.len();
             let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-            let n8 = s.len() / 8 * 8;
-            for c in (0..n8).step_by(8) {
-                mx = _mm256_max_ps(mx, _mm256_loadu_ps(s.as_ptr().add(c)));
+            for c in (0..n).step_by(8) {
+                mx = _mm256_max_ps(
+                    mx,
+                    load_partial(s.as_ptr().add(c), n - c, f32::NEG_INFINITY),
+                );
             }
-            let mut m8 = [0f32; 8];
-            _mm256_storeu_ps(m8.as_mut_ptr(), mx);
-            let max = s[n8..]
-                .iter()
-                .chain(&m8)
-                .copied()
-                .fold(f32::NEG_INFINITY, f32::max);
-            let mv = _mm256_set1_ps(max);
+            let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
+            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            let mv = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
             let mut sv = _mm256_setzero_ps();
-            for c in (0..n8).step_by(8) {
-                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(c)), mv));
-                _mm256_storeu_ps(s.as_mut_ptr().add(c), e);
-                sv = _mm256_add_ps(sv, e);
+            let mut e8 = [0f32; 8];
+            for c in (0..n).step_by(8) {
+                let len = (n - c).min(8);
+                let e = exp8(_mm256_sub_ps(load_partial(s.as_ptr().add(c), len, 0.0), mv));
+                _mm256_storeu_ps(e8.as_mut_ptr(), e);
+                e8[len..].fill(0.0);
+                s[c..c + len].copy_from_slice(&e8[..len]);
+                sv = _mm256_add_ps(sv, _mm256_loadu_ps(e8.as_ptr()));
             }
-            let mut sum = hsum(sv);
-            for v in s[n8..].iter_mut() {
-                *v = crate::ops::exp(*v - max);
-                sum += *v;
-            }
+            let sum = hsum(sv);
             let inv = 1.0 / sum;
             let mut acc = [_mm256_setzero_ps(); 32];
             for (j, &e) in s.iter().enumerate() {
@@ -268,7 +238,7 @@ mod tests {
                 .map(|j| {
                     let o = kv.offset(&table, j, g);
                     (0..hd)
-                        .map(|d| q[h * hd + d] as f64 * k[o + d].to_f64())
+                        .map(|d| f16::from_f32(q[h * hd + d]).to_f64() * k[o + d].to_f64())
                         .sum::<f64>()
                         * 0.25
                 })
@@ -277,8 +247,11 @@ mod tests {
             s.iter_mut().for_each(|x| *x = (*x - m).exp());
             let z: f64 = s.iter().sum();
             for d in 0..hd {
+                // Queries and probabilities are rounded to f16, as in GGML.
                 let want: f64 = (0..=pos)
-                    .map(|j| s[j] / z * v[kv.offset(&table, j, g) + d].to_f64())
+                    .map(|j| {
+                        f16::from_f64(s[j] / z).to_f64() * v[kv.offset(&table, j, g) + d].to_f64()
+                    })
                     .sum();
                 assert!((out[h * hd + d] as f64 - want).abs() < 1e-5, "h{h} d{d}");
             }

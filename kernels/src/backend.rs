@@ -13,6 +13,15 @@ pub trait Backend: Send + Sync {
     fn name(&self) -> String;
     /// `out[m, n] = x[m, :] . w[n, :]`.
     fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError>;
+    /// Several matmuls of the same activations, `outs[i].1 = x . outs[i].0^T`.
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        m: usize,
+        outs: &mut [(&Matrix, &mut [f32])],
+    ) -> Result<(), KernelError>;
+    /// Runs `f` where this backend's parallel kernels are cheapest to call (the CPU pool).
+    fn run(&self, f: &mut (dyn FnMut() + Send));
     /// Row-wise RMSNorm scaled by `weight`.
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
     /// In-place rotary embedding of rows at `positions`.
@@ -59,6 +68,17 @@ impl Backend for CpuBackend {
     }
     fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
         matmul::matmul(w, x, m, out)
+    }
+    fn matmul_many(
+        &self,
+        x: &[f32],
+        m: usize,
+        outs: &mut [(&Matrix, &mut [f32])],
+    ) -> Result<(), KernelError> {
+        matmul::matmul_many(x, m, outs)
+    }
+    fn run(&self, f: &mut (dyn FnMut() + Send)) {
+        crate::install(f)
     }
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         ops::rms_norm(x, weight, eps, out)

@@ -18,9 +18,52 @@ pub use ops::RopeStyle;
 pub use quant::DType;
 
 #[cfg(target_arch = "x86_64")]
-pub(crate) use matmul::avx2::hsum as matmul_hsum;
+pub(crate) mod x86;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::OnceLock;
+
+static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+static THREADS: AtomicUsize = AtomicUsize::new(0);
+
+/// Sets the number of kernel threads (default: all cores). Must be called before the first
+/// kernel runs; later calls with another number are an error.
+pub fn set_threads(n: usize) -> Result<(), KernelError> {
+    THREADS.store(n, Ordering::SeqCst);
+    let have = pool().current_num_threads();
+    if n != 0 && have != n {
+        return Err(KernelError::Unavailable(format!(
+            "the kernel thread pool already runs {have} threads"
+        )));
+    }
+    Ok(())
+}
+
+/// The kernels' thread pool.
+pub fn pool() -> &'static rayon::ThreadPool {
+    POOL.get_or_init(|| {
+        let n = match THREADS.load(Ordering::SeqCst) {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n)
+            .thread_name(|i| format!("tandem-kernel-{i}"))
+            .build()
+            .expect("kernel thread pool starts")
+    })
+}
+
+/// Runs `f` on the kernel pool, so that the parallel kernels it calls are scheduled among the
+/// pool's workers without a cross-thread handoff per kernel.
+pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    let p = pool();
+    if p.current_thread_index().is_some() {
+        f()
+    } else {
+        p.install(f)
+    }
+}
 
 /// Errors from kernel calls.
 #[derive(Debug, thiserror::Error)]

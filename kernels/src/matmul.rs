@@ -171,82 +171,125 @@ const M_BLOCK: usize = 64;
 
 /// Computes `out[m, n] = sum_k x[m, k] * w[n, k]`, multithreaded over `n`.
 pub fn matmul(w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
-    let (n, k) = (w.rows, w.cols);
-    if x.len() != m * k || out.len() != m * n {
-        return Err(KernelError::Shape(format!(
-            "matmul {m}x{k} by {n}x{k}: x has {} values, out has {}",
-            x.len(),
-            out.len()
-        )));
+    matmul_many(x, m, &mut [(w, out)])
+}
+
+/// The activation layout a weight format dots with.
+fn act_format(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4_1 => 1,
+        DType::Q4_0 | DType::Q8_0 => 2,
+        _ => 0,
     }
-    if m == 0 || n == 0 {
+}
+
+/// Several matmuls over the same activations (e.g. Q, K and V): the activations are quantised
+/// once per format and all output columns of all matrices are spread over the threads at once.
+pub fn matmul_many(
+    x: &[f32],
+    m: usize,
+    outs: &mut [(&Matrix, &mut [f32])],
+) -> Result<(), KernelError> {
+    let k = outs.first().map_or(0, |(w, _)| w.cols);
+    for (w, out) in outs.iter() {
+        if w.cols != k || x.len() != m * k || out.len() != m * w.rows {
+            return Err(KernelError::Shape(format!(
+                "matmul {m}x{} by {}x{}: x has {} values, out has {}",
+                x.len() / m.max(1),
+                w.rows,
+                w.cols,
+                x.len(),
+                out.len()
+            )));
+        }
+    }
+    if m == 0 || outs.is_empty() {
         return Ok(());
     }
-    // Activations in the layout the weight format dots with.
-    let (xbytes, x_row): (Vec<u8>, usize) = match w.dtype {
-        DType::Q4_1 | DType::Q4_0 | DType::Q8_0 => {
-            let with_sum = w.dtype == DType::Q4_1;
-            let bb = if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
-            let row = k / QK * bb;
-            let mut q = vec![0u8; m * row];
-            q.par_chunks_mut(row)
-                .zip(x.par_chunks(k))
-                .with_min_len(16)
-                .for_each(|(qr, xr)| quantize_row_q8(xr, qr, with_sum));
-            (q, row)
+    let isa = isa();
+    // Activations in each layout some weight needs: f32 as is, Q8_1 and/or Q8_0 blocks.
+    let mut acts: [Vec<u8>; 3] = Default::default();
+    for f in 1..3 {
+        if !outs.iter().any(|(w, _)| act_format(w.dtype) == f) {
+            continue;
         }
-        _ => (Vec::new(), k * 4),
-    };
-    let xptr: *const u8 = if xbytes.is_empty() {
-        x.as_ptr() as *const u8
-    } else {
-        xbytes.as_ptr()
-    };
-    let xaddr = xptr as usize;
-    let wbytes = w.bytes();
-    let w_row = w.row_bytes();
+        let with_sum = f == 1;
+        let row = k / QK * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
+        let mut q = vec![0u8; m * row];
+        q.par_chunks_mut(row)
+            .zip(x.par_chunks(k))
+            .with_min_len(16)
+            .for_each(|(qr, xr)| match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
+                Isa::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr, with_sum) },
+                _ => quantize_row_q8(xr, qr, with_sum),
+            });
+        acts[f] = q;
+    }
+    // Work items: (matrix, first row, end row), each a whole number of NR-row tiles, sized so
+    // that all matrices together make a few items per thread.
+    let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     let threads = rayon::current_num_threads().max(1);
-    // Enough chunks to balance the threads, each a whole number of NR-row tiles.
-    let work = m * n * k;
-    let chunks = if work < 1 << 16 {
+    let items = if m * total * k < 1 << 16 {
         1
     } else {
-        (threads * 4).min(n.div_ceil(NR))
+        threads * 4
     };
-    let chunk = n.div_ceil(chunks).div_ceil(NR) * NR;
-    let optr = SendPtr(out.as_mut_ptr());
-    let isa = isa();
-    let dtype = w.dtype;
-    let run = |c: usize| {
-        let n0 = c * chunk;
-        let n1 = (n0 + chunk).min(n);
-        if n0 >= n1 {
-            return;
+    let chunk = total.div_ceil(items).div_ceil(NR).max(1) * NR;
+    let mut work = Vec::new();
+    for (i, (w, _)) in outs.iter().enumerate() {
+        let mut n0 = 0;
+        while n0 < w.rows {
+            work.push((i, n0, (n0 + chunk).min(w.rows)));
+            n0 += chunk;
         }
-        let o = optr;
-        // SAFETY: each chunk writes only columns n0..n1 of `out`, which no other chunk touches;
-        // all pointers stay within the buffers checked above.
+    }
+    let jobs: Vec<(DType, usize, usize, usize, usize, SendPtr<f32>, usize)> = outs
+        .iter_mut()
+        .map(|(w, out)| {
+            let f = act_format(w.dtype);
+            let (xp, x_row) = if f == 0 {
+                (x.as_ptr() as usize, k * 4)
+            } else {
+                (acts[f].as_ptr() as usize, acts[f].len() / m)
+            };
+            (
+                w.dtype,
+                w.bytes().as_ptr() as usize,
+                w.row_bytes(),
+                xp,
+                x_row,
+                SendPtr(out.as_mut_ptr()),
+                w.rows,
+            )
+        })
+        .collect();
+    let run = |&(i, n0, n1): &(usize, usize, usize)| {
+        let (dtype, wp, w_row, xp, x_row, o, ldo) = jobs[i];
+        // SAFETY: item (i, n0..n1) writes only columns n0..n1 of output i, which no other item
+        // touches; weights, activations and outputs were size-checked above.
         unsafe {
             chunk_kernel(
                 isa,
                 dtype,
-                wbytes.as_ptr(),
+                wp as *const u8,
                 w_row,
-                xaddr as *const u8,
+                xp as *const u8,
                 x_row,
                 k,
                 m,
                 n0,
                 n1,
                 o.0,
-                n,
-            );
-        }
+                ldo,
+            )
+        };
     };
-    if chunks == 1 {
-        run(0);
+    if work.len() == 1 {
+        run(&work[0]);
     } else {
-        (0..chunks).into_par_iter().for_each(run);
+        work.par_iter().for_each(run);
     }
     Ok(())
 }
@@ -441,6 +484,7 @@ pub(crate) mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{MR, NR};
+    use crate::x86::hsum;
 
     pub const Q4_0: u8 = 0;
     pub const Q4_1: u8 = 1;
@@ -454,15 +498,6 @@ pub(crate) mod avx2 {
         // SAFETY: caller passes a pointer to two readable bytes.
         let bits = unsafe { (p as *const u16).read_unaligned() };
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(crate) fn hsum(x: __m256) -> f32 {
-        let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
-        let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        let r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        _mm_cvtss_f32(r)
     }
 
     /// 32 unsigned nibbles: low nibbles of the 16 bytes, then the high nibbles.

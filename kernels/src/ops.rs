@@ -69,9 +69,15 @@ pub fn rope(
 
 /// `gate[i] = silu(gate[i]) * up[i]`, where `silu(v) = v / (1 + exp(-v))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
-    let body = |(g, u): (&mut [f32], &[f32])| {
-        for (gv, uv) in g.iter_mut().zip(u) {
-            *gv = *gv / (1.0 + exp(-*gv)) * uv;
+    let isa = crate::isa();
+    let body = |(g, u): (&mut [f32], &[f32])| match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
+        crate::Isa::Avx2 => unsafe { crate::x86::silu_mul(g, u) },
+        _ => {
+            for (gv, uv) in g.iter_mut().zip(u) {
+                *gv = *gv / (1.0 + exp(-*gv)) * uv;
+            }
         }
     };
     if gate.len() >= 1 << 15 {

@@ -1,0 +1,129 @@
+//! Shared AVX2/FMA/F16C building blocks for the x86-64 kernels.
+
+use std::arch::x86_64::*;
+
+/// Sum of the 8 lanes, in a fixed order.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn hsum(x: __m256) -> f32 {
+    let r = _mm_add_ps(_mm256_extractf128_ps(x, 1), _mm256_castps256_ps128(x));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    let r = _mm_add_ss(r, _mm_movehdup_ps(r));
+    _mm_cvtss_f32(r)
+}
+
+/// e^x per lane: the same range reduction and polynomial as [`crate::ops::exp`].
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn exp8(x: __m256) -> __m256 {
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.3)),
+        _mm256_set1_ps(88.7),
+    );
+    let n = _mm256_round_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+    );
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(-0.693_359_4), x);
+    let r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.121_944_4e-4), r);
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.398_199_9e-3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.333_452e-3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.166_579_6e-2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.666_666_6e-1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5));
+    p = _mm256_add_ps(
+        _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r),
+        _mm256_set1_ps(1.0),
+    );
+    let e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)),
+        23,
+    );
+    _mm256_mul_ps(p, _mm256_castsi256_ps(e))
+}
+
+/// Loads up to 8 floats, filling missing lanes with `fill`.
+///
+/// # Safety
+/// `p` must point at `n.min(8)` readable floats.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn load_partial(p: *const f32, n: usize, fill: f32) -> __m256 {
+    let mut buf = [fill; 8];
+    // SAFETY: caller guarantees n.min(8) readable floats.
+    unsafe { std::ptr::copy_nonoverlapping(p, buf.as_mut_ptr(), n.min(8)) };
+    // SAFETY: buf holds 8 floats.
+    unsafe { _mm256_loadu_ps(buf.as_ptr()) }
+}
+
+/// `gate[i] = gate[i] / (1 + e^-gate[i]) * up[i]`.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    let n = gate.len().min(up.len());
+    let mut i = 0;
+    while i < n {
+        let c = (n - i).min(8);
+        // SAFETY: c floats are readable at offset i of both slices.
+        let (g, u) = unsafe {
+            (
+                load_partial(gate.as_ptr().add(i), c, 0.0),
+                load_partial(up.as_ptr().add(i), c, 0.0),
+            )
+        };
+        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        let r = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u);
+        let mut out = [0f32; 8];
+        // SAFETY: out holds 8 floats.
+        unsafe { _mm256_storeu_ps(out.as_mut_ptr(), r) };
+        gate[i..i + c].copy_from_slice(&out[..c]);
+        i += 8;
+    }
+}
+
+/// Quantises a row to Q8_0/Q8_1 blocks exactly as [`crate::quant::quantize_row_q8`] does.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [u8], with_sum: bool) {
+    let (bb, qoff) = if with_sum {
+        (crate::quant::Q8_1_BYTES, 4)
+    } else {
+        (crate::quant::Q8_0_BYTES, 2)
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    for (xb, ob) in x.chunks_exact(32).zip(out.chunks_exact_mut(bb)) {
+        // SAFETY: xb has 32 floats.
+        let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xb.as_ptr().add(o))) };
+        let mut m = _mm256_andnot_ps(sign, v[0]);
+        for vi in &v[1..] {
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, *vi));
+        }
+        let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        let d = amax / 127.0;
+        let id = _mm256_set1_ps(if amax != 0.0 { 127.0 / amax } else { 0.0 });
+        let q = v.map(|vi| {
+            _mm256_cvtps_epi32(_mm256_round_ps(
+                _mm256_mul_ps(vi, id),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
+            ))
+        });
+        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+        let mut lanes = [0i32; 8];
+        // SAFETY: lanes holds 8 i32.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
+        let p01 = _mm256_packs_epi32(q[0], q[1]);
+        let p23 = _mm256_packs_epi32(q[2], q[3]);
+        let bytes = _mm256_permutevar8x32_epi32(
+            _mm256_packs_epi16(p01, p23),
+            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+        );
+        // SAFETY: ob has qoff + 32 bytes.
+        unsafe { _mm256_storeu_si256(ob.as_mut_ptr().add(qoff) as *mut __m256i, bytes) };
+        ob[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        if with_sum {
+            let s = d * lanes.iter().sum::<i32>() as f32;
+            ob[2..4].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
+        }
+    }
+}
