@@ -220,9 +220,16 @@ fn bench(a: BenchArgs) -> Result<()> {
         model.config.name,
         model.device_name()
     );
+    let weight_bytes = model.weights.bytes_per_token() as f64;
+    let bw = read_bandwidth();
     println!(
         "weights read per decoded token: {:.1} MB",
-        model.weights.bytes_per_token() as f64 / 1e6
+        weight_bytes / 1e6
+    );
+    println!(
+        "memory read bandwidth ({threads} threads): {:.1} GB/s -> batch-1 decode limit {:.1} tokens/s",
+        bw / 1e9,
+        bw / weight_bytes
     );
     // Prefill: one chunk of the whole prompt.
     let mut best = f64::MAX;
@@ -287,10 +294,37 @@ fn bench(a: BenchArgs) -> Result<()> {
             tables.into_iter().for_each(|t| kv.release(t));
         }
         let tps = (b * a.steps) as f64 / best;
+        let limit = if b == 1 {
+            format!(
+                ", {:.0}% of the memory limit",
+                100.0 * tps / (bw / weight_bytes)
+            )
+        } else {
+            String::new()
+        };
         println!(
-            "decode batch {b}: {tps:.1} tokens/s ({:.2} ms/step)",
+            "decode batch {b}: {tps:.1} tokens/s ({:.2} ms/step{limit})",
             best * 1e3 / a.steps as f64
         );
     }
     Ok(())
+}
+
+/// Bytes per second the kernel pool's threads read from memory together (best of 3 passes over
+/// a 1 GiB buffer, far larger than the caches).
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buf: Vec<u64> = (0..(1u64 << 27)).collect();
+    let mut best = f64::MAX;
+    for _ in 0..3 {
+        let t0 = Instant::now();
+        let sum: u64 = kernels::install(|| {
+            buf.par_chunks(1 << 16)
+                .map(|c| c.iter().fold(0u64, |a, v| a.wrapping_add(*v)))
+                .reduce(|| 0, u64::wrapping_add)
+        });
+        best = best.min(t0.elapsed().as_secs_f64());
+        std::hint::black_box(sum);
+    }
+    (buf.len() * 8) as f64 / best
 }

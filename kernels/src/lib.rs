@@ -9,6 +9,7 @@ pub mod attention;
 pub mod backend;
 pub mod matmul;
 pub mod ops;
+pub mod packed;
 pub mod quant;
 
 pub use attention::{PagedKv, Query};

@@ -27,6 +27,8 @@ pub struct Matrix {
     cols: usize,
     backing: Backing,
     start: usize,
+    /// Row-interleaved copy for the x86 kernels (see [`crate::packed`]).
+    packed: Option<Arc<Vec<u8>>>,
 }
 
 impl std::fmt::Debug for Matrix {
@@ -68,13 +70,18 @@ impl Matrix {
             let bytes: Vec<u8> = wide.iter().flat_map(|v| v.to_le_bytes()).collect();
             return Matrix::new(DType::F32, rows, cols, Arc::new(bytes), 0);
         }
-        Ok(Matrix {
+        let mut m = Matrix {
             dtype,
             rows,
             cols,
             backing,
             start,
-        })
+            packed: None,
+        };
+        if isa() == Isa::Avx2 && crate::packed::supports(dtype, rows) {
+            m.packed = Some(Arc::new(crate::packed::pack(dtype, m.bytes(), rows, cols)));
+        }
+        Ok(m)
     }
 
     /// An owned matrix from f32 values (row-major `rows x cols`), stored as `dtype`.
@@ -236,7 +243,7 @@ pub fn matmul_many(
     } else {
         threads * 4
     };
-    let chunk = total.div_ceil(items).div_ceil(NR).max(1) * NR;
+    let chunk = total.div_ceil(items).div_ceil(crate::packed::GROUP).max(1) * crate::packed::GROUP;
     let mut work = Vec::new();
     for (i, (w, _)) in outs.iter().enumerate() {
         let mut n0 = 0;
@@ -245,9 +252,20 @@ pub fn matmul_many(
             n0 += chunk;
         }
     }
-    let jobs: Vec<(DType, usize, usize, usize, usize, SendPtr<f32>, usize)> = outs
+    type Job = (
+        DType,
+        usize,
+        usize,
+        usize,
+        usize,
+        SendPtr<f32>,
+        usize,
+        usize,
+    );
+    let jobs: Vec<Job> = outs
         .iter_mut()
         .map(|(w, out)| {
+            let packed = w.packed.as_ref().map_or(0, |p| p.as_ptr() as usize);
             let f = act_format(w.dtype);
             let (xp, x_row) = if f == 0 {
                 (x.as_ptr() as usize, k * 4)
@@ -262,11 +280,33 @@ pub fn matmul_many(
                 x_row,
                 SendPtr(out.as_mut_ptr()),
                 w.rows,
+                packed,
             )
         })
         .collect();
     let run = |&(i, n0, n1): &(usize, usize, usize)| {
-        let (dtype, wp, w_row, xp, x_row, o, ldo) = jobs[i];
+        let (dtype, wp, w_row, xp, x_row, o, ldo, packed) = jobs[i];
+        #[cfg(target_arch = "x86_64")]
+        if packed != 0 {
+            // SAFETY: as below; the packed copy exists only on AVX2 machines, its rows are a
+            // multiple of 8 and so are n0 and n1 (chunks are whole groups).
+            unsafe {
+                crate::packed::avx2::chunk(
+                    dtype,
+                    packed as *const u8,
+                    k / QK,
+                    xp as *const u8,
+                    x_row,
+                    m,
+                    n0,
+                    n1,
+                    o.0,
+                    ldo,
+                )
+            };
+            return;
+        }
+        let _ = packed;
         // SAFETY: item (i, n0..n1) writes only columns n0..n1 of output i, which no other item
         // touches; weights, activations and outputs were size-checked above.
         unsafe {
@@ -686,7 +726,14 @@ mod tests {
 
     #[test]
     fn matches_dequantised_reference_all_formats() {
-        let (n, k) = (37, 96);
+        // 37 rows take the generic tiles; 40 rows (whole groups of 8) the interleaved kernels.
+        for n in [37, 40] {
+            check_formats(n);
+        }
+    }
+
+    fn check_formats(n: usize) {
+        let k = 96;
         let wv = data(n * k, 1);
         for dt in [
             DType::F32,
@@ -713,7 +760,13 @@ mod tests {
 
     #[test]
     fn rows_are_bitwise_independent_of_batch() {
-        let (n, k) = (70, 128);
+        for n in [70, 72] {
+            check_batch_independence(n);
+        }
+    }
+
+    fn check_batch_independence(n: usize) {
+        let k = 128;
         let wv = data(n * k, 3);
         let x = data(13 * k, 5);
         for dt in [DType::F16, DType::Q4_1, DType::Q8_0, DType::Q4_0] {
