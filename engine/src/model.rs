@@ -191,6 +191,18 @@ impl Model {
         kv: &mut KvCache,
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<Option<Vec<f32>>>> {
+        let mut result = None;
+        self.device
+            .backend()
+            .run(&mut || result = Some(self.forward_inner(kv, batch)));
+        result.expect("the backend ran the step")
+    }
+
+    fn forward_inner(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let c = &self.config;
         let be = self.device.backend();
         let (d, kvw, hd) = (c.dim, c.kv_width(), c.head_dim);
