@@ -1,8 +1,17 @@
-//! tandem's declarative protocol crate: the wire-level facts every process must agree on.
+//! tandem's declarative protocol crate: the facts every process must agree on.
 //!
-//! It holds the protocol version and the model identity that workers announce when they join,
-//! so that the router can refuse a prefill/decode pair that cannot exchange KV. The cluster.toml
-//! schema and the gRPC definitions join it with the cluster (issue 3).
+//! - [`PROTOCOL_VERSION`] and [`ModelIdentity`]: what workers announce when they join, so that
+//!   the router refuses a prefill/decode pair that cannot exchange KV.
+//! - [`config`]: the `cluster.toml` schema and its validation.
+//! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`).
+
+pub mod config;
+
+/// Generated gRPC messages, clients and servers of `proto/tandem.proto`.
+#[allow(missing_docs, clippy::all)]
+pub mod grpc {
+    tonic::include_proto!("tandem.v1");
+}
 
 /// Version of tandem's control and KV-transfer protocols; peers with another version are refused.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -22,6 +31,32 @@ pub struct ModelIdentity {
     pub n_kv_heads: u32,
     /// Values per head.
     pub head_dim: u32,
+}
+
+impl From<grpc::ModelIdentity> for ModelIdentity {
+    fn from(g: grpc::ModelIdentity) -> Self {
+        ModelIdentity {
+            model: g.model,
+            kv_dtype: g.kv_dtype,
+            block_size: g.block_size,
+            n_layers: g.n_layers,
+            n_kv_heads: g.n_kv_heads,
+            head_dim: g.head_dim,
+        }
+    }
+}
+
+impl From<ModelIdentity> for grpc::ModelIdentity {
+    fn from(m: ModelIdentity) -> Self {
+        grpc::ModelIdentity {
+            model: m.model,
+            kv_dtype: m.kv_dtype,
+            block_size: m.block_size,
+            n_layers: m.n_layers,
+            n_kv_heads: m.n_kv_heads,
+            head_dim: m.head_dim,
+        }
+    }
 }
 
 impl ModelIdentity {

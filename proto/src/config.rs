@@ -1,0 +1,249 @@
+//! `cluster.toml`: the one file a deployment is described by. Parsed and validated once at start;
+//! every error names the file, the line and the key.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+/// A config error, already formatted as `file:line: key: what is wrong`.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+/// The whole cluster.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterConfig {
+    /// The model every worker serves.
+    #[serde(default)]
+    pub model: ModelSection,
+    /// The HTTP front end.
+    #[serde(default)]
+    pub router: RouterSection,
+    /// The prefill pool; absent means colocated serving (decode workers prefill themselves).
+    pub prefill: Option<PoolSection>,
+    /// The decode pool.
+    pub decode: PoolSection,
+    /// KV-transfer settings.
+    #[serde(default)]
+    pub kv_transfer: KvTransferSection,
+}
+
+/// `[model]`.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSection {
+    /// A .gguf file or HF directory; empty: the cached default model.
+    #[serde(default)]
+    pub path: Option<PathBuf>,
+    /// Tokens per KV block.
+    #[serde(default = "default_block_size")]
+    pub block_size: Spanned<u32>,
+}
+
+fn default_block_size() -> Spanned<u32> {
+    Spanned::new(0..0, 16)
+}
+
+/// `[router]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RouterSection {
+    /// HTTP listen address.
+    #[serde(default = "default_listen")]
+    pub listen: Spanned<String>,
+    /// gRPC control-plane listen address (workers join here).
+    #[serde(default = "default_control")]
+    pub control: Spanned<String>,
+}
+
+fn default_listen() -> Spanned<String> {
+    Spanned::new(0..0, "127.0.0.1:8000".into())
+}
+fn default_control() -> Spanned<String> {
+    Spanned::new(0..0, "127.0.0.1:8001".into())
+}
+
+impl Default for RouterSection {
+    fn default() -> Self {
+        RouterSection { listen: default_listen(), control: default_control() }
+    }
+}
+
+/// `[prefill]` or `[decode]`: one worker pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolSection {
+    /// Workers started by `tandem up`.
+    #[serde(default = "one")]
+    pub replicas: Spanned<u32>,
+    /// Kernel threads per worker.
+    #[serde(default = "one")]
+    pub threads: Spanned<u32>,
+    /// KV blocks per worker.
+    #[serde(default = "default_blocks")]
+    pub kv_blocks: Spanned<u32>,
+    /// Most tokens per forward step.
+    #[serde(default = "default_batch_tokens")]
+    pub max_batch_tokens: Spanned<u32>,
+    /// Host workers bind their services to.
+    #[serde(default = "default_host")]
+    pub host: String,
+    /// Latency targets (used by the autoscaler).
+    #[serde(default)]
+    pub slo: SloSection,
+}
+
+fn one() -> Spanned<u32> {
+    Spanned::new(0..0, 1)
+}
+fn default_blocks() -> Spanned<u32> {
+    Spanned::new(0..0, 1024)
+}
+fn default_batch_tokens() -> Spanned<u32> {
+    Spanned::new(0..0, 512)
+}
+fn default_host() -> String {
+    "127.0.0.1".into()
+}
+
+/// `[<pool>.slo]`.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SloSection {
+    /// Target p90 time to first token (prefill pool).
+    pub ttft_p90_ms: Option<u64>,
+    /// Target p90 inter-token latency (decode pool).
+    pub itl_p90_ms: Option<u64>,
+}
+
+/// `[kv_transfer]`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvTransferSection {
+    /// Preferred transport: "tcp" (the only one built so far).
+    #[serde(default = "default_transport")]
+    pub transport: Spanned<String>,
+    /// Connect and handshake deadline.
+    #[serde(default = "default_connect_ms")]
+    pub connect_timeout_ms: Spanned<u64>,
+    /// Deadline for one request's whole KV transfer.
+    #[serde(default = "default_transfer_ms")]
+    pub transfer_timeout_ms: Spanned<u64>,
+}
+
+fn default_transport() -> Spanned<String> {
+    Spanned::new(0..0, "tcp".into())
+}
+fn default_connect_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 2000)
+}
+fn default_transfer_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 10000)
+}
+
+impl Default for KvTransferSection {
+    fn default() -> Self {
+        KvTransferSection {
+            transport: default_transport(),
+            connect_timeout_ms: default_connect_ms(),
+            transfer_timeout_ms: default_transfer_ms(),
+        }
+    }
+}
+
+struct Ctx<'a> {
+    file: &'a Path,
+    src: &'a str,
+}
+
+impl Ctx<'_> {
+    fn line(&self, offset: usize) -> usize {
+        self.src[..offset.min(self.src.len())].matches('\n').count() + 1
+    }
+    fn err<T>(&self, span: std::ops::Range<usize>, key: &str, msg: impl std::fmt::Display) -> Result<T, ConfigError> {
+        let at = if span.is_empty() { "(default)".to_string() } else { format!("{}", self.line(span.start)) };
+        Err(ConfigError(format!("{}:{at}: {key}: {msg}", self.file.display())))
+    }
+    fn positive<T: PartialOrd + Default + Copy>(&self, v: &Spanned<T>, key: &str) -> Result<(), ConfigError> {
+        if *v.get_ref() <= T::default() {
+            return self.err(v.span(), key, "must be at least 1");
+        }
+        Ok(())
+    }
+    fn addr(&self, v: &Spanned<String>, key: &str) -> Result<(), ConfigError> {
+        if v.get_ref().parse::<SocketAddr>().is_err() {
+            return self.err(v.span(), key, format!("{:?} is not a host:port socket address", v.get_ref()));
+        }
+        Ok(())
+    }
+}
+
+impl ClusterConfig {
+    /// Reads and validates `path`.
+    pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
+        let src = std::fs::read_to_string(path).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        ClusterConfig::parse(path, &src)
+    }
+
+    /// Parses and validates `src`, naming `file` in errors.
+    pub fn parse(file: &Path, src: &str) -> Result<ClusterConfig, ConfigError> {
+        let ctx = Ctx { file, src };
+        let cfg: ClusterConfig = toml::from_str(src).map_err(|e| {
+            let line = e.span().map_or(String::from("?"), |s| ctx.line(s.start).to_string());
+            ConfigError(format!("{}:{line}: {}", file.display(), e.message()))
+        })?;
+        ctx.positive(&cfg.model.block_size, "model.block_size")?;
+        ctx.addr(&cfg.router.listen, "router.listen")?;
+        ctx.addr(&cfg.router.control, "router.control")?;
+        for (name, pool) in [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))] {
+            let Some(pool) = pool else { continue };
+            ctx.positive(&pool.replicas, &format!("{name}.replicas"))?;
+            ctx.positive(&pool.threads, &format!("{name}.threads"))?;
+            ctx.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
+            ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
+        }
+        let t = &cfg.kv_transfer;
+        if t.transport.get_ref() != "tcp" {
+            return ctx.err(t.transport.span(), "kv_transfer.transport", format!("{:?} is not available (built: \"tcp\")", t.transport.get_ref()));
+        }
+        ctx.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
+        ctx.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
+        Ok(cfg)
+    }
+
+    /// Whether requests go through a separate prefill pool.
+    pub fn disaggregated(&self) -> bool {
+        self.prefill.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(src: &str) -> Result<ClusterConfig, ConfigError> {
+        ClusterConfig::parse(Path::new("cluster.toml"), src)
+    }
+
+    #[test]
+    fn defaults_and_errors_name_file_line_and_key() {
+        let c = parse("[decode]\n").unwrap();
+        assert!(!c.disaggregated());
+        assert_eq!(*c.decode.kv_blocks.get_ref(), 1024);
+        let e = parse("[prefill]\nreplicas = 1\n\n[decode]\nthreads = 0\n").unwrap_err().to_string();
+        assert_eq!(e, "cluster.toml:5: decode.threads: must be at least 1");
+        let e = parse("[decode]\nreplica = 2\n").unwrap_err().to_string();
+        assert!(e.starts_with("cluster.toml:2: unknown field `replica`"), "{e}");
+        let e = parse("[router]\nlisten = \"nowhere\"\n[decode]\n").unwrap_err().to_string();
+        assert_eq!(e, "cluster.toml:2: router.listen: \"nowhere\" is not a host:port socket address");
+        let e = parse("[decode]\nkv_blocks = \"many\"\n").unwrap_err().to_string();
+        assert!(e.starts_with("cluster.toml:2: invalid type"), "{e}");
+        let e = parse("[kv_transfer]\ntransport = \"rdma\"\n[decode]\n").unwrap_err().to_string();
+        assert!(e.starts_with("cluster.toml:2: kv_transfer.transport"), "{e}");
+        let e = parse("").unwrap_err().to_string();
+        assert!(e.contains("missing field `decode`"), "{e}");
+    }
+}
