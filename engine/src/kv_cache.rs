@@ -131,6 +131,45 @@ impl KvCache {
         }
     }
 
+    /// Appends tokens `0..n` of a sequence's layer `layer` to `out` as little-endian f16: all
+    /// keys (`n * width` values) followed by all values. This is the wire layout of KV transfer.
+    pub fn read_tokens(&self, table: &[u32], layer: usize, n: usize, out: &mut Vec<u8>) {
+        let w = self.width;
+        let lk = &self.layers[layer];
+        for src in [&lk.k, &lk.v] {
+            for p in 0..n {
+                let slot = self.slot(table, p).expect("table covers the tokens");
+                out.extend(src[slot * w..(slot + 1) * w].iter().flat_map(|h| h.to_bits().to_le_bytes()));
+            }
+        }
+    }
+
+    /// Writes tokens `0..n` of layer `layer` from `data` (the layout of [`KvCache::read_tokens`]).
+    pub fn write_tokens(&mut self, table: &[u32], layer: usize, n: usize, data: &[u8]) -> Result<()> {
+        let w = self.width;
+        if data.len() != 2 * n * w * 2 {
+            return Err(EngineError::InvalidRequest(format!(
+                "layer {layer}: {} bytes of KV for {n} tokens, expected {}",
+                data.len(),
+                4 * n * w
+            )));
+        }
+        if self.blocks_for(n) > table.len() {
+            return Err(EngineError::InvalidRequest(format!("{n} tokens do not fit in {} blocks", table.len())));
+        }
+        let slots: Vec<usize> = (0..n).map(|p| self.slot(table, p).expect("checked")).collect();
+        let lk = &mut self.layers[layer];
+        for (half, dst) in [&mut lk.k, &mut lk.v].into_iter().enumerate() {
+            let src = &data[half * n * w * 2..(half + 1) * n * w * 2];
+            for (p, &slot) in slots.iter().enumerate() {
+                for (d, c) in dst[slot * w..(slot + 1) * w].iter_mut().zip(src[p * w * 2..(p + 1) * w * 2].chunks_exact(2)) {
+                    *d = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The cache slot (block × block_size + offset) of token `pos` of a sequence.
     pub fn slot(&self, table: &[u32], pos: usize) -> Option<usize> {
         table

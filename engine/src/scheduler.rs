@@ -69,6 +69,8 @@ struct Seq {
     table: BlockTable,
     sampler: Sampler,
     stop_ids: Vec<u32>,
+    /// Compute the prompt's KV and stop: no logits, no tokens (a prefill worker's requests).
+    prefill_only: bool,
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -79,6 +81,10 @@ pub struct Engine {
     eos_ids: Vec<u32>,
     waiting: VecDeque<Seq>,
     running: Vec<Seq>,
+    /// Blocks reserved, waiting for their prompt's KV to arrive from a prefill worker.
+    awaiting: Vec<Seq>,
+    /// Prefill-only requests whose KV is complete, until exported.
+    prefilled: Vec<Seq>,
 }
 
 impl Engine {
@@ -97,6 +103,8 @@ impl Engine {
             eos_ids,
             waiting: VecDeque::new(),
             running: Vec::new(),
+            awaiting: Vec::new(),
+            prefilled: Vec::new(),
         })
     }
 
@@ -123,6 +131,85 @@ impl Engine {
     /// Queues a request. Refused at once if it could never fit: empty prompt, prompt plus
     /// `max_tokens` beyond the context, or more blocks than the whole cache holds.
     pub fn add(&mut self, id: u64, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        let seq = self.new_seq(id, prompt, params, false)?;
+        self.waiting.push_back(seq);
+        Ok(())
+    }
+
+    /// Queues a prefill-only request: its KV is computed (chunked, batched with others) and then
+    /// held until [`Engine::export_kv`]; no token is sampled.
+    pub fn add_prefill_only(&mut self, id: u64, tokens: Vec<u32>) -> Result<()> {
+        let params = SamplingParams { max_tokens: Some(1), ..Default::default() };
+        let mut seq = self.new_seq(id, tokens, params, true)?;
+        seq.max_tokens = 0;
+        self.waiting.push_back(seq);
+        Ok(())
+    }
+
+    /// Reserves blocks for a request whose prompt KV (all but the last prompt token) will come
+    /// from a prefill worker. Fails at once with `OutOfBlocks` when the cache has no room now.
+    pub fn reserve_remote(&mut self, id: u64, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+        if prompt.len() < 2 {
+            return Err(EngineError::InvalidRequest("a remote prefill needs a prompt of at least 2 tokens".into()));
+        }
+        let mut seq = self.new_seq(id, prompt, params, false)?;
+        self.kv.reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)?;
+        self.awaiting.push(seq);
+        Ok(())
+    }
+
+    /// Writes the KV that arrived for a reserved request (one buffer per layer, see
+    /// [`KvCache::read_tokens`]) and queues it to generate from its last prompt token.
+    pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
+        let i = self
+            .awaiting
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or_else(|| EngineError::InvalidRequest(format!("no request {id} is waiting for KV")))?;
+        let n = self.awaiting[i].prompt_len - 1;
+        if layers.len() != self.model.config.n_layers {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV for {} layers; the model has {}",
+                layers.len(),
+                self.model.config.n_layers
+            )));
+        }
+        for (l, data) in layers.iter().enumerate() {
+            self.kv.write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
+        }
+        let mut seq = self.awaiting.remove(i);
+        seq.computed = n;
+        self.waiting.push_front(seq);
+        Ok(())
+    }
+
+    /// Ids of prefill-only requests whose KV is complete and not yet exported.
+    pub fn take_prefilled(&self) -> Vec<u64> {
+        self.prefilled.iter().map(|s| s.id).collect()
+    }
+
+    /// Copies out a completed prefill-only request's KV (one buffer per layer) and frees its
+    /// blocks.
+    pub fn export_kv(&mut self, id: u64) -> Option<Vec<Vec<u8>>> {
+        let i = self.prefilled.iter().position(|s| s.id == id)?;
+        let seq = self.prefilled.remove(i);
+        let layers = (0..self.model.config.n_layers)
+            .map(|l| {
+                let mut buf = Vec::new();
+                self.kv.read_tokens(seq.table.blocks(), l, seq.prompt_len, &mut buf);
+                buf
+            })
+            .collect();
+        self.kv.release(seq.table);
+        Some(layers)
+    }
+
+    /// Requests queued or running / waiting for remote KV.
+    pub fn counts(&self) -> (usize, usize, usize) {
+        (self.waiting.len(), self.running.len(), self.awaiting.len())
+    }
+
+    fn new_seq(&self, id: u64, prompt: Vec<u32>, params: SamplingParams, prefill_only: bool) -> Result<Seq> {
         params.validate()?;
         let ctx = self.model.config.context_len;
         if prompt.is_empty() {
@@ -134,13 +221,8 @@ impl Engine {
                 prompt.len()
             )));
         }
-        if let Some(&bad) = prompt
-            .iter()
-            .find(|&&t| t as usize >= self.model.config.vocab_size)
-        {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary"
-            )));
+        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary")));
         }
         let max_tokens = params.max_tokens.unwrap_or(ctx - prompt.len());
         if prompt.len() + max_tokens > ctx {
@@ -160,7 +242,7 @@ impl Engine {
         if !params.ignore_eos {
             stop_ids.extend_from_slice(&self.eos_ids);
         }
-        self.waiting.push_back(Seq {
+        Ok(Seq {
             id,
             prompt_len: prompt.len(),
             tokens: prompt,
@@ -169,8 +251,8 @@ impl Engine {
             table: BlockTable::default(),
             sampler: Sampler::new(params),
             stop_ids,
-        });
-        Ok(())
+            prefill_only,
+        })
     }
 
     /// Drops a request wherever it is and frees its blocks. Returns whether it was found.
@@ -180,10 +262,12 @@ impl Engine {
             self.kv.release(s.table);
             return true;
         }
-        if let Some(i) = self.running.iter().position(|s| s.id == id) {
-            let s = self.running.remove(i);
-            self.kv.release(s.table);
-            return true;
+        for list in [&mut self.running, &mut self.awaiting, &mut self.prefilled] {
+            if let Some(i) = list.iter().position(|s| s.id == id) {
+                let s = list.remove(i);
+                self.kv.release(s.table);
+                return true;
+            }
         }
         false
     }
@@ -229,7 +313,7 @@ impl Engine {
                     tokens: &s.tokens[start..start + n],
                     start_pos: start,
                     block_table: s.table.blocks(),
-                    logits: start + n == s.tokens.len(),
+                    logits: !s.prefill_only && start + n == s.tokens.len(),
                 }
             })
             .collect();
@@ -239,6 +323,9 @@ impl Engine {
         for (&(i, _, n), l) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
             s.computed += n;
+            if s.prefill_only && s.computed == s.prompt_len {
+                finished.push(s.id);
+            }
             let Some(l) = l else { continue };
             let tok = s.sampler.sample(&l);
             s.tokens.push(tok);
@@ -260,7 +347,13 @@ impl Engine {
             });
         }
         for id in finished {
-            self.abort(id);
+            let i = self.running.iter().position(|s| s.id == id).expect("planned seqs are running");
+            let s = self.running.remove(i);
+            if s.prefill_only {
+                self.prefilled.push(s);
+            } else {
+                self.kv.release(s.table);
+            }
         }
         Ok(events)
     }

@@ -32,7 +32,7 @@ pub struct ClusterConfig {
 }
 
 /// `[model]`.
-#[derive(Debug, Clone, Deserialize, Default)]
+#[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelSection {
     /// A .gguf file or HF directory; empty: the cached default model.
@@ -45,6 +45,12 @@ pub struct ModelSection {
 
 fn default_block_size() -> Spanned<u32> {
     Spanned::new(0..0, 16)
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        ModelSection { path: None, block_size: default_block_size() }
+    }
 }
 
 /// `[router]`.
