@@ -1,5 +1,8 @@
-//! The `tandem` command line: `generate` text with the engine, `model fetch` the default model,
-//! `bench engine` for prefill/decode throughput.
+//! The `tandem` command line: `up` starts the cluster of cluster.toml; `router`, `prefill` and
+//! `decode` start one role each; `generate` runs the engine in-process; `model fetch` fetches the
+//! default model; `bench engine` measures prefill/decode throughput.
+
+mod cluster;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -24,6 +27,18 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Start the router and both worker pools of cluster.toml as separate processes.
+    Up {
+        /// The cluster description.
+        #[arg(long, default_value = "cluster.toml")]
+        config: PathBuf,
+    },
+    /// Run the router (OpenAI-compatible HTTP, control plane).
+    Router(cluster::RoleArgs),
+    /// Run a prefill worker.
+    Prefill(cluster::RoleArgs),
+    /// Run a decode worker.
+    Decode(cluster::RoleArgs),
     /// Generate text from a prompt, streamed to stdout.
     Generate(GenerateArgs),
     /// Manage the model cache.
@@ -112,6 +127,10 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     match Cli::parse().cmd {
+        Cmd::Up { config } => cluster::up(config),
+        Cmd::Router(a) => cluster::router(a),
+        Cmd::Prefill(a) => cluster::prefill(a),
+        Cmd::Decode(a) => cluster::decode(a),
         Cmd::Generate(a) => generate(a),
         Cmd::Model(ModelCmd::Fetch) => {
             let p = engine::fetch::ensure_default_model()?;

@@ -1,2 +1,331 @@
-//! The tandem decode worker: receives KV caches and generates with continuous batching. Built in
-//! issue 3; this crate reserves its place in the workspace and has no behaviour yet.
+//! The tandem decode worker.
+//!
+//! It serves the `Decode` gRPC service. A request either carries its whole prompt (colocated
+//! serving: the worker prefills it itself, chunked between decode steps) or asks for a remote
+//! prefill: the worker reserves KV blocks for prompt plus `max_tokens` at once (or refuses with
+//! `RESOURCE_EXHAUSTED`, never disturbing running sequences), says so in the first stream event,
+//! and admits the request when a prefill worker's KV has arrived whole over `kv-transfer`. One
+//! engine thread owns the model and the KV cache and runs continuous batching. A request whose
+//! client goes away (its stream is dropped) or whose KV does not arrive in time is aborted and
+//! its blocks freed.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::{Engine, EngineConfig, EngineError, FinishReason, SamplingParams};
+use kv_transfer::tcp::IncomingKv;
+use proto::grpc::decode_server::{Decode, DecodeServer};
+use proto::grpc::{self, generate_event, GenerateEvent, GenerateRequest};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
+use tonic::{Request, Response, Status};
+
+/// How a decode worker runs.
+#[derive(Debug, Clone)]
+pub struct DecodeConfig {
+    /// Model file or directory.
+    pub model: PathBuf,
+    /// Kernel threads.
+    pub threads: usize,
+    /// Engine sizes (KV blocks, batch budget).
+    pub engine: EngineConfig,
+    /// Host to bind the gRPC and KV listeners to (ports are picked by the OS).
+    pub host: String,
+    /// The router's control endpoint, e.g. `http://127.0.0.1:8001`.
+    pub router: String,
+    /// Name shown in logs.
+    pub name: String,
+    /// How long reserved blocks wait for their KV.
+    pub kv_timeout: Duration,
+}
+
+/// Why the worker stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A listener could not be bound.
+    #[error("binding {0}: {1}")]
+    Bind(String, std::io::Error),
+    /// The router refused the worker or could not be reached.
+    #[error(transparent)]
+    Join(#[from] proto::membership::JoinError),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// The thread-count setting failed.
+    #[error(transparent)]
+    Kernel(#[from] kernels::KernelError),
+}
+
+type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
+
+enum Cmd {
+    Generate { req: GenerateRequest, events: EventTx },
+    Kv(IncomingKv),
+    Cancel { id: u64, found: oneshot::Sender<bool> },
+    Drain,
+}
+
+/// Load figures shared between the engine thread and the services.
+#[derive(Debug, Clone, Copy, Default)]
+struct Load {
+    running: u32,
+    waiting: u32,
+    awaiting: u32,
+    free: u32,
+    total: u32,
+}
+
+fn status(e: EngineError) -> Status {
+    match e {
+        EngineError::OutOfBlocks(m) => Status::resource_exhausted(m),
+        EngineError::InvalidRequest(m) => Status::invalid_argument(m),
+        other => Status::internal(other.to_string()),
+    }
+}
+
+fn params(p: Option<grpc::SamplingParams>) -> SamplingParams {
+    let p = p.unwrap_or_default();
+    SamplingParams {
+        max_tokens: (p.max_tokens > 0).then_some(p.max_tokens as usize),
+        temperature: p.temperature,
+        top_k: p.top_k as usize,
+        top_p: if p.top_p > 0.0 { p.top_p } else { 1.0 },
+        seed: p.seed,
+        stop_token_ids: p.stop_token_ids,
+        ignore_eos: p.ignore_eos,
+    }
+}
+
+/// The engine thread: owns the engine; applies commands between steps.
+fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<Load>>, kv_timeout: Duration) {
+    let mut streams: HashMap<u64, EventTx> = HashMap::new();
+    let mut deadlines: HashMap<u64, Instant> = HashMap::new();
+    let mut draining = false;
+    loop {
+        // Block for a command only when there is nothing to step.
+        let first = if engine.has_work() {
+            rx.try_recv().ok()
+        } else {
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(c) => Some(c),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            match cmd {
+                Cmd::Generate { req, events } => {
+                    let id = req.request_id;
+                    if draining {
+                        let _ = events.send(Err(Status::unavailable("this decode worker is draining")));
+                        continue;
+                    }
+                    let p = params(req.params);
+                    let added = if req.remote_prefill {
+                        engine.reserve_remote(id, req.prompt, p)
+                    } else {
+                        engine.add(id, req.prompt, p)
+                    };
+                    match added {
+                        Ok(()) => {
+                            if req.remote_prefill {
+                                deadlines.insert(id, Instant::now() + kv_timeout);
+                                let _ = events.send(Ok(GenerateEvent { event: Some(generate_event::Event::Reserved(true)), finish: 0 }));
+                            }
+                            streams.insert(id, events);
+                        }
+                        Err(e) => {
+                            let _ = events.send(Err(status(e)));
+                        }
+                    }
+                }
+                Cmd::Kv(kv) => {
+                    deadlines.remove(&kv.request_id);
+                    let r = if streams.contains_key(&kv.request_id) {
+                        engine.admit_remote(kv.request_id, &kv.layers).map_err(|e| e.to_string())
+                    } else {
+                        Err(format!("request {} is not waiting for KV here (cancelled?)", kv.request_id))
+                    };
+                    let _ = kv.reply.send(r);
+                }
+                Cmd::Cancel { id, found } => {
+                    streams.remove(&id);
+                    deadlines.remove(&id);
+                    let _ = found.send(engine.abort(id));
+                }
+                Cmd::Drain => draining = true,
+            }
+        }
+        // Clients that went away, and reservations whose KV never came.
+        let now = Instant::now();
+        let gone: Vec<u64> = streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            streams.remove(&id);
+            deadlines.remove(&id);
+            engine.abort(id);
+        }
+        let late: Vec<u64> = deadlines.iter().filter(|(_, d)| **d <= now).map(|(id, _)| *id).collect();
+        for id in late {
+            deadlines.remove(&id);
+            engine.abort(id);
+            if let Some(tx) = streams.remove(&id) {
+                let _ = tx.send(Err(Status::deadline_exceeded(format!("the KV of request {id} did not arrive within {kv_timeout:?}"))));
+            }
+        }
+        if engine.has_work() {
+            match engine.step() {
+                Ok(events) => {
+                    for ev in events {
+                        let finish = match ev.finish {
+                            None => grpc::Finish::None,
+                            Some(FinishReason::Stop) => grpc::Finish::Stop,
+                            Some(FinishReason::Length) => grpc::Finish::Length,
+                        };
+                        let msg = GenerateEvent { event: Some(generate_event::Event::Token(ev.token)), finish: finish as i32 };
+                        let sent = streams.get(&ev.id).is_some_and(|tx| tx.send(Ok(msg)).is_ok());
+                        if ev.finish.is_some() || !sent {
+                            streams.remove(&ev.id);
+                            if !sent {
+                                engine.abort(ev.id);
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    // A failed step poisons every running request; fail them all, keep serving.
+                    tracing::error!("decode step failed: {e}");
+                    for (id, tx) in streams.drain() {
+                        engine.abort(id);
+                        let _ = tx.send(Err(Status::internal(format!("decode step failed: {e}"))));
+                    }
+                    deadlines.clear();
+                }
+            }
+        }
+        let (waiting, running, awaiting) = engine.counts();
+        *load.lock().expect("load lock") = Load {
+            running: running as u32,
+            waiting: waiting as u32,
+            awaiting: awaiting as u32,
+            free: engine.free_blocks() as u32,
+            total: engine.total_blocks() as u32,
+        };
+    }
+}
+
+struct Service {
+    cmds: std_mpsc::Sender<Cmd>,
+    load: Arc<Mutex<Load>>,
+}
+
+impl Service {
+    fn send(&self, c: Cmd) -> Result<(), Status> {
+        self.cmds.send(c).map_err(|_| Status::unavailable("the engine thread has stopped"))
+    }
+}
+
+#[tonic::async_trait]
+impl Decode for Service {
+    type GenerateStream = UnboundedReceiverStream<Result<GenerateEvent, Status>>;
+
+    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.send(Cmd::Generate { req: req.into_inner(), events: tx })?;
+        Ok(Response::new(UnboundedReceiverStream::new(rx)))
+    }
+
+    async fn cancel(&self, req: Request<grpc::CancelRequest>) -> Result<Response<grpc::CancelReply>, Status> {
+        let (found, rx) = oneshot::channel();
+        self.send(Cmd::Cancel { id: req.into_inner().request_id, found })?;
+        Ok(Response::new(grpc::CancelReply { found: rx.await.unwrap_or(false) }))
+    }
+
+    async fn drain(&self, _: Request<grpc::DrainRequest>) -> Result<Response<grpc::DrainReply>, Status> {
+        self.send(Cmd::Drain)?;
+        Ok(Response::new(grpc::DrainReply {}))
+    }
+
+    async fn stats(&self, _: Request<grpc::StatsRequest>) -> Result<Response<grpc::WorkerStats>, Status> {
+        let l = *self.load.lock().expect("load lock");
+        Ok(Response::new(grpc::WorkerStats {
+            running: l.running,
+            waiting: l.waiting,
+            kv_blocks_free: l.free,
+            kv_blocks_total: l.total,
+            pending_transfers: l.awaiting,
+        }))
+    }
+}
+
+/// Loads the model, starts the KV listener and the gRPC service, joins the router and serves
+/// until the process ends.
+pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
+    kernels::set_threads(cfg.threads)?;
+    let model_path = cfg.model.clone();
+    let (model, tok) = tokio::task::spawn_blocking(move || engine::load(&model_path, kernels::Device::parse("cpu")?))
+        .await
+        .expect("model loading does not panic")?;
+    let model = Arc::new(model);
+    let identity = engine::identity(&model, cfg.engine.block_size);
+    let engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
+    let load = Arc::new(Mutex::new(Load { free: engine.free_blocks() as u32, total: engine.total_blocks() as u32, ..Default::default() }));
+
+    let (cmd_tx, cmd_rx) = std_mpsc::channel();
+    let (l2, timeout) = (load.clone(), cfg.kv_timeout);
+    std::thread::Builder::new()
+        .name("decode-engine".into())
+        .spawn(move || engine_loop(engine, cmd_rx, l2, timeout))
+        .expect("engine thread starts");
+
+    let bind = |what: &str| {
+        let addr = format!("{}:0", cfg.host);
+        let what = what.to_string();
+        async move { tokio::net::TcpListener::bind(&addr).await.map_err(|e| WorkerError::Bind(format!("{what} {addr}"), e)) }
+    };
+    let kv_listener = bind("KV listener").await?;
+    let kv_addr = kv_listener.local_addr().map_err(|e| WorkerError::Bind("KV listener".into(), e))?;
+    let (kv_tx, mut kv_rx) = mpsc::channel::<IncomingKv>(16);
+    tokio::spawn(kv_transfer::tcp::serve(kv_listener, identity.clone(), kv_tx));
+    let fwd = cmd_tx.clone();
+    tokio::spawn(async move {
+        while let Some(kv) = kv_rx.recv().await {
+            if fwd.send(Cmd::Kv(kv)).is_err() {
+                return;
+            }
+        }
+    });
+
+    let grpc_listener = bind("gRPC").await?;
+    let grpc_addr = grpc_listener.local_addr().map_err(|e| WorkerError::Bind("gRPC".into(), e))?;
+    let service = Service { cmds: cmd_tx, load: load.clone() };
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(DecodeServer::new(service))
+            .serve_with_incoming(TcpListenerStream::new(grpc_listener)),
+    );
+
+    let join = grpc::JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Decode as i32,
+        name: cfg.name.clone(),
+        endpoint: format!("http://{grpc_addr}"),
+        kv_endpoint: kv_addr.to_string(),
+        identity: Some(identity.into()),
+        kv_blocks_total: cfg.engine.num_blocks as u32,
+    };
+    let l3 = load.clone();
+    let id = proto::membership::join(cfg.router.clone(), join, Duration::from_secs(60), Duration::from_millis(250), move || {
+        let l = *l3.lock().expect("load lock");
+        grpc::Heartbeat { worker_id: 0, running: l.running, waiting: l.waiting + l.awaiting, kv_blocks_free: l.free, kv_blocks_total: l.total }
+    })
+    .await?;
+    tracing::info!(worker_id = id, grpc = %grpc_addr, kv = %kv_addr, "decode worker {} joined {}", cfg.name, cfg.router);
+    eprintln!("tandem decode {}: serving gRPC on {grpc_addr}, KV on {kv_addr} ({})", cfg.name, model.device_name());
+    server.await.expect("server task does not panic")?;
+    Ok(())
+}

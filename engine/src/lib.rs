@@ -23,7 +23,7 @@ pub mod tokenizer;
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 pub use kv_cache::{BlockTable, KvCache};
-pub use loader::load;
+pub use loader::{inspect, load};
 pub use model::{Model, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};
 pub use scheduler::{Engine, EngineConfig, FinishReason, TokenEvent};
@@ -31,7 +31,11 @@ pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// The identity a worker announces: model name, KV dtype and KV geometry.
 pub fn identity(model: &Model, block_size: usize) -> proto::ModelIdentity {
-    let c = &model.config;
+    identity_of(&model.config, block_size)
+}
+
+/// The identity of a model with this configuration and KV block size.
+pub fn identity_of(c: &ModelConfig, block_size: usize) -> proto::ModelIdentity {
     proto::ModelIdentity {
         model: c.name.clone(),
         kv_dtype: "f16".into(),

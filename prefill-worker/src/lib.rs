@@ -1,3 +1,271 @@
-//! The tandem prefill worker: runs prompts' forward passes and ships their KV cache to decode
-//! workers. Built in issue 3; this crate reserves its place in the workspace and has no
-//! behaviour yet.
+//! The tandem prefill worker.
+//!
+//! It serves the `Prefill` gRPC service: a request names the tokens whose KV to compute (a
+//! prompt less its last token) and the decode worker's KV endpoint. The engine thread batches
+//! waiting prompts under a token budget (chunked prefill), and as each completes its KV is copied
+//! out, its blocks freed, and the KV sent straight to the decode worker over `kv-transfer` —
+//! never through the router. The call returns once the decode worker has acknowledged the KV.
+//! A call the router drops is cancelled: the request leaves the engine and its blocks are freed.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use engine::{Engine, EngineConfig, EngineError};
+use kv_transfer::tcp::TcpKvSender;
+use proto::grpc::prefill_server::{Prefill, PrefillServer};
+use proto::grpc::{self, PrefillReply, PrefillRequest};
+use proto::ModelIdentity;
+use tokio::sync::oneshot;
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{Request, Response, Status};
+
+/// How a prefill worker runs.
+#[derive(Debug, Clone)]
+pub struct PrefillConfig {
+    /// Model file or directory.
+    pub model: PathBuf,
+    /// Kernel threads.
+    pub threads: usize,
+    /// Engine sizes (KV blocks, chunk budget).
+    pub engine: EngineConfig,
+    /// Host to bind the gRPC listener to (the port is picked by the OS).
+    pub host: String,
+    /// The router's control endpoint, e.g. `http://127.0.0.1:8001`.
+    pub router: String,
+    /// Name shown in logs.
+    pub name: String,
+    /// Connect and handshake deadline for KV connections.
+    pub connect_timeout: Duration,
+    /// Deadline for one request's KV transfer.
+    pub transfer_timeout: Duration,
+}
+
+/// Why the worker stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A listener could not be bound.
+    #[error("binding {0}: {1}")]
+    Bind(String, std::io::Error),
+    /// The router refused the worker or could not be reached.
+    #[error(transparent)]
+    Join(#[from] proto::membership::JoinError),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// The thread-count setting failed.
+    #[error(transparent)]
+    Kernel(#[from] kernels::KernelError),
+}
+
+type KvReply = oneshot::Sender<Result<Vec<Vec<u8>>, Status>>;
+
+enum Cmd {
+    Prefill { id: u64, tokens: Vec<u32>, reply: KvReply },
+    Cancel { id: u64, found: oneshot::Sender<bool> },
+    Drain,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Load {
+    running: u32,
+    waiting: u32,
+    free: u32,
+    total: u32,
+}
+
+fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<Load>>) {
+    let mut replies: HashMap<u64, KvReply> = HashMap::new();
+    let mut draining = false;
+    loop {
+        let first = if engine.has_work() {
+            rx.try_recv().ok()
+        } else {
+            match rx.recv_timeout(Duration::from_millis(20)) {
+                Ok(c) => Some(c),
+                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        };
+        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+            match cmd {
+                Cmd::Prefill { id, tokens, reply } => {
+                    if draining {
+                        let _ = reply.send(Err(Status::unavailable("this prefill worker is draining")));
+                        continue;
+                    }
+                    match engine.add_prefill_only(id, tokens) {
+                        Ok(()) => {
+                            replies.insert(id, reply);
+                        }
+                        Err(EngineError::OutOfBlocks(m)) => {
+                            let _ = reply.send(Err(Status::resource_exhausted(m)));
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(Status::invalid_argument(e.to_string())));
+                        }
+                    }
+                }
+                Cmd::Cancel { id, found } => {
+                    replies.remove(&id);
+                    let _ = found.send(engine.abort(id));
+                }
+                Cmd::Drain => draining = true,
+            }
+        }
+        let gone: Vec<u64> = replies.iter().filter(|(_, r)| r.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            replies.remove(&id);
+            engine.abort(id);
+        }
+        if engine.has_work() {
+            if let Err(e) = engine.step() {
+                tracing::error!("prefill step failed: {e}");
+                for (id, r) in replies.drain() {
+                    engine.abort(id);
+                    let _ = r.send(Err(Status::internal(format!("prefill step failed: {e}"))));
+                }
+            }
+            for id in engine.take_prefilled() {
+                let kv = engine.export_kv(id).expect("reported as prefilled");
+                if let Some(r) = replies.remove(&id) {
+                    let _ = r.send(Ok(kv));
+                }
+            }
+        }
+        let (waiting, running, _) = engine.counts();
+        *load.lock().expect("load lock") =
+            Load { running: running as u32, waiting: waiting as u32, free: engine.free_blocks() as u32, total: engine.total_blocks() as u32 };
+    }
+}
+
+struct Service {
+    cmds: std_mpsc::Sender<Cmd>,
+    load: Arc<Mutex<Load>>,
+    identity: ModelIdentity,
+    width: u32,
+    /// Idle connections to decode workers, by KV endpoint. A connection is taken out while a
+    /// transfer uses it, so a cancelled transfer drops its (possibly half-written) connection.
+    conns: Mutex<HashMap<String, Vec<TcpKvSender>>>,
+    connect_timeout: Duration,
+    transfer_timeout: Duration,
+}
+
+impl Service {
+    fn send(&self, c: Cmd) -> Result<(), Status> {
+        self.cmds.send(c).map_err(|_| Status::unavailable("the engine thread has stopped"))
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for Service {
+    async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillReply>, Status> {
+        let req = req.into_inner();
+        let n = req.tokens.len() as u32;
+        let t0 = Instant::now();
+        let (reply, kv) = oneshot::channel();
+        self.send(Cmd::Prefill { id: req.request_id, tokens: req.tokens, reply })?;
+        let layers = kv.await.map_err(|_| Status::unavailable("the engine thread has stopped"))??;
+        let compute = t0.elapsed();
+        let idle = self.conns.lock().expect("conns lock").get_mut(&req.decode_kv_endpoint).and_then(Vec::pop);
+        let mut conn = match idle {
+            Some(c) => c,
+            None => TcpKvSender::connect(&req.decode_kv_endpoint, &self.identity, self.connect_timeout)
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?,
+        };
+        let stats = conn
+            .send(req.request_id, n, self.width, &layers, self.transfer_timeout)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        self.conns.lock().expect("conns lock").entry(req.decode_kv_endpoint).or_default().push(conn);
+        Ok(Response::new(PrefillReply {
+            kv_bytes: stats.bytes,
+            compute_us: compute.as_micros() as u64,
+            transfer_us: stats.elapsed.as_micros() as u64,
+            transport: "tcp".into(),
+        }))
+    }
+
+    async fn cancel(&self, req: Request<grpc::CancelRequest>) -> Result<Response<grpc::CancelReply>, Status> {
+        let (found, rx) = oneshot::channel();
+        self.send(Cmd::Cancel { id: req.into_inner().request_id, found })?;
+        Ok(Response::new(grpc::CancelReply { found: rx.await.unwrap_or(false) }))
+    }
+
+    async fn drain(&self, _: Request<grpc::DrainRequest>) -> Result<Response<grpc::DrainReply>, Status> {
+        self.send(Cmd::Drain)?;
+        Ok(Response::new(grpc::DrainReply {}))
+    }
+
+    async fn stats(&self, _: Request<grpc::StatsRequest>) -> Result<Response<grpc::WorkerStats>, Status> {
+        let l = *self.load.lock().expect("load lock");
+        Ok(Response::new(grpc::WorkerStats {
+            running: l.running,
+            waiting: l.waiting,
+            kv_blocks_free: l.free,
+            kv_blocks_total: l.total,
+            pending_transfers: 0,
+        }))
+    }
+}
+
+/// Loads the model, starts the gRPC service, joins the router and serves until the process ends.
+pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
+    kernels::set_threads(cfg.threads)?;
+    let model_path = cfg.model.clone();
+    let (model, _) = tokio::task::spawn_blocking(move || engine::load(&model_path, kernels::Device::parse("cpu")?))
+        .await
+        .expect("model loading does not panic")?;
+    let model = Arc::new(model);
+    let identity = engine::identity(&model, cfg.engine.block_size);
+    let engine = Engine::new(model.clone(), cfg.engine.clone(), Vec::new())?;
+    let load = Arc::new(Mutex::new(Load { free: engine.free_blocks() as u32, total: engine.total_blocks() as u32, ..Default::default() }));
+    let (cmd_tx, cmd_rx) = std_mpsc::channel();
+    let l2 = load.clone();
+    std::thread::Builder::new()
+        .name("prefill-engine".into())
+        .spawn(move || engine_loop(engine, cmd_rx, l2))
+        .expect("engine thread starts");
+
+    let addr = format!("{}:0", cfg.host);
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| WorkerError::Bind(addr.clone(), e))?;
+    let grpc_addr = listener.local_addr().map_err(|e| WorkerError::Bind(addr, e))?;
+    let service = Service {
+        cmds: cmd_tx,
+        load: load.clone(),
+        width: model.config.kv_width() as u32,
+        identity: identity.clone(),
+        conns: Mutex::new(HashMap::new()),
+        connect_timeout: cfg.connect_timeout,
+        transfer_timeout: cfg.transfer_timeout,
+    };
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(PrefillServer::new(service))
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let join = grpc::JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Prefill as i32,
+        name: cfg.name.clone(),
+        endpoint: format!("http://{grpc_addr}"),
+        kv_endpoint: String::new(),
+        identity: Some(identity.into()),
+        kv_blocks_total: cfg.engine.num_blocks as u32,
+    };
+    let l3 = load.clone();
+    let id = proto::membership::join(cfg.router.clone(), join, Duration::from_secs(60), Duration::from_millis(250), move || {
+        let l = *l3.lock().expect("load lock");
+        grpc::Heartbeat { worker_id: 0, running: l.running, waiting: l.waiting, kv_blocks_free: l.free, kv_blocks_total: l.total }
+    })
+    .await?;
+    tracing::info!(worker_id = id, grpc = %grpc_addr, "prefill worker {} joined {}", cfg.name, cfg.router);
+    eprintln!("tandem prefill {}: serving gRPC on {grpc_addr} ({})", cfg.name, model.device_name());
+    server.await.expect("server task does not panic")?;
+    Ok(())
+}

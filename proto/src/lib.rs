@@ -3,9 +3,11 @@
 //! - [`PROTOCOL_VERSION`] and [`ModelIdentity`]: what workers announce when they join, so that
 //!   the router refuses a prefill/decode pair that cannot exchange KV.
 //! - [`config`]: the `cluster.toml` schema and its validation.
-//! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`).
+//! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`), and
+//!   [`membership`], the worker side of joining.
 
 pub mod config;
+pub mod membership;
 
 /// Generated gRPC messages, clients and servers of `proto/tandem.proto`.
 #[allow(missing_docs, clippy::all)]

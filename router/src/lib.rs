@@ -1,3 +1,125 @@
-//! The tandem router: OpenAI-compatible HTTP front end that sends each request through a
-//! prefill worker and a decode worker. Built in issue 3; this crate reserves its place in the
-//! workspace and has no behaviour yet.
+//! The tandem router: OpenAI-compatible HTTP in front of the prefill and decode pools.
+//!
+//! The router owns text: it renders the chat template, tokenises, picks a decode worker (which
+//! reserves KV blocks) and a prefill worker (which computes the prompt's KV and sends it straight
+//! to that decode worker), and detokenises the decode worker's token stream incrementally into
+//! server-sent events. Workers join through the gRPC `Control` service; one whose model cannot
+//! exchange KV with the cluster's is refused at join time. Errors become HTTP statuses in one
+//! place ([`openai::ApiError`]).
+
+pub mod http;
+pub mod openai;
+pub mod pipeline;
+pub mod registry;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use axum::routing::{get, post};
+use engine::{EngineError, Tokenizer};
+use proto::grpc::control_server::ControlServer;
+use tokio_stream::wrappers::TcpListenerStream;
+
+use crate::registry::{ControlService, Registry};
+
+/// How the router runs.
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    /// HTTP listen address (`host:0` picks a port).
+    pub listen: String,
+    /// gRPC control listen address.
+    pub control: String,
+    /// The model (the router reads its tokenizer, template and shape, not its weights).
+    pub model: PathBuf,
+    /// KV block size every worker must use.
+    pub block_size: usize,
+    /// Whether the cluster has a prefill pool.
+    pub disaggregated: bool,
+}
+
+/// Why the router stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum RouterError {
+    /// The model's metadata or tokenizer could not be read.
+    #[error(transparent)]
+    Model(#[from] EngineError),
+    /// A listener could not be bound.
+    #[error("binding {0}: {1}")]
+    Bind(String, std::io::Error),
+    /// A server failed.
+    #[error("server: {0}")]
+    Serve(String),
+}
+
+/// Shared router state.
+pub struct State {
+    /// Joined workers.
+    pub registry: Arc<Registry>,
+    /// The model's tokenizer and chat template.
+    pub tokenizer: Tokenizer,
+    /// The id clients name the model by.
+    pub model_id: String,
+    /// The model's context length.
+    pub context_len: usize,
+    /// The model's vocabulary size.
+    pub vocab_size: usize,
+    /// Whether requests go through a prefill pool.
+    pub disaggregated: bool,
+    next_id: AtomicU64,
+    channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+}
+
+impl State {
+    fn next_request_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::SeqCst)
+    }
+}
+
+/// The id clients use for a model at `path`: its file or directory name without `.gguf`.
+pub fn model_id(path: &std::path::Path) -> String {
+    let name = path.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().to_string());
+    name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+}
+
+/// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
+/// the process ends.
+pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(SocketAddr, SocketAddr)) -> Result<(), RouterError> {
+    let (config, tokenizer) = engine::inspect(&cfg.model)?;
+    let identity = engine::identity_of(&config, cfg.block_size);
+    let registry = Registry::new(identity);
+    let state = Arc::new(State {
+        registry: registry.clone(),
+        tokenizer,
+        model_id: model_id(&cfg.model),
+        context_len: config.context_len,
+        vocab_size: config.vocab_size,
+        disaggregated: cfg.disaggregated,
+        next_id: AtomicU64::new(1),
+        channels: Mutex::new(HashMap::new()),
+    });
+    let http_l = tokio::net::TcpListener::bind(&cfg.listen).await.map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
+    let ctrl_l = tokio::net::TcpListener::bind(&cfg.control).await.map_err(|e| RouterError::Bind(cfg.control.clone(), e))?;
+    let (http_addr, ctrl_addr) = (
+        http_l.local_addr().map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?,
+        ctrl_l.local_addr().map_err(|e| RouterError::Bind(cfg.control.clone(), e))?,
+    );
+    let app = axum::Router::new()
+        .route("/v1/chat/completions", post(http::chat))
+        .route("/v1/completions", post(http::completions))
+        .route("/v1/models", get(http::models))
+        .route("/health", get(http::health))
+        .route("/debug/workers", get(http::workers))
+        .fallback(http::not_found)
+        .with_state(state);
+    let control = tonic::transport::Server::builder()
+        .add_service(ControlServer::new(ControlService(registry)))
+        .serve_with_incoming(TcpListenerStream::new(ctrl_l));
+    on_ready(http_addr, ctrl_addr);
+    tokio::select! {
+        r = axum::serve(http_l, app) => r.map_err(|e| RouterError::Serve(e.to_string())),
+        r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
+    }
+}

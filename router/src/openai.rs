@@ -1,0 +1,202 @@
+//! OpenAI-compatible request and response bodies, and the one place errors become HTTP.
+
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+/// Every way a request can fail, mapped to an HTTP status and an OpenAI error body in
+/// [`ApiError::status`] and nowhere else.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum ApiError {
+    /// Malformed or invalid request (400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// The request body is not JSON (415).
+    #[error("{0}")]
+    UnsupportedMediaType(String),
+    /// No such endpoint (404).
+    #[error("{0}")]
+    NotFound(String),
+    /// The named model is not served here (404).
+    #[error("{0}")]
+    ModelNotFound(String),
+    /// No worker can take the request now (503).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A worker failed mid-request (502).
+    #[error("{0}")]
+    Upstream(String),
+    /// A bug or an unexpected failure (500).
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl ApiError {
+    /// HTTP status, OpenAI error type and code.
+    pub fn status(&self) -> (StatusCode, &'static str, &'static str) {
+        match self {
+            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
+            ApiError::UnsupportedMediaType(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", "unsupported_media_type"),
+            ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
+            ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
+            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable"),
+            ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "server_error", "upstream_error"),
+            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
+        }
+    }
+
+    /// The OpenAI error body.
+    pub fn body(&self) -> serde_json::Value {
+        let (_, ty, code) = self.status();
+        json!({ "error": { "message": self.to_string(), "type": ty, "param": null, "code": code } })
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let (status, _, _) = self.status();
+        (status, axum::Json(self.body())).into_response()
+    }
+}
+
+/// Text content: a string or a list of `{"type": "text", "text": ...}` parts.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Content parts (only text parts are accepted).
+    Parts(Vec<ContentPart>),
+}
+
+/// One content part.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Must be "text".
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text.
+    #[serde(default)]
+    pub text: String,
+}
+
+impl Content {
+    /// The text, or why it is not acceptable.
+    pub fn text(&self) -> Result<String, ApiError> {
+        match self {
+            Content::Text(s) => Ok(s.clone()),
+            Content::Parts(ps) => ps
+                .iter()
+                .map(|p| {
+                    if p.kind == "text" {
+                        Ok(p.text.as_str())
+                    } else {
+                        Err(ApiError::BadRequest(format!("content part type {:?} is not supported (only \"text\")", p.kind)))
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A chat message in a request.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    /// "system", "user", "assistant".
+    pub role: String,
+    /// The content.
+    pub content: Content,
+}
+
+/// `stop`: one string or several.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct StreamOptions {
+    /// Send a last chunk with token usage.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// The sampling and length fields shared by both endpoints.
+#[derive(Debug, Clone, Deserialize, Default)]
+pub struct Common {
+    /// Model name.
+    pub model: Option<String>,
+    /// Stream as server-sent events.
+    #[serde(default)]
+    pub stream: bool,
+    /// Stream options.
+    pub stream_options: Option<StreamOptions>,
+    /// Most tokens to generate.
+    pub max_tokens: Option<i64>,
+    /// Same, newer name.
+    pub max_completion_tokens: Option<i64>,
+    /// Sampling temperature.
+    pub temperature: Option<f64>,
+    /// Nucleus sampling.
+    pub top_p: Option<f64>,
+    /// Top-k (extension).
+    pub top_k: Option<i64>,
+    /// Seed.
+    pub seed: Option<i64>,
+    /// Stop strings.
+    pub stop: Option<Stop>,
+    /// Number of choices (only 1).
+    pub n: Option<i64>,
+    /// Keep going past end-of-sequence (extension).
+    #[serde(default)]
+    pub ignore_eos: bool,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Shared fields.
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// `prompt`: a string, or token ids.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// Text.
+    Text(String),
+    /// One text in a list.
+    Texts(Vec<String>),
+    /// Token ids.
+    Tokens(Vec<u32>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Shared fields.
+    #[serde(flatten)]
+    pub common: Common,
+}
+
+/// Token counts.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Both.
+    pub total_tokens: usize,
+}

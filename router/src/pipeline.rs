@@ -1,0 +1,159 @@
+//! One request's path through the pools: reserve on a decode worker, prefill on a prefill worker
+//! (KV goes straight from one to the other), then the decode worker's token stream.
+//!
+//! The returned channel yields tokens until one carries a finish reason, or an error. Dropping
+//! the receiver (the client went away) drops the decode stream and the prefill call, which makes
+//! both workers abort the request and free its blocks.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::grpc::decode_client::DecodeClient;
+use proto::grpc::prefill_client::PrefillClient;
+use proto::grpc::{self, generate_event, Finish, GenerateRequest, PrefillRequest};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+use crate::openai::ApiError;
+use crate::State;
+
+/// A generated token and, on the last one, why generation ended.
+pub type TokenResult = Result<(u32, Finish), ApiError>;
+
+/// How long a request may wait for a decode worker with room before it is refused.
+const ADMISSION_WAIT: Duration = Duration::from_secs(30);
+
+fn channel(state: &State, endpoint: &str) -> Result<Channel, ApiError> {
+    let mut cache = state.channels.lock().expect("channel cache lock");
+    if let Some(c) = cache.get(endpoint) {
+        return Ok(c.clone());
+    }
+    let c = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        .map_err(|e| ApiError::Internal(format!("bad worker endpoint {endpoint}: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .connect_lazy();
+    cache.insert(endpoint.to_string(), c.clone());
+    Ok(c)
+}
+
+/// Whether a gRPC failure means the worker itself is gone or broken.
+fn worker_failed(s: &Status) -> bool {
+    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled | Code::Aborted)
+}
+
+/// Starts generation of `prompt`; returns the token channel once the first token (or the first
+/// error) is known, so that errors before any output can still become an HTTP status.
+pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: grpc::SamplingParams) -> Result<(TokenResult, mpsc::Receiver<TokenResult>), ApiError> {
+    let id = state.next_request_id();
+    let remote = prompt.len() >= 2 && state.registry.count("prefill") > 0;
+    let deadline = Instant::now() + ADMISSION_WAIT;
+    let mut full: Vec<u64> = Vec::new();
+    // A decode worker that accepts the request (and, for a remote prefill, has reserved blocks).
+    let (dw, dguard, mut stream) = loop {
+        let Some((w, guard)) = state.registry.pick("decode", &full) else {
+            if Instant::now() >= deadline {
+                return Err(ApiError::Unavailable(if state.registry.count("decode") == 0 {
+                    "no decode worker has joined the cluster".into()
+                } else {
+                    format!("no decode worker had room for the request within {ADMISSION_WAIT:?}")
+                }));
+            }
+            full.clear();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            continue;
+        };
+        let req = GenerateRequest { request_id: id, prompt: prompt.clone(), params: Some(params.clone()), remote_prefill: remote };
+        let mut client = DecodeClient::new(channel(state, &w.endpoint)?);
+        let opened = match client.generate(req).await {
+            Ok(r) => {
+                let mut s = r.into_inner();
+                if remote {
+                    match s.message().await {
+                        Ok(Some(grpc::GenerateEvent { event: Some(generate_event::Event::Reserved(_)), .. })) => Ok(s),
+                        Ok(other) => Err(Status::internal(format!("expected a reservation, got {other:?}"))),
+                        Err(e) => Err(e),
+                    }
+                } else {
+                    Ok(s)
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match opened {
+            Ok(s) => break (w, guard, s),
+            Err(s) if s.code() == Code::ResourceExhausted => full.push(w.id),
+            Err(s) if s.code() == Code::InvalidArgument => return Err(ApiError::BadRequest(s.message().to_string())),
+            Err(s) if worker_failed(&s) => {
+                tracing::warn!(worker = w.id, "decode worker failed: {s}");
+                state.registry.remove(w.id);
+            }
+            Err(s) => return Err(ApiError::Upstream(format!("decode worker {}: {}", w.name, s.message()))),
+        }
+    };
+    // The prefill, sent to the least-loaded prefill worker; its KV goes to `dw` directly.
+    let prefill = if remote {
+        let (pw, pguard) = state
+            .registry
+            .pick("prefill", &[])
+            .ok_or_else(|| ApiError::Unavailable("no prefill worker has joined the cluster".into()))?;
+        let mut client = PrefillClient::new(channel(state, &pw.endpoint)?);
+        let req = PrefillRequest { request_id: id, tokens: prompt[..prompt.len() - 1].to_vec(), decode_kv_endpoint: dw.kv_endpoint.clone() };
+        let registry = state.registry.clone();
+        Some(Box::pin(async move {
+            let _guard = pguard;
+            client.prefill(req).await.map(|r| r.into_inner()).map_err(|s| {
+                if worker_failed(&s) && s.message().contains("transport") {
+                    registry.remove(pw.id);
+                }
+                ApiError::Upstream(format!("prefill on worker {} failed: {}", pw.name, s.message()))
+            })
+        }))
+    } else {
+        None
+    };
+    let (tx, mut rx) = mpsc::channel::<TokenResult>(64);
+    let registry = state.registry.clone();
+    let dname = dw.name.clone();
+    tokio::spawn(async move {
+        let _dguard = dguard;
+        let mut prefill = prefill;
+        loop {
+            let next = tokio::select! {
+                _ = tx.closed() => break,
+                r = async { prefill.as_mut().expect("guarded").await }, if prefill.is_some() => {
+                    prefill = None;
+                    match r {
+                        Ok(reply) => {
+                            tracing::debug!(request = id, kv_bytes = reply.kv_bytes, compute_us = reply.compute_us, transfer_us = reply.transfer_us, transport = %reply.transport, "prefill done");
+                            continue;
+                        }
+                        Err(e) => Err(e),
+                    }
+                }
+                m = stream.message() => match m {
+                    Ok(Some(grpc::GenerateEvent { event: Some(generate_event::Event::Token(t)), finish })) => {
+                        Ok((t, Finish::try_from(finish).unwrap_or(Finish::None)))
+                    }
+                    Ok(Some(other)) => Err(ApiError::Upstream(format!("unexpected event from decode worker {dname}: {other:?}"))),
+                    Ok(None) => Err(ApiError::Upstream(format!("decode worker {dname} ended the stream before the request finished"))),
+                    Err(s) => {
+                        if worker_failed(&s) {
+                            registry.remove(dw.id);
+                        }
+                        Err(match s.code() {
+                            Code::InvalidArgument => ApiError::BadRequest(s.message().to_string()),
+                            _ => ApiError::Upstream(format!("decode worker {dname} failed: {}", s.message())),
+                        })
+                    }
+                },
+            };
+            let last = !matches!(next, Ok((_, Finish::None)));
+            if tx.send(next).await.is_err() || last {
+                break;
+            }
+        }
+    });
+    let first = rx.recv().await.unwrap_or_else(|| Err(ApiError::Internal("the request ended without output".into())));
+    Ok((first, rx))
+}

@@ -1,0 +1,237 @@
+//! The cluster commands: each role on its own (`router`, `prefill`, `decode`) and `up`, which
+//! starts them all from cluster.toml as separate OS processes.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use engine::EngineConfig;
+use proto::config::{ClusterConfig, PoolSection};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, Command};
+
+/// Arguments shared by the role commands.
+#[derive(Args, Debug, Clone)]
+pub struct RoleArgs {
+    /// The cluster description.
+    #[arg(long, default_value = "cluster.toml")]
+    pub config: PathBuf,
+    /// The router's control endpoint (workers), overriding `router.control`.
+    #[arg(long)]
+    pub router: Option<String>,
+    /// HTTP listen address (router), overriding `router.listen`.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Control listen address (router), overriding `router.control`.
+    #[arg(long)]
+    pub control: Option<String>,
+    /// Worker name for logs.
+    #[arg(long)]
+    pub name: Option<String>,
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")
+}
+
+fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
+    let cfg = ClusterConfig::load(path)?;
+    let model = match &cfg.model.path {
+        Some(p) => p.clone(),
+        None => engine::fetch::ensure_default_model()?,
+    };
+    Ok((cfg, model))
+}
+
+fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
+    EngineConfig {
+        block_size: *cfg.model.block_size.get_ref() as usize,
+        num_blocks: *pool.kv_blocks.get_ref() as usize,
+        max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
+        max_running: 64,
+    }
+}
+
+fn control_endpoint(cfg: &ClusterConfig, a: &RoleArgs) -> String {
+    a.router.clone().unwrap_or_else(|| format!("http://{}", cfg.router.control.get_ref()))
+}
+
+/// `tandem router`.
+pub fn router(a: RoleArgs) -> Result<()> {
+    let (cfg, model) = load(&a.config)?;
+    let rc = router::RouterConfig {
+        listen: a.listen.clone().unwrap_or_else(|| cfg.router.listen.get_ref().clone()),
+        control: a.control.clone().unwrap_or_else(|| cfg.router.control.get_ref().clone()),
+        model,
+        block_size: *cfg.model.block_size.get_ref() as usize,
+        disaggregated: cfg.disaggregated(),
+    };
+    runtime()?.block_on(router::run(rc, |http, control| {
+        eprintln!("tandem router: listening on http://{http} (control http://{control})");
+    }))?;
+    Ok(())
+}
+
+/// `tandem prefill`.
+pub fn prefill(a: RoleArgs) -> Result<()> {
+    let (cfg, model) = load(&a.config)?;
+    let pool = cfg.prefill.as_ref().ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
+    let t = &cfg.kv_transfer;
+    let pc = prefill_worker::PrefillConfig {
+        model,
+        threads: *pool.threads.get_ref() as usize,
+        engine: engine_config(&cfg, pool),
+        host: pool.host.clone(),
+        router: control_endpoint(&cfg, &a),
+        name: a.name.clone().unwrap_or_else(|| "prefill".into()),
+        connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
+        transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
+    };
+    runtime()?.block_on(prefill_worker::run(pc))?;
+    Ok(())
+}
+
+/// `tandem decode`.
+pub fn decode(a: RoleArgs) -> Result<()> {
+    let (cfg, model) = load(&a.config)?;
+    let dc = decode_worker::DecodeConfig {
+        model,
+        threads: *cfg.decode.threads.get_ref() as usize,
+        engine: engine_config(&cfg, &cfg.decode),
+        host: cfg.decode.host.clone(),
+        router: control_endpoint(&cfg, &a),
+        name: a.name.clone().unwrap_or_else(|| "decode".into()),
+        // A backstop: the router cancels abandoned requests itself; this frees blocks whose KV
+        // never comes even if the router is gone too.
+        kv_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()) + Duration::from_secs(60),
+    };
+    runtime()?.block_on(decode_worker::run(dc))?;
+    Ok(())
+}
+
+/// A plain HTTP GET (enough for `/health`), returning the status code and body.
+async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
+    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp).await?;
+    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| anyhow!("bad HTTP response"))?;
+    Ok((code, resp.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string())))
+}
+
+fn spawn(exe: &Path, args: &[&str], piped: bool) -> Result<Child> {
+    let mut cmd = Command::new(exe);
+    cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
+    if piped {
+        cmd.stderr(Stdio::piped());
+    }
+    // SAFETY: prctl is async-signal-safe; it only asks the kernel to signal this child when the
+    // parent (`tandem up`) dies, so no worker outlives it.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+    cmd.spawn().with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))
+}
+
+fn terminate(children: &mut [(String, Child)]) {
+    for (_, c) in children.iter() {
+        if let Some(pid) = c.id() {
+            // SAFETY: sending SIGTERM to our own child process.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+    }
+}
+
+/// `tandem up`: the router and every worker of cluster.toml as child processes.
+pub fn up(config: PathBuf) -> Result<()> {
+    let (cfg, _model) = load(&config)?;
+    let exe = std::env::current_exe().context("locating the tandem binary")?;
+    let cfg_s = config.to_string_lossy().to_string();
+    runtime()?.block_on(async move {
+        let mut children: Vec<(String, Child)> = Vec::new();
+        let mut router = spawn(&exe, &["router", "--config", &cfg_s], true)?;
+        let mut lines = BufReader::new(router.stderr.take().expect("piped")).lines();
+        let ready = tokio::time::timeout(Duration::from_secs(120), async {
+            while let Some(line) = lines.next_line().await? {
+                eprintln!("{line}");
+                if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
+                    let (http, ctrl) = rest.split_once(" (control ").ok_or_else(|| anyhow!("unexpected router output {line:?}"))?;
+                    return Ok::<_, anyhow::Error>((http.parse::<SocketAddr>()?, ctrl.trim_end_matches(')').to_string()));
+                }
+            }
+            bail!("the router exited before it was ready")
+        })
+        .await
+        .map_err(|_| anyhow!("the router was not ready within 120 s"))??;
+        let (http, control) = ready;
+        tokio::spawn(async move {
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+            }
+        });
+        children.push(("router".into(), router));
+        let pools = [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))];
+        for (role, pool) in pools {
+            let Some(pool) = pool else { continue };
+            for i in 0..*pool.replicas.get_ref() {
+                let name = format!("{role}-{i}");
+                let c = spawn(&exe, &[role, "--config", &cfg_s, "--router", &control, "--name", &name], false)?;
+                children.push((name, c));
+            }
+        }
+        let want_p = cfg.prefill.as_ref().map_or(0, |p| *p.replicas.get_ref() as u64);
+        let want_d = *cfg.decode.replicas.get_ref() as u64;
+        let t0 = Instant::now();
+        let result = loop {
+            if let Some((name, status)) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
+                break Err(anyhow!("{name} exited ({status}) before the cluster was up"));
+            }
+            if let Ok((200, body)) = http_get(http, "/health").await {
+                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                if v["prefill_workers"].as_u64() == Some(want_p) && v["decode_workers"].as_u64() == Some(want_d) {
+                    break Ok(());
+                }
+            }
+            if t0.elapsed() > Duration::from_secs(300) {
+                break Err(anyhow!("the workers did not all join within 300 s"));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        if let Err(e) = result {
+            terminate(&mut children);
+            return Err(e);
+        }
+        let model_id = router::model_id(&_model);
+        println!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}");
+        println!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'");
+        println!("Ctrl-C stops the cluster.");
+        let exited = loop {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => break None,
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                    if let Some(x) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
+                        break Some(x);
+                    }
+                }
+            }
+        };
+        eprintln!("tandem: stopping the cluster");
+        terminate(&mut children);
+        for (name, c) in children.iter_mut() {
+            if tokio::time::timeout(Duration::from_secs(5), c.wait()).await.is_err() {
+                eprintln!("tandem: {name} did not stop on SIGTERM; killing it");
+                let _ = c.kill().await;
+            }
+        }
+        match exited {
+            Some((name, status)) => Err(anyhow!("{name} exited ({status}); the cluster was stopped")),
+            None => Ok(()),
+        }
+    })
+}
