@@ -1,6 +1,8 @@
 //! Shared helpers for tandem's end-to-end tests: the default model (fetched into the cache on
 //! first use) and the llama.cpp golden file.
 
+pub mod cluster;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 

@@ -1,0 +1,228 @@
+//! The disaggregated cluster end to end: router, prefill and decode workers as real processes
+//! on loopback, driven over HTTP. Each test starts its own cluster and kills it when done.
+
+use std::time::{Duration, Instant};
+
+use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
+use serde_json::{json, Value};
+use tandem_tests::cluster::{post_json, request, Cluster};
+use tandem_tests::load_model;
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+/// What the engine alone, in this process, generates for a chat message.
+fn engine_text(message: &str, params: SamplingParams) -> (String, usize) {
+    let (model, tok) = load_model();
+    let text = tok.apply_chat_template(&[ChatMessage::user(message)], true).unwrap();
+    let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
+    e.add(0, tok.encode(&text).unwrap(), params).unwrap();
+    let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
+    let n = out.len();
+    if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
+        out.pop();
+    }
+    (tok.decode(&out, true).unwrap(), n)
+}
+
+/// Streams a chat completion; returns the concatenated text, the finish reason and the usage.
+fn stream_chat(c: &Cluster, body: Value) -> (String, String, Value) {
+    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200);
+    let (mut text, mut finish, mut usage) = (String::new(), String::new(), Value::Null);
+    while let Some((name, data)) = r.next_event() {
+        assert_eq!(name, "message", "unexpected event {name}: {data}");
+        if data == "[DONE]" {
+            return (text, finish, usage);
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        if let Some(u) = v.get("usage") {
+            usage = u.clone();
+        }
+        if let Some(ch) = v["choices"].get(0) {
+            text += ch["delta"]["content"].as_str().unwrap_or("");
+            if let Some(f) = ch["finish_reason"].as_str() {
+                finish = f.to_string();
+            }
+        }
+    }
+    panic!("stream ended without [DONE]");
+}
+
+#[test]
+fn disaggregated_stream_equals_engine_greedy_and_seeded() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let q = "What is the capital city of Germany?";
+    let (text, finish, usage) = stream_chat(
+        &c,
+        json!({"model": MODEL, "messages": [{"role": "user", "content": q}], "stream": true, "temperature": 0,
+               "max_tokens": 40, "stream_options": {"include_usage": true}}),
+    );
+    let (want, n) = engine_text(q, SamplingParams::greedy(40));
+    assert_eq!(text, want);
+    assert!(text.contains("Berlin"), "{text}");
+    assert_eq!(finish, "stop");
+    assert_eq!(usage["completion_tokens"], n);
+    let params = SamplingParams { max_tokens: Some(48), temperature: 0.8, top_p: 0.95, seed: 42, ..Default::default() };
+    let (text, _, _) = stream_chat(
+        &c,
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "stream": true,
+               "temperature": 0.8, "top_p": 0.95, "seed": 42, "max_tokens": 48}),
+    );
+    assert_eq!(text, engine_text("Write a haiku about the sea.", params).0);
+    c.wait_all_free(Duration::from_secs(5));
+}
+
+#[test]
+fn colocated_cluster_answers_berlin() {
+    let c = Cluster::start(EXE.as_ref(), 0, 1);
+    let (status, v) = post_json(
+        c.http,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}]}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"), "{v}");
+}
+
+#[test]
+fn sixteen_concurrent_requests_match_single_process_and_free_their_blocks() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let questions: Vec<String> = (0..16)
+        .map(|i| format!("{} Question {i}: what is {} plus {}?", "Please answer briefly. ".repeat(i % 5), i * 7, i + 3))
+        .collect();
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = questions
+            .iter()
+            .enumerate()
+            .map(|(i, q)| {
+                let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 8 + i % 9, "messages": [{"role": "user", "content": q}]});
+                let http = c.http;
+                s.spawn(move || post_json(http, "/v1/chat/completions", &body))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (q, (status, v))) in questions.iter().zip(answers).enumerate() {
+        assert_eq!(status, 200, "{v}");
+        let (want, _) = engine_text(q, SamplingParams::greedy(8 + i % 9));
+        assert_eq!(v["choices"][0]["message"]["content"], want, "request {i}");
+    }
+    c.wait_all_free(Duration::from_secs(5));
+}
+
+#[test]
+fn client_disconnect_frees_kv_on_both_workers_within_a_second() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "ignore_eos": true,
+                      "messages": [{"role": "user", "content": "Tell me a very long story."}]});
+    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    for _ in 0..5 {
+        r.next_event().expect("tokens stream");
+    }
+    let busy = c.workers();
+    let decode = busy.iter().find(|w| w["role"] == "decode").unwrap();
+    assert!(decode["stats"]["kv_blocks_free"].as_u64() < decode["stats"]["kv_blocks_total"].as_u64(), "{busy:?}");
+    drop(r);
+    let took = c.wait_all_free(Duration::from_secs(1));
+    println!("blocks freed on both workers {took:?} after the disconnect");
+}
+
+#[test]
+fn bad_requests_get_openai_errors() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let check = |path: &str, ct: &str, body: &str, status: u16, needle: &str| {
+        let r = request(c.http, "POST", path, ct, body).unwrap();
+        assert_eq!(r.status, status, "{body}");
+        let v: Value = serde_json::from_str(&r.body()).unwrap();
+        let msg = v["error"]["message"].as_str().unwrap_or_default().to_string();
+        assert!(v["error"]["type"].is_string() && msg.contains(needle), "{body} -> {v}");
+    };
+    let chat = "/v1/chat/completions";
+    let msgs = r#""messages": [{"role": "user", "content": "hi"}]"#;
+    check(chat, "application/json", "{not json", 400, "invalid request body");
+    check(chat, "text/plain", &format!("{{{msgs}}}"), 415, "application/json");
+    check(chat, "application/json", &format!(r#"{{"model": "gpt-9", {msgs}}}"#), 404, "does not exist");
+    check(chat, "application/json", &format!(r#"{{"max_tokens": -1, {msgs}}}"#), 400, "at least 1");
+    check(chat, "application/json", &format!(r#"{{"max_tokens": 99999999, {msgs}}}"#), 400, "at most");
+    check(chat, "application/json", r#"{"messages": []}"#, 400, "must not be empty");
+    check(chat, "application/json", r#"{"messages": "hi"}"#, 400, "invalid request body");
+    check(chat, "application/json", &format!(r#"{{"n": 3, {msgs}}}"#), 400, "n must be 1");
+    check(chat, "application/json", &format!(r#"{{"temperature": 7, {msgs}}}"#), 400, "temperature");
+    let long = "hello ".repeat(9000);
+    check("/v1/completions", "application/json", &json!({"prompt": long}).to_string(), 400, "context");
+    check("/v1/completions", "application/json", r#"{"prompt": [1, 2, 99999999]}"#, 400, "vocabulary");
+    check("/v1/nothing", "application/json", "{}", 404, "no endpoint");
+    // The cluster still serves.
+    let (status, _) = post_json(c.http, chat, &json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}));
+    assert_eq!(status, 200);
+}
+
+#[test]
+fn worker_with_mismatched_kv_layout_is_refused_at_join() {
+    let c = Cluster::start(EXE.as_ref(), 0, 1);
+    let dir = std::env::temp_dir().join(format!("tandem-mismatch-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = tandem_tests::cluster::write_config(&dir, false, 32);
+    let out = c.spawn_worker("decode", "odd-one", &cfg).wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("refused") && err.contains("block_size: 16 vs 32"), "{err}");
+    c.wait_for(0, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn killed_decode_worker_gives_an_error_event_and_the_router_recovers() {
+    let mut c = Cluster::start(EXE.as_ref(), 1, 1);
+    let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "ignore_eos": true,
+                      "messages": [{"role": "user", "content": "Tell me a very long story."}]});
+    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    for _ in 0..5 {
+        r.next_event().expect("tokens stream");
+    }
+    c.kill_worker("decode-0");
+    let t0 = Instant::now();
+    let mut saw_error = false;
+    while let Some((name, data)) = r.next_event() {
+        if name == "error" {
+            let v: Value = serde_json::from_str(&data).unwrap();
+            assert!(v["error"]["message"].as_str().unwrap().contains("decode worker"), "{v}");
+            saw_error = true;
+        }
+        if data == "[DONE]" {
+            break;
+        }
+    }
+    assert!(saw_error, "the client got no error event");
+    assert!(t0.elapsed() < Duration::from_secs(30), "the stream hung");
+    // A new decode worker joins; the next request is served.
+    let cfg = c.config(true);
+    c.add_worker("decode", "decode-1", &cfg);
+    c.wait_for(1, 1);
+    let (status, v) = post_json(
+        c.http,
+        "/v1/chat/completions",
+        &json!({"model": MODEL, "temperature": 0, "max_tokens": 12, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}]}),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"));
+}
+
+#[test]
+fn official_openai_python_client_streams_a_chat_completion() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let script = format!(
+        r#"
+import openai
+client = openai.OpenAI(base_url="http://{}/v1", api_key="unused")
+stream = client.chat.completions.create(model="{MODEL}", messages=[{{"role": "user", "content": "What is the capital city of Germany?"}}], temperature=0, max_tokens=30, stream=True)
+print("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices))
+"#,
+        c.http
+    );
+    let out = std::process::Command::new("python3").arg("-c").arg(script).output().expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "the openai client failed (pip install openai): {}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("Berlin"), "{stdout}");
+}

@@ -1,0 +1,238 @@
+//! A real cluster for tests: the `tandem` binary started as router and worker processes on
+//! loopback ports chosen by the OS, and a minimal HTTP/1.0 client (responses end at EOF, so a
+//! server-sent event stream can be read line by line and dropped mid-way).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A started cluster; every process is killed when it drops.
+pub struct Cluster {
+    exe: PathBuf,
+    dir: PathBuf,
+    /// The router's HTTP address.
+    pub http: SocketAddr,
+    /// The router's control endpoint.
+    pub control: String,
+    router: Child,
+    workers: Vec<(String, Child)>,
+}
+
+/// Writes a cluster.toml for tests: ports 0, the default model, small pools.
+pub fn write_config(dir: &Path, prefill: bool, block_size: u32) -> PathBuf {
+    let model = crate::model_path();
+    let prefill = if prefill { "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n" } else { "" };
+    let text = format!(
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = 512\nmax_batch_tokens = 256\n"
+    );
+    let path = dir.join(format!("cluster-{block_size}-{}.toml", if prefill.is_empty() { "colocated" } else { "pd" }));
+    std::fs::write(&path, text).expect("write cluster.toml");
+    path
+}
+
+impl Cluster {
+    /// Starts a router and `prefill` + `decode` workers (no prefill pool when `prefill == 0`),
+    /// and waits until all have joined.
+    pub fn start(exe: &Path, prefill: usize, decode: usize) -> Cluster {
+        let dir = std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let cfg = write_config(&dir, prefill > 0, 16);
+        let mut router = Command::new(exe)
+            .args(["router", "--config"])
+            .arg(&cfg)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start router");
+        let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
+        let (http, control) = loop {
+            let line = lines.next().expect("router printed its address").expect("router output");
+            if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
+                let (h, c) = rest.split_once(" (control ").unwrap();
+                break (h.parse().unwrap(), c.trim_end_matches(')').to_string());
+            }
+        };
+        // Keep draining the router's log so it never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        let mut c = Cluster { exe: exe.into(), dir, http, control, router, workers: Vec::new() };
+        for i in 0..prefill {
+            c.add_worker("prefill", &format!("prefill-{i}"), &cfg);
+        }
+        for i in 0..decode {
+            c.add_worker("decode", &format!("decode-{i}"), &cfg);
+        }
+        c.wait_for(prefill, decode);
+        c
+    }
+
+    /// The config file of this cluster (for extra workers).
+    pub fn config(&self, prefill: bool) -> PathBuf {
+        write_config(&self.dir, prefill, 16)
+    }
+
+    /// Starts one more worker of `role` with `config`.
+    pub fn add_worker(&mut self, role: &str, name: &str, config: &Path) {
+        let child = self.spawn_worker(role, name, config);
+        self.workers.push((name.into(), child));
+    }
+
+    /// Starts a worker process without tracking it (the caller owns it).
+    pub fn spawn_worker(&self, role: &str, name: &str, config: &Path) -> Child {
+        Command::new(&self.exe)
+            .args([role, "--router", &self.control, "--name", name, "--config"])
+            .arg(config)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start worker")
+    }
+
+    /// Kills a worker with SIGKILL.
+    pub fn kill_worker(&mut self, name: &str) {
+        let i = self.workers.iter().position(|(n, _)| n == name).expect("worker exists");
+        let (_, mut c) = self.workers.remove(i);
+        c.kill().unwrap();
+        c.wait().unwrap();
+    }
+
+    /// Waits until exactly this many workers are joined.
+    pub fn wait_for(&self, prefill: usize, decode: usize) {
+        let t0 = Instant::now();
+        loop {
+            if let Ok((_, body)) = get(self.http, "/health") {
+                let v: Value = serde_json::from_str(&body).unwrap_or_default();
+                if v["prefill_workers"] == prefill && v["decode_workers"] == decode {
+                    return;
+                }
+            }
+            assert!(t0.elapsed() < Duration::from_secs(60), "workers did not join within 60 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Live worker stats from `/debug/workers`.
+    pub fn workers(&self) -> Vec<Value> {
+        let (_, body) = get(self.http, "/debug/workers").expect("debug endpoint");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["workers"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Polls until every worker reports all KV blocks free and nothing running; returns how
+    /// long that took, or panics after `limit`.
+    pub fn wait_all_free(&self, limit: Duration) -> Duration {
+        let t0 = Instant::now();
+        loop {
+            let ws = self.workers();
+            let idle = !ws.is_empty()
+                && ws.iter().all(|w| {
+                    let s = &w["stats"];
+                    s["kv_blocks_free"] == s["kv_blocks_total"] && s["running"] == 0 && s["waiting"] == 0 && s["pending_transfers"] == 0
+                });
+            if idle {
+                return t0.elapsed();
+            }
+            assert!(t0.elapsed() < limit, "KV blocks not all free after {limit:?}: {ws:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for (_, c) in &mut self.workers {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        let _ = self.router.kill();
+        let _ = self.router.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn unique() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::SeqCst)
+}
+
+/// An HTTP response being read.
+pub struct Response {
+    /// Status code.
+    pub status: u16,
+    /// Header lines.
+    pub headers: Vec<String>,
+    reader: BufReader<TcpStream>,
+}
+
+impl Response {
+    /// The rest of the body.
+    pub fn body(mut self) -> String {
+        let mut s = String::new();
+        self.reader.read_to_string(&mut s).unwrap();
+        s
+    }
+
+    /// The next server-sent event's `(event name, data)`, or `None` at the end of the stream.
+    pub fn next_event(&mut self) -> Option<(String, String)> {
+        let (mut name, mut data) = (String::from("message"), None);
+        loop {
+            let mut line = String::new();
+            if self.reader.read_line(&mut line).ok()? == 0 {
+                return data.map(|d| (name, d));
+            }
+            let line = line.trim_end_matches(['\r', '\n']);
+            if line.is_empty() {
+                if let Some(d) = data {
+                    return Some((name, d));
+                }
+                continue;
+            }
+            if let Some(v) = line.strip_prefix("event:") {
+                name = v.trim().to_string();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                data = Some(v.trim_start().to_string());
+            }
+        }
+    }
+}
+
+/// Sends a request; returns once the status line and headers are read.
+pub fn request(addr: SocketAddr, method: &str, path: &str, content_type: &str, body: &str) -> std::io::Result<Response> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    write!(s, "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
+    let mut reader = BufReader::new(s);
+    let mut status_line = String::new();
+    reader.read_line(&mut status_line)?;
+    let status = status_line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        reader.read_line(&mut h)?;
+        let h = h.trim_end().to_string();
+        if h.is_empty() {
+            break;
+        }
+        headers.push(h);
+    }
+    Ok(Response { status, headers, reader })
+}
+
+/// POSTs JSON and returns the status and parsed body.
+pub fn post_json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
+    let r = request(addr, "POST", path, "application/json", &body.to_string()).expect("request");
+    let status = r.status;
+    let text = r.body();
+    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+}
+
+/// GETs a path; returns the status and the body.
+pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let r = request(addr, "GET", path, "application/json", "")?;
+    let status = r.status;
+    Ok((status, r.body()))
+}
