@@ -34,7 +34,11 @@ pub struct RoleArgs {
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the async runtime")
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")
 }
 
 fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
@@ -56,15 +60,23 @@ fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
 }
 
 fn control_endpoint(cfg: &ClusterConfig, a: &RoleArgs) -> String {
-    a.router.clone().unwrap_or_else(|| format!("http://{}", cfg.router.control.get_ref()))
+    a.router
+        .clone()
+        .unwrap_or_else(|| format!("http://{}", cfg.router.control.get_ref()))
 }
 
 /// `tandem router`.
 pub fn router(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let rc = router::RouterConfig {
-        listen: a.listen.clone().unwrap_or_else(|| cfg.router.listen.get_ref().clone()),
-        control: a.control.clone().unwrap_or_else(|| cfg.router.control.get_ref().clone()),
+        listen: a
+            .listen
+            .clone()
+            .unwrap_or_else(|| cfg.router.listen.get_ref().clone()),
+        control: a
+            .control
+            .clone()
+            .unwrap_or_else(|| cfg.router.control.get_ref().clone()),
         model,
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
@@ -78,7 +90,10 @@ pub fn router(a: RoleArgs) -> Result<()> {
 /// `tandem prefill`.
 pub fn prefill(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
-    let pool = cfg.prefill.as_ref().ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
+    let pool = cfg
+        .prefill
+        .as_ref()
+        .ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
     let t = &cfg.kv_transfer;
     let pc = prefill_worker::PrefillConfig {
         model,
@@ -106,7 +121,8 @@ pub fn decode(a: RoleArgs) -> Result<()> {
         name: a.name.clone().unwrap_or_else(|| "decode".into()),
         // A backstop: the router cancels abandoned requests itself; this frees blocks whose KV
         // never comes even if the router is gone too.
-        kv_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()) + Duration::from_secs(60),
+        kv_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref())
+            + Duration::from_secs(60),
     };
     runtime()?.block_on(decode_worker::run(dc))?;
     Ok(())
@@ -115,11 +131,22 @@ pub fn decode(a: RoleArgs) -> Result<()> {
 /// A plain HTTP GET (enough for `/health`), returning the status code and body.
 async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).await?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await?;
     let mut resp = String::new();
     s.read_to_string(&mut resp).await?;
-    let code = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or_else(|| anyhow!("bad HTTP response"))?;
-    Ok((code, resp.split_once("\r\n\r\n").map_or(String::new(), |(_, b)| b.to_string())))
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow!("bad HTTP response"))?;
+    Ok((
+        code,
+        resp.split_once("\r\n\r\n")
+            .map_or(String::new(), |(_, b)| b.to_string()),
+    ))
 }
 
 fn spawn(exe: &Path, args: &[&str], piped: bool) -> Result<Child> {
@@ -136,7 +163,8 @@ fn spawn(exe: &Path, args: &[&str], piped: bool) -> Result<Child> {
             Ok(())
         });
     }
-    cmd.spawn().with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))
+    cmd.spawn()
+        .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))
 }
 
 fn terminate(children: &mut [(String, Child)]) {
@@ -211,9 +239,11 @@ pub fn up(config: PathBuf) -> Result<()> {
         println!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}");
         println!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'");
         println!("Ctrl-C stops the cluster.");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("watching SIGTERM")?;
         let exited = loop {
             tokio::select! {
                 _ = tokio::signal::ctrl_c() => break None,
+                _ = term.recv() => break None,
                 _ = tokio::time::sleep(Duration::from_millis(500)) => {
                     if let Some(x) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
                         break Some(x);

@@ -14,7 +14,9 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 /// What the engine alone, in this process, generates for a chat message.
 fn engine_text(message: &str, params: SamplingParams) -> (String, usize) {
     let (model, tok) = load_model();
-    let text = tok.apply_chat_template(&[ChatMessage::user(message)], true).unwrap();
+    let text = tok
+        .apply_chat_template(&[ChatMessage::user(message)], true)
+        .unwrap();
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     e.add(0, tok.encode(&text).unwrap(), params).unwrap();
     let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
@@ -27,7 +29,14 @@ fn engine_text(message: &str, params: SamplingParams) -> (String, usize) {
 
 /// Streams a chat completion; returns the concatenated text, the finish reason and the usage.
 fn stream_chat(c: &Cluster, body: Value) -> (String, String, Value) {
-    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    let mut r = request(
+        c.http,
+        "POST",
+        "/v1/chat/completions",
+        "application/json",
+        &body.to_string(),
+    )
+    .unwrap();
     assert_eq!(r.status, 200);
     let (mut text, mut finish, mut usage) = (String::new(), String::new(), Value::Null);
     while let Some((name, data)) = r.next_event() {
@@ -63,7 +72,13 @@ fn disaggregated_stream_equals_engine_greedy_and_seeded() {
     assert!(text.contains("Berlin"), "{text}");
     assert_eq!(finish, "stop");
     assert_eq!(usage["completion_tokens"], n);
-    let params = SamplingParams { max_tokens: Some(48), temperature: 0.8, top_p: 0.95, seed: 42, ..Default::default() };
+    let params = SamplingParams {
+        max_tokens: Some(48),
+        temperature: 0.8,
+        top_p: 0.95,
+        seed: 42,
+        ..Default::default()
+    };
     let (text, _, _) = stream_chat(
         &c,
         json!({"model": MODEL, "messages": [{"role": "user", "content": "Write a haiku about the sea."}], "stream": true,
@@ -82,14 +97,27 @@ fn colocated_cluster_answers_berlin() {
         &json!({"model": MODEL, "temperature": 0, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}]}),
     );
     assert_eq!(status, 200, "{v}");
-    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"), "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Berlin"),
+        "{v}"
+    );
 }
 
 #[test]
 fn sixteen_concurrent_requests_match_single_process_and_free_their_blocks() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
     let questions: Vec<String> = (0..16)
-        .map(|i| format!("{} Question {i}: what is {} plus {}?", "Please answer briefly. ".repeat(i % 5), i * 7, i + 3))
+        .map(|i| {
+            format!(
+                "{} Question {i}: what is {} plus {}?",
+                "Please answer briefly. ".repeat(i % 5),
+                i * 7,
+                i + 3
+            )
+        })
         .collect();
     let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
         let hs: Vec<_> = questions
@@ -116,13 +144,23 @@ fn client_disconnect_frees_kv_on_both_workers_within_a_second() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "ignore_eos": true,
                       "messages": [{"role": "user", "content": "Tell me a very long story."}]});
-    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    let mut r = request(
+        c.http,
+        "POST",
+        "/v1/chat/completions",
+        "application/json",
+        &body.to_string(),
+    )
+    .unwrap();
     for _ in 0..5 {
         r.next_event().expect("tokens stream");
     }
     let busy = c.workers();
     let decode = busy.iter().find(|w| w["role"] == "decode").unwrap();
-    assert!(decode["stats"]["kv_blocks_free"].as_u64() < decode["stats"]["kv_blocks_total"].as_u64(), "{busy:?}");
+    assert!(
+        decode["stats"]["kv_blocks_free"].as_u64() < decode["stats"]["kv_blocks_total"].as_u64(),
+        "{busy:?}"
+    );
     drop(r);
     let took = c.wait_all_free(Duration::from_secs(1));
     println!("blocks freed on both workers {took:?} after the disconnect");
@@ -135,26 +173,102 @@ fn bad_requests_get_openai_errors() {
         let r = request(c.http, "POST", path, ct, body).unwrap();
         assert_eq!(r.status, status, "{body}");
         let v: Value = serde_json::from_str(&r.body()).unwrap();
-        let msg = v["error"]["message"].as_str().unwrap_or_default().to_string();
-        assert!(v["error"]["type"].is_string() && msg.contains(needle), "{body} -> {v}");
+        let msg = v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            v["error"]["type"].is_string() && msg.contains(needle),
+            "{body} -> {v}"
+        );
     };
     let chat = "/v1/chat/completions";
     let msgs = r#""messages": [{"role": "user", "content": "hi"}]"#;
-    check(chat, "application/json", "{not json", 400, "invalid request body");
-    check(chat, "text/plain", &format!("{{{msgs}}}"), 415, "application/json");
-    check(chat, "application/json", &format!(r#"{{"model": "gpt-9", {msgs}}}"#), 404, "does not exist");
-    check(chat, "application/json", &format!(r#"{{"max_tokens": -1, {msgs}}}"#), 400, "at least 1");
-    check(chat, "application/json", &format!(r#"{{"max_tokens": 99999999, {msgs}}}"#), 400, "at most");
-    check(chat, "application/json", r#"{"messages": []}"#, 400, "must not be empty");
-    check(chat, "application/json", r#"{"messages": "hi"}"#, 400, "invalid request body");
-    check(chat, "application/json", &format!(r#"{{"n": 3, {msgs}}}"#), 400, "n must be 1");
-    check(chat, "application/json", &format!(r#"{{"temperature": 7, {msgs}}}"#), 400, "temperature");
+    check(
+        chat,
+        "application/json",
+        "{not json",
+        400,
+        "invalid request body",
+    );
+    check(
+        chat,
+        "text/plain",
+        &format!("{{{msgs}}}"),
+        415,
+        "application/json",
+    );
+    check(
+        chat,
+        "application/json",
+        &format!(r#"{{"model": "gpt-9", {msgs}}}"#),
+        404,
+        "does not exist",
+    );
+    check(
+        chat,
+        "application/json",
+        &format!(r#"{{"max_tokens": -1, {msgs}}}"#),
+        400,
+        "at least 1",
+    );
+    check(
+        chat,
+        "application/json",
+        &format!(r#"{{"max_tokens": 99999999, {msgs}}}"#),
+        400,
+        "at most",
+    );
+    check(
+        chat,
+        "application/json",
+        r#"{"messages": []}"#,
+        400,
+        "must not be empty",
+    );
+    check(
+        chat,
+        "application/json",
+        r#"{"messages": "hi"}"#,
+        400,
+        "invalid request body",
+    );
+    check(
+        chat,
+        "application/json",
+        &format!(r#"{{"n": 3, {msgs}}}"#),
+        400,
+        "n must be 1",
+    );
+    check(
+        chat,
+        "application/json",
+        &format!(r#"{{"temperature": 7, {msgs}}}"#),
+        400,
+        "temperature",
+    );
     let long = "hello ".repeat(9000);
-    check("/v1/completions", "application/json", &json!({"prompt": long}).to_string(), 400, "context");
-    check("/v1/completions", "application/json", r#"{"prompt": [1, 2, 99999999]}"#, 400, "vocabulary");
+    check(
+        "/v1/completions",
+        "application/json",
+        &json!({"prompt": long}).to_string(),
+        400,
+        "context",
+    );
+    check(
+        "/v1/completions",
+        "application/json",
+        r#"{"prompt": [1, 2, 99999999]}"#,
+        400,
+        "vocabulary",
+    );
     check("/v1/nothing", "application/json", "{}", 404, "no endpoint");
     // The cluster still serves.
-    let (status, _) = post_json(c.http, chat, &json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}));
+    let (status, _) = post_json(
+        c.http,
+        chat,
+        &json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}),
+    );
     assert_eq!(status, 200);
 }
 
@@ -164,10 +278,16 @@ fn worker_with_mismatched_kv_layout_is_refused_at_join() {
     let dir = std::env::temp_dir().join(format!("tandem-mismatch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = tandem_tests::cluster::write_config(&dir, false, 32);
-    let out = c.spawn_worker("decode", "odd-one", &cfg).wait_with_output().unwrap();
+    let out = c
+        .spawn_worker("decode", "odd-one", &cfg)
+        .wait_with_output()
+        .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
-    assert!(err.contains("refused") && err.contains("block_size: 16 vs 32"), "{err}");
+    assert!(
+        err.contains("refused") && err.contains("block_size: 16 vs 32"),
+        "{err}"
+    );
     c.wait_for(0, 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -177,7 +297,14 @@ fn killed_decode_worker_gives_an_error_event_and_the_router_recovers() {
     let mut c = Cluster::start(EXE.as_ref(), 1, 1);
     let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "ignore_eos": true,
                       "messages": [{"role": "user", "content": "Tell me a very long story."}]});
-    let mut r = request(c.http, "POST", "/v1/chat/completions", "application/json", &body.to_string()).unwrap();
+    let mut r = request(
+        c.http,
+        "POST",
+        "/v1/chat/completions",
+        "application/json",
+        &body.to_string(),
+    )
+    .unwrap();
     for _ in 0..5 {
         r.next_event().expect("tokens stream");
     }
@@ -187,7 +314,13 @@ fn killed_decode_worker_gives_an_error_event_and_the_router_recovers() {
     while let Some((name, data)) = r.next_event() {
         if name == "error" {
             let v: Value = serde_json::from_str(&data).unwrap();
-            assert!(v["error"]["message"].as_str().unwrap().contains("decode worker"), "{v}");
+            assert!(
+                v["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("decode worker"),
+                "{v}"
+            );
             saw_error = true;
         }
         if data == "[DONE]" {
@@ -206,7 +339,10 @@ fn killed_decode_worker_gives_an_error_event_and_the_router_recovers() {
         &json!({"model": MODEL, "temperature": 0, "max_tokens": 12, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}]}),
     );
     assert_eq!(status, 200, "{v}");
-    assert!(v["choices"][0]["message"]["content"].as_str().unwrap().contains("Berlin"));
+    assert!(v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .contains("Berlin"));
 }
 
 #[test]
@@ -221,8 +357,47 @@ print("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.
 "#,
         c.http
     );
-    let out = std::process::Command::new("python3").arg("-c").arg(script).output().expect("python3 runs");
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "the openai client failed (pip install openai): {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "the openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(stdout.contains("Berlin"), "{stdout}");
+}
+
+#[test]
+fn a_full_decode_worker_makes_requests_wait_not_fail() {
+    // 10 blocks of 16 tokens: one request (about 40 prompt + 64 new tokens = 7 blocks) at a time.
+    let c = Cluster::start_with(EXE.as_ref(), 1, 1, 10);
+    let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..4)
+            .map(|i| {
+                let body = json!({"model": MODEL, "temperature": 0, "max_tokens": 64, "ignore_eos": true,
+                                  "messages": [{"role": "user", "content": format!("Count to {}.", 10 + i)}]});
+                let http = c.http;
+                s.spawn(move || post_json(http, "/v1/chat/completions", &body))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (i, (status, v)) in answers.iter().enumerate() {
+        assert_eq!(*status, 200, "{v}");
+        let want = engine_text(
+            &format!("Count to {}.", 10 + i),
+            SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(64)
+            },
+        )
+        .0;
+        assert_eq!(v["choices"][0]["message"]["content"], want, "request {i}");
+        assert_eq!(v["usage"]["completion_tokens"], 64);
+    }
+    c.wait_all_free(Duration::from_secs(5));
 }

@@ -64,9 +64,15 @@ pub enum WorkerError {
 type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
 
 enum Cmd {
-    Generate { req: GenerateRequest, events: EventTx },
+    Generate {
+        req: GenerateRequest,
+        events: EventTx,
+    },
     Kv(IncomingKv),
-    Cancel { id: u64, found: oneshot::Sender<bool> },
+    Cancel {
+        id: u64,
+        found: oneshot::Sender<bool>,
+    },
     Drain,
 }
 
@@ -102,7 +108,12 @@ fn params(p: Option<grpc::SamplingParams>) -> SamplingParams {
 }
 
 /// The engine thread: owns the engine; applies commands between steps.
-fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<Load>>, kv_timeout: Duration) {
+fn engine_loop(
+    mut engine: Engine,
+    rx: std_mpsc::Receiver<Cmd>,
+    load: Arc<Mutex<Load>>,
+    kv_timeout: Duration,
+) {
     let mut streams: HashMap<u64, EventTx> = HashMap::new();
     let mut deadlines: HashMap<u64, Instant> = HashMap::new();
     let mut draining = false;
@@ -117,12 +128,16 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
             }
         };
-        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
             match cmd {
                 Cmd::Generate { req, events } => {
                     let id = req.request_id;
                     if draining {
-                        let _ = events.send(Err(Status::unavailable("this decode worker is draining")));
+                        let _ =
+                            events.send(Err(Status::unavailable("this decode worker is draining")));
                         continue;
                     }
                     let p = params(req.params);
@@ -135,7 +150,10 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                         Ok(()) => {
                             if req.remote_prefill {
                                 deadlines.insert(id, Instant::now() + kv_timeout);
-                                let _ = events.send(Ok(GenerateEvent { event: Some(generate_event::Event::Reserved(true)), finish: 0 }));
+                                let _ = events.send(Ok(GenerateEvent {
+                                    event: Some(generate_event::Event::Reserved(true)),
+                                    finish: 0,
+                                }));
                             }
                             streams.insert(id, events);
                         }
@@ -147,9 +165,14 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                 Cmd::Kv(kv) => {
                     deadlines.remove(&kv.request_id);
                     let r = if streams.contains_key(&kv.request_id) {
-                        engine.admit_remote(kv.request_id, &kv.layers).map_err(|e| e.to_string())
+                        engine
+                            .admit_remote(kv.request_id, &kv.layers)
+                            .map_err(|e| e.to_string())
                     } else {
-                        Err(format!("request {} is not waiting for KV here (cancelled?)", kv.request_id))
+                        Err(format!(
+                            "request {} is not waiting for KV here (cancelled?)",
+                            kv.request_id
+                        ))
                     };
                     let _ = kv.reply.send(r);
                 }
@@ -163,18 +186,28 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
         }
         // Clients that went away, and reservations whose KV never came.
         let now = Instant::now();
-        let gone: Vec<u64> = streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<u64> = streams
+            .iter()
+            .filter(|(_, tx)| tx.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
         for id in gone {
             streams.remove(&id);
             deadlines.remove(&id);
             engine.abort(id);
         }
-        let late: Vec<u64> = deadlines.iter().filter(|(_, d)| **d <= now).map(|(id, _)| *id).collect();
+        let late: Vec<u64> = deadlines
+            .iter()
+            .filter(|(_, d)| **d <= now)
+            .map(|(id, _)| *id)
+            .collect();
         for id in late {
             deadlines.remove(&id);
             engine.abort(id);
             if let Some(tx) = streams.remove(&id) {
-                let _ = tx.send(Err(Status::deadline_exceeded(format!("the KV of request {id} did not arrive within {kv_timeout:?}"))));
+                let _ = tx.send(Err(Status::deadline_exceeded(format!(
+                    "the KV of request {id} did not arrive within {kv_timeout:?}"
+                ))));
             }
         }
         if engine.has_work() {
@@ -186,8 +219,13 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                             Some(FinishReason::Stop) => grpc::Finish::Stop,
                             Some(FinishReason::Length) => grpc::Finish::Length,
                         };
-                        let msg = GenerateEvent { event: Some(generate_event::Event::Token(ev.token)), finish: finish as i32 };
-                        let sent = streams.get(&ev.id).is_some_and(|tx| tx.send(Ok(msg)).is_ok());
+                        let msg = GenerateEvent {
+                            event: Some(generate_event::Event::Token(ev.token)),
+                            finish: finish as i32,
+                        };
+                        let sent = streams
+                            .get(&ev.id)
+                            .is_some_and(|tx| tx.send(Ok(msg)).is_ok());
                         if ev.finish.is_some() || !sent {
                             streams.remove(&ev.id);
                             if !sent {
@@ -225,7 +263,9 @@ struct Service {
 
 impl Service {
     fn send(&self, c: Cmd) -> Result<(), Status> {
-        self.cmds.send(c).map_err(|_| Status::unavailable("the engine thread has stopped"))
+        self.cmds
+            .send(c)
+            .map_err(|_| Status::unavailable("the engine thread has stopped"))
     }
 }
 
@@ -233,24 +273,44 @@ impl Service {
 impl Decode for Service {
     type GenerateStream = UnboundedReceiverStream<Result<GenerateEvent, Status>>;
 
-    async fn generate(&self, req: Request<GenerateRequest>) -> Result<Response<Self::GenerateStream>, Status> {
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
         let (tx, rx) = mpsc::unbounded_channel();
-        self.send(Cmd::Generate { req: req.into_inner(), events: tx })?;
+        self.send(Cmd::Generate {
+            req: req.into_inner(),
+            events: tx,
+        })?;
         Ok(Response::new(UnboundedReceiverStream::new(rx)))
     }
 
-    async fn cancel(&self, req: Request<grpc::CancelRequest>) -> Result<Response<grpc::CancelReply>, Status> {
+    async fn cancel(
+        &self,
+        req: Request<grpc::CancelRequest>,
+    ) -> Result<Response<grpc::CancelReply>, Status> {
         let (found, rx) = oneshot::channel();
-        self.send(Cmd::Cancel { id: req.into_inner().request_id, found })?;
-        Ok(Response::new(grpc::CancelReply { found: rx.await.unwrap_or(false) }))
+        self.send(Cmd::Cancel {
+            id: req.into_inner().request_id,
+            found,
+        })?;
+        Ok(Response::new(grpc::CancelReply {
+            found: rx.await.unwrap_or(false),
+        }))
     }
 
-    async fn drain(&self, _: Request<grpc::DrainRequest>) -> Result<Response<grpc::DrainReply>, Status> {
+    async fn drain(
+        &self,
+        _: Request<grpc::DrainRequest>,
+    ) -> Result<Response<grpc::DrainReply>, Status> {
         self.send(Cmd::Drain)?;
         Ok(Response::new(grpc::DrainReply {}))
     }
 
-    async fn stats(&self, _: Request<grpc::StatsRequest>) -> Result<Response<grpc::WorkerStats>, Status> {
+    async fn stats(
+        &self,
+        _: Request<grpc::StatsRequest>,
+    ) -> Result<Response<grpc::WorkerStats>, Status> {
         let l = *self.load.lock().expect("load lock");
         Ok(Response::new(grpc::WorkerStats {
             running: l.running,
@@ -267,13 +327,19 @@ impl Decode for Service {
 pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     kernels::set_threads(cfg.threads)?;
     let model_path = cfg.model.clone();
-    let (model, tok) = tokio::task::spawn_blocking(move || engine::load(&model_path, kernels::Device::parse("cpu")?))
-        .await
-        .expect("model loading does not panic")?;
+    let (model, tok) = tokio::task::spawn_blocking(move || {
+        engine::load(&model_path, kernels::Device::parse("cpu")?)
+    })
+    .await
+    .expect("model loading does not panic")?;
     let model = Arc::new(model);
     let identity = engine::identity(&model, cfg.engine.block_size);
     let engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
-    let load = Arc::new(Mutex::new(Load { free: engine.free_blocks() as u32, total: engine.total_blocks() as u32, ..Default::default() }));
+    let load = Arc::new(Mutex::new(Load {
+        free: engine.free_blocks() as u32,
+        total: engine.total_blocks() as u32,
+        ..Default::default()
+    }));
 
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
     let (l2, timeout) = (load.clone(), cfg.kv_timeout);
@@ -285,12 +351,22 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let bind = |what: &str| {
         let addr = format!("{}:0", cfg.host);
         let what = what.to_string();
-        async move { tokio::net::TcpListener::bind(&addr).await.map_err(|e| WorkerError::Bind(format!("{what} {addr}"), e)) }
+        async move {
+            tokio::net::TcpListener::bind(&addr)
+                .await
+                .map_err(|e| WorkerError::Bind(format!("{what} {addr}"), e))
+        }
     };
     let kv_listener = bind("KV listener").await?;
-    let kv_addr = kv_listener.local_addr().map_err(|e| WorkerError::Bind("KV listener".into(), e))?;
+    let kv_addr = kv_listener
+        .local_addr()
+        .map_err(|e| WorkerError::Bind("KV listener".into(), e))?;
     let (kv_tx, mut kv_rx) = mpsc::channel::<IncomingKv>(16);
-    tokio::spawn(kv_transfer::tcp::serve(kv_listener, identity.clone(), kv_tx));
+    tokio::spawn(kv_transfer::tcp::serve(
+        kv_listener,
+        identity.clone(),
+        kv_tx,
+    ));
     let fwd = cmd_tx.clone();
     tokio::spawn(async move {
         while let Some(kv) = kv_rx.recv().await {
@@ -301,8 +377,13 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     });
 
     let grpc_listener = bind("gRPC").await?;
-    let grpc_addr = grpc_listener.local_addr().map_err(|e| WorkerError::Bind("gRPC".into(), e))?;
-    let service = Service { cmds: cmd_tx, load: load.clone() };
+    let grpc_addr = grpc_listener
+        .local_addr()
+        .map_err(|e| WorkerError::Bind("gRPC".into(), e))?;
+    let service = Service {
+        cmds: cmd_tx,
+        load: load.clone(),
+    };
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_service(DecodeServer::new(service))
@@ -319,13 +400,29 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         kv_blocks_total: cfg.engine.num_blocks as u32,
     };
     let l3 = load.clone();
-    let id = proto::membership::join(cfg.router.clone(), join, Duration::from_secs(60), Duration::from_millis(250), move || {
-        let l = *l3.lock().expect("load lock");
-        grpc::Heartbeat { worker_id: 0, running: l.running, waiting: l.waiting + l.awaiting, kv_blocks_free: l.free, kv_blocks_total: l.total }
-    })
+    let id = proto::membership::join(
+        cfg.router.clone(),
+        join,
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        move || {
+            let l = *l3.lock().expect("load lock");
+            grpc::Heartbeat {
+                worker_id: 0,
+                running: l.running,
+                waiting: l.waiting + l.awaiting,
+                kv_blocks_free: l.free,
+                kv_blocks_total: l.total,
+            }
+        },
+    )
     .await?;
     tracing::info!(worker_id = id, grpc = %grpc_addr, kv = %kv_addr, "decode worker {} joined {}", cfg.name, cfg.router);
-    eprintln!("tandem decode {}: serving gRPC on {grpc_addr}, KV on {kv_addr} ({})", cfg.name, model.device_name());
+    eprintln!(
+        "tandem decode {}: serving gRPC on {grpc_addr}, KV on {kv_addr} ({})",
+        cfg.name,
+        model.device_name()
+    );
     server.await.expect("server task does not panic")?;
     Ok(())
 }

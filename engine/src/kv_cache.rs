@@ -139,13 +139,23 @@ impl KvCache {
         for src in [&lk.k, &lk.v] {
             for p in 0..n {
                 let slot = self.slot(table, p).expect("table covers the tokens");
-                out.extend(src[slot * w..(slot + 1) * w].iter().flat_map(|h| h.to_bits().to_le_bytes()));
+                out.extend(
+                    src[slot * w..(slot + 1) * w]
+                        .iter()
+                        .flat_map(|h| h.to_bits().to_le_bytes()),
+                );
             }
         }
     }
 
     /// Writes tokens `0..n` of layer `layer` from `data` (the layout of [`KvCache::read_tokens`]).
-    pub fn write_tokens(&mut self, table: &[u32], layer: usize, n: usize, data: &[u8]) -> Result<()> {
+    pub fn write_tokens(
+        &mut self,
+        table: &[u32],
+        layer: usize,
+        n: usize,
+        data: &[u8],
+    ) -> Result<()> {
         let w = self.width;
         if data.len() != 2 * n * w * 2 {
             return Err(EngineError::InvalidRequest(format!(
@@ -155,14 +165,22 @@ impl KvCache {
             )));
         }
         if self.blocks_for(n) > table.len() {
-            return Err(EngineError::InvalidRequest(format!("{n} tokens do not fit in {} blocks", table.len())));
+            return Err(EngineError::InvalidRequest(format!(
+                "{n} tokens do not fit in {} blocks",
+                table.len()
+            )));
         }
-        let slots: Vec<usize> = (0..n).map(|p| self.slot(table, p).expect("checked")).collect();
+        let slots: Vec<usize> = (0..n)
+            .map(|p| self.slot(table, p).expect("checked"))
+            .collect();
         let lk = &mut self.layers[layer];
         for (half, dst) in [&mut lk.k, &mut lk.v].into_iter().enumerate() {
             let src = &data[half * n * w * 2..(half + 1) * n * w * 2];
             for (p, &slot) in slots.iter().enumerate() {
-                for (d, c) in dst[slot * w..(slot + 1) * w].iter_mut().zip(src[p * w * 2..(p + 1) * w * 2].chunks_exact(2)) {
+                for (d, c) in dst[slot * w..(slot + 1) * w]
+                    .iter_mut()
+                    .zip(src[p * w * 2..(p + 1) * w * 2].chunks_exact(2))
+                {
                     *d = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
                 }
             }

@@ -139,7 +139,10 @@ impl Engine {
     /// Queues a prefill-only request: its KV is computed (chunked, batched with others) and then
     /// held until [`Engine::export_kv`]; no token is sampled.
     pub fn add_prefill_only(&mut self, id: u64, tokens: Vec<u32>) -> Result<()> {
-        let params = SamplingParams { max_tokens: Some(1), ..Default::default() };
+        let params = SamplingParams {
+            max_tokens: Some(1),
+            ..Default::default()
+        };
         let mut seq = self.new_seq(id, tokens, params, true)?;
         seq.max_tokens = 0;
         self.waiting.push_back(seq);
@@ -148,12 +151,20 @@ impl Engine {
 
     /// Reserves blocks for a request whose prompt KV (all but the last prompt token) will come
     /// from a prefill worker. Fails at once with `OutOfBlocks` when the cache has no room now.
-    pub fn reserve_remote(&mut self, id: u64, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+    pub fn reserve_remote(
+        &mut self,
+        id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+    ) -> Result<()> {
         if prompt.len() < 2 {
-            return Err(EngineError::InvalidRequest("a remote prefill needs a prompt of at least 2 tokens".into()));
+            return Err(EngineError::InvalidRequest(
+                "a remote prefill needs a prompt of at least 2 tokens".into(),
+            ));
         }
         let mut seq = self.new_seq(id, prompt, params, false)?;
-        self.kv.reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)?;
+        self.kv
+            .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)?;
         self.awaiting.push(seq);
         Ok(())
     }
@@ -165,7 +176,9 @@ impl Engine {
             .awaiting
             .iter()
             .position(|s| s.id == id)
-            .ok_or_else(|| EngineError::InvalidRequest(format!("no request {id} is waiting for KV")))?;
+            .ok_or_else(|| {
+                EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
+            })?;
         let n = self.awaiting[i].prompt_len - 1;
         if layers.len() != self.model.config.n_layers {
             return Err(EngineError::InvalidRequest(format!(
@@ -175,7 +188,8 @@ impl Engine {
             )));
         }
         for (l, data) in layers.iter().enumerate() {
-            self.kv.write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
+            self.kv
+                .write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
         }
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
@@ -196,7 +210,8 @@ impl Engine {
         let layers = (0..self.model.config.n_layers)
             .map(|l| {
                 let mut buf = Vec::new();
-                self.kv.read_tokens(seq.table.blocks(), l, seq.prompt_len, &mut buf);
+                self.kv
+                    .read_tokens(seq.table.blocks(), l, seq.prompt_len, &mut buf);
                 buf
             })
             .collect();
@@ -209,7 +224,13 @@ impl Engine {
         (self.waiting.len(), self.running.len(), self.awaiting.len())
     }
 
-    fn new_seq(&self, id: u64, prompt: Vec<u32>, params: SamplingParams, prefill_only: bool) -> Result<Seq> {
+    fn new_seq(
+        &self,
+        id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        prefill_only: bool,
+    ) -> Result<Seq> {
         params.validate()?;
         let ctx = self.model.config.context_len;
         if prompt.is_empty() {
@@ -221,8 +242,13 @@ impl Engine {
                 prompt.len()
             )));
         }
-        if let Some(&bad) = prompt.iter().find(|&&t| t as usize >= self.model.config.vocab_size) {
-            return Err(EngineError::InvalidRequest(format!("token id {bad} is outside the vocabulary")));
+        if let Some(&bad) = prompt
+            .iter()
+            .find(|&&t| t as usize >= self.model.config.vocab_size)
+        {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary"
+            )));
         }
         let max_tokens = params.max_tokens.unwrap_or(ctx - prompt.len());
         if prompt.len() + max_tokens > ctx {
@@ -347,7 +373,11 @@ impl Engine {
             });
         }
         for id in finished {
-            let i = self.running.iter().position(|s| s.id == id).expect("planned seqs are running");
+            let i = self
+                .running
+                .iter()
+                .position(|s| s.id == id)
+                .expect("planned seqs are running");
             let s = self.running.remove(i);
             if s.prefill_only {
                 self.prefilled.push(s);

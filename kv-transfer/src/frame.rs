@@ -72,7 +72,10 @@ struct Reader<'a>(&'a [u8]);
 impl Reader<'_> {
     fn take(&mut self, n: usize) -> Result<&[u8], FrameError> {
         if self.0.len() < n {
-            return Err(FrameError(format!("needs {n} more bytes, has {}", self.0.len())));
+            return Err(FrameError(format!(
+                "needs {n} more bytes, has {}",
+                self.0.len()
+            )));
         }
         let (a, b) = self.0.split_at(n);
         self.0 = b;
@@ -86,7 +89,8 @@ impl Reader<'_> {
     }
     fn string(&mut self) -> Result<String, FrameError> {
         let n = self.u32()? as usize;
-        String::from_utf8(self.take(n)?.to_vec()).map_err(|_| FrameError("string is not UTF-8".into()))
+        String::from_utf8(self.take(n)?.to_vec())
+            .map_err(|_| FrameError("string is not UTF-8".into()))
     }
     fn end(&self) -> Result<(), FrameError> {
         if self.0.is_empty() {
@@ -118,7 +122,10 @@ impl Frame {
     pub fn encode(&self) -> Vec<u8> {
         let mut p = Vec::new();
         match self {
-            Frame::Hello { version, identity: i } => {
+            Frame::Hello {
+                version,
+                identity: i,
+            } => {
                 p.extend(MAGIC);
                 p.extend(version.to_le_bytes());
                 put_str(&mut p, &i.model);
@@ -129,19 +136,32 @@ impl Frame {
             }
             Frame::HelloOk => {}
             Frame::Refuse(m) => put_str(&mut p, m),
-            Frame::Begin { request_id, n_tokens, n_layers, width } => {
+            Frame::Begin {
+                request_id,
+                n_tokens,
+                n_layers,
+                width,
+            } => {
                 p.extend(request_id.to_le_bytes());
                 for v in [n_tokens, n_layers, width] {
                     p.extend(v.to_le_bytes());
                 }
             }
-            Frame::Layer { request_id, layer, data } => {
+            Frame::Layer {
+                request_id,
+                layer,
+                data,
+            } => {
                 p.reserve(12 + data.len());
                 p.extend(request_id.to_le_bytes());
                 p.extend(layer.to_le_bytes());
                 p.extend(data);
             }
-            Frame::Ack { request_id, ok, message } => {
+            Frame::Ack {
+                request_id,
+                ok,
+                message,
+            } => {
                 p.extend(request_id.to_le_bytes());
                 p.push(*ok as u8);
                 put_str(&mut p, message);
@@ -159,16 +179,24 @@ impl Frame {
     pub fn header(h: &[u8; HEADER]) -> Result<(u8, u32, u32), FrameError> {
         let len = u32::from_le_bytes(h[1..5].try_into().expect("4"));
         if len > MAX_FRAME {
-            return Err(FrameError(format!("frame of {len} bytes exceeds the limit of {MAX_FRAME}")));
+            return Err(FrameError(format!(
+                "frame of {len} bytes exceeds the limit of {MAX_FRAME}"
+            )));
         }
-        Ok((h[0], len, u32::from_le_bytes(h[5..9].try_into().expect("4"))))
+        Ok((
+            h[0],
+            len,
+            u32::from_le_bytes(h[5..9].try_into().expect("4")),
+        ))
     }
 
     /// Decodes a payload of `kind` after checking its CRC.
     pub fn decode(kind: u8, crc: u32, payload: &[u8]) -> Result<Frame, FrameError> {
         let got = crc32fast::hash(payload);
         if got != crc {
-            return Err(FrameError(format!("checksum mismatch (frame says {crc:08x}, payload has {got:08x})")));
+            return Err(FrameError(format!(
+                "checksum mismatch (frame says {crc:08x}, payload has {got:08x})"
+            )));
         }
         let mut r = Reader(payload);
         let f = match kind {
@@ -179,22 +207,46 @@ impl Frame {
                 let version = r.u32()?;
                 let model = r.string()?;
                 let kv_dtype = r.string()?;
-                let (block_size, n_layers, n_kv_heads, head_dim) = (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
-                Frame::Hello { version, identity: ModelIdentity { model, kv_dtype, block_size, n_layers, n_kv_heads, head_dim } }
+                let (block_size, n_layers, n_kv_heads, head_dim) =
+                    (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+                Frame::Hello {
+                    version,
+                    identity: ModelIdentity {
+                        model,
+                        kv_dtype,
+                        block_size,
+                        n_layers,
+                        n_kv_heads,
+                        head_dim,
+                    },
+                }
             }
             2 => Frame::HelloOk,
             3 => Frame::Refuse(r.string()?),
-            4 => Frame::Begin { request_id: r.u64()?, n_tokens: r.u32()?, n_layers: r.u32()?, width: r.u32()? },
+            4 => Frame::Begin {
+                request_id: r.u64()?,
+                n_tokens: r.u32()?,
+                n_layers: r.u32()?,
+                width: r.u32()?,
+            },
             5 => {
                 let request_id = r.u64()?;
                 let layer = r.u32()?;
                 let data = std::mem::take(&mut r.0).to_vec();
-                Frame::Layer { request_id, layer, data }
+                Frame::Layer {
+                    request_id,
+                    layer,
+                    data,
+                }
             }
             6 => {
                 let request_id = r.u64()?;
                 let ok = r.take(1)?[0] != 0;
-                Frame::Ack { request_id, ok, message: r.string()? }
+                Frame::Ack {
+                    request_id,
+                    ok,
+                    message: r.string()?,
+                }
             }
             k => return Err(FrameError(format!("unknown frame kind {k}"))),
         };
@@ -216,19 +268,56 @@ mod tests {
 
     #[test]
     fn frames_roundtrip_and_corruption_is_caught() {
-        let identity = ModelIdentity { model: "m".into(), kv_dtype: "f16".into(), block_size: 16, n_layers: 2, n_kv_heads: 3, head_dim: 64 };
-        roundtrip(Frame::Hello { version: 1, identity });
+        let identity = ModelIdentity {
+            model: "m".into(),
+            kv_dtype: "f16".into(),
+            block_size: 16,
+            n_layers: 2,
+            n_kv_heads: 3,
+            head_dim: 64,
+        };
+        roundtrip(Frame::Hello {
+            version: 1,
+            identity,
+        });
         roundtrip(Frame::HelloOk);
         roundtrip(Frame::Refuse("no".into()));
-        roundtrip(Frame::Begin { request_id: 7, n_tokens: 5, n_layers: 2, width: 192 });
-        roundtrip(Frame::Layer { request_id: 7, layer: 1, data: vec![1, 2, 3] });
-        roundtrip(Frame::Ack { request_id: 7, ok: false, message: "full".into() });
-        let mut b = Frame::Layer { request_id: 7, layer: 1, data: vec![9; 100] }.encode();
+        roundtrip(Frame::Begin {
+            request_id: 7,
+            n_tokens: 5,
+            n_layers: 2,
+            width: 192,
+        });
+        roundtrip(Frame::Layer {
+            request_id: 7,
+            layer: 1,
+            data: vec![1, 2, 3],
+        });
+        roundtrip(Frame::Ack {
+            request_id: 7,
+            ok: false,
+            message: "full".into(),
+        });
+        let mut b = Frame::Layer {
+            request_id: 7,
+            layer: 1,
+            data: vec![9; 100],
+        }
+        .encode();
         b[50] ^= 1;
         let (kind, _, crc) = Frame::header(b[..HEADER].try_into().unwrap()).unwrap();
-        assert!(Frame::decode(kind, crc, &b[HEADER..]).unwrap_err().0.contains("checksum"));
+        assert!(Frame::decode(kind, crc, &b[HEADER..])
+            .unwrap_err()
+            .0
+            .contains("checksum"));
         // Truncated, unknown and oversized frames are errors, not panics.
-        let b = Frame::Begin { request_id: 1, n_tokens: 1, n_layers: 1, width: 1 }.encode();
+        let b = Frame::Begin {
+            request_id: 1,
+            n_tokens: 1,
+            n_layers: 1,
+            width: 1,
+        }
+        .encode();
         let p = &b[HEADER..b.len() - 2];
         assert!(Frame::decode(4, crc32fast::hash(p), p).is_err());
         assert!(Frame::decode(99, crc32fast::hash(&[]), &[]).is_err());

@@ -61,7 +61,13 @@ mod tests {
 
     #[test]
     fn smollm2_block_is_360_kib() {
-        let l = BlockLayout { block_size: 16, n_layers: 30, n_kv_heads: 3, head_dim: 64, elem_bytes: 2 };
+        let l = BlockLayout {
+            block_size: 16,
+            n_layers: 30,
+            n_kv_heads: 3,
+            head_dim: 64,
+            elem_bytes: 2,
+        };
         assert_eq!(l.bytes_per_layer(), 12288);
         assert_eq!(l.bytes_per_block(), 368640);
     }

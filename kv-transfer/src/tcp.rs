@@ -20,7 +20,12 @@ async fn read_frame<R: AsyncReadExt + Unpin>(r: &mut R) -> Result<Frame, Transfe
 }
 
 /// Writes a `Layer` frame without copying `data` into a frame buffer.
-async fn write_layer(w: &mut TcpStream, request_id: u64, layer: u32, data: &[u8]) -> Result<(), TransferError> {
+async fn write_layer(
+    w: &mut TcpStream,
+    request_id: u64,
+    layer: u32,
+    data: &[u8],
+) -> Result<(), TransferError> {
     let mut head = Vec::with_capacity(12);
     head.extend(request_id.to_le_bytes());
     head.extend(layer.to_le_bytes());
@@ -54,19 +59,33 @@ pub struct TransferStats {
 
 impl TcpKvSender {
     /// Connects to `addr` and completes the handshake within `timeout`.
-    pub async fn connect(addr: &str, identity: &ModelIdentity, timeout: Duration) -> Result<TcpKvSender, TransferError> {
+    pub async fn connect(
+        addr: &str,
+        identity: &ModelIdentity,
+        timeout: Duration,
+    ) -> Result<TcpKvSender, TransferError> {
         let fut = async {
             let mut stream = TcpStream::connect(addr).await?;
             stream.set_nodelay(true)?;
-            let hello = Frame::Hello { version: proto::PROTOCOL_VERSION, identity: identity.clone() };
+            let hello = Frame::Hello {
+                version: proto::PROTOCOL_VERSION,
+                identity: identity.clone(),
+            };
             stream.write_all(&hello.encode()).await?;
             match read_frame(&mut stream).await? {
-                Frame::HelloOk => Ok(TcpKvSender { stream, peer: addr.to_string() }),
+                Frame::HelloOk => Ok(TcpKvSender {
+                    stream,
+                    peer: addr.to_string(),
+                }),
                 Frame::Refuse(why) => Err(TransferError::Refused(why)),
-                other => Err(TransferError::Protocol(format!("expected HelloOk, got {other:?}"))),
+                other => Err(TransferError::Protocol(format!(
+                    "expected HelloOk, got {other:?}"
+                ))),
             }
         };
-        tokio::time::timeout(timeout, fut).await.map_err(|_| TransferError::Timeout(format!("connecting to {addr}")))?
+        tokio::time::timeout(timeout, fut)
+            .await
+            .map_err(|_| TransferError::Timeout(format!("connecting to {addr}")))?
     }
 
     /// The peer's address.
@@ -77,25 +96,48 @@ impl TcpKvSender {
     /// Sends one request's KV (`layers[l]` = keys then values of `n_tokens` tokens, f16) and
     /// waits for the receiver to admit it, all within `timeout`.
     pub async fn send(
-        &mut self, request_id: u64, n_tokens: u32, width: u32, layers: &[Vec<u8>], timeout: Duration,
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        layers: &[Vec<u8>],
+        timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
         let fut = async {
-            let begin = Frame::Begin { request_id, n_tokens, n_layers: layers.len() as u32, width };
+            let begin = Frame::Begin {
+                request_id,
+                n_tokens,
+                n_layers: layers.len() as u32,
+                width,
+            };
             self.stream.write_all(&begin.encode()).await?;
             for (l, data) in layers.iter().enumerate() {
                 write_layer(&mut self.stream, request_id, l as u32, data).await?;
             }
             match read_frame(&mut self.stream).await? {
-                Frame::Ack { request_id: r, ok: true, .. } if r == request_id => Ok(()),
-                Frame::Ack { request_id: r, ok: false, message } if r == request_id => Err(TransferError::Refused(message)),
-                other => Err(TransferError::Protocol(format!("expected the ack of request {request_id}, got {other:?}"))),
+                Frame::Ack {
+                    request_id: r,
+                    ok: true,
+                    ..
+                } if r == request_id => Ok(()),
+                Frame::Ack {
+                    request_id: r,
+                    ok: false,
+                    message,
+                } if r == request_id => Err(TransferError::Refused(message)),
+                other => Err(TransferError::Protocol(format!(
+                    "expected the ack of request {request_id}, got {other:?}"
+                ))),
             }
         };
-        tokio::time::timeout(timeout, fut)
-            .await
-            .map_err(|_| TransferError::Timeout(format!("KV of request {request_id} to {}", self.peer)))??;
-        Ok(TransferStats { bytes: layers.iter().map(|l| l.len() as u64).sum(), elapsed: t0.elapsed() })
+        tokio::time::timeout(timeout, fut).await.map_err(|_| {
+            TransferError::Timeout(format!("KV of request {request_id} to {}", self.peer))
+        })??;
+        Ok(TransferStats {
+            bytes: layers.iter().map(|l| l.len() as u64).sum(),
+            elapsed: t0.elapsed(),
+        })
     }
 }
 
@@ -118,12 +160,15 @@ pub struct IncomingKv {
 /// handshake, before any KV is read.
 pub async fn serve(listener: TcpListener, identity: ModelIdentity, tx: mpsc::Sender<IncomingKv>) {
     loop {
-        let Ok((stream, peer)) = listener.accept().await else { continue };
+        let Ok((stream, peer)) = listener.accept().await else {
+            continue;
+        };
         let (identity, tx) = (identity.clone(), tx.clone());
         tokio::spawn(async move {
             if let Err(e) = connection(stream, &identity, tx).await {
                 match e {
-                    TransferError::Io(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {}
+                    TransferError::Io(ref io) if io.kind() == std::io::ErrorKind::UnexpectedEof => {
+                    }
                     e => tracing::warn!(%peer, "KV connection closed: {e}"),
                 }
             }
@@ -131,16 +176,28 @@ pub async fn serve(listener: TcpListener, identity: ModelIdentity, tx: mpsc::Sen
     }
 }
 
-async fn connection(stream: TcpStream, identity: &ModelIdentity, tx: mpsc::Sender<IncomingKv>) -> Result<(), TransferError> {
+async fn connection(
+    stream: TcpStream,
+    identity: &ModelIdentity,
+    tx: mpsc::Sender<IncomingKv>,
+) -> Result<(), TransferError> {
     stream.set_nodelay(true)?;
     let (r, mut w) = stream.into_split();
     let mut r = BufReader::with_capacity(1 << 20, r);
     match read_frame(&mut r).await? {
-        Frame::Hello { version, identity: theirs } => {
+        Frame::Hello {
+            version,
+            identity: theirs,
+        } => {
             let why = if version != proto::PROTOCOL_VERSION {
-                Some(format!("protocol version {version}, this worker speaks {}", proto::PROTOCOL_VERSION))
+                Some(format!(
+                    "protocol version {version}, this worker speaks {}",
+                    proto::PROTOCOL_VERSION
+                ))
             } else {
-                identity.incompatibility(&theirs).map(|d| format!("incompatible KV layout: {d}"))
+                identity
+                    .incompatibility(&theirs)
+                    .map(|d| format!("incompatible KV layout: {d}"))
             };
             if let Some(why) = why {
                 w.write_all(&Frame::Refuse(why.clone()).encode()).await?;
@@ -148,15 +205,28 @@ async fn connection(stream: TcpStream, identity: &ModelIdentity, tx: mpsc::Sende
             }
             w.write_all(&Frame::HelloOk.encode()).await?;
         }
-        other => return Err(TransferError::Protocol(format!("expected Hello, got {other:?}"))),
+        other => {
+            return Err(TransferError::Protocol(format!(
+                "expected Hello, got {other:?}"
+            )))
+        }
     }
     let width = (identity.n_kv_heads * identity.head_dim) as usize;
     loop {
         let (request_id, n_tokens, n_layers) = match read_frame(&mut r).await? {
-            Frame::Begin { request_id, n_tokens, n_layers, width: w2 } if w2 as usize == width && n_layers == identity.n_layers => {
+            Frame::Begin {
+                request_id,
+                n_tokens,
+                n_layers,
+                width: w2,
+            } if w2 as usize == width && n_layers == identity.n_layers => {
                 (request_id, n_tokens, n_layers)
             }
-            other => return Err(TransferError::Protocol(format!("expected a Begin matching the handshake, got {other:?}"))),
+            other => {
+                return Err(TransferError::Protocol(format!(
+                    "expected a Begin matching the handshake, got {other:?}"
+                )))
+            }
         };
         let expect = 4 * n_tokens as usize * width;
         let mut layers = Vec::with_capacity(n_layers as usize);
@@ -173,12 +243,23 @@ async fn connection(stream: TcpStream, identity: &ModelIdentity, tx: mpsc::Sende
             }
         }
         let (reply, verdict) = oneshot::channel();
-        let incoming = IncomingKv { request_id, n_tokens, layers, reply };
+        let incoming = IncomingKv {
+            request_id,
+            n_tokens,
+            layers,
+            reply,
+        };
         let result = match tx.send(incoming).await {
-            Ok(()) => verdict.await.unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
+            Ok(()) => verdict
+                .await
+                .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
             Err(_) => Err("the worker is shutting down".into()),
         };
-        let ack = Frame::Ack { request_id, ok: result.is_ok(), message: result.err().unwrap_or_default() };
+        let ack = Frame::Ack {
+            request_id,
+            ok: result.is_ok(),
+            message: result.err().unwrap_or_default(),
+        };
         w.write_all(&ack.encode()).await?;
     }
 }

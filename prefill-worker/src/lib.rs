@@ -65,8 +65,15 @@ pub enum WorkerError {
 type KvReply = oneshot::Sender<Result<Vec<Vec<u8>>, Status>>;
 
 enum Cmd {
-    Prefill { id: u64, tokens: Vec<u32>, reply: KvReply },
-    Cancel { id: u64, found: oneshot::Sender<bool> },
+    Prefill {
+        id: u64,
+        tokens: Vec<u32>,
+        reply: KvReply,
+    },
+    Cancel {
+        id: u64,
+        found: oneshot::Sender<bool>,
+    },
     Drain,
 }
 
@@ -91,11 +98,15 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                 Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
             }
         };
-        for cmd in first.into_iter().chain(std::iter::from_fn(|| rx.try_recv().ok())) {
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
             match cmd {
                 Cmd::Prefill { id, tokens, reply } => {
                     if draining {
-                        let _ = reply.send(Err(Status::unavailable("this prefill worker is draining")));
+                        let _ =
+                            reply.send(Err(Status::unavailable("this prefill worker is draining")));
                         continue;
                     }
                     match engine.add_prefill_only(id, tokens) {
@@ -117,7 +128,11 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
                 Cmd::Drain => draining = true,
             }
         }
-        let gone: Vec<u64> = replies.iter().filter(|(_, r)| r.is_closed()).map(|(id, _)| *id).collect();
+        let gone: Vec<u64> = replies
+            .iter()
+            .filter(|(_, r)| r.is_closed())
+            .map(|(id, _)| *id)
+            .collect();
         for id in gone {
             replies.remove(&id);
             engine.abort(id);
@@ -138,8 +153,12 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
             }
         }
         let (waiting, running, _) = engine.counts();
-        *load.lock().expect("load lock") =
-            Load { running: running as u32, waiting: waiting as u32, free: engine.free_blocks() as u32, total: engine.total_blocks() as u32 };
+        *load.lock().expect("load lock") = Load {
+            running: running as u32,
+            waiting: waiting as u32,
+            free: engine.free_blocks() as u32,
+            total: engine.total_blocks() as u32,
+        };
     }
 }
 
@@ -157,32 +176,63 @@ struct Service {
 
 impl Service {
     fn send(&self, c: Cmd) -> Result<(), Status> {
-        self.cmds.send(c).map_err(|_| Status::unavailable("the engine thread has stopped"))
+        self.cmds
+            .send(c)
+            .map_err(|_| Status::unavailable("the engine thread has stopped"))
     }
 }
 
 #[tonic::async_trait]
 impl Prefill for Service {
-    async fn prefill(&self, req: Request<PrefillRequest>) -> Result<Response<PrefillReply>, Status> {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
         let req = req.into_inner();
         let n = req.tokens.len() as u32;
         let t0 = Instant::now();
         let (reply, kv) = oneshot::channel();
-        self.send(Cmd::Prefill { id: req.request_id, tokens: req.tokens, reply })?;
-        let layers = kv.await.map_err(|_| Status::unavailable("the engine thread has stopped"))??;
+        self.send(Cmd::Prefill {
+            id: req.request_id,
+            tokens: req.tokens,
+            reply,
+        })?;
+        let layers = kv
+            .await
+            .map_err(|_| Status::unavailable("the engine thread has stopped"))??;
         let compute = t0.elapsed();
-        let idle = self.conns.lock().expect("conns lock").get_mut(&req.decode_kv_endpoint).and_then(Vec::pop);
+        let idle = self
+            .conns
+            .lock()
+            .expect("conns lock")
+            .get_mut(&req.decode_kv_endpoint)
+            .and_then(Vec::pop);
         let mut conn = match idle {
             Some(c) => c,
-            None => TcpKvSender::connect(&req.decode_kv_endpoint, &self.identity, self.connect_timeout)
-                .await
-                .map_err(|e| Status::unavailable(e.to_string()))?,
+            None => TcpKvSender::connect(
+                &req.decode_kv_endpoint,
+                &self.identity,
+                self.connect_timeout,
+            )
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?,
         };
         let stats = conn
-            .send(req.request_id, n, self.width, &layers, self.transfer_timeout)
+            .send(
+                req.request_id,
+                n,
+                self.width,
+                &layers,
+                self.transfer_timeout,
+            )
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
-        self.conns.lock().expect("conns lock").entry(req.decode_kv_endpoint).or_default().push(conn);
+        self.conns
+            .lock()
+            .expect("conns lock")
+            .entry(req.decode_kv_endpoint)
+            .or_default()
+            .push(conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
             compute_us: compute.as_micros() as u64,
@@ -191,18 +241,32 @@ impl Prefill for Service {
         }))
     }
 
-    async fn cancel(&self, req: Request<grpc::CancelRequest>) -> Result<Response<grpc::CancelReply>, Status> {
+    async fn cancel(
+        &self,
+        req: Request<grpc::CancelRequest>,
+    ) -> Result<Response<grpc::CancelReply>, Status> {
         let (found, rx) = oneshot::channel();
-        self.send(Cmd::Cancel { id: req.into_inner().request_id, found })?;
-        Ok(Response::new(grpc::CancelReply { found: rx.await.unwrap_or(false) }))
+        self.send(Cmd::Cancel {
+            id: req.into_inner().request_id,
+            found,
+        })?;
+        Ok(Response::new(grpc::CancelReply {
+            found: rx.await.unwrap_or(false),
+        }))
     }
 
-    async fn drain(&self, _: Request<grpc::DrainRequest>) -> Result<Response<grpc::DrainReply>, Status> {
+    async fn drain(
+        &self,
+        _: Request<grpc::DrainRequest>,
+    ) -> Result<Response<grpc::DrainReply>, Status> {
         self.send(Cmd::Drain)?;
         Ok(Response::new(grpc::DrainReply {}))
     }
 
-    async fn stats(&self, _: Request<grpc::StatsRequest>) -> Result<Response<grpc::WorkerStats>, Status> {
+    async fn stats(
+        &self,
+        _: Request<grpc::StatsRequest>,
+    ) -> Result<Response<grpc::WorkerStats>, Status> {
         let l = *self.load.lock().expect("load lock");
         Ok(Response::new(grpc::WorkerStats {
             running: l.running,
@@ -218,13 +282,19 @@ impl Prefill for Service {
 pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     kernels::set_threads(cfg.threads)?;
     let model_path = cfg.model.clone();
-    let (model, _) = tokio::task::spawn_blocking(move || engine::load(&model_path, kernels::Device::parse("cpu")?))
-        .await
-        .expect("model loading does not panic")?;
+    let (model, _) = tokio::task::spawn_blocking(move || {
+        engine::load(&model_path, kernels::Device::parse("cpu")?)
+    })
+    .await
+    .expect("model loading does not panic")?;
     let model = Arc::new(model);
     let identity = engine::identity(&model, cfg.engine.block_size);
     let engine = Engine::new(model.clone(), cfg.engine.clone(), Vec::new())?;
-    let load = Arc::new(Mutex::new(Load { free: engine.free_blocks() as u32, total: engine.total_blocks() as u32, ..Default::default() }));
+    let load = Arc::new(Mutex::new(Load {
+        free: engine.free_blocks() as u32,
+        total: engine.total_blocks() as u32,
+        ..Default::default()
+    }));
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
     let l2 = load.clone();
     std::thread::Builder::new()
@@ -233,8 +303,12 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         .expect("engine thread starts");
 
     let addr = format!("{}:0", cfg.host);
-    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| WorkerError::Bind(addr.clone(), e))?;
-    let grpc_addr = listener.local_addr().map_err(|e| WorkerError::Bind(addr, e))?;
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| WorkerError::Bind(addr.clone(), e))?;
+    let grpc_addr = listener
+        .local_addr()
+        .map_err(|e| WorkerError::Bind(addr, e))?;
     let service = Service {
         cmds: cmd_tx,
         load: load.clone(),
@@ -259,13 +333,29 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         kv_blocks_total: cfg.engine.num_blocks as u32,
     };
     let l3 = load.clone();
-    let id = proto::membership::join(cfg.router.clone(), join, Duration::from_secs(60), Duration::from_millis(250), move || {
-        let l = *l3.lock().expect("load lock");
-        grpc::Heartbeat { worker_id: 0, running: l.running, waiting: l.waiting, kv_blocks_free: l.free, kv_blocks_total: l.total }
-    })
+    let id = proto::membership::join(
+        cfg.router.clone(),
+        join,
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        move || {
+            let l = *l3.lock().expect("load lock");
+            grpc::Heartbeat {
+                worker_id: 0,
+                running: l.running,
+                waiting: l.waiting,
+                kv_blocks_free: l.free,
+                kv_blocks_total: l.total,
+            }
+        },
+    )
     .await?;
     tracing::info!(worker_id = id, grpc = %grpc_addr, "prefill worker {} joined {}", cfg.name, cfg.router);
-    eprintln!("tandem prefill {}: serving gRPC on {grpc_addr} ({})", cfg.name, model.device_name());
+    eprintln!(
+        "tandem prefill {}: serving gRPC on {grpc_addr} ({})",
+        cfg.name,
+        model.device_name()
+    );
     server.await.expect("server task does not panic")?;
     Ok(())
 }

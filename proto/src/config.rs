@@ -49,7 +49,10 @@ fn default_block_size() -> Spanned<u32> {
 
 impl Default for ModelSection {
     fn default() -> Self {
-        ModelSection { path: None, block_size: default_block_size() }
+        ModelSection {
+            path: None,
+            block_size: default_block_size(),
+        }
     }
 }
 
@@ -74,7 +77,10 @@ fn default_control() -> Spanned<String> {
 
 impl Default for RouterSection {
     fn default() -> Self {
-        RouterSection { listen: default_listen(), control: default_control() }
+        RouterSection {
+            listen: default_listen(),
+            control: default_control(),
+        }
     }
 }
 
@@ -169,11 +175,27 @@ impl Ctx<'_> {
     fn line(&self, offset: usize) -> usize {
         self.src[..offset.min(self.src.len())].matches('\n').count() + 1
     }
-    fn err<T>(&self, span: std::ops::Range<usize>, key: &str, msg: impl std::fmt::Display) -> Result<T, ConfigError> {
-        let at = if span.is_empty() { "(default)".to_string() } else { format!("{}", self.line(span.start)) };
-        Err(ConfigError(format!("{}:{at}: {key}: {msg}", self.file.display())))
+    fn err<T>(
+        &self,
+        span: std::ops::Range<usize>,
+        key: &str,
+        msg: impl std::fmt::Display,
+    ) -> Result<T, ConfigError> {
+        let at = if span.is_empty() {
+            "(default)".to_string()
+        } else {
+            format!("{}", self.line(span.start))
+        };
+        Err(ConfigError(format!(
+            "{}:{at}: {key}: {msg}",
+            self.file.display()
+        )))
     }
-    fn positive<T: PartialOrd + Default + Copy>(&self, v: &Spanned<T>, key: &str) -> Result<(), ConfigError> {
+    fn positive<T: PartialOrd + Default + Copy>(
+        &self,
+        v: &Spanned<T>,
+        key: &str,
+    ) -> Result<(), ConfigError> {
         if *v.get_ref() <= T::default() {
             return self.err(v.span(), key, "must be at least 1");
         }
@@ -181,7 +203,11 @@ impl Ctx<'_> {
     }
     fn addr(&self, v: &Spanned<String>, key: &str) -> Result<(), ConfigError> {
         if v.get_ref().parse::<SocketAddr>().is_err() {
-            return self.err(v.span(), key, format!("{:?} is not a host:port socket address", v.get_ref()));
+            return self.err(
+                v.span(),
+                key,
+                format!("{:?} is not a host:port socket address", v.get_ref()),
+            );
         }
         Ok(())
     }
@@ -190,7 +216,8 @@ impl Ctx<'_> {
 impl ClusterConfig {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
-        let src = std::fs::read_to_string(path).map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
+        let src = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError(format!("{}: {e}", path.display())))?;
         ClusterConfig::parse(path, &src)
     }
 
@@ -198,13 +225,18 @@ impl ClusterConfig {
     pub fn parse(file: &Path, src: &str) -> Result<ClusterConfig, ConfigError> {
         let ctx = Ctx { file, src };
         let cfg: ClusterConfig = toml::from_str(src).map_err(|e| {
-            let line = e.span().map_or(String::from("?"), |s| ctx.line(s.start).to_string());
+            let line = e
+                .span()
+                .map_or(String::from("?"), |s| ctx.line(s.start).to_string());
             ConfigError(format!("{}:{line}: {}", file.display(), e.message()))
         })?;
         ctx.positive(&cfg.model.block_size, "model.block_size")?;
         ctx.addr(&cfg.router.listen, "router.listen")?;
         ctx.addr(&cfg.router.control, "router.control")?;
-        for (name, pool) in [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))] {
+        for (name, pool) in [
+            ("prefill", cfg.prefill.as_ref()),
+            ("decode", Some(&cfg.decode)),
+        ] {
             let Some(pool) = pool else { continue };
             ctx.positive(&pool.replicas, &format!("{name}.replicas"))?;
             ctx.positive(&pool.threads, &format!("{name}.threads"))?;
@@ -213,7 +245,14 @@ impl ClusterConfig {
         }
         let t = &cfg.kv_transfer;
         if t.transport.get_ref() != "tcp" {
-            return ctx.err(t.transport.span(), "kv_transfer.transport", format!("{:?} is not available (built: \"tcp\")", t.transport.get_ref()));
+            return ctx.err(
+                t.transport.span(),
+                "kv_transfer.transport",
+                format!(
+                    "{:?} is not available (built: \"tcp\")",
+                    t.transport.get_ref()
+                ),
+            );
         }
         ctx.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
         ctx.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
@@ -239,16 +278,33 @@ mod tests {
         let c = parse("[decode]\n").unwrap();
         assert!(!c.disaggregated());
         assert_eq!(*c.decode.kv_blocks.get_ref(), 1024);
-        let e = parse("[prefill]\nreplicas = 1\n\n[decode]\nthreads = 0\n").unwrap_err().to_string();
+        let e = parse("[prefill]\nreplicas = 1\n\n[decode]\nthreads = 0\n")
+            .unwrap_err()
+            .to_string();
         assert_eq!(e, "cluster.toml:5: decode.threads: must be at least 1");
         let e = parse("[decode]\nreplica = 2\n").unwrap_err().to_string();
-        assert!(e.starts_with("cluster.toml:2: unknown field `replica`"), "{e}");
-        let e = parse("[router]\nlisten = \"nowhere\"\n[decode]\n").unwrap_err().to_string();
-        assert_eq!(e, "cluster.toml:2: router.listen: \"nowhere\" is not a host:port socket address");
-        let e = parse("[decode]\nkv_blocks = \"many\"\n").unwrap_err().to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: unknown field `replica`"),
+            "{e}"
+        );
+        let e = parse("[router]\nlisten = \"nowhere\"\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "cluster.toml:2: router.listen: \"nowhere\" is not a host:port socket address"
+        );
+        let e = parse("[decode]\nkv_blocks = \"many\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(e.starts_with("cluster.toml:2: invalid type"), "{e}");
-        let e = parse("[kv_transfer]\ntransport = \"rdma\"\n[decode]\n").unwrap_err().to_string();
-        assert!(e.starts_with("cluster.toml:2: kv_transfer.transport"), "{e}");
+        let e = parse("[kv_transfer]\ntransport = \"rdma\"\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: kv_transfer.transport"),
+            "{e}"
+        );
         let e = parse("").unwrap_err().to_string();
         assert!(e.contains("missing field `decode`"), "{e}");
     }

@@ -29,17 +29,23 @@ pub async fn join(
     let deadline = tokio::time::Instant::now() + wait;
     let (mut client, id) = loop {
         let attempt = async {
-            let mut c = ControlClient::connect(router.clone()).await.map_err(|e| e.to_string())?;
+            let mut c = ControlClient::connect(router.clone())
+                .await
+                .map_err(|e| e.to_string())?;
             match c.join(request.clone()).await {
                 Ok(r) => Ok(Ok((c, r.into_inner().worker_id))),
-                Err(s) if s.code() == tonic::Code::FailedPrecondition => Ok(Err(s.message().to_string())),
+                Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                    Ok(Err(s.message().to_string()))
+                }
                 Err(s) => Err(s.to_string()),
             }
         };
         match attempt.await {
             Ok(Ok(joined)) => break joined,
             Ok(Err(refused)) => return Err(JoinError::Refused(refused)),
-            Err(e) if tokio::time::Instant::now() >= deadline => return Err(JoinError::Unreachable(router, e)),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(JoinError::Unreachable(router, e))
+            }
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     };
@@ -47,7 +53,10 @@ pub async fn join(
         let mut id = id;
         loop {
             tokio::time::sleep(period).await;
-            let beat = Heartbeat { worker_id: id, ..stats() };
+            let beat = Heartbeat {
+                worker_id: id,
+                ..stats()
+            };
             match client.beat(beat).await {
                 Ok(_) => {}
                 Err(s) if s.code() == tonic::Code::NotFound => {

@@ -27,11 +27,17 @@ use crate::State;
 const DEFAULT_MAX_TOKENS: usize = 1024;
 
 fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
-    let ct = headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("");
+    let ct = headers
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
     if !ct.starts_with("application/json") {
-        return Err(ApiError::UnsupportedMediaType(format!("expected Content-Type: application/json, got {ct:?}")));
+        return Err(ApiError::UnsupportedMediaType(format!(
+            "expected Content-Type: application/json, got {ct:?}"
+        )));
     }
-    serde_json::from_slice(body).map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
+    serde_json::from_slice(body)
+        .map_err(|e| ApiError::BadRequest(format!("invalid request body: {e}")))
 }
 
 /// What a request asks for once validated and tokenised.
@@ -46,7 +52,10 @@ struct Prepared {
 fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
     if let Some(m) = &c.model {
         if m != &state.model_id {
-            return Err(ApiError::ModelNotFound(format!("the model {m:?} does not exist; this cluster serves {:?}", state.model_id)));
+            return Err(ApiError::ModelNotFound(format!(
+                "the model {m:?} does not exist; this cluster serves {:?}",
+                state.model_id
+            )));
         }
     }
     if c.n.is_some_and(|n| n != 1) {
@@ -57,7 +66,10 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
         return Err(ApiError::BadRequest("the prompt is empty".into()));
     }
     if prompt.len() >= ctx {
-        return Err(ApiError::BadRequest(format!("the prompt has {} tokens; the model's context is {ctx} tokens", prompt.len())));
+        return Err(ApiError::BadRequest(format!(
+            "the prompt has {} tokens; the model's context is {ctx} tokens",
+            prompt.len()
+        )));
     }
     let room = ctx - prompt.len();
     let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
@@ -73,15 +85,21 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
     };
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::BadRequest(format!("temperature must be between 0 and 2, got {temperature}")));
+        return Err(ApiError::BadRequest(format!(
+            "temperature must be between 0 and 2, got {temperature}"
+        )));
     }
     let top_p = c.top_p.unwrap_or(1.0);
     if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::BadRequest(format!("top_p must be in (0, 1], got {top_p}")));
+        return Err(ApiError::BadRequest(format!(
+            "top_p must be in (0, 1], got {top_p}"
+        )));
     }
     let top_k = c.top_k.unwrap_or(0);
     if top_k < 0 {
-        return Err(ApiError::BadRequest(format!("top_k must be non-negative, got {top_k}")));
+        return Err(ApiError::BadRequest(format!(
+            "top_k must be non-negative, got {top_k}"
+        )));
     }
     let stops = match &c.stop {
         None => Vec::new(),
@@ -108,7 +126,11 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(AxState(state): AxState<Arc<State>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn chat(
+    AxState(state): AxState<Arc<State>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let run = async {
         let req: ChatRequest = parse(&headers, &body)?;
         if req.messages.is_empty() {
@@ -117,10 +139,21 @@ pub async fn chat(AxState(state): AxState<Arc<State>>, headers: HeaderMap, body:
         let messages = req
             .messages
             .iter()
-            .map(|m| Ok(ChatMessage { role: m.role.clone(), content: m.content.text()? }))
+            .map(|m| {
+                Ok(ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.text()?,
+                })
+            })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let text = state.tokenizer.apply_chat_template(&messages, true).map_err(|e| ApiError::BadRequest(e.to_string()))?;
-        let ids = state.tokenizer.encode(&text).map_err(|e| ApiError::Internal(e.to_string()))?;
+        let text = state
+            .tokenizer
+            .apply_chat_template(&messages, true)
+            .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+        let ids = state
+            .tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
         let p = prepare(&state, &req.common, ids)?;
         respond(state.clone(), p, Kind::Chat).await
     };
@@ -128,16 +161,32 @@ pub async fn chat(AxState(state): AxState<Arc<State>>, headers: HeaderMap, body:
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(AxState(state): AxState<Arc<State>>, headers: HeaderMap, body: Bytes) -> Response {
+pub async fn completions(
+    AxState(state): AxState<Arc<State>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
     let run = async {
         let req: CompletionRequest = parse(&headers, &body)?;
         let ids = match &req.prompt {
-            Prompt::Text(t) => state.tokenizer.encode(t).map_err(|e| ApiError::Internal(e.to_string()))?,
-            Prompt::Texts(v) if v.len() == 1 => state.tokenizer.encode(&v[0]).map_err(|e| ApiError::Internal(e.to_string()))?,
-            Prompt::Texts(_) => return Err(ApiError::BadRequest("exactly one prompt per request".into())),
+            Prompt::Text(t) => state
+                .tokenizer
+                .encode(t)
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+            Prompt::Texts(v) if v.len() == 1 => state
+                .tokenizer
+                .encode(&v[0])
+                .map_err(|e| ApiError::Internal(e.to_string()))?,
+            Prompt::Texts(_) => {
+                return Err(ApiError::BadRequest(
+                    "exactly one prompt per request".into(),
+                ))
+            }
             Prompt::Tokens(t) => {
                 if let Some(bad) = t.iter().find(|&&x| x as usize >= state.vocab_size) {
-                    return Err(ApiError::BadRequest(format!("token id {bad} is outside the vocabulary")));
+                    return Err(ApiError::BadRequest(format!(
+                        "token id {bad} is outside the vocabulary"
+                    )));
                 }
                 t.clone()
             }
@@ -175,7 +224,10 @@ impl Texter {
         if finish == Finish::Stop && self.state.tokenizer.stop_ids().contains(&tok) {
             return (self.stops.flush(), Some("stop"));
         }
-        let piece = self.dec.push(&self.state.tokenizer, tok).unwrap_or_default();
+        let piece = self
+            .dec
+            .push(&self.state.tokenizer, tok)
+            .unwrap_or_default();
         let (mut text, stopped) = self.stops.push(&piece);
         if stopped {
             return (text, Some("stop"));
@@ -189,115 +241,197 @@ impl Texter {
 }
 
 fn now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
 }
 
 async fn respond(state: Arc<State>, p: Prepared, kind: Kind) -> Result<Response, ApiError> {
     let prompt_tokens = p.prompt.len();
     let (first, rx) = pipeline::start(&state, p.prompt, p.params).await?;
     let first = first?;
-    let id = format!("{}-{}", if kind == Kind::Chat { "chatcmpl" } else { "cmpl" }, uuidish());
-    let mut tx = Texter { state: state.clone(), dec: StreamDecoder::default(), stops: StopStrings::new(&p.stops), tokens: 0 };
+    let id = format!(
+        "{}-{}",
+        if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        },
+        uuidish()
+    );
+    let mut tx = Texter {
+        state: state.clone(),
+        dec: StreamDecoder::default(),
+        stops: StopStrings::new(&p.stops),
+        tokens: 0,
+    };
     if !p.stream {
         let (mut text, mut reason) = tx.push(first.0, first.1);
         let mut rx = rx;
         while reason.is_none() {
-            let (t, f) = rx.recv().await.unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
+            let (t, f) = rx
+                .recv()
+                .await
+                .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
             let (piece, r) = tx.push(t, f);
             text.push_str(&piece);
             reason = r;
         }
-        let usage = Usage { prompt_tokens, completion_tokens: tx.tokens, total_tokens: prompt_tokens + tx.tokens };
-        let choice = match kind {
-            Kind::Chat => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": null}),
-            Kind::Text => json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null}),
+        let usage = Usage {
+            prompt_tokens,
+            completion_tokens: tx.tokens,
+            total_tokens: prompt_tokens + tx.tokens,
         };
-        let object = if kind == Kind::Chat { "chat.completion" } else { "text_completion" };
+        let choice = match kind {
+            Kind::Chat => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": null})
+            }
+            Kind::Text => {
+                json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null})
+            }
+        };
+        let object = if kind == Kind::Chat {
+            "chat.completion"
+        } else {
+            "text_completion"
+        };
         return Ok(Json(json!({"id": id, "object": object, "created": now(), "model": state.model_id, "choices": [choice], "usage": usage})).into_response());
     }
-    let stream = sse(state, id, kind, tx, first, rx, prompt_tokens, p.include_usage);
+    let stream = sse(
+        state,
+        id,
+        kind,
+        tx,
+        first,
+        rx,
+        prompt_tokens,
+        p.include_usage,
+    );
     Ok(Sse::new(stream).into_response())
 }
 
 fn uuidish() -> String {
     use std::sync::atomic::{AtomicU64, Ordering};
     static N: AtomicU64 = AtomicU64::new(0);
-    format!("{:x}{:04x}", SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64), N.fetch_add(1, Ordering::Relaxed) & 0xffff)
+    format!(
+        "{:x}{:04x}",
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64),
+        N.fetch_add(1, Ordering::Relaxed) & 0xffff
+    )
 }
 
 #[allow(clippy::too_many_arguments)]
 fn sse(
-    state: Arc<State>, id: String, kind: Kind, texter: Texter, first: (u32, Finish), rx: mpsc::Receiver<TokenResult>, prompt_tokens: usize,
+    state: Arc<State>,
+    id: String,
+    kind: Kind,
+    texter: Texter,
+    first: (u32, Finish),
+    rx: mpsc::Receiver<TokenResult>,
+    prompt_tokens: usize,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
     let created = now();
     let model = state.model_id.clone();
     let chunk = move |delta: Value, reason: Option<&str>| -> Event {
         let choice = match kind {
-            Kind::Chat => json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": null}),
-            Kind::Text => json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": null}),
+            Kind::Chat => {
+                json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": null})
+            }
+            Kind::Text => {
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": null})
+            }
         };
-        let object = if kind == Kind::Chat { "chat.completion.chunk" } else { "text_completion" };
+        let object = if kind == Kind::Chat {
+            "chat.completion.chunk"
+        } else {
+            "text_completion"
+        };
         Event::default().data(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]}).to_string())
     };
-    let opening = (kind == Kind::Chat).then(|| chunk(json!({"role": "assistant", "content": ""}), None));
+    let opening =
+        (kind == Kind::Chat).then(|| chunk(json!({"role": "assistant", "content": ""}), None));
     enum St {
         First((u32, Finish)),
         Next,
         Done,
     }
     let usage_event = move |n: usize| {
-        let usage = Usage { prompt_tokens, completion_tokens: n, total_tokens: prompt_tokens + n };
+        let usage = Usage {
+            prompt_tokens,
+            completion_tokens: n,
+            total_tokens: prompt_tokens + n,
+        };
         Event::default().data(json!({"id": "usage", "object": "chat.completion.chunk", "choices": [], "usage": usage}).to_string())
     };
-    let body = stream::unfold((St::First(first), texter, rx, chunk), move |(st, mut tx, mut rx, chunk)| async move {
-        let next = match st {
-            St::Done => return None,
-            St::First(t) => Ok(t),
-            St::Next => rx.recv().await.unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into()))),
-        };
-        let mut events = Vec::new();
-        let st = match next {
-            Ok((tok, f)) => {
-                let (text, reason) = tx.push(tok, f);
-                if !text.is_empty() {
-                    events.push(chunk(json!({"content": text}), None));
-                }
-                if let Some(r) = reason {
-                    events.push(chunk(json!({}), Some(r)));
-                    if include_usage {
-                        events.push(usage_event(tx.tokens));
+    let body = stream::unfold(
+        (St::First(first), texter, rx, chunk),
+        move |(st, mut tx, mut rx, chunk)| async move {
+            let next = match st {
+                St::Done => return None,
+                St::First(t) => Ok(t),
+                St::Next => rx
+                    .recv()
+                    .await
+                    .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into()))),
+            };
+            let mut events = Vec::new();
+            let st = match next {
+                Ok((tok, f)) => {
+                    let (text, reason) = tx.push(tok, f);
+                    if !text.is_empty() {
+                        events.push(chunk(json!({"content": text}), None));
                     }
+                    if let Some(r) = reason {
+                        events.push(chunk(json!({}), Some(r)));
+                        if include_usage {
+                            events.push(usage_event(tx.tokens));
+                        }
+                        events.push(Event::default().data("[DONE]"));
+                        St::Done
+                    } else {
+                        St::Next
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("stream failed: {e}");
+                    events.push(Event::default().event("error").data(e.body().to_string()));
                     events.push(Event::default().data("[DONE]"));
                     St::Done
-                } else {
-                    St::Next
                 }
-            }
-            Err(e) => {
-                tracing::warn!("stream failed: {e}");
-                events.push(Event::default().event("error").data(e.body().to_string()));
-                events.push(Event::default().data("[DONE]"));
-                St::Done
-            }
-        };
-        Some((stream::iter(events.into_iter().map(Ok)), (st, tx, rx, chunk)))
-    })
+            };
+            Some((
+                stream::iter(events.into_iter().map(Ok)),
+                (st, tx, rx, chunk),
+            ))
+        },
+    )
     .flatten();
     stream::iter(opening.into_iter().map(Ok)).chain(body)
 }
 
 /// `GET /v1/models`.
 pub async fn models(AxState(state): AxState<Arc<State>>) -> Json<Value> {
-    Json(json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "tandem"}]}))
+    Json(
+        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "tandem"}]}),
+    )
 }
 
 /// `GET /health`: 200 when at least one decode worker (and, when disaggregated, one prefill
 /// worker) has joined.
 pub async fn health(AxState(state): AxState<Arc<State>>) -> Response {
-    let (p, d) = (state.registry.count("prefill"), state.registry.count("decode"));
+    let (p, d) = (
+        state.registry.count("prefill"),
+        state.registry.count("decode"),
+    );
     let ok = d > 0 && (!state.disaggregated || p > 0);
-    let code = if ok { axum::http::StatusCode::OK } else { axum::http::StatusCode::SERVICE_UNAVAILABLE };
+    let code = if ok {
+        axum::http::StatusCode::OK
+    } else {
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    };
     (code, Json(json!({"status": if ok { "ok" } else { "waiting for workers" }, "prefill_workers": p, "decode_workers": d}))).into_response()
 }
 
@@ -306,11 +440,19 @@ pub async fn workers(AxState(state): AxState<Arc<State>>) -> Json<Value> {
     let mut out = Vec::new();
     for w in state.registry.workers() {
         let live = async {
-            let ch = tonic::transport::Endpoint::from_shared(w.endpoint.clone()).ok()?.connect().await.ok()?;
+            let ch = tonic::transport::Endpoint::from_shared(w.endpoint.clone())
+                .ok()?
+                .connect()
+                .await
+                .ok()?;
             let r = if w.role == "decode" {
-                proto::grpc::decode_client::DecodeClient::new(ch).stats(grpc::StatsRequest {}).await
+                proto::grpc::decode_client::DecodeClient::new(ch)
+                    .stats(grpc::StatsRequest {})
+                    .await
             } else {
-                proto::grpc::prefill_client::PrefillClient::new(ch).stats(grpc::StatsRequest {}).await
+                proto::grpc::prefill_client::PrefillClient::new(ch)
+                    .stats(grpc::StatsRequest {})
+                    .await
             };
             r.ok().map(|r| r.into_inner())
         }

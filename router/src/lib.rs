@@ -80,13 +80,18 @@ impl State {
 
 /// The id clients use for a model at `path`: its file or directory name without `.gguf`.
 pub fn model_id(path: &std::path::Path) -> String {
-    let name = path.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().to_string());
+    let name = path
+        .file_name()
+        .map_or_else(|| "model".into(), |n| n.to_string_lossy().to_string());
     name.strip_suffix(".gguf").unwrap_or(&name).to_string()
 }
 
 /// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
 /// the process ends.
-pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(SocketAddr, SocketAddr)) -> Result<(), RouterError> {
+pub async fn run(
+    cfg: RouterConfig,
+    on_ready: impl FnOnce(SocketAddr, SocketAddr),
+) -> Result<(), RouterError> {
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
     let registry = Registry::new(identity);
@@ -100,11 +105,19 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(SocketAddr, SocketAddr
         next_id: AtomicU64::new(1),
         channels: Mutex::new(HashMap::new()),
     });
-    let http_l = tokio::net::TcpListener::bind(&cfg.listen).await.map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
-    let ctrl_l = tokio::net::TcpListener::bind(&cfg.control).await.map_err(|e| RouterError::Bind(cfg.control.clone(), e))?;
+    let http_l = tokio::net::TcpListener::bind(&cfg.listen)
+        .await
+        .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
+    let ctrl_l = tokio::net::TcpListener::bind(&cfg.control)
+        .await
+        .map_err(|e| RouterError::Bind(cfg.control.clone(), e))?;
     let (http_addr, ctrl_addr) = (
-        http_l.local_addr().map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?,
-        ctrl_l.local_addr().map_err(|e| RouterError::Bind(cfg.control.clone(), e))?,
+        http_l
+            .local_addr()
+            .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?,
+        ctrl_l
+            .local_addr()
+            .map_err(|e| RouterError::Bind(cfg.control.clone(), e))?,
     );
     let app = axum::Router::new()
         .route("/v1/chat/completions", post(http::chat))

@@ -36,13 +36,33 @@ impl ApiError {
     /// HTTP status, OpenAI error type and code.
     pub fn status(&self) -> (StatusCode, &'static str, &'static str) {
         match self {
-            ApiError::BadRequest(_) => (StatusCode::BAD_REQUEST, "invalid_request_error", "invalid_request"),
-            ApiError::UnsupportedMediaType(_) => (StatusCode::UNSUPPORTED_MEDIA_TYPE, "invalid_request_error", "unsupported_media_type"),
+            ApiError::BadRequest(_) => (
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "invalid_request",
+            ),
+            ApiError::UnsupportedMediaType(_) => (
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request_error",
+                "unsupported_media_type",
+            ),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
-            ApiError::ModelNotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "model_not_found"),
-            ApiError::Unavailable(_) => (StatusCode::SERVICE_UNAVAILABLE, "server_error", "unavailable"),
+            ApiError::ModelNotFound(_) => (
+                StatusCode::NOT_FOUND,
+                "invalid_request_error",
+                "model_not_found",
+            ),
+            ApiError::Unavailable(_) => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                "unavailable",
+            ),
             ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "server_error", "upstream_error"),
-            ApiError::Internal(_) => (StatusCode::INTERNAL_SERVER_ERROR, "server_error", "internal_error"),
+            ApiError::Internal(_) => (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "internal_error",
+            ),
         }
     }
 
@@ -92,7 +112,10 @@ impl Content {
                     if p.kind == "text" {
                         Ok(p.text.as_str())
                     } else {
-                        Err(ApiError::BadRequest(format!("content part type {:?} is not supported (only \"text\")", p.kind)))
+                        Err(ApiError::BadRequest(format!(
+                            "content part type {:?} is not supported (only \"text\")",
+                            p.kind
+                        )))
                     }
                 })
                 .collect(),

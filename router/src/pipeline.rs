@@ -39,12 +39,19 @@ fn channel(state: &State, endpoint: &str) -> Result<Channel, ApiError> {
 
 /// Whether a gRPC failure means the worker itself is gone or broken.
 fn worker_failed(s: &Status) -> bool {
-    matches!(s.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled | Code::Aborted)
+    matches!(
+        s.code(),
+        Code::Unavailable | Code::Unknown | Code::Internal | Code::Cancelled | Code::Aborted
+    )
 }
 
 /// Starts generation of `prompt`; returns the token channel once the first token (or the first
 /// error) is known, so that errors before any output can still become an HTTP status.
-pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: grpc::SamplingParams) -> Result<(TokenResult, mpsc::Receiver<TokenResult>), ApiError> {
+pub async fn start(
+    state: &Arc<State>,
+    prompt: Vec<u32>,
+    params: grpc::SamplingParams,
+) -> Result<(TokenResult, mpsc::Receiver<TokenResult>), ApiError> {
     let id = state.next_request_id();
     let remote = prompt.len() >= 2 && state.registry.count("prefill") > 0;
     let deadline = Instant::now() + ADMISSION_WAIT;
@@ -53,25 +60,39 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: grpc::SamplingP
     let (dw, dguard, mut stream) = loop {
         let Some((w, guard)) = state.registry.pick("decode", &full) else {
             if Instant::now() >= deadline {
-                return Err(ApiError::Unavailable(if state.registry.count("decode") == 0 {
-                    "no decode worker has joined the cluster".into()
-                } else {
-                    format!("no decode worker had room for the request within {ADMISSION_WAIT:?}")
-                }));
+                return Err(ApiError::Unavailable(
+                    if state.registry.count("decode") == 0 {
+                        "no decode worker has joined the cluster".into()
+                    } else {
+                        format!(
+                            "no decode worker had room for the request within {ADMISSION_WAIT:?}"
+                        )
+                    },
+                ));
             }
             full.clear();
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         };
-        let req = GenerateRequest { request_id: id, prompt: prompt.clone(), params: Some(params.clone()), remote_prefill: remote };
+        let req = GenerateRequest {
+            request_id: id,
+            prompt: prompt.clone(),
+            params: Some(params.clone()),
+            remote_prefill: remote,
+        };
         let mut client = DecodeClient::new(channel(state, &w.endpoint)?);
         let opened = match client.generate(req).await {
             Ok(r) => {
                 let mut s = r.into_inner();
                 if remote {
                     match s.message().await {
-                        Ok(Some(grpc::GenerateEvent { event: Some(generate_event::Event::Reserved(_)), .. })) => Ok(s),
-                        Ok(other) => Err(Status::internal(format!("expected a reservation, got {other:?}"))),
+                        Ok(Some(grpc::GenerateEvent {
+                            event: Some(generate_event::Event::Reserved(_)),
+                            ..
+                        })) => Ok(s),
+                        Ok(other) => Err(Status::internal(format!(
+                            "expected a reservation, got {other:?}"
+                        ))),
                         Err(e) => Err(e),
                     }
                 } else {
@@ -83,31 +104,50 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: grpc::SamplingP
         match opened {
             Ok(s) => break (w, guard, s),
             Err(s) if s.code() == Code::ResourceExhausted => full.push(w.id),
-            Err(s) if s.code() == Code::InvalidArgument => return Err(ApiError::BadRequest(s.message().to_string())),
+            Err(s) if s.code() == Code::InvalidArgument => {
+                return Err(ApiError::BadRequest(s.message().to_string()))
+            }
             Err(s) if worker_failed(&s) => {
                 tracing::warn!(worker = w.id, "decode worker failed: {s}");
                 state.registry.remove(w.id);
             }
-            Err(s) => return Err(ApiError::Upstream(format!("decode worker {}: {}", w.name, s.message()))),
+            Err(s) => {
+                return Err(ApiError::Upstream(format!(
+                    "decode worker {}: {}",
+                    w.name,
+                    s.message()
+                )))
+            }
         }
     };
     // The prefill, sent to the least-loaded prefill worker; its KV goes to `dw` directly.
     let prefill = if remote {
-        let (pw, pguard) = state
-            .registry
-            .pick("prefill", &[])
-            .ok_or_else(|| ApiError::Unavailable("no prefill worker has joined the cluster".into()))?;
+        let (pw, pguard) = state.registry.pick("prefill", &[]).ok_or_else(|| {
+            ApiError::Unavailable("no prefill worker has joined the cluster".into())
+        })?;
         let mut client = PrefillClient::new(channel(state, &pw.endpoint)?);
-        let req = PrefillRequest { request_id: id, tokens: prompt[..prompt.len() - 1].to_vec(), decode_kv_endpoint: dw.kv_endpoint.clone() };
+        let req = PrefillRequest {
+            request_id: id,
+            tokens: prompt[..prompt.len() - 1].to_vec(),
+            decode_kv_endpoint: dw.kv_endpoint.clone(),
+        };
         let registry = state.registry.clone();
         Some(Box::pin(async move {
             let _guard = pguard;
-            client.prefill(req).await.map(|r| r.into_inner()).map_err(|s| {
-                if worker_failed(&s) && s.message().contains("transport") {
-                    registry.remove(pw.id);
-                }
-                ApiError::Upstream(format!("prefill on worker {} failed: {}", pw.name, s.message()))
-            })
+            client
+                .prefill(req)
+                .await
+                .map(|r| r.into_inner())
+                .map_err(|s| {
+                    if worker_failed(&s) && s.message().contains("transport") {
+                        registry.remove(pw.id);
+                    }
+                    ApiError::Upstream(format!(
+                        "prefill on worker {} failed: {}",
+                        pw.name,
+                        s.message()
+                    ))
+                })
         }))
     } else {
         None
@@ -154,6 +194,10 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: grpc::SamplingP
             }
         }
     });
-    let first = rx.recv().await.unwrap_or_else(|| Err(ApiError::Internal("the request ended without output".into())));
+    let first = rx.recv().await.unwrap_or_else(|| {
+        Err(ApiError::Internal(
+            "the request ended without output".into(),
+        ))
+    });
     Ok((first, rx))
 }

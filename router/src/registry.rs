@@ -63,13 +63,24 @@ pub struct Registry {
 impl Registry {
     /// A registry that admits workers compatible with `identity`.
     pub fn new(identity: ModelIdentity) -> Arc<Registry> {
-        Arc::new(Registry { identity, next_id: AtomicU64::new(1), workers: Mutex::new(HashMap::new()), timeout: Duration::from_secs(2) })
+        Arc::new(Registry {
+            identity,
+            next_id: AtomicU64::new(1),
+            workers: Mutex::new(HashMap::new()),
+            timeout: Duration::from_secs(2),
+        })
     }
 
     /// Snapshot of the live workers.
     pub fn workers(&self) -> Vec<Worker> {
         self.prune();
-        let mut w: Vec<Worker> = self.workers.lock().expect("registry lock").values().cloned().collect();
+        let mut w: Vec<Worker> = self
+            .workers
+            .lock()
+            .expect("registry lock")
+            .values()
+            .cloned()
+            .collect();
         for x in &mut w {
             x.in_flight = x.inflight.load(Ordering::SeqCst);
         }
@@ -96,7 +107,13 @@ impl Registry {
 
     /// Forgets a worker at once (e.g. its connection broke).
     pub fn remove(&self, id: u64) {
-        if self.workers.lock().expect("registry lock").remove(&id).is_some() {
+        if self
+            .workers
+            .lock()
+            .expect("registry lock")
+            .remove(&id)
+            .is_some()
+        {
             tracing::warn!(worker = id, "worker removed");
         }
     }
@@ -166,7 +183,9 @@ impl Control for ControlService {
     async fn beat(&self, req: Request<Heartbeat>) -> Result<Response<HeartbeatReply>, Status> {
         let b = req.into_inner();
         let mut ws = self.0.workers.lock().expect("registry lock");
-        let w = ws.get_mut(&b.worker_id).ok_or_else(|| Status::not_found("unknown worker; join again"))?;
+        let w = ws
+            .get_mut(&b.worker_id)
+            .ok_or_else(|| Status::not_found("unknown worker; join again"))?;
         w.running = b.running;
         w.waiting = b.waiting;
         w.kv_blocks_free = b.kv_blocks_free;

@@ -24,12 +24,33 @@ pub struct Cluster {
 
 /// Writes a cluster.toml for tests: ports 0, the default model, small pools.
 pub fn write_config(dir: &Path, prefill: bool, block_size: u32) -> PathBuf {
+    write_config_with(dir, prefill, block_size, 512)
+}
+
+/// [`write_config`] with `decode_blocks` KV blocks per decode worker.
+pub fn write_config_with(
+    dir: &Path,
+    prefill: bool,
+    block_size: u32,
+    decode_blocks: u32,
+) -> PathBuf {
     let model = crate::model_path();
-    let prefill = if prefill { "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n" } else { "" };
+    let prefill = if prefill {
+        "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n"
+    } else {
+        ""
+    };
     let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = 512\nmax_batch_tokens = 256\n"
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n"
     );
-    let path = dir.join(format!("cluster-{block_size}-{}.toml", if prefill.is_empty() { "colocated" } else { "pd" }));
+    let path = dir.join(format!(
+        "cluster-{block_size}-{decode_blocks}-{}.toml",
+        if prefill.is_empty() {
+            "colocated"
+        } else {
+            "pd"
+        }
+    ));
     std::fs::write(&path, text).expect("write cluster.toml");
     path
 }
@@ -38,9 +59,15 @@ impl Cluster {
     /// Starts a router and `prefill` + `decode` workers (no prefill pool when `prefill == 0`),
     /// and waits until all have joined.
     pub fn start(exe: &Path, prefill: usize, decode: usize) -> Cluster {
-        let dir = std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
+        Cluster::start_with(exe, prefill, decode, 512)
+    }
+
+    /// [`Cluster::start`] with `decode_blocks` KV blocks per decode worker.
+    pub fn start_with(exe: &Path, prefill: usize, decode: usize, decode_blocks: u32) -> Cluster {
+        let dir =
+            std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = write_config(&dir, prefill > 0, 16);
+        let cfg = write_config_with(&dir, prefill > 0, 16, decode_blocks);
         let mut router = Command::new(exe)
             .args(["router", "--config"])
             .arg(&cfg)
@@ -50,7 +77,10 @@ impl Cluster {
             .expect("start router");
         let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
         let (http, control) = loop {
-            let line = lines.next().expect("router printed its address").expect("router output");
+            let line = lines
+                .next()
+                .expect("router printed its address")
+                .expect("router output");
             if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
                 let (h, c) = rest.split_once(" (control ").unwrap();
                 break (h.parse().unwrap(), c.trim_end_matches(')').to_string());
@@ -58,7 +88,14 @@ impl Cluster {
         };
         // Keep draining the router's log so it never blocks on a full pipe.
         std::thread::spawn(move || for _ in lines {});
-        let mut c = Cluster { exe: exe.into(), dir, http, control, router, workers: Vec::new() };
+        let mut c = Cluster {
+            exe: exe.into(),
+            dir,
+            http,
+            control,
+            router,
+            workers: Vec::new(),
+        };
         for i in 0..prefill {
             c.add_worker("prefill", &format!("prefill-{i}"), &cfg);
         }
@@ -93,7 +130,11 @@ impl Cluster {
 
     /// Kills a worker with SIGKILL.
     pub fn kill_worker(&mut self, name: &str) {
-        let i = self.workers.iter().position(|(n, _)| n == name).expect("worker exists");
+        let i = self
+            .workers
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("worker exists");
         let (_, mut c) = self.workers.remove(i);
         c.kill().unwrap();
         c.wait().unwrap();
@@ -109,7 +150,10 @@ impl Cluster {
                     return;
                 }
             }
-            assert!(t0.elapsed() < Duration::from_secs(60), "workers did not join within 60 s");
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "workers did not join within 60 s"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
     }
@@ -130,12 +174,18 @@ impl Cluster {
             let idle = !ws.is_empty()
                 && ws.iter().all(|w| {
                     let s = &w["stats"];
-                    s["kv_blocks_free"] == s["kv_blocks_total"] && s["running"] == 0 && s["waiting"] == 0 && s["pending_transfers"] == 0
+                    s["kv_blocks_free"] == s["kv_blocks_total"]
+                        && s["running"] == 0
+                        && s["waiting"] == 0
+                        && s["pending_transfers"] == 0
                 });
             if idle {
                 return t0.elapsed();
             }
-            assert!(t0.elapsed() < limit, "KV blocks not all free after {limit:?}: {ws:?}");
+            assert!(
+                t0.elapsed() < limit,
+                "KV blocks not all free after {limit:?}: {ws:?}"
+            );
             std::thread::sleep(Duration::from_millis(10));
         }
     }
@@ -201,14 +251,24 @@ impl Response {
 }
 
 /// Sends a request; returns once the status line and headers are read.
-pub fn request(addr: SocketAddr, method: &str, path: &str, content_type: &str, body: &str) -> std::io::Result<Response> {
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    content_type: &str,
+    body: &str,
+) -> std::io::Result<Response> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(120)))?;
     write!(s, "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
     let mut reader = BufReader::new(s);
     let mut status_line = String::new();
     reader.read_line(&mut status_line)?;
-    let status = status_line.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let status = status_line
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
     let mut headers = Vec::new();
     loop {
         let mut h = String::new();
@@ -219,7 +279,11 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, content_type: &str, b
         }
         headers.push(h);
     }
-    Ok(Response { status, headers, reader })
+    Ok(Response {
+        status,
+        headers,
+        reader,
+    })
 }
 
 /// POSTs JSON and returns the status and parsed body.
@@ -227,7 +291,10 @@ pub fn post_json(addr: SocketAddr, path: &str, body: &Value) -> (u16, Value) {
     let r = request(addr, "POST", path, "application/json", &body.to_string()).expect("request");
     let status = r.status;
     let text = r.body();
-    (status, serde_json::from_str(&text).unwrap_or(Value::String(text)))
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
 }
 
 /// GETs a path; returns the status and the body.

@@ -169,23 +169,60 @@ fn abort_frees_blocks_at_once() {
 fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
     let (model, tok) = load_model();
     let ps = prompts(model.config.vocab_size as u32);
-    let mut prefill = Engine::new(model.clone(), EngineConfig { max_batch_tokens: 7, ..Default::default() }, vec![]).unwrap();
-    let mut decode = Engine::new(model.clone(), EngineConfig { num_blocks: 64, ..Default::default() }, tok.stop_ids().to_vec()).unwrap();
-    let params = |i: usize| SamplingParams { max_tokens: Some(8), temperature: if i % 2 == 0 { 0.0 } else { 0.9 }, seed: 7 + i as u64, ..Default::default() };
+    let mut prefill = Engine::new(
+        model.clone(),
+        EngineConfig {
+            max_batch_tokens: 7,
+            ..Default::default()
+        },
+        vec![],
+    )
+    .unwrap();
+    let mut decode = Engine::new(
+        model.clone(),
+        EngineConfig {
+            num_blocks: 64,
+            ..Default::default()
+        },
+        tok.stop_ids().to_vec(),
+    )
+    .unwrap();
+    let params = |i: usize| SamplingParams {
+        max_tokens: Some(8),
+        temperature: if i % 2 == 0 { 0.0 } else { 0.9 },
+        seed: 7 + i as u64,
+        ..Default::default()
+    };
     for (i, p) in ps.iter().enumerate().skip(1).take(6) {
-        let mut single = Engine::new(model.clone(), EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
+        let mut single = Engine::new(
+            model.clone(),
+            EngineConfig::default(),
+            tok.stop_ids().to_vec(),
+        )
+        .unwrap();
         single.add(0, p.clone(), params(i)).unwrap();
         let want = single.run_to_completion().unwrap().remove(&0).unwrap();
 
-        decode.reserve_remote(i as u64, p.clone(), params(i)).unwrap();
-        prefill.add_prefill_only(i as u64, p[..p.len() - 1].to_vec()).unwrap();
+        decode
+            .reserve_remote(i as u64, p.clone(), params(i))
+            .unwrap();
+        prefill
+            .add_prefill_only(i as u64, p[..p.len() - 1].to_vec())
+            .unwrap();
         while prefill.take_prefilled().is_empty() {
-            assert!(prefill.step().unwrap().is_empty(), "prefill-only requests sample nothing");
+            assert!(
+                prefill.step().unwrap().is_empty(),
+                "prefill-only requests sample nothing"
+            );
         }
         let kv = prefill.export_kv(i as u64).unwrap();
         assert_eq!(prefill.free_blocks(), prefill.total_blocks());
         decode.admit_remote(i as u64, &kv).unwrap();
-        let got = decode.run_to_completion().unwrap().remove(&(i as u64)).unwrap();
+        let got = decode
+            .run_to_completion()
+            .unwrap()
+            .remove(&(i as u64))
+            .unwrap();
         assert_eq!(got, want, "prompt {i}");
     }
     assert_eq!(decode.free_blocks(), decode.total_blocks());
