@@ -31,6 +31,7 @@ pub enum EngineError {
     #[error("KV cache full: {0}")]
     OutOfBlocks(String),
     /// A kernel call failed.
+    #[cfg(feature = "runtime")]
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
 }

@@ -350,6 +350,7 @@ impl Gguf {
     }
 
     /// A tensor by name, as a matrix of `dims[1]` rows by `dims[0]` columns (vectors are one row).
+    #[cfg(feature = "runtime")]
     pub fn matrix(&self, name: &str) -> Result<kernels::Matrix> {
         let t = self
             .tensors
@@ -373,6 +374,7 @@ impl Gguf {
     }
 
     /// A tensor by name dequantised to f32, checking its element count.
+    #[cfg(feature = "runtime")]
     pub fn vector(&self, name: &str, len: usize) -> Result<Vec<f32>> {
         let m = self.matrix(name)?;
         if m.rows() * m.cols() != len {

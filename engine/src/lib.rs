@@ -12,24 +12,33 @@ pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+#[cfg(feature = "runtime")]
 pub mod kv_cache;
+#[cfg(feature = "runtime")]
 pub mod loader;
+#[cfg(feature = "runtime")]
 pub mod model;
 pub mod sampler;
+#[cfg(feature = "runtime")]
 pub mod scheduler;
 pub mod text;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
+#[cfg(feature = "runtime")]
 pub use kv_cache::{BlockTable, KvCache};
-pub use loader::{inspect, load};
+#[cfg(feature = "runtime")]
+pub use loader::load;
+#[cfg(feature = "runtime")]
 pub use model::{Model, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};
+#[cfg(feature = "runtime")]
 pub use scheduler::{Engine, EngineConfig, FinishReason, TokenEvent};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// The identity a worker announces: model name, KV dtype and KV geometry.
+#[cfg(feature = "runtime")]
 pub fn identity(model: &Model, block_size: usize) -> proto::ModelIdentity {
     identity_of(&model.config, block_size)
 }
@@ -43,5 +52,30 @@ pub fn identity_of(c: &ModelConfig, block_size: usize) -> proto::ModelIdentity {
         n_layers: c.n_layers as u32,
         n_kv_heads: c.n_kv_heads as u32,
         head_dim: c.head_dim as u32,
+    }
+}
+
+/// Reads a model's configuration and tokenizer without loading its weights (what the router
+/// needs: it owns text, and checks workers' identities against the model's shape).
+pub fn inspect(path: &std::path::Path) -> Result<(ModelConfig, Tokenizer)> {
+    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
+        path: path.into(),
+        source,
+    })?;
+    if meta.is_dir() {
+        let cfg_path = path.join("config.json");
+        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
+            path: cfg_path.clone(),
+            source,
+        })?;
+        let json: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
+        Ok((
+            ModelConfig::from_hf_json(&cfg_path, &json)?,
+            Tokenizer::from_hf_dir(path)?,
+        ))
+    } else {
+        let g = gguf::Gguf::open(path)?;
+        Ok((ModelConfig::from_gguf(&g)?, Tokenizer::from_gguf(&g)?))
     }
 }

@@ -215,28 +215,3 @@ pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
         Ok((Model::new(config, weights, device), tok))
     }
 }
-
-/// Reads a model's configuration and tokenizer without loading its weights (what the router
-/// needs: it owns text, and checks workers' identities against the model's shape).
-pub fn inspect(path: &Path) -> Result<(ModelConfig, Tokenizer)> {
-    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
-        path: path.into(),
-        source,
-    })?;
-    if meta.is_dir() {
-        let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
-            path: cfg_path.clone(),
-            source,
-        })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
-        Ok((
-            ModelConfig::from_hf_json(&cfg_path, &json)?,
-            Tokenizer::from_hf_dir(path)?,
-        ))
-    } else {
-        let g = Gguf::open(path)?;
-        Ok((ModelConfig::from_gguf(&g)?, Tokenizer::from_gguf(&g)?))
-    }
-}

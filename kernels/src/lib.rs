@@ -5,65 +5,36 @@
 //! RMSNorm, RoPE, SiLU·mul and causal attention over a paged KV cache, multithreaded with rayon.
 //! The model code calls them through [`Backend`], so another backend can stand beside the CPU one.
 
-pub mod attention;
-pub mod backend;
-pub mod matmul;
-pub mod ops;
-pub mod packed;
 pub mod quant;
-
-pub use attention::{PagedKv, Query};
-pub use backend::{Backend, CpuBackend, Device};
-pub use matmul::{Backing, Matrix};
-pub use ops::RopeStyle;
 pub use quant::DType;
 
-#[cfg(target_arch = "x86_64")]
+#[cfg(feature = "compute")]
+pub mod attention;
+#[cfg(feature = "compute")]
+pub mod backend;
+#[cfg(feature = "compute")]
+pub mod matmul;
+#[cfg(feature = "compute")]
+pub mod ops;
+#[cfg(feature = "compute")]
+pub mod packed;
+#[cfg(all(feature = "compute", target_arch = "x86_64"))]
 pub(crate) mod x86;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+#[cfg(feature = "compute")]
+pub use attention::{PagedKv, Query};
+#[cfg(feature = "compute")]
+pub use backend::{Backend, CpuBackend, Device};
+#[cfg(feature = "compute")]
+pub use matmul::{Backing, Matrix};
 
-static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
-static THREADS: AtomicUsize = AtomicUsize::new(0);
-
-/// Sets the number of kernel threads (default: all cores). Must be called before the first
-/// kernel runs; later calls with another number are an error.
-pub fn set_threads(n: usize) -> Result<(), KernelError> {
-    THREADS.store(n, Ordering::SeqCst);
-    let have = pool().current_num_threads();
-    if n != 0 && have != n {
-        return Err(KernelError::Unavailable(format!(
-            "the kernel thread pool already runs {have} threads"
-        )));
-    }
-    Ok(())
-}
-
-/// The kernels' thread pool.
-pub fn pool() -> &'static rayon::ThreadPool {
-    POOL.get_or_init(|| {
-        let n = match THREADS.load(Ordering::SeqCst) {
-            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
-            n => n,
-        };
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("tandem-kernel-{i}"))
-            .build()
-            .expect("kernel thread pool starts")
-    })
-}
-
-/// Runs `f` on the kernel pool, so that the parallel kernels it calls are scheduled among the
-/// pool's workers without a cross-thread handoff per kernel.
-pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let p = pool();
-    if p.current_thread_index().is_some() {
-        f()
-    } else {
-        p.install(f)
-    }
+/// Which elements RoPE rotates together.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RopeStyle {
+    /// Adjacent pairs `(x[2i], x[2i+1])`: GGUF files (llama.cpp permutes Q/K at conversion).
+    Interleaved,
+    /// Pairs `(x[i], x[i + d/2])`: Hugging Face checkpoints ("rotate half").
+    Halves,
 }
 
 /// Errors from kernel calls.
@@ -77,30 +48,7 @@ pub enum KernelError {
     Unavailable(String),
 }
 
-/// The instruction set the CPU kernels use.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Isa {
-    /// Portable Rust.
-    Scalar,
-    /// x86-64 AVX2 with FMA and F16C.
-    Avx2,
-}
-
-/// The instruction set chosen for this process: the best the CPU has, unless the environment
-/// variable `TANDEM_ISA=scalar` asks for the portable kernels.
-pub fn isa() -> Isa {
-    static ISA: OnceLock<Isa> = OnceLock::new();
-    *ISA.get_or_init(|| {
-        if std::env::var("TANDEM_ISA").is_ok_and(|v| v == "scalar") {
-            return Isa::Scalar;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("fma")
-            && is_x86_feature_detected!("f16c")
-        {
-            return Isa::Avx2;
-        }
-        Isa::Scalar
-    })
-}
+#[cfg(feature = "compute")]
+mod pool;
+#[cfg(feature = "compute")]
+pub use pool::{install, isa, pool, set_threads, Isa};

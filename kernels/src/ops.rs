@@ -4,14 +4,7 @@
 
 use rayon::prelude::*;
 
-/// Which elements RoPE rotates together.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RopeStyle {
-    /// Adjacent pairs `(x[2i], x[2i+1])`: GGUF files (llama.cpp permutes Q/K at conversion).
-    Interleaved,
-    /// Pairs `(x[i], x[i + d/2])`: Hugging Face checkpoints ("rotate half").
-    Halves,
-}
+pub use crate::RopeStyle;
 
 /// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight` for each row of `weight.len()` values.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
