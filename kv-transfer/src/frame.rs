@@ -326,3 +326,34 @@ mod tests {
         assert!(Frame::header(&h).is_err());
     }
 }
+
+#[cfg(test)]
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// Arbitrary bytes never panic the parser, whatever kind and checksum they claim.
+        #[test]
+        fn arbitrary_payloads_never_panic(kind in any::<u8>(), bytes in proptest::collection::vec(any::<u8>(), 0..512), honest_crc in any::<bool>()) {
+            let crc = if honest_crc { crc32fast::hash(&bytes) } else { 0xdead_beef };
+            let _ = Frame::decode(kind, crc, &bytes);
+            let mut h = [0u8; HEADER];
+            for (d, s) in h.iter_mut().zip(bytes.iter()) { *d = *s; }
+            let _ = Frame::header(&h);
+        }
+
+        /// Encoded frames decode to themselves; one flipped payload bit is always caught.
+        #[test]
+        fn roundtrip_and_bit_flips(id in any::<u64>(), layer in any::<u32>(), data in proptest::collection::vec(any::<u8>(), 1..256), bit in any::<usize>()) {
+            let f = Frame::Layer { request_id: id, layer, data };
+            let mut b = f.encode();
+            let (kind, _, crc) = Frame::header(b[..HEADER].try_into().unwrap()).unwrap();
+            prop_assert_eq!(Frame::decode(kind, crc, &b[HEADER..]).unwrap(), f);
+            let i = HEADER * 8 + bit % ((b.len() - HEADER) * 8);
+            b[i / 8] ^= 1 << (i % 8);
+            prop_assert!(Frame::decode(kind, crc, &b[HEADER..]).is_err());
+        }
+    }
+}

@@ -3,11 +3,115 @@
 //! [`frame`] is the wire format (no I/O): a handshake that carries the protocol version and the
 //! model identity (so mismatched peers are refused before any KV moves), per-request `Begin`,
 //! one checksummed frame per layer, and an ack once the receiver has the KV in its cache.
-//! [`tcp`] is the first transport. The KV of a request travels as one buffer per layer: all keys
-//! of its tokens, then all values, f16 little-endian — independent of either side's block ids.
+//! [`wire`] runs that protocol over any byte stream; [`tcp`] and [`quic`] are the transports,
+//! [`negotiate`] picks one per peer. The KV of a request travels as one buffer per layer: all
+//! keys of its tokens, then all values, f16 little-endian — independent of either side's block
+//! ids.
 
 pub mod frame;
+pub mod negotiate;
+pub mod quic;
 pub mod tcp;
+pub mod wire;
+
+use std::time::Duration;
+
+pub use negotiate::Offer;
+pub use wire::IncomingKv;
+
+/// A way to move KV between workers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Transport {
+    /// One-sided RDMA writes (ibverbs).
+    Rdma,
+    /// QUIC (quinn).
+    Quic,
+    /// TCP.
+    Tcp,
+}
+
+impl Transport {
+    /// The name used in config, offers and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Rdma => "rdma",
+            Transport::Quic => "quic",
+            Transport::Tcp => "tcp",
+        }
+    }
+
+    /// Parses a name.
+    pub fn parse(s: &str) -> Option<Transport> {
+        Some(match s {
+            "rdma" => Transport::Rdma,
+            "quic" => Transport::Quic,
+            "tcp" => Transport::Tcp,
+            _ => return None,
+        })
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// What one transfer cost.
+#[derive(Debug, Clone, Copy)]
+pub struct TransferStats {
+    /// Payload bytes sent.
+    pub bytes: u64,
+    /// From the first byte written to the receiver's ack.
+    pub elapsed: Duration,
+    /// How it travelled.
+    pub transport: Transport,
+}
+
+/// A connection to one decode worker over the negotiated transport (enum dispatch).
+pub enum KvSender {
+    /// TCP.
+    Tcp(tcp::TcpKvSender),
+    /// QUIC.
+    Quic(quic::QuicKvSender),
+}
+
+impl KvSender {
+    /// Connects over the transport of `offer`.
+    pub async fn connect(
+        offer: &Offer,
+        identity: &proto::ModelIdentity,
+        timeout: Duration,
+    ) -> Result<KvSender, TransferError> {
+        match offer.transport {
+            Transport::Tcp => Ok(KvSender::Tcp(
+                tcp::TcpKvSender::connect(&offer.endpoint, identity, timeout).await?,
+            )),
+            Transport::Quic => Ok(KvSender::Quic(
+                quic::QuicKvSender::connect(&offer.endpoint, &offer.cert_der, identity, timeout)
+                    .await?,
+            )),
+            Transport::Rdma => Err(TransferError::Refused(
+                "tandem was built without the `rdma` feature".into(),
+            )),
+        }
+    }
+
+    /// Sends one request's KV and waits for the receiver's ack, within `timeout`.
+    pub async fn send(
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        layers: &[Vec<u8>],
+        timeout: Duration,
+    ) -> Result<TransferStats, TransferError> {
+        match self {
+            KvSender::Tcp(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
+            KvSender::Quic(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
+        }
+    }
+}
 
 /// Why a transfer failed.
 #[derive(Debug, thiserror::Error)]

@@ -1,0 +1,198 @@
+//! The QUIC transport (quinn + rustls/ring): one connection per peer, one bidirectional stream
+//! per transfer (handshake frame included, so streams are independent). The decode worker
+//! generates a self-signed certificate at start and advertises it in its offer; the prefill
+//! worker trusts exactly that certificate.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::ModelIdentity;
+use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
+use tokio::sync::mpsc;
+
+use crate::wire::{self, IncomingKv};
+use crate::{TransferError, TransferStats, Transport};
+
+/// The name in the generated certificate.
+const SERVER_NAME: &str = "tandem-kv";
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn tls(e: impl std::fmt::Display) -> TransferError {
+    TransferError::Protocol(format!("QUIC/TLS setup: {e}"))
+}
+
+/// A bound QUIC endpoint accepting KV, and the certificate peers must pin.
+pub struct QuicKvReceiver {
+    endpoint: quinn::Endpoint,
+    /// DER of the self-signed certificate.
+    pub cert_der: Vec<u8>,
+}
+
+impl QuicKvReceiver {
+    /// Binds a QUIC endpoint on `addr` with a fresh self-signed certificate.
+    pub fn bind(addr: SocketAddr) -> Result<QuicKvReceiver, TransferError> {
+        let cert =
+            rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(tls)?;
+        let cert_der = cert.cert.der().clone();
+        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der()));
+        let crypto = rustls::ServerConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls)?
+            .with_no_client_auth()
+            .with_single_cert(vec![cert_der.clone()], key)
+            .map_err(tls)?;
+        let mut config = quinn::ServerConfig::with_crypto(Arc::new(
+            QuicServerConfig::try_from(crypto).map_err(tls)?,
+        ));
+        config.transport_config(Arc::new(transport_config()));
+        let endpoint = quinn::Endpoint::server(config, addr)?;
+        Ok(QuicKvReceiver {
+            endpoint,
+            cert_der: cert_der.to_vec(),
+        })
+    }
+
+    /// The bound address.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransferError> {
+        Ok(self.endpoint.local_addr()?)
+    }
+
+    /// Accepts connections and their streams forever, handing complete transfers to `tx`.
+    pub async fn serve(self, identity: ModelIdentity, tx: mpsc::Sender<IncomingKv>) {
+        while let Some(incoming) = self.endpoint.accept().await {
+            let (identity, tx) = (identity.clone(), tx.clone());
+            tokio::spawn(async move {
+                let Ok(conn) = incoming.await else { return };
+                let peer = conn.remote_address();
+                while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+                    let (identity, tx) = (identity.clone(), tx.clone());
+                    tokio::spawn(async move {
+                        if let Err(e) = wire::serve_stream(
+                            &mut recv,
+                            &mut send,
+                            &identity,
+                            Transport::Quic,
+                            &tx,
+                        )
+                        .await
+                        {
+                            tracing::warn!(%peer, "KV stream (quic) closed: {e}");
+                        }
+                        let _ = send.finish();
+                    });
+                }
+            });
+        }
+    }
+}
+
+/// Large windows: KV transfers are bulk data on fast links.
+fn transport_config() -> quinn::TransportConfig {
+    let mut t = quinn::TransportConfig::default();
+    t.stream_receive_window((64u32 << 20).into());
+    t.receive_window((256u32 << 20).into());
+    t.send_window(256 << 20);
+    t.max_idle_timeout(Some(Duration::from_secs(30).try_into().expect("in range")));
+    t.keep_alive_interval(Some(Duration::from_secs(5)));
+    t
+}
+
+/// The sending side of a QUIC connection to one decode worker.
+pub struct QuicKvSender {
+    _endpoint: quinn::Endpoint,
+    conn: quinn::Connection,
+    identity: ModelIdentity,
+    peer: String,
+}
+
+impl QuicKvSender {
+    /// Connects to `addr`, trusting only `cert_der`, within `timeout`.
+    pub async fn connect(
+        addr: &str,
+        cert_der: &[u8],
+        identity: &ModelIdentity,
+        timeout: Duration,
+    ) -> Result<QuicKvSender, TransferError> {
+        let sock: SocketAddr = addr
+            .parse()
+            .map_err(|_| TransferError::Protocol(format!("{addr:?} is not a socket address")))?;
+        let mut roots = rustls::RootCertStore::empty();
+        roots
+            .add(CertificateDer::from(cert_der.to_vec()))
+            .map_err(tls)?;
+        let crypto = rustls::ClientConfig::builder_with_provider(provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls)?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        let mut config =
+            quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(crypto).map_err(tls)?));
+        config.transport_config(Arc::new(transport_config()));
+        let bind: SocketAddr = if sock.is_ipv6() {
+            "[::]:0"
+        } else {
+            "0.0.0.0:0"
+        }
+        .parse()
+        .expect("valid");
+        let mut endpoint = quinn::Endpoint::client(bind)?;
+        endpoint.set_default_client_config(config);
+        let conn = wire::deadline(
+            timeout,
+            || format!("connecting to {addr} over QUIC"),
+            async {
+                endpoint
+                    .connect(sock, SERVER_NAME)
+                    .map_err(|e| TransferError::Protocol(format!("QUIC connect: {e}")))?
+                    .await
+                    .map_err(|e| TransferError::Protocol(format!("QUIC connect: {e}")))
+            },
+        )
+        .await?;
+        Ok(QuicKvSender {
+            _endpoint: endpoint,
+            conn,
+            identity: identity.clone(),
+            peer: addr.to_string(),
+        })
+    }
+
+    /// Sends one request's KV on a new stream and waits for the receiver to admit it.
+    pub async fn send(
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        layers: &[Vec<u8>],
+        timeout: Duration,
+    ) -> Result<TransferStats, TransferError> {
+        let t0 = Instant::now();
+        let peer = self.peer.clone();
+        wire::deadline(
+            timeout,
+            || format!("KV of request {request_id} to {peer} over QUIC"),
+            async {
+                let (mut send, mut recv) = self
+                    .conn
+                    .open_bi()
+                    .await
+                    .map_err(|e| TransferError::Protocol(format!("QUIC stream: {e}")))?;
+                wire::hello(&mut recv, &mut send, &self.identity).await?;
+                wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers).await?;
+                let _ = send.finish();
+                Ok(())
+            },
+        )
+        .await?;
+        Ok(TransferStats {
+            bytes: layers.iter().map(|l| l.len() as u64).sum(),
+            elapsed: t0.elapsed(),
+            transport: Transport::Quic,
+        })
+    }
+}

@@ -1,0 +1,225 @@
+//! The transfer protocol over any ordered byte stream (a TCP connection, a QUIC stream).
+
+use std::time::Duration;
+
+use proto::ModelIdentity;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::frame::{Frame, HEADER};
+use crate::TransferError;
+
+/// Reads one frame, checking its CRC.
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, TransferError> {
+    let mut h = [0u8; HEADER];
+    r.read_exact(&mut h).await?;
+    let (kind, len, crc) = Frame::header(&h)?;
+    let mut payload = vec![0u8; len as usize];
+    r.read_exact(&mut payload).await?;
+    Ok(Frame::decode(kind, crc, &payload)?)
+}
+
+/// Writes a `Layer` frame without copying `data` into a frame buffer.
+pub async fn write_layer<W: AsyncWrite + Unpin>(
+    w: &mut W,
+    request_id: u64,
+    layer: u32,
+    data: &[u8],
+) -> Result<(), TransferError> {
+    let mut head = Vec::with_capacity(12);
+    head.extend(request_id.to_le_bytes());
+    head.extend(layer.to_le_bytes());
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(&head);
+    crc.update(data);
+    let mut h = Vec::with_capacity(HEADER + 12);
+    h.push(5);
+    h.extend(((12 + data.len()) as u32).to_le_bytes());
+    h.extend(crc.finalize().to_le_bytes());
+    h.extend(head);
+    w.write_all(&h).await?;
+    w.write_all(data).await?;
+    Ok(())
+}
+
+/// The client side of the handshake.
+pub async fn hello<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    r: &mut R,
+    w: &mut W,
+    identity: &ModelIdentity,
+) -> Result<(), TransferError> {
+    let hello = Frame::Hello {
+        version: proto::PROTOCOL_VERSION,
+        identity: identity.clone(),
+    };
+    w.write_all(&hello.encode()).await?;
+    w.flush().await?;
+    match read_frame(r).await? {
+        Frame::HelloOk => Ok(()),
+        Frame::Refuse(why) => Err(TransferError::Refused(why)),
+        other => Err(TransferError::Protocol(format!(
+            "expected HelloOk, got {other:?}"
+        ))),
+    }
+}
+
+/// Sends one request's KV and waits for its ack.
+pub async fn transfer<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    r: &mut R,
+    w: &mut W,
+    request_id: u64,
+    n_tokens: u32,
+    width: u32,
+    layers: &[Vec<u8>],
+) -> Result<(), TransferError> {
+    let begin = Frame::Begin {
+        request_id,
+        n_tokens,
+        n_layers: layers.len() as u32,
+        width,
+    };
+    w.write_all(&begin.encode()).await?;
+    for (l, data) in layers.iter().enumerate() {
+        write_layer(w, request_id, l as u32, data).await?;
+    }
+    w.flush().await?;
+    match read_frame(r).await? {
+        Frame::Ack {
+            request_id: id,
+            ok: true,
+            ..
+        } if id == request_id => Ok(()),
+        Frame::Ack {
+            request_id: id,
+            ok: false,
+            message,
+        } if id == request_id => Err(TransferError::Refused(message)),
+        other => Err(TransferError::Protocol(format!(
+            "expected the ack of request {request_id}, got {other:?}"
+        ))),
+    }
+}
+
+/// Runs `fut` within `timeout`, naming `what` if it does not finish.
+pub async fn deadline<T>(
+    timeout: Duration,
+    what: impl FnOnce() -> String,
+    fut: impl std::future::Future<Output = Result<T, TransferError>>,
+) -> Result<T, TransferError> {
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| TransferError::Timeout(what()))?
+}
+
+/// A whole request's KV, received and checksummed, waiting for the decode engine's verdict.
+#[derive(Debug)]
+pub struct IncomingKv {
+    /// The request.
+    pub request_id: u64,
+    /// Tokens covered.
+    pub n_tokens: u32,
+    /// One buffer per layer: keys then values.
+    pub layers: Vec<Vec<u8>>,
+    /// Which transport brought it.
+    pub transport: crate::Transport,
+    /// Send `Ok` once the KV is in the cache, or the reason it was not taken.
+    pub reply: oneshot::Sender<Result<(), String>>,
+}
+
+/// The server side of one stream: the handshake, then transfers until the peer closes it.
+/// Peers with another protocol version or an incompatible model identity are refused before
+/// any KV is read.
+pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    r: &mut R,
+    w: &mut W,
+    identity: &ModelIdentity,
+    transport: crate::Transport,
+    tx: &mpsc::Sender<IncomingKv>,
+) -> Result<(), TransferError> {
+    match read_frame(r).await? {
+        Frame::Hello {
+            version,
+            identity: theirs,
+        } => {
+            let why = if version != proto::PROTOCOL_VERSION {
+                Some(format!(
+                    "protocol version {version}, this worker speaks {}",
+                    proto::PROTOCOL_VERSION
+                ))
+            } else {
+                identity
+                    .incompatibility(&theirs)
+                    .map(|d| format!("incompatible KV layout: {d}"))
+            };
+            if let Some(why) = why {
+                w.write_all(&Frame::Refuse(why.clone()).encode()).await?;
+                w.flush().await?;
+                return Err(TransferError::Refused(why));
+            }
+            w.write_all(&Frame::HelloOk.encode()).await?;
+            w.flush().await?;
+        }
+        other => {
+            return Err(TransferError::Protocol(format!(
+                "expected Hello, got {other:?}"
+            )))
+        }
+    }
+    let width = (identity.n_kv_heads * identity.head_dim) as usize;
+    loop {
+        let (request_id, n_tokens, n_layers) = match read_frame(r).await {
+            Ok(Frame::Begin {
+                request_id,
+                n_tokens,
+                n_layers,
+                width: w2,
+            }) if w2 as usize == width && n_layers == identity.n_layers => {
+                (request_id, n_tokens, n_layers)
+            }
+            Ok(other) => {
+                return Err(TransferError::Protocol(format!(
+                    "expected a Begin matching the handshake, got {other:?}"
+                )))
+            }
+            Err(TransferError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
+                return Ok(())
+            }
+            Err(e) => return Err(e),
+        };
+        let expect = 4 * n_tokens as usize * width;
+        let mut layers = Vec::with_capacity(n_layers as usize);
+        for l in 0..n_layers {
+            match read_frame(r).await? {
+                Frame::Layer { request_id: rid, layer, data } if rid == request_id && layer == l && data.len() == expect => layers.push(data),
+                Frame::Layer { request_id: rid, layer, data } => {
+                    return Err(TransferError::Protocol(format!(
+                        "request {request_id} layer {l}: got request {rid} layer {layer} with {} bytes (expected {expect})",
+                        data.len()
+                    )))
+                }
+                other => return Err(TransferError::Protocol(format!("expected a Layer, got {other:?}"))),
+            }
+        }
+        let (reply, verdict) = oneshot::channel();
+        let incoming = IncomingKv {
+            request_id,
+            n_tokens,
+            layers,
+            transport,
+            reply,
+        };
+        let result = match tx.send(incoming).await {
+            Ok(()) => verdict
+                .await
+                .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
+            Err(_) => Err("the worker is shutting down".into()),
+        };
+        let ack = Frame::Ack {
+            request_id,
+            ok: result.is_ok(),
+            message: result.err().unwrap_or_default(),
+        };
+        w.write_all(&ack.encode()).await?;
+        w.flush().await?;
+    }
+}

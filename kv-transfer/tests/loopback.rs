@@ -1,0 +1,125 @@
+//! Both transports on loopback: the bytes arrive whole, the receiver's verdict comes back, and a
+//! peer with another KV layout is refused at the handshake.
+
+use std::time::Duration;
+
+use kv_transfer::{quic::QuicKvReceiver, IncomingKv, KvSender, Offer, Transport};
+use proto::ModelIdentity;
+use tokio::sync::mpsc;
+
+fn identity(block_size: u32) -> ModelIdentity {
+    ModelIdentity {
+        model: "m".into(),
+        kv_dtype: "f16".into(),
+        block_size,
+        n_layers: 3,
+        n_kv_heads: 2,
+        head_dim: 8,
+    }
+}
+
+async fn receivers() -> (Vec<Offer>, mpsc::Receiver<IncomingKv>) {
+    let (tx, rx) = mpsc::channel(4);
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let tcp_addr = tcp.local_addr().unwrap();
+    tokio::spawn(kv_transfer::tcp::serve(tcp, identity(16), tx.clone()));
+    let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let quic_addr = quic.local_addr().unwrap();
+    let cert = quic.cert_der.clone();
+    tokio::spawn(quic.serve(identity(16), tx));
+    let offers = vec![
+        Offer {
+            transport: Transport::Tcp,
+            endpoint: tcp_addr.to_string(),
+            cert_der: vec![],
+        },
+        Offer {
+            transport: Transport::Quic,
+            endpoint: quic_addr.to_string(),
+            cert_der: cert,
+        },
+    ];
+    (offers, rx)
+}
+
+#[tokio::test]
+async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
+    let (offers, mut rx) = receivers().await;
+    // The receiving "engine": accepts even request ids, refuses odd ones.
+    let got = tokio::spawn(async move {
+        let mut seen = Vec::new();
+        while let Some(kv) = rx.recv().await {
+            let ok = kv.request_id % 2 == 0;
+            seen.push((kv.request_id, kv.transport, kv.n_tokens, kv.layers.clone()));
+            let _ = kv
+                .reply
+                .send(if ok { Ok(()) } else { Err("no room".into()) });
+            if seen.len() == 4 {
+                return seen;
+            }
+        }
+        seen
+    });
+    let width = 16u32;
+    let layers: Vec<Vec<u8>> = (0..3)
+        .map(|l| {
+            (0..4 * 5 * width as usize)
+                .map(|i| (i * 7 + l) as u8)
+                .collect()
+        })
+        .collect();
+    let t = Duration::from_secs(5);
+    for offer in &offers {
+        let mut s = KvSender::connect(offer, &identity(16), t).await.unwrap();
+        let stats = s.send(2, 5, width, &layers, t).await.unwrap();
+        assert_eq!(stats.transport, offer.transport);
+        assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
+        let e = s
+            .send(3, 5, width, &layers, t)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("no room"), "{e}");
+        // A peer with another block size is refused before any KV moves.
+        let refused = match KvSender::connect(offer, &identity(32), t).await {
+            Ok(mut s) => s.send(4, 5, width, &layers, t).await.map(|_| ()),
+            Err(e) => Err(e),
+        };
+        let e = refused.unwrap_err().to_string();
+        assert!(
+            e.contains("block_size: 16 vs 32"),
+            "{}: {e}",
+            offer.transport
+        );
+    }
+    let seen = got.await.unwrap();
+    assert_eq!(seen.len(), 4);
+    for (id, transport, n, l) in seen {
+        assert!(id == 2 || id == 3);
+        assert!(matches!(transport, Transport::Tcp | Transport::Quic));
+        assert_eq!(n, 5);
+        assert_eq!(l, layers);
+    }
+}
+
+#[tokio::test]
+async fn a_silent_receiver_times_out_instead_of_hanging() {
+    // Accepts the TCP connection but never answers the handshake.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let _hold = tokio::spawn(async move {
+        let (s, _) = l.accept().await.unwrap();
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(s);
+    });
+    let offer = Offer {
+        transport: Transport::Tcp,
+        endpoint: addr.to_string(),
+        cert_der: vec![],
+    };
+    let e = match KvSender::connect(&offer, &identity(16), Duration::from_millis(300)).await {
+        Ok(_) => panic!("connected to a silent peer"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("timed out"), "{e}");
+}
