@@ -104,6 +104,16 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
         name: a.name.clone().unwrap_or_else(|| "prefill".into()),
         connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
         transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
+        prefer: t
+            .prefer
+            .get_ref()
+            .iter()
+            .filter_map(|n| kv_transfer::Transport::parse(n))
+            .collect(),
+        require: t
+            .require
+            .as_ref()
+            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
     };
     runtime()?.block_on(prefill_worker::run(pc))?;
     Ok(())
@@ -123,6 +133,11 @@ pub fn decode(a: RoleArgs) -> Result<()> {
         // never comes even if the router is gone too.
         kv_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref())
             + Duration::from_secs(60),
+        require: cfg
+            .kv_transfer
+            .require
+            .as_ref()
+            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
     };
     runtime()?.block_on(decode_worker::run(dc))?;
     Ok(())

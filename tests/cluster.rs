@@ -401,3 +401,65 @@ fn a_full_decode_worker_makes_requests_wait_not_fail() {
     }
     c.wait_all_free(Duration::from_secs(5));
 }
+
+#[test]
+fn tcp_and_quic_carry_the_kv_to_identical_tokens_and_say_which() {
+    let q = "Explain photosynthesis in one sentence.";
+    let mut texts = Vec::new();
+    for transport in ["tcp", "quic"] {
+        let c = Cluster::start_kv(
+            EXE.as_ref(),
+            1,
+            1,
+            512,
+            &format!("prefer = [\"{transport}\"]"),
+        );
+        let (status, v) = post_json(
+            c.http,
+            "/v1/chat/completions",
+            &json!({"model": MODEL, "temperature": 0.7, "seed": 3, "max_tokens": 40, "messages": [{"role": "user", "content": q}]}),
+        );
+        assert_eq!(status, 200, "{v}");
+        texts.push(
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_string(),
+        );
+        let ws = c.workers();
+        let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
+        assert_eq!(p["kv_transfers"][transport], 1, "{p}");
+    }
+    assert_eq!(texts[0], texts[1]);
+    let params = SamplingParams {
+        max_tokens: Some(40),
+        temperature: 0.7,
+        seed: 3,
+        ..Default::default()
+    };
+    assert_eq!(texts[0], engine_text(q, params).0);
+}
+
+#[test]
+fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_closed() {
+    // Default preference is rdma, quic, tcp: this build has no RDMA, so QUIC is chosen.
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (status, _) = post_json(
+        c.http,
+        "/v1/completions",
+        &json!({"prompt": "Hello there", "max_tokens": 2}),
+    );
+    assert_eq!(status, 200);
+    let ws = c.workers();
+    let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
+    assert_eq!(p["kv_transfers"]["quic"], 1, "{p}");
+    // A prefill worker that requires RDMA refuses to start, saying why.
+    let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "require = \"rdma\"");
+    let out = c
+        .spawn_worker("prefill", "rdma-only", &cfg)
+        .wait_with_output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(err.contains("require") && err.contains("rdma"), "{err}");
+}

@@ -15,7 +15,7 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, EngineError, FinishReason, SamplingParams};
-use kv_transfer::tcp::IncomingKv;
+use kv_transfer::IncomingKv;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{self, generate_event, GenerateEvent, GenerateRequest};
 use tokio::sync::{mpsc, oneshot};
@@ -39,6 +39,8 @@ pub struct DecodeConfig {
     pub name: String,
     /// How long reserved blocks wait for their KV.
     pub kv_timeout: Duration,
+    /// The only transport allowed, if the cluster requires one.
+    pub require: Option<kv_transfer::Transport>,
 }
 
 /// Why the worker stopped.
@@ -59,6 +61,9 @@ pub enum WorkerError {
     /// The thread-count setting failed.
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
+    /// The KV transport could not be set up (or a required one is missing).
+    #[error(transparent)]
+    Transfer(#[from] kv_transfer::TransferError),
 }
 
 type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -357,16 +362,42 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
                 .map_err(|e| WorkerError::Bind(format!("{what} {addr}"), e))
         }
     };
-    let kv_listener = bind("KV listener").await?;
+    let (local, missing) = kv_transfer::negotiate::local_transports();
+    if let Some(t) = cfg.require.filter(|t| !local.contains(t)) {
+        return Err(kv_transfer::TransferError::Refused(format!(
+            "kv_transfer.require = {t:?} but {}",
+            missing.join("; ")
+        ))
+        .into());
+    }
+    let kv_listener = bind("KV listener (tcp)").await?;
     let kv_addr = kv_listener
         .local_addr()
         .map_err(|e| WorkerError::Bind("KV listener".into(), e))?;
+    let quic =
+        kv_transfer::quic::QuicKvReceiver::bind(format!("{}:0", cfg.host).parse().map_err(
+            |_| WorkerError::Bind(cfg.host.clone(), std::io::Error::other("not an IP address")),
+        )?)?;
+    let quic_addr = quic.local_addr()?;
+    let offers = vec![
+        grpc::KvOffer {
+            transport: "quic".into(),
+            endpoint: quic_addr.to_string(),
+            cert_der: quic.cert_der.clone(),
+        },
+        grpc::KvOffer {
+            transport: "tcp".into(),
+            endpoint: kv_addr.to_string(),
+            cert_der: Vec::new(),
+        },
+    ];
     let (kv_tx, mut kv_rx) = mpsc::channel::<IncomingKv>(16);
     tokio::spawn(kv_transfer::tcp::serve(
         kv_listener,
         identity.clone(),
-        kv_tx,
+        kv_tx.clone(),
     ));
+    tokio::spawn(quic.serve(identity.clone(), kv_tx));
     let fwd = cmd_tx.clone();
     tokio::spawn(async move {
         while let Some(kv) = kv_rx.recv().await {
@@ -395,7 +426,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         role: grpc::Role::Decode as i32,
         name: cfg.name.clone(),
         endpoint: format!("http://{grpc_addr}"),
-        kv_endpoint: kv_addr.to_string(),
+        kv_offers: offers,
         identity: Some(identity.into()),
         kv_blocks_total: cfg.engine.num_blocks as u32,
     };
@@ -419,7 +450,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     .await?;
     tracing::info!(worker_id = id, grpc = %grpc_addr, kv = %kv_addr, "decode worker {} joined {}", cfg.name, cfg.router);
     eprintln!(
-        "tandem decode {}: serving gRPC on {grpc_addr}, KV on {kv_addr} ({})",
+        "tandem decode {}: serving gRPC on {grpc_addr}, KV on tcp {kv_addr} and quic {quic_addr} ({})",
         cfg.name,
         model.device_name()
     );

@@ -13,7 +13,7 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, EngineError};
-use kv_transfer::tcp::TcpKvSender;
+use kv_transfer::{KvSender, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{self, PrefillReply, PrefillRequest};
 use proto::ModelIdentity;
@@ -40,6 +40,10 @@ pub struct PrefillConfig {
     pub connect_timeout: Duration,
     /// Deadline for one request's KV transfer.
     pub transfer_timeout: Duration,
+    /// Transports in order of preference.
+    pub prefer: Vec<Transport>,
+    /// The only transport allowed, if the cluster requires one.
+    pub require: Option<Transport>,
 }
 
 /// Why the worker stopped.
@@ -60,6 +64,9 @@ pub enum WorkerError {
     /// The thread-count setting failed.
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
+    /// A required KV transport is missing.
+    #[error(transparent)]
+    Transfer(#[from] kv_transfer::TransferError),
 }
 
 type KvReply = oneshot::Sender<Result<Vec<Vec<u8>>, Status>>;
@@ -169,9 +176,13 @@ struct Service {
     width: u32,
     /// Idle connections to decode workers, by KV endpoint. A connection is taken out while a
     /// transfer uses it, so a cancelled transfer drops its (possibly half-written) connection.
-    conns: Mutex<HashMap<String, Vec<TcpKvSender>>>,
+    conns: Mutex<HashMap<String, Vec<KvSender>>>,
     connect_timeout: Duration,
     transfer_timeout: Duration,
+    prefer: Vec<Transport>,
+    require: Option<Transport>,
+    /// Peers whose transport choice has been logged.
+    announced: Mutex<std::collections::HashSet<String>>,
 }
 
 impl Service {
@@ -201,21 +212,41 @@ impl Prefill for Service {
             .await
             .map_err(|_| Status::unavailable("the engine thread has stopped"))??;
         let compute = t0.elapsed();
+        let offers: Vec<Offer> = req
+            .offers
+            .iter()
+            .filter_map(|o| {
+                Some(Offer {
+                    transport: Transport::parse(&o.transport)?,
+                    endpoint: o.endpoint.clone(),
+                    cert_der: o.cert_der.clone(),
+                })
+            })
+            .collect();
+        let (local, _) = kv_transfer::negotiate::local_transports();
+        let (offer, why) =
+            kv_transfer::negotiate::choose(&offers, &local, &self.prefer, self.require)
+                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        if self
+            .announced
+            .lock()
+            .expect("announced lock")
+            .insert(offer.endpoint.clone())
+        {
+            tracing::info!(peer = %offer.endpoint, transport = %offer.transport, "KV transport chosen: {why}");
+            eprintln!("tandem prefill: KV to {} over {why}", offer.endpoint);
+        }
         let idle = self
             .conns
             .lock()
             .expect("conns lock")
-            .get_mut(&req.decode_kv_endpoint)
+            .get_mut(&offer.endpoint)
             .and_then(Vec::pop);
         let mut conn = match idle {
             Some(c) => c,
-            None => TcpKvSender::connect(
-                &req.decode_kv_endpoint,
-                &self.identity,
-                self.connect_timeout,
-            )
-            .await
-            .map_err(|e| Status::unavailable(e.to_string()))?,
+            None => KvSender::connect(&offer, &self.identity, self.connect_timeout)
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))?,
         };
         let stats = conn
             .send(
@@ -230,14 +261,14 @@ impl Prefill for Service {
         self.conns
             .lock()
             .expect("conns lock")
-            .entry(req.decode_kv_endpoint)
+            .entry(offer.endpoint)
             .or_default()
             .push(conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
             compute_us: compute.as_micros() as u64,
             transfer_us: stats.elapsed.as_micros() as u64,
-            transport: "tcp".into(),
+            transport: stats.transport.name().into(),
         }))
     }
 
@@ -280,6 +311,14 @@ impl Prefill for Service {
 
 /// Loads the model, starts the gRPC service, joins the router and serves until the process ends.
 pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
+    let (local, missing) = kv_transfer::negotiate::local_transports();
+    if let Some(t) = cfg.require.filter(|t| !local.contains(t)) {
+        return Err(kv_transfer::TransferError::Refused(format!(
+            "kv_transfer.require = {t:?} but {}",
+            missing.join("; ")
+        ))
+        .into());
+    }
     kernels::set_threads(cfg.threads)?;
     let model_path = cfg.model.clone();
     let (model, _) = tokio::task::spawn_blocking(move || {
@@ -317,6 +356,9 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         conns: Mutex::new(HashMap::new()),
         connect_timeout: cfg.connect_timeout,
         transfer_timeout: cfg.transfer_timeout,
+        prefer: cfg.prefer.clone(),
+        require: cfg.require,
+        announced: Mutex::new(Default::default()),
     };
     let server = tokio::spawn(
         tonic::transport::Server::builder()
@@ -328,7 +370,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         role: grpc::Role::Prefill as i32,
         name: cfg.name.clone(),
         endpoint: format!("http://{grpc_addr}"),
-        kv_endpoint: String::new(),
+        kv_offers: Vec::new(),
         identity: Some(identity.into()),
         kv_blocks_total: cfg.engine.num_blocks as u32,
     };

@@ -135,9 +135,13 @@ pub struct SloSection {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KvTransferSection {
-    /// Preferred transport: "tcp" (the only one built so far).
-    #[serde(default = "default_transport")]
-    pub transport: Spanned<String>,
+    /// Transports in order of preference ("rdma", "quic", "tcp"); each pair of workers uses the
+    /// first that both sides have, and says which.
+    #[serde(default = "default_prefer")]
+    pub prefer: Spanned<Vec<String>>,
+    /// Accept only this transport: a pair that cannot use it fails instead of falling back.
+    #[serde(default)]
+    pub require: Option<Spanned<String>>,
     /// Connect and handshake deadline.
     #[serde(default = "default_connect_ms")]
     pub connect_timeout_ms: Spanned<u64>,
@@ -146,9 +150,12 @@ pub struct KvTransferSection {
     pub transfer_timeout_ms: Spanned<u64>,
 }
 
-fn default_transport() -> Spanned<String> {
-    Spanned::new(0..0, "tcp".into())
+fn default_prefer() -> Spanned<Vec<String>> {
+    Spanned::new(0..0, vec!["rdma".into(), "quic".into(), "tcp".into()])
 }
+
+/// Transport names the config accepts.
+pub const TRANSPORTS: [&str; 3] = ["rdma", "quic", "tcp"];
 fn default_connect_ms() -> Spanned<u64> {
     Spanned::new(0..0, 2000)
 }
@@ -159,7 +166,8 @@ fn default_transfer_ms() -> Spanned<u64> {
 impl Default for KvTransferSection {
     fn default() -> Self {
         KvTransferSection {
-            transport: default_transport(),
+            prefer: default_prefer(),
+            require: None,
             connect_timeout_ms: default_connect_ms(),
             transfer_timeout_ms: default_transfer_ms(),
         }
@@ -244,15 +252,33 @@ impl ClusterConfig {
             ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
         }
         let t = &cfg.kv_transfer;
-        if t.transport.get_ref() != "tcp" {
+        if t.prefer.get_ref().is_empty() {
             return ctx.err(
-                t.transport.span(),
-                "kv_transfer.transport",
-                format!(
-                    "{:?} is not available (built: \"tcp\")",
-                    t.transport.get_ref()
-                ),
+                t.prefer.span(),
+                "kv_transfer.prefer",
+                "must name at least one transport",
             );
+        }
+        for name in t.prefer.get_ref() {
+            if !TRANSPORTS.contains(&name.as_str()) {
+                return ctx.err(
+                    t.prefer.span(),
+                    "kv_transfer.prefer",
+                    format!("unknown transport {name:?} (known: rdma, quic, tcp)"),
+                );
+            }
+        }
+        if let Some(r) = &t.require {
+            if !TRANSPORTS.contains(&r.get_ref().as_str()) {
+                return ctx.err(
+                    r.span(),
+                    "kv_transfer.require",
+                    format!(
+                        "unknown transport {:?} (known: rdma, quic, tcp)",
+                        r.get_ref()
+                    ),
+                );
+            }
         }
         ctx.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
         ctx.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
@@ -298,11 +324,11 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("cluster.toml:2: invalid type"), "{e}");
-        let e = parse("[kv_transfer]\ntransport = \"rdma\"\n[decode]\n")
+        let e = parse("[kv_transfer]\nprefer = [\"quic\", \"pigeon\"]\n[decode]\n")
             .unwrap_err()
             .to_string();
         assert!(
-            e.starts_with("cluster.toml:2: kv_transfer.transport"),
+            e.starts_with("cluster.toml:2: kv_transfer.prefer: unknown transport \"pigeon\""),
             "{e}"
         );
         let e = parse("").unwrap_err().to_string();

@@ -129,25 +129,25 @@ pub async fn start(
         let req = PrefillRequest {
             request_id: id,
             tokens: prompt[..prompt.len() - 1].to_vec(),
-            decode_kv_endpoint: dw.kv_endpoint.clone(),
+            offers: dw.offers.clone(),
         };
         let registry = state.registry.clone();
         Some(Box::pin(async move {
             let _guard = pguard;
-            client
-                .prefill(req)
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| {
-                    if worker_failed(&s) && s.message().contains("transport") {
-                        registry.remove(pw.id);
-                    }
-                    ApiError::Upstream(format!(
-                        "prefill on worker {} failed: {}",
-                        pw.name,
-                        s.message()
-                    ))
-                })
+            let reply = client.prefill(req).await.map(|r| r.into_inner());
+            if let Ok(r) = &reply {
+                registry.record_transfer(pw.id, &r.transport);
+            }
+            reply.map_err(|s| {
+                if worker_failed(&s) && s.message().contains("transport") {
+                    registry.remove(pw.id);
+                }
+                ApiError::Upstream(format!(
+                    "prefill on worker {} failed: {}",
+                    pw.name,
+                    s.message()
+                ))
+            })
         }))
     } else {
         None

@@ -24,8 +24,12 @@ pub struct Worker {
     pub name: String,
     /// gRPC endpoint.
     pub endpoint: String,
-    /// KV endpoint (decode workers).
-    pub kv_endpoint: String,
+    /// KV-transfer offers (decode workers): transport and endpoint.
+    pub kv_offers: Vec<(String, String)>,
+    /// KV transfers this worker made, by transport (prefill workers).
+    pub kv_transfers: std::collections::BTreeMap<String, u64>,
+    #[serde(skip)]
+    pub(crate) offers: Vec<grpc::KvOffer>,
     /// Last reported load.
     pub running: u32,
     /// Last reported queue.
@@ -105,6 +109,13 @@ impl Registry {
         Some((w.clone(), InFlight(w.inflight.clone())))
     }
 
+    /// Counts a KV transfer made by worker `id` over `transport`.
+    pub fn record_transfer(&self, id: u64, transport: &str) {
+        if let Some(w) = self.workers.lock().expect("registry lock").get_mut(&id) {
+            *w.kv_transfers.entry(transport.to_string()).or_default() += 1;
+        }
+    }
+
     /// Forgets a worker at once (e.g. its connection broke).
     pub fn remove(&self, id: u64) {
         if self
@@ -166,7 +177,13 @@ impl Control for ControlService {
             role,
             name: j.name,
             endpoint: j.endpoint,
-            kv_endpoint: j.kv_endpoint,
+            kv_offers: j
+                .kv_offers
+                .iter()
+                .map(|o| (o.transport.clone(), o.endpoint.clone()))
+                .collect(),
+            kv_transfers: Default::default(),
+            offers: j.kv_offers,
             running: 0,
             waiting: 0,
             kv_blocks_free: j.kv_blocks_total,

@@ -34,6 +34,17 @@ pub fn write_config_with(
     block_size: u32,
     decode_blocks: u32,
 ) -> PathBuf {
+    write_config_kv(dir, prefill, block_size, decode_blocks, "")
+}
+
+/// [`write_config_with`] plus lines for the `[kv_transfer]` section (e.g. `prefer = ["tcp"]`).
+pub fn write_config_kv(
+    dir: &Path,
+    prefill: bool,
+    block_size: u32,
+    decode_blocks: u32,
+    kv: &str,
+) -> PathBuf {
     let model = crate::model_path();
     let prefill = if prefill {
         "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n"
@@ -41,10 +52,11 @@ pub fn write_config_with(
         ""
     };
     let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n"
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n\n[kv_transfer]\n{kv}\n"
     );
+    let tag: String = kv.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
     let path = dir.join(format!(
-        "cluster-{block_size}-{decode_blocks}-{}.toml",
+        "cluster-{block_size}-{decode_blocks}{tag}-{}.toml",
         if prefill.is_empty() {
             "colocated"
         } else {
@@ -64,10 +76,21 @@ impl Cluster {
 
     /// [`Cluster::start`] with `decode_blocks` KV blocks per decode worker.
     pub fn start_with(exe: &Path, prefill: usize, decode: usize, decode_blocks: u32) -> Cluster {
+        Cluster::start_kv(exe, prefill, decode, decode_blocks, "")
+    }
+
+    /// [`Cluster::start_with`] with extra `[kv_transfer]` lines.
+    pub fn start_kv(
+        exe: &Path,
+        prefill: usize,
+        decode: usize,
+        decode_blocks: u32,
+        kv: &str,
+    ) -> Cluster {
         let dir =
             std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = write_config_with(&dir, prefill > 0, 16, decode_blocks);
+        let cfg = write_config_kv(&dir, prefill > 0, 16, decode_blocks, kv);
         let mut router = Command::new(exe)
             .args(["router", "--config"])
             .arg(&cfg)
@@ -109,6 +132,11 @@ impl Cluster {
     /// The config file of this cluster (for extra workers).
     pub fn config(&self, prefill: bool) -> PathBuf {
         write_config(&self.dir, prefill, 16)
+    }
+
+    /// The scratch directory of this cluster.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 
     /// Starts one more worker of `role` with `config`.
