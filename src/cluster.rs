@@ -50,6 +50,24 @@ fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
     Ok((cfg, model))
 }
 
+/// The cluster secret: `TANDEM_KV_SECRET`, else the contents of `kv_transfer.secret_file`.
+fn secret(cfg: &ClusterConfig) -> Result<Option<std::sync::Arc<Vec<u8>>>> {
+    if let Ok(s) = std::env::var("TANDEM_KV_SECRET") {
+        return Ok(Some(std::sync::Arc::new(s.into_bytes())));
+    }
+    match &cfg.kv_transfer.secret_file {
+        Some(p) => {
+            let s = std::fs::read_to_string(p)
+                .with_context(|| format!("reading kv_transfer.secret_file {}", p.display()))?;
+            if s.trim().is_empty() {
+                bail!("kv_transfer.secret_file {} is empty", p.display());
+            }
+            Ok(Some(std::sync::Arc::new(s.trim().as_bytes().to_vec())))
+        }
+        None => Ok(None),
+    }
+}
+
 fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
     EngineConfig {
         block_size: *cfg.model.block_size.get_ref() as usize,
@@ -114,6 +132,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
             .require
             .as_ref()
             .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
+        secret: secret(&cfg)?,
     };
     runtime()?.block_on(prefill_worker::run(pc))?;
     Ok(())
@@ -138,6 +157,7 @@ pub fn decode(a: RoleArgs) -> Result<()> {
             .require
             .as_ref()
             .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
+        secret: secret(&cfg)?,
     };
     runtime()?.block_on(decode_worker::run(dc))?;
     Ok(())

@@ -463,3 +463,56 @@ fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_cl
     assert!(!out.status.success());
     assert!(err.contains("require") && err.contains("rdma"), "{err}");
 }
+
+/// Kills a process when dropped (so a failing test leaves nothing running).
+struct Reaped(std::process::Child);
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
+    let dir = std::env::temp_dir().join(format!("tandem-secret-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let secret = dir.join("secret");
+    std::fs::write(&secret, "correct horse battery staple\n").unwrap();
+    let kv = format!("secret_file = {secret:?}");
+    let ask = |c: &Cluster| {
+        post_json(
+            c.http,
+            "/v1/completions",
+            &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
+        )
+    };
+    // Members with the secret: served through the prefill pool.
+    let c = Cluster::start_kv(EXE.as_ref(), 1, 1, 512, &kv);
+    let (status, v) = ask(&c);
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["text"].as_str().unwrap().contains("Paris"),
+        "{v}"
+    );
+    drop(c);
+    // A decode worker with the secret, and an outsider prefill worker without it: the outsider's
+    // KV is refused at the handshake, the request fails cleanly, the decode pool is untouched.
+    let c = Cluster::start_kv(EXE.as_ref(), 0, 1, 512, &kv);
+    let outsider_cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "");
+    let outsider = Reaped(c.spawn_worker("prefill", "outsider", &outsider_cfg));
+    c.wait_for(1, 1);
+    let (status, v) = ask(&c);
+    assert_eq!(status, 502, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("cluster secret"),
+        "{v}"
+    );
+    c.wait_all_free(Duration::from_secs(5));
+    drop(outsider);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -41,6 +41,8 @@ pub struct DecodeConfig {
     pub kv_timeout: Duration,
     /// The only transport allowed, if the cluster requires one.
     pub require: Option<kv_transfer::Transport>,
+    /// The cluster secret KV senders must prove (HMAC), if the cluster has one.
+    pub secret: Option<Arc<Vec<u8>>>,
 }
 
 /// Why the worker stopped.
@@ -394,10 +396,19 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let (kv_tx, mut kv_rx) = mpsc::channel::<IncomingKv>(16);
     tokio::spawn(kv_transfer::tcp::serve(
         kv_listener,
-        identity.clone(),
+        kv_transfer::Local {
+            identity: identity.clone(),
+            secret: cfg.secret.clone(),
+        },
         kv_tx.clone(),
     ));
-    tokio::spawn(quic.serve(identity.clone(), kv_tx));
+    tokio::spawn(quic.serve(
+        kv_transfer::Local {
+            identity: identity.clone(),
+            secret: cfg.secret.clone(),
+        },
+        kv_tx,
+    ));
     let fwd = cmd_tx.clone();
     tokio::spawn(async move {
         while let Some(kv) = kv_rx.recv().await {

@@ -31,6 +31,10 @@ pub enum Frame {
     HelloOk,
     /// The server refuses, with the reason.
     Refuse(String),
+    /// The server asks for proof of the cluster secret over this nonce.
+    Challenge([u8; 16]),
+    /// HMAC-SHA256 of the challenge (see `wire::hello`).
+    Proof(Vec<u8>),
     /// A transfer starts.
     Begin {
         /// The request the KV belongs to.
@@ -115,6 +119,22 @@ impl Frame {
             Frame::Begin { .. } => 4,
             Frame::Layer { .. } => 5,
             Frame::Ack { .. } => 6,
+            Frame::Challenge(_) => 7,
+            Frame::Proof(_) => 8,
+        }
+    }
+
+    /// The frame's name, for messages that must not echo its contents.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Frame::Hello { .. } => "Hello",
+            Frame::HelloOk => "HelloOk",
+            Frame::Refuse(_) => "Refuse",
+            Frame::Begin { .. } => "Begin",
+            Frame::Layer { .. } => "Layer",
+            Frame::Ack { .. } => "Ack",
+            Frame::Challenge(_) => "Challenge",
+            Frame::Proof(_) => "Proof",
         }
     }
 
@@ -135,6 +155,8 @@ impl Frame {
                 }
             }
             Frame::HelloOk => {}
+            Frame::Challenge(n) => p.extend(n),
+            Frame::Proof(t) => p.extend(t),
             Frame::Refuse(m) => put_str(&mut p, m),
             Frame::Begin {
                 request_id,
@@ -248,6 +270,8 @@ impl Frame {
                     message: r.string()?,
                 }
             }
+            7 => Frame::Challenge(r.take(16)?.try_into().expect("16")),
+            8 => Frame::Proof(std::mem::take(&mut r.0).to_vec()),
             k => return Err(FrameError(format!("unknown frame kind {k}"))),
         };
         r.end()?;
@@ -281,6 +305,8 @@ mod tests {
             identity,
         });
         roundtrip(Frame::HelloOk);
+        roundtrip(Frame::Challenge([7; 16]));
+        roundtrip(Frame::Proof(vec![1; 32]));
         roundtrip(Frame::Refuse("no".into()));
         roundtrip(Frame::Begin {
             request_id: 7,

@@ -17,7 +17,7 @@ pub mod wire;
 use std::time::Duration;
 
 pub use negotiate::Offer;
-pub use wire::IncomingKv;
+pub use wire::{IncomingKv, Local};
 
 /// A way to move KV between workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -80,15 +80,15 @@ impl KvSender {
     /// Connects over the transport of `offer`.
     pub async fn connect(
         offer: &Offer,
-        identity: &proto::ModelIdentity,
+        local: &wire::Local,
         timeout: Duration,
     ) -> Result<KvSender, TransferError> {
         match offer.transport {
             Transport::Tcp => Ok(KvSender::Tcp(
-                tcp::TcpKvSender::connect(&offer.endpoint, identity, timeout).await?,
+                tcp::TcpKvSender::connect(&offer.endpoint, local, timeout).await?,
             )),
             Transport::Quic => Ok(KvSender::Quic(
-                quic::QuicKvSender::connect(&offer.endpoint, &offer.cert_der, identity, timeout)
+                quic::QuicKvSender::connect(&offer.endpoint, &offer.cert_der, local, timeout)
                     .await?,
             )),
             Transport::Rdma => Err(TransferError::Refused(

@@ -7,7 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use proto::ModelIdentity;
+use crate::wire::Local;
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::sync::mpsc;
@@ -63,23 +63,18 @@ impl QuicKvReceiver {
     }
 
     /// Accepts connections and their streams forever, handing complete transfers to `tx`.
-    pub async fn serve(self, identity: ModelIdentity, tx: mpsc::Sender<IncomingKv>) {
+    pub async fn serve(self, local: Local, tx: mpsc::Sender<IncomingKv>) {
         while let Some(incoming) = self.endpoint.accept().await {
-            let (identity, tx) = (identity.clone(), tx.clone());
+            let (local, tx) = (local.clone(), tx.clone());
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
                 let peer = conn.remote_address();
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                    let (identity, tx) = (identity.clone(), tx.clone());
+                    let (local, tx) = (local.clone(), tx.clone());
                     tokio::spawn(async move {
-                        if let Err(e) = wire::serve_stream(
-                            &mut recv,
-                            &mut send,
-                            &identity,
-                            Transport::Quic,
-                            &tx,
-                        )
-                        .await
+                        if let Err(e) =
+                            wire::serve_stream(&mut recv, &mut send, &local, Transport::Quic, &tx)
+                                .await
                         {
                             tracing::warn!(%peer, "KV stream (quic) closed: {e}");
                         }
@@ -106,7 +101,7 @@ fn transport_config() -> quinn::TransportConfig {
 pub struct QuicKvSender {
     _endpoint: quinn::Endpoint,
     conn: quinn::Connection,
-    identity: ModelIdentity,
+    local: Local,
     peer: String,
 }
 
@@ -115,7 +110,7 @@ impl QuicKvSender {
     pub async fn connect(
         addr: &str,
         cert_der: &[u8],
-        identity: &ModelIdentity,
+        local: &Local,
         timeout: Duration,
     ) -> Result<QuicKvSender, TransferError> {
         let sock: SocketAddr = addr
@@ -157,7 +152,7 @@ impl QuicKvSender {
         Ok(QuicKvSender {
             _endpoint: endpoint,
             conn,
-            identity: identity.clone(),
+            local: local.clone(),
             peer: addr.to_string(),
         })
     }
@@ -182,7 +177,7 @@ impl QuicKvSender {
                     .open_bi()
                     .await
                     .map_err(|e| TransferError::Protocol(format!("QUIC stream: {e}")))?;
-                wire::hello(&mut recv, &mut send, &self.identity).await?;
+                wire::hello(&mut recv, &mut send, &self.local).await?;
                 wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers).await?;
                 let _ = send.finish();
                 Ok(())

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use proto::ModelIdentity;
+use crate::wire::Local;
 use tokio::io::BufReader;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
@@ -20,7 +20,7 @@ impl TcpKvSender {
     /// Connects to `addr` and completes the handshake within `timeout`.
     pub async fn connect(
         addr: &str,
-        identity: &ModelIdentity,
+        local: &Local,
         timeout: Duration,
     ) -> Result<TcpKvSender, TransferError> {
         wire::deadline(
@@ -30,7 +30,7 @@ impl TcpKvSender {
                 let mut stream = TcpStream::connect(addr).await?;
                 stream.set_nodelay(true)?;
                 let (mut r, mut w) = stream.split();
-                wire::hello(&mut r, &mut w, identity).await?;
+                wire::hello(&mut r, &mut w, local).await?;
                 Ok(TcpKvSender {
                     stream,
                     peer: addr.to_string(),
@@ -67,18 +67,17 @@ impl TcpKvSender {
 }
 
 /// Accepts KV connections on `listener` forever, handing complete transfers to `tx`.
-pub async fn serve(listener: TcpListener, identity: ModelIdentity, tx: mpsc::Sender<IncomingKv>) {
+pub async fn serve(listener: TcpListener, local: Local, tx: mpsc::Sender<IncomingKv>) {
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
-        let (identity, tx) = (identity.clone(), tx.clone());
+        let (local, tx) = (local.clone(), tx.clone());
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
             let mut r = BufReader::with_capacity(1 << 20, r);
-            if let Err(e) = wire::serve_stream(&mut r, &mut w, &identity, Transport::Tcp, &tx).await
-            {
+            if let Err(e) = wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx).await {
                 tracing::warn!(%peer, "KV connection (tcp) closed: {e}");
             }
         });

@@ -42,19 +42,70 @@ pub async fn write_layer<W: AsyncWrite + Unpin>(
     Ok(())
 }
 
-/// The client side of the handshake.
+/// What one end of a KV link is: its model identity and, if the cluster has one, the shared
+/// secret that proves membership.
+#[derive(Debug, Clone)]
+pub struct Local {
+    /// The KV layout this end computes with.
+    pub identity: ModelIdentity,
+    /// The cluster secret (HMAC-SHA256 key); `None` when the cluster runs without one.
+    pub secret: Option<std::sync::Arc<Vec<u8>>>,
+}
+
+impl Local {
+    /// An end without a cluster secret.
+    pub fn open(identity: ModelIdentity) -> Local {
+        Local {
+            identity,
+            secret: None,
+        }
+    }
+}
+
+const PROOF_CONTEXT: &[u8] = b"tandem-kv-v1";
+
+fn proof_message(nonce: &[u8; 16], identity: &ModelIdentity) -> Vec<u8> {
+    let mut m = PROOF_CONTEXT.to_vec();
+    m.extend(nonce);
+    // The identity is bound into the proof, so a proof cannot be replayed for another layout.
+    m.extend(
+        Frame::Hello {
+            version: proto::PROTOCOL_VERSION,
+            identity: identity.clone(),
+        }
+        .encode(),
+    );
+    m
+}
+
+/// The client side of the handshake: Hello, then (if the server challenges) a proof of the
+/// cluster secret.
 pub async fn hello<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     r: &mut R,
     w: &mut W,
-    identity: &ModelIdentity,
+    local: &Local,
 ) -> Result<(), TransferError> {
     let hello = Frame::Hello {
         version: proto::PROTOCOL_VERSION,
-        identity: identity.clone(),
+        identity: local.identity.clone(),
     };
     w.write_all(&hello.encode()).await?;
     w.flush().await?;
-    match read_frame(r).await? {
+    let mut reply = read_frame(r).await?;
+    if let Frame::Challenge(nonce) = reply {
+        let secret = local.secret.as_ref().ok_or_else(|| {
+            TransferError::Refused(
+                "the peer requires the cluster secret and none is configured here".into(),
+            )
+        })?;
+        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+        let tag = ring::hmac::sign(&key, &proof_message(&nonce, &local.identity));
+        w.write_all(&Frame::Proof(tag.as_ref().to_vec()).encode())
+            .await?;
+        w.flush().await?;
+        reply = read_frame(r).await?;
+    }
+    match reply {
         Frame::HelloOk => Ok(()),
         Frame::Refuse(why) => Err(TransferError::Refused(why)),
         other => Err(TransferError::Protocol(format!(
@@ -132,10 +183,11 @@ pub struct IncomingKv {
 pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     r: &mut R,
     w: &mut W,
-    identity: &ModelIdentity,
+    local: &Local,
     transport: crate::Transport,
     tx: &mpsc::Sender<IncomingKv>,
 ) -> Result<(), TransferError> {
+    let identity = &local.identity;
     match read_frame(r).await? {
         Frame::Hello {
             version,
@@ -150,6 +202,29 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 identity
                     .incompatibility(&theirs)
                     .map(|d| format!("incompatible KV layout: {d}"))
+            };
+            let why = match (why, &local.secret) {
+                (Some(why), _) => Some(why),
+                (None, None) => None,
+                (None, Some(secret)) => {
+                    let mut nonce = [0u8; 16];
+                    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
+                        .map_err(|_| TransferError::Protocol("no system randomness".into()))?;
+                    w.write_all(&Frame::Challenge(nonce).encode()).await?;
+                    w.flush().await?;
+                    match read_frame(r).await? {
+                        Frame::Proof(tag) => {
+                            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
+                            ring::hmac::verify(&key, &proof_message(&nonce, &theirs), &tag)
+                                .err()
+                                .map(|_| "authentication failed: wrong cluster secret".to_string())
+                        }
+                        other => Some(format!(
+                            "authentication failed: expected a proof, got {}",
+                            other.name()
+                        )),
+                    }
+                }
             };
             if let Some(why) = why {
                 w.write_all(&Frame::Refuse(why.clone()).encode()).await?;

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use kv_transfer::{quic::QuicKvReceiver, IncomingKv, KvSender, Offer, Transport};
+use std::sync::Arc;
+
+use kv_transfer::{quic::QuicKvReceiver, IncomingKv, KvSender, Local, Offer, Transport};
 use proto::ModelIdentity;
 use tokio::sync::mpsc;
 
@@ -18,15 +20,26 @@ fn identity(block_size: u32) -> ModelIdentity {
     }
 }
 
+fn local(block_size: u32, secret: Option<&str>) -> Local {
+    Local {
+        identity: identity(block_size),
+        secret: secret.map(|s| Arc::new(s.as_bytes().to_vec())),
+    }
+}
+
 async fn receivers() -> (Vec<Offer>, mpsc::Receiver<IncomingKv>) {
+    receivers_with(None).await
+}
+
+async fn receivers_with(secret: Option<&str>) -> (Vec<Offer>, mpsc::Receiver<IncomingKv>) {
     let (tx, rx) = mpsc::channel(4);
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let tcp_addr = tcp.local_addr().unwrap();
-    tokio::spawn(kv_transfer::tcp::serve(tcp, identity(16), tx.clone()));
+    tokio::spawn(kv_transfer::tcp::serve(tcp, local(16, secret), tx.clone()));
     let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let quic_addr = quic.local_addr().unwrap();
     let cert = quic.cert_der.clone();
-    tokio::spawn(quic.serve(identity(16), tx));
+    tokio::spawn(quic.serve(local(16, secret), tx));
     let offers = vec![
         Offer {
             transport: Transport::Tcp,
@@ -70,7 +83,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
         .collect();
     let t = Duration::from_secs(5);
     for offer in &offers {
-        let mut s = KvSender::connect(offer, &identity(16), t).await.unwrap();
+        let mut s = KvSender::connect(offer, &local(16, None), t).await.unwrap();
         let stats = s.send(2, 5, width, &layers, t).await.unwrap();
         assert_eq!(stats.transport, offer.transport);
         assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
@@ -81,7 +94,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
             .to_string();
         assert!(e.contains("no room"), "{e}");
         // A peer with another block size is refused before any KV moves.
-        let refused = match KvSender::connect(offer, &identity(32), t).await {
+        let refused = match KvSender::connect(offer, &local(32, None), t).await {
             Ok(mut s) => s.send(4, 5, width, &layers, t).await.map(|_| ()),
             Err(e) => Err(e),
         };
@@ -117,9 +130,44 @@ async fn a_silent_receiver_times_out_instead_of_hanging() {
         endpoint: addr.to_string(),
         cert_der: vec![],
     };
-    let e = match KvSender::connect(&offer, &identity(16), Duration::from_millis(300)).await {
+    let e = match KvSender::connect(&offer, &local(16, None), Duration::from_millis(300)).await {
         Ok(_) => panic!("connected to a silent peer"),
         Err(e) => e.to_string(),
     };
     assert!(e.contains("timed out"), "{e}");
+}
+
+#[tokio::test]
+async fn only_holders_of_the_cluster_secret_may_write_kv() {
+    let (offers, mut rx) = receivers_with(Some("s3cret")).await;
+    let t = Duration::from_secs(5);
+    let layers: Vec<Vec<u8>> = (0..3).map(|_| vec![1u8; 4 * 16]).collect();
+    for offer in &offers {
+        for (secret, needle) in [
+            (None, "requires the cluster secret"),
+            (Some("guess"), "wrong cluster secret"),
+        ] {
+            let r = match KvSender::connect(offer, &local(16, secret), t).await {
+                Ok(mut s) => s.send(1, 1, 16, &layers, t).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            let e = r.unwrap_err().to_string();
+            assert!(e.contains(needle), "{}: {e}", offer.transport);
+        }
+        let mut s = KvSender::connect(offer, &local(16, Some("s3cret")), t)
+            .await
+            .unwrap();
+        let l2 = layers.clone();
+        let sent = tokio::spawn(async move {
+            s.send(8, 1, 16, &l2, Duration::from_secs(5))
+                .await
+                .map(|_| ())
+        });
+        let kv = rx.recv().await.expect("the authenticated transfer arrives");
+        assert_eq!(kv.request_id, 8);
+        kv.reply.send(Ok(())).unwrap();
+        sent.await.unwrap().unwrap();
+    }
+    // Nothing from the refused peers ever reached the receiver.
+    assert!(rx.try_recv().is_err());
 }

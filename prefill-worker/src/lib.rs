@@ -16,7 +16,6 @@ use engine::{Engine, EngineConfig, EngineError};
 use kv_transfer::{KvSender, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{self, PrefillReply, PrefillRequest};
-use proto::ModelIdentity;
 use tokio::sync::oneshot;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
@@ -44,6 +43,8 @@ pub struct PrefillConfig {
     pub prefer: Vec<Transport>,
     /// The only transport allowed, if the cluster requires one.
     pub require: Option<Transport>,
+    /// The cluster secret to prove to decode workers, if the cluster has one.
+    pub secret: Option<Arc<Vec<u8>>>,
 }
 
 /// Why the worker stopped.
@@ -172,7 +173,7 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
 struct Service {
     cmds: std_mpsc::Sender<Cmd>,
     load: Arc<Mutex<Load>>,
-    identity: ModelIdentity,
+    local: kv_transfer::Local,
     width: u32,
     /// Idle connections to decode workers, by KV endpoint. A connection is taken out while a
     /// transfer uses it, so a cancelled transfer drops its (possibly half-written) connection.
@@ -244,7 +245,7 @@ impl Prefill for Service {
             .and_then(Vec::pop);
         let mut conn = match idle {
             Some(c) => c,
-            None => KvSender::connect(&offer, &self.identity, self.connect_timeout)
+            None => KvSender::connect(&offer, &self.local, self.connect_timeout)
                 .await
                 .map_err(|e| Status::unavailable(e.to_string()))?,
         };
@@ -352,7 +353,10 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         cmds: cmd_tx,
         load: load.clone(),
         width: model.config.kv_width() as u32,
-        identity: identity.clone(),
+        local: kv_transfer::Local {
+            identity: identity.clone(),
+            secret: cfg.secret.clone(),
+        },
         conns: Mutex::new(HashMap::new()),
         connect_timeout: cfg.connect_timeout,
         transfer_timeout: cfg.transfer_timeout,

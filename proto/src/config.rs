@@ -142,6 +142,10 @@ pub struct KvTransferSection {
     /// Accept only this transport: a pair that cannot use it fails instead of falling back.
     #[serde(default)]
     pub require: Option<Spanned<String>>,
+    /// A file holding the cluster secret: KV senders must prove it (HMAC-SHA256 over a fresh
+    /// nonce) before a decode worker reads any KV. `TANDEM_KV_SECRET` overrides it.
+    #[serde(default)]
+    pub secret_file: Option<PathBuf>,
     /// Connect and handshake deadline.
     #[serde(default = "default_connect_ms")]
     pub connect_timeout_ms: Spanned<u64>,
@@ -168,6 +172,7 @@ impl Default for KvTransferSection {
         KvTransferSection {
             prefer: default_prefer(),
             require: None,
+            secret_file: None,
             connect_timeout_ms: default_connect_ms(),
             transfer_timeout_ms: default_transfer_ms(),
         }
