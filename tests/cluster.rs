@@ -442,7 +442,7 @@ fn tcp_and_quic_carry_the_kv_to_identical_tokens_and_say_which() {
 
 #[test]
 fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_closed() {
-    // Default preference is rdma, quic, tcp: this build has no RDMA, so QUIC is chosen.
+    // Default preference is rdma, tcp, quic: this build has no RDMA, so TCP is chosen.
     let c = Cluster::start(EXE.as_ref(), 1, 1);
     let (status, _) = post_json(
         c.http,
@@ -452,7 +452,7 @@ fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_cl
     assert_eq!(status, 200);
     let ws = c.workers();
     let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
-    assert_eq!(p["kv_transfers"]["quic"], 1, "{p}");
+    assert_eq!(p["kv_transfers"]["tcp"], 1, "{p}");
     // A prefill worker that requires RDMA refuses to start, saying why.
     let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "require = \"rdma\"");
     let out = c

@@ -172,14 +172,15 @@ impl QuicKvSender {
             timeout,
             || format!("KV of request {request_id} to {peer} over QUIC"),
             async {
-                let (mut send, mut recv) = self
+                let (send, mut recv) = self
                     .conn
                     .open_bi()
                     .await
                     .map_err(|e| TransferError::Protocol(format!("QUIC stream: {e}")))?;
+                let mut send = tokio::io::BufWriter::with_capacity(256 << 10, send);
                 wire::hello(&mut recv, &mut send, &self.local).await?;
                 wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers).await?;
-                let _ = send.finish();
+                let _ = send.into_inner().finish();
                 Ok(())
             },
         )

@@ -51,7 +51,9 @@ impl TcpKvSender {
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
         let peer = self.peer.clone();
-        let (mut r, mut w) = self.stream.split();
+        let (mut r, w) = self.stream.split();
+        // Small frames (headers, small layers) leave in few writes; big layers bypass the buffer.
+        let mut w = tokio::io::BufWriter::with_capacity(256 << 10, w);
         wire::deadline(
             timeout,
             || format!("KV of request {request_id} to {peer} over TCP"),

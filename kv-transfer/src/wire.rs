@@ -14,6 +14,30 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, Transf
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h).await?;
     let (kind, len, crc) = Frame::header(&h)?;
+    if kind == 5 && len >= 12 {
+        // A layer: read its bytes straight into the buffer the frame keeps (no second copy).
+        let mut head = [0u8; 12];
+        r.read_exact(&mut head).await?;
+        let mut data = vec![0u8; len as usize - 12];
+        r.read_exact(&mut data).await?;
+        let mut hasher = crc32fast::Hasher::new();
+        hasher.update(&head);
+        hasher.update(&data);
+        let got = hasher.finalize();
+        if got != crc {
+            return Err(crate::frame::FrameError(format!(
+                "checksum mismatch (frame says {crc:08x}, payload has {got:08x})"
+            ))
+            .into());
+        }
+        let request_id = u64::from_le_bytes(head[..8].try_into().expect("8"));
+        let layer = u32::from_le_bytes(head[8..].try_into().expect("4"));
+        return Ok(Frame::Layer {
+            request_id,
+            layer,
+            data,
+        });
+    }
     let mut payload = vec![0u8; len as usize];
     r.read_exact(&mut payload).await?;
     Ok(Frame::decode(kind, crc, &payload)?)

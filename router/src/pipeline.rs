@@ -132,7 +132,9 @@ pub async fn start(
             offers: dw.offers.clone(),
         };
         let registry = state.registry.clone();
-        Some(Box::pin(async move {
+        // Its own task, so that it completes (and is counted) even when the decode stream
+        // finishes first; aborted only when the client goes away.
+        Some(tokio::spawn(async move {
             let _guard = pguard;
             let reply = client.prefill(req).await.map(|r| r.into_inner());
             if let Ok(r) = &reply {
@@ -160,9 +162,15 @@ pub async fn start(
         let mut prefill = prefill;
         loop {
             let next = tokio::select! {
-                _ = tx.closed() => break,
+                _ = tx.closed() => {
+                    if let Some(p) = prefill.take() {
+                        p.abort();
+                    }
+                    break;
+                }
                 r = async { prefill.as_mut().expect("guarded").await }, if prefill.is_some() => {
                     prefill = None;
+                    let r = r.unwrap_or_else(|e| Err(ApiError::Internal(format!("prefill task failed: {e}"))));
                     match r {
                         Ok(reply) => {
                             tracing::debug!(request = id, kv_bytes = reply.kv_bytes, compute_us = reply.compute_us, transfer_us = reply.transfer_us, transport = %reply.transport, "prefill done");

@@ -1,0 +1,179 @@
+//! KV transfer throughput and latency, side by side in one run with a raw TCP socket moving the
+//! same bytes (the link's limit here) and with memcpy.
+//!
+//!     cargo bench -p kv-transfer --bench transfer
+//!
+//! Loopback on one machine: the receiver acknowledges as soon as a transfer is whole (no model).
+
+use std::time::{Duration, Instant};
+
+use kv_transfer::quic::QuicKvReceiver;
+use kv_transfer::{KvSender, Local, Offer, Transport};
+use proto::ModelIdentity;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+struct Layout {
+    name: &'static str,
+    n_layers: u32,
+    n_kv_heads: u32,
+    head_dim: u32,
+}
+
+const LAYOUTS: [Layout; 2] = [
+    Layout {
+        name: "SmolLM2-135M",
+        n_layers: 30,
+        n_kv_heads: 3,
+        head_dim: 64,
+    },
+    Layout {
+        name: "Llama-8B",
+        n_layers: 32,
+        n_kv_heads: 8,
+        head_dim: 128,
+    },
+];
+const SIZES: [usize; 5] = [64 << 10, 1 << 20, 16 << 20, 64 << 20, 256 << 20];
+
+fn reps(bytes: usize) -> usize {
+    ((512usize << 20) / bytes).clamp(3, 200)
+}
+
+/// Mean time of `$body` over `$n` runs after one warm-up run.
+macro_rules! timed {
+    ($n:expr, $body:block) => {{
+        $body;
+        let t0 = Instant::now();
+        for _ in 0..$n {
+            $body;
+        }
+        t0.elapsed() / $n as u32
+    }};
+}
+
+fn row(what: &str, bytes: usize, per: Duration) {
+    let gbs = bytes as f64 / per.as_secs_f64() / 1e9;
+    println!(
+        "| {what} | {:.2} | {:.1} | {gbs:.2} |",
+        bytes as f64 / 1e6,
+        per.as_secs_f64() * 1e6
+    );
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    println!("| transport | MB | µs per transfer | GB/s |");
+    println!("|---|---:|---:|---:|");
+    for layout in &LAYOUTS {
+        let identity = ModelIdentity {
+            model: "bench".into(),
+            kv_dtype: "f16".into(),
+            block_size: 16,
+            n_layers: layout.n_layers,
+            n_kv_heads: layout.n_kv_heads,
+            head_dim: layout.head_dim,
+        };
+        let local = Local::open(identity);
+        let width = layout.n_kv_heads * layout.head_dim;
+        let per_token = 4 * width as usize * layout.n_layers as usize;
+        // Receivers that acknowledge every whole transfer at once.
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<kv_transfer::IncomingKv>(4);
+        tokio::spawn(async move {
+            while let Some(kv) = rx.recv().await {
+                let _ = kv.reply.send(Ok(()));
+            }
+        });
+        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let tcp_addr = tcp.local_addr().unwrap();
+        tokio::spawn(kv_transfer::tcp::serve(tcp, local.clone(), tx.clone()));
+        let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let quic_addr = quic.local_addr().unwrap();
+        let cert = quic.cert_der.clone();
+        tokio::spawn(quic.serve(local.clone(), tx));
+        // Raw TCP: read exactly `len` bytes, answer one byte.
+        let raw = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let raw_addr = raw.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut s, _) = raw.accept().await.unwrap();
+            s.set_nodelay(true).unwrap();
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let mut len = [0u8; 8];
+                if s.read_exact(&mut len).await.is_err() {
+                    return;
+                }
+                let mut left = u64::from_le_bytes(len) as usize;
+                while left > 0 {
+                    let n = s.read(&mut buf[..left.min(1 << 20)]).await.unwrap();
+                    left -= n;
+                }
+                s.write_all(&[1]).await.unwrap();
+            }
+        });
+        let mut raw_c = tokio::net::TcpStream::connect(raw_addr).await.unwrap();
+        raw_c.set_nodelay(true).unwrap();
+        let offers = [
+            Offer {
+                transport: Transport::Tcp,
+                endpoint: tcp_addr.to_string(),
+                cert_der: vec![],
+            },
+            Offer {
+                transport: Transport::Quic,
+                endpoint: quic_addr.to_string(),
+                cert_der: cert,
+            },
+        ];
+        let mut senders = Vec::new();
+        for o in &offers {
+            senders.push(
+                KvSender::connect(o, &local, Duration::from_secs(5))
+                    .await
+                    .unwrap(),
+            );
+        }
+        println!(
+            "| **{}** (per token {} KB) | | | |",
+            layout.name,
+            per_token / 1024
+        );
+        for &size in &SIZES {
+            let n_tokens = size.div_ceil(per_token).max(1);
+            let layer_bytes = 4 * n_tokens * width as usize;
+            let layers: Vec<Vec<u8>> = (0..layout.n_layers)
+                .map(|l| vec![l as u8; layer_bytes])
+                .collect();
+            let bytes = layer_bytes * layout.n_layers as usize;
+            let n = reps(bytes);
+            let flat: Vec<u8> = layers.concat();
+            let per = timed!(n, {
+                raw_c
+                    .write_all(&(flat.len() as u64).to_le_bytes())
+                    .await
+                    .unwrap();
+                raw_c.write_all(&flat).await.unwrap();
+                let mut ack = [0u8; 1];
+                raw_c.read_exact(&mut ack).await.unwrap();
+            });
+            row("raw TCP socket", bytes, per);
+            for s in senders.iter_mut() {
+                let name = match s {
+                    KvSender::Tcp(_) => "tandem TCP",
+                    KvSender::Quic(_) => "tandem QUIC",
+                };
+                let per = timed!(n, {
+                    s.send(1, n_tokens as u32, width, &layers, Duration::from_secs(60))
+                        .await
+                        .unwrap();
+                });
+                row(name, bytes, per);
+            }
+            let mut dst = vec![0u8; flat.len()];
+            let per = timed!(n, {
+                dst.copy_from_slice(&flat);
+                std::hint::black_box(&dst);
+            });
+            row("memcpy", bytes, per);
+        }
+    }
+}
