@@ -157,6 +157,7 @@ pub async fn start(
     let (tx, mut rx) = mpsc::channel::<TokenResult>(64);
     let registry = state.registry.clone();
     let dname = dw.name.clone();
+    let state2 = state.clone();
     tokio::spawn(async move {
         let _dguard = dguard;
         let mut prefill = prefill;
@@ -176,7 +177,23 @@ pub async fn start(
                             tracing::debug!(request = id, kv_bytes = reply.kv_bytes, compute_us = reply.compute_us, transfer_us = reply.transfer_us, transport = %reply.transport, "prefill done");
                             continue;
                         }
-                        Err(e) => Err(e),
+                        Err(e) => {
+                            // No token can have been produced without the KV: recompute the
+                            // prompt on the decode worker itself instead of failing.
+                            tracing::warn!(request = id, "{e}; recomputing the prompt on decode worker {dname}");
+                            let req = GenerateRequest { request_id: state2.next_request_id(), prompt: prompt.clone(), params: Some(params.clone()), remote_prefill: false };
+                            let mut client = match channel(&state2, &dw.endpoint) {
+                                Ok(c) => DecodeClient::new(c),
+                                Err(e) => { let _ = tx.send(Err(e)).await; break; }
+                            };
+                            match client.generate(req).await {
+                                Ok(r) => {
+                                    stream = r.into_inner();
+                                    continue;
+                                }
+                                Err(s) => Err(ApiError::Upstream(format!("{e}; recomputing on decode worker {dname} failed too: {}", s.message()))),
+                            }
+                        }
                     }
                 }
                 m = stream.message() => match m {
