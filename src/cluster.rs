@@ -133,6 +133,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
             .as_ref()
             .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
         secret: secret(&cfg)?,
+        layerwise: t.layerwise,
     };
     runtime()?.block_on(prefill_worker::run(pc))?;
     Ok(())

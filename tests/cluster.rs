@@ -403,17 +403,12 @@ fn a_full_decode_worker_makes_requests_wait_not_fail() {
 }
 
 #[test]
-fn tcp_and_quic_carry_the_kv_to_identical_tokens_and_say_which() {
+fn tcp_and_quic_layerwise_or_whole_carry_the_kv_to_identical_tokens_and_say_which() {
     let q = "Explain photosynthesis in one sentence.";
     let mut texts = Vec::new();
-    for transport in ["tcp", "quic"] {
-        let c = Cluster::start_kv(
-            EXE.as_ref(),
-            1,
-            1,
-            512,
-            &format!("prefer = [\"{transport}\"]"),
-        );
+    for (transport, layerwise) in [("tcp", true), ("quic", true), ("tcp", false)] {
+        let kv = format!("prefer = [\"{transport}\"]\nlayerwise = {layerwise}");
+        let c = Cluster::start_kv(EXE.as_ref(), 1, 1, 512, &kv);
         let (status, v) = post_json(
             c.http,
             "/v1/chat/completions",
@@ -431,6 +426,7 @@ fn tcp_and_quic_carry_the_kv_to_identical_tokens_and_say_which() {
         assert_eq!(p["kv_transfers"][transport], 1, "{p}");
     }
     assert_eq!(texts[0], texts[1]);
+    assert_eq!(texts[0], texts[2]);
     let params = SamplingParams {
         max_tokens: Some(40),
         temperature: 0.7,

@@ -191,10 +191,22 @@ impl Model {
         kv: &mut KvCache,
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<Option<Vec<f32>>>> {
+        self.forward_layers(kv, batch, &mut |_, _| {})
+    }
+
+    /// [`Model::forward`], calling `on_layer(l, kv)` as soon as layer `l`'s keys and values of
+    /// the whole batch are in the cache (before the layer's attention runs), so that a caller
+    /// can ship them while the remaining layers compute.
+    pub fn forward_layers(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let mut result = None;
         self.device
             .backend()
-            .run(&mut || result = Some(self.forward_inner(kv, batch)));
+            .run(&mut || result = Some(self.forward_inner(kv, batch, on_layer)));
         result.expect("the backend ran the step")
     }
 
@@ -202,6 +214,7 @@ impl Model {
         &self,
         kv: &mut KvCache,
         batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let c = &self.config;
         let be = self.device.backend();
@@ -271,6 +284,7 @@ impl Model {
             );
             let layer = kv.layer_mut(l);
             be.store_kv(&mut layer.k, &mut layer.v, &slots, &k, &v, kvw);
+            on_layer(l, kv);
             let layer = kv.layer(l);
             let paged = PagedKv {
                 k: &layer.k,

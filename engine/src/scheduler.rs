@@ -300,6 +300,24 @@ impl Engine {
 
     /// Runs one forward step and returns the tokens it produced.
     pub fn step(&mut self) -> Result<Vec<TokenEvent>> {
+        self.step_inner(None)
+    }
+
+    /// [`Engine::step`], streaming the KV of prefill-only requests that complete in this step:
+    /// `sink(id, layer, bytes)` gets each of their layers (the layout of
+    /// [`KvCache::read_tokens`]) as soon as the layer is computed, and their blocks are freed
+    /// at the end of the step (they are not held for [`Engine::export_kv`]).
+    pub fn step_streaming(
+        &mut self,
+        sink: &mut (dyn FnMut(u64, usize, Vec<u8>) + Send),
+    ) -> Result<Vec<TokenEvent>> {
+        self.step_inner(Some(sink))
+    }
+
+    fn step_inner(
+        &mut self,
+        mut sink: Option<&mut (dyn FnMut(u64, usize, Vec<u8>) + Send)>,
+    ) -> Result<Vec<TokenEvent>> {
         // Admit waiting requests, in order, while their full reservation fits.
         while self.running.len() < self.config.max_running {
             let Some(front) = self.waiting.front_mut() else {
@@ -343,7 +361,36 @@ impl Engine {
                 }
             })
             .collect();
-        let logits = self.model.forward(&mut self.kv, &chunks)?;
+        // Prefill-only requests whose prompt completes in this step stream their layers.
+        let streamed = sink.is_some();
+        let completing: Vec<(u64, Vec<u32>, usize)> = match sink {
+            Some(_) => plan
+                .iter()
+                .filter(|&&(i, start, n)| {
+                    self.running[i].prefill_only && start + n == self.running[i].prompt_len
+                })
+                .map(|&(i, _, _)| {
+                    (
+                        self.running[i].id,
+                        self.running[i].table.blocks().to_vec(),
+                        self.running[i].prompt_len,
+                    )
+                })
+                .collect(),
+            None => Vec::new(),
+        };
+        let mut on_layer = |l: usize, kv: &KvCache| {
+            if let Some(sink) = sink.as_deref_mut() {
+                for (id, table, n) in &completing {
+                    let mut buf = Vec::new();
+                    kv.read_tokens(table, l, *n, &mut buf);
+                    sink(*id, l, buf);
+                }
+            }
+        };
+        let logits = self
+            .model
+            .forward_layers(&mut self.kv, &chunks, &mut on_layer)?;
         let mut events = Vec::new();
         let mut finished = Vec::new();
         for (&(i, _, n), l) in plan.iter().zip(logits) {
@@ -379,7 +426,7 @@ impl Engine {
                 .position(|s| s.id == id)
                 .expect("planned seqs are running");
             let s = self.running.remove(i);
-            if s.prefill_only {
+            if s.prefill_only && !streamed {
                 self.prefilled.push(s);
             } else {
                 self.kv.release(s.table);

@@ -162,9 +162,15 @@ async fn main() {
                     KvSender::Quic(_) => "tandem QUIC",
                 };
                 let per = timed!(n, {
-                    s.send(1, n_tokens as u32, width, &layers, Duration::from_secs(60))
-                        .await
-                        .unwrap();
+                    s.send(
+                        1,
+                        n_tokens as u32,
+                        width,
+                        kv_transfer::Layers::Ready(&layers),
+                        Duration::from_secs(60),
+                    )
+                    .await
+                    .unwrap();
                 });
                 row(name, bytes, per);
             }

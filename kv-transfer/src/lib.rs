@@ -17,7 +17,7 @@ pub mod wire;
 use std::time::Duration;
 
 pub use negotiate::Offer;
-pub use wire::{IncomingKv, Local};
+pub use wire::{IncomingKv, Layers, Local};
 
 /// A way to move KV between workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -103,7 +103,7 @@ impl KvSender {
         request_id: u64,
         n_tokens: u32,
         width: u32,
-        layers: &[Vec<u8>],
+        layers: crate::wire::Layers<'_>,
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         match self {

@@ -163,12 +163,12 @@ impl QuicKvSender {
         request_id: u64,
         n_tokens: u32,
         width: u32,
-        layers: &[Vec<u8>],
+        layers: crate::wire::Layers<'_>,
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
         let peer = self.peer.clone();
-        wire::deadline(
+        let sent = wire::deadline(
             timeout,
             || format!("KV of request {request_id} to {peer} over QUIC"),
             async {
@@ -179,14 +179,16 @@ impl QuicKvSender {
                     .map_err(|e| TransferError::Protocol(format!("QUIC stream: {e}")))?;
                 let mut send = tokio::io::BufWriter::with_capacity(256 << 10, send);
                 wire::hello(&mut recv, &mut send, &self.local).await?;
-                wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers).await?;
+                let bytes =
+                    wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers)
+                        .await?;
                 let _ = send.into_inner().finish();
-                Ok(())
+                Ok(bytes)
             },
         )
         .await?;
         Ok(TransferStats {
-            bytes: layers.iter().map(|l| l.len() as u64).sum(),
+            bytes: sent,
             elapsed: t0.elapsed(),
             transport: Transport::Quic,
         })

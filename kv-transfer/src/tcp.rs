@@ -46,7 +46,7 @@ impl TcpKvSender {
         request_id: u64,
         n_tokens: u32,
         width: u32,
-        layers: &[Vec<u8>],
+        layers: crate::wire::Layers<'_>,
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
@@ -54,14 +54,14 @@ impl TcpKvSender {
         let (mut r, w) = self.stream.split();
         // Small frames (headers, small layers) leave in few writes; big layers bypass the buffer.
         let mut w = tokio::io::BufWriter::with_capacity(256 << 10, w);
-        wire::deadline(
+        let bytes = wire::deadline(
             timeout,
             || format!("KV of request {request_id} to {peer} over TCP"),
             wire::transfer(&mut r, &mut w, request_id, n_tokens, width, layers),
         )
         .await?;
         Ok(TransferStats {
-            bytes: layers.iter().map(|l| l.len() as u64).sum(),
+            bytes,
             elapsed: t0.elapsed(),
             transport: Transport::Tcp,
         })

@@ -145,17 +145,40 @@ pub async fn transfer<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     request_id: u64,
     n_tokens: u32,
     width: u32,
-    layers: &[Vec<u8>],
-) -> Result<(), TransferError> {
+    layers: Layers<'_>,
+) -> Result<u64, TransferError> {
+    let n_layers = match &layers {
+        Layers::Ready(l) => l.len() as u32,
+        Layers::Stream { n_layers, .. } => *n_layers,
+    };
     let begin = Frame::Begin {
         request_id,
         n_tokens,
-        n_layers: layers.len() as u32,
+        n_layers,
         width,
     };
     w.write_all(&begin.encode()).await?;
-    for (l, data) in layers.iter().enumerate() {
-        write_layer(w, request_id, l as u32, data).await?;
+    let mut bytes = 0u64;
+    match layers {
+        Layers::Ready(all) => {
+            for (l, data) in all.iter().enumerate() {
+                write_layer(w, request_id, l as u32, data).await?;
+                bytes += data.len() as u64;
+            }
+        }
+        Layers::Stream { n_layers, rx } => {
+            for l in 0..n_layers {
+                let data = rx.recv().await.ok_or_else(|| {
+                    TransferError::Protocol(format!(
+                        "request {request_id}: the KV source ended after {l} of {n_layers} layers"
+                    ))
+                })?;
+                write_layer(w, request_id, l, &data).await?;
+                // Out now: the next layer is still being computed.
+                w.flush().await?;
+                bytes += data.len() as u64;
+            }
+        }
     }
     w.flush().await?;
     match read_frame(r).await? {
@@ -173,6 +196,21 @@ pub async fn transfer<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             "expected the ack of request {request_id}, got {other:?}"
         ))),
     }
+    .map(|()| bytes)
+}
+
+/// A request's KV to send: all layers at hand, or layers arriving one by one as the prefill
+/// computes them (layer-wise streaming).
+pub enum Layers<'a> {
+    /// Every layer, in order.
+    Ready(&'a [Vec<u8>]),
+    /// `n_layers` layers, in order, from a channel.
+    Stream {
+        /// How many layers will come.
+        n_layers: u32,
+        /// Where they come from.
+        rx: &'a mut mpsc::UnboundedReceiver<Vec<u8>>,
+    },
 }
 
 /// Runs `fut` within `timeout`, naming `what` if it does not finish.

@@ -84,18 +84,24 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
     let t = Duration::from_secs(5);
     for offer in &offers {
         let mut s = KvSender::connect(offer, &local(16, None), t).await.unwrap();
-        let stats = s.send(2, 5, width, &layers, t).await.unwrap();
+        let stats = s
+            .send(2, 5, width, kv_transfer::Layers::Ready(&layers), t)
+            .await
+            .unwrap();
         assert_eq!(stats.transport, offer.transport);
         assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
         let e = s
-            .send(3, 5, width, &layers, t)
+            .send(3, 5, width, kv_transfer::Layers::Ready(&layers), t)
             .await
             .unwrap_err()
             .to_string();
         assert!(e.contains("no room"), "{e}");
         // A peer with another block size is refused before any KV moves.
         let refused = match KvSender::connect(offer, &local(32, None), t).await {
-            Ok(mut s) => s.send(4, 5, width, &layers, t).await.map(|_| ()),
+            Ok(mut s) => s
+                .send(4, 5, width, kv_transfer::Layers::Ready(&layers), t)
+                .await
+                .map(|_| ()),
             Err(e) => Err(e),
         };
         let e = refused.unwrap_err().to_string();
@@ -148,7 +154,10 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
             (Some("guess"), "wrong cluster secret"),
         ] {
             let r = match KvSender::connect(offer, &local(16, secret), t).await {
-                Ok(mut s) => s.send(1, 1, 16, &layers, t).await.map(|_| ()),
+                Ok(mut s) => s
+                    .send(1, 1, 16, kv_transfer::Layers::Ready(&layers), t)
+                    .await
+                    .map(|_| ()),
                 Err(e) => Err(e),
             };
             let e = r.unwrap_err().to_string();
@@ -159,9 +168,15 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
             .unwrap();
         let l2 = layers.clone();
         let sent = tokio::spawn(async move {
-            s.send(8, 1, 16, &l2, Duration::from_secs(5))
-                .await
-                .map(|_| ())
+            s.send(
+                8,
+                1,
+                16,
+                kv_transfer::Layers::Ready(&l2),
+                Duration::from_secs(5),
+            )
+            .await
+            .map(|_| ())
         });
         let kv = rx.recv().await.expect("the authenticated transfer arrives");
         assert_eq!(kv.request_id, 8);

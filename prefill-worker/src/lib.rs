@@ -13,7 +13,7 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, EngineError};
-use kv_transfer::{KvSender, Offer, Transport};
+use kv_transfer::{KvSender, Layers, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{self, PrefillReply, PrefillRequest};
 use tokio::sync::oneshot;
@@ -45,6 +45,9 @@ pub struct PrefillConfig {
     pub require: Option<Transport>,
     /// The cluster secret to prove to decode workers, if the cluster has one.
     pub secret: Option<Arc<Vec<u8>>>,
+    /// Send each layer's KV as soon as it is computed (overlapping the transfer with the rest
+    /// of the prefill) rather than all at the end.
+    pub layerwise: bool,
 }
 
 /// Why the worker stopped.
@@ -70,13 +73,16 @@ pub enum WorkerError {
     Transfer(#[from] kv_transfer::TransferError),
 }
 
-type KvReply = oneshot::Sender<Result<Vec<Vec<u8>>, Status>>;
+/// Where a request's KV layers go, in order, as the engine produces them.
+type LayerTx = tokio::sync::mpsc::UnboundedSender<Vec<u8>>;
 
 enum Cmd {
     Prefill {
         id: u64,
         tokens: Vec<u32>,
-        reply: KvReply,
+        /// Admission verdict.
+        accepted: oneshot::Sender<Result<(), Status>>,
+        layers: LayerTx,
     },
     Cancel {
         id: u64,
@@ -93,8 +99,16 @@ struct Load {
     total: u32,
 }
 
-fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<Load>>) {
-    let mut replies: HashMap<u64, KvReply> = HashMap::new();
+/// The engine thread. With `layerwise`, each layer of a completing prompt is handed over as
+/// soon as it is computed; otherwise all layers once the prompt is done.
+fn engine_loop(
+    mut engine: Engine,
+    rx: std_mpsc::Receiver<Cmd>,
+    load: Arc<Mutex<Load>>,
+    layerwise: bool,
+) {
+    let n_layers = engine.model().config.n_layers;
+    let mut outs: HashMap<u64, LayerTx> = HashMap::new();
     let mut draining = false;
     loop {
         let first = if engine.has_work() {
@@ -111,52 +125,69 @@ fn engine_loop(mut engine: Engine, rx: std_mpsc::Receiver<Cmd>, load: Arc<Mutex<
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
             match cmd {
-                Cmd::Prefill { id, tokens, reply } => {
-                    if draining {
-                        let _ =
-                            reply.send(Err(Status::unavailable("this prefill worker is draining")));
-                        continue;
-                    }
-                    match engine.add_prefill_only(id, tokens) {
-                        Ok(()) => {
-                            replies.insert(id, reply);
+                Cmd::Prefill {
+                    id,
+                    tokens,
+                    accepted,
+                    layers,
+                } => {
+                    let verdict = if draining {
+                        Err(Status::unavailable("this prefill worker is draining"))
+                    } else {
+                        match engine.add_prefill_only(id, tokens) {
+                            Ok(()) => {
+                                outs.insert(id, layers);
+                                Ok(())
+                            }
+                            Err(EngineError::OutOfBlocks(m)) => Err(Status::resource_exhausted(m)),
+                            Err(e) => Err(Status::invalid_argument(e.to_string())),
                         }
-                        Err(EngineError::OutOfBlocks(m)) => {
-                            let _ = reply.send(Err(Status::resource_exhausted(m)));
-                        }
-                        Err(e) => {
-                            let _ = reply.send(Err(Status::invalid_argument(e.to_string())));
-                        }
-                    }
+                    };
+                    let _ = accepted.send(verdict);
                 }
                 Cmd::Cancel { id, found } => {
-                    replies.remove(&id);
+                    outs.remove(&id);
                     let _ = found.send(engine.abort(id));
                 }
                 Cmd::Drain => draining = true,
             }
         }
-        let gone: Vec<u64> = replies
+        // Callers that went away (their channel closed) are aborted and their blocks freed.
+        let gone: Vec<u64> = outs
             .iter()
-            .filter(|(_, r)| r.is_closed())
+            .filter(|(_, t)| t.is_closed())
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
-            replies.remove(&id);
+            outs.remove(&id);
             engine.abort(id);
         }
         if engine.has_work() {
-            if let Err(e) = engine.step() {
+            let stepped = if layerwise {
+                engine.step_streaming(&mut |id, l, bytes| {
+                    if let Some(t) = outs.get(&id) {
+                        let _ = t.send(bytes);
+                    }
+                    if l + 1 == n_layers {
+                        outs.remove(&id);
+                    }
+                })
+            } else {
+                engine.step()
+            };
+            if let Err(e) = stepped {
+                // Dropping the senders fails every transfer in progress; keep serving.
                 tracing::error!("prefill step failed: {e}");
-                for (id, r) in replies.drain() {
+                for (id, _) in outs.drain() {
                     engine.abort(id);
-                    let _ = r.send(Err(Status::internal(format!("prefill step failed: {e}"))));
                 }
             }
             for id in engine.take_prefilled() {
                 let kv = engine.export_kv(id).expect("reported as prefilled");
-                if let Some(r) = replies.remove(&id) {
-                    let _ = r.send(Ok(kv));
+                if let Some(t) = outs.remove(&id) {
+                    kv.into_iter().for_each(|l| {
+                        let _ = t.send(l);
+                    });
                 }
             }
         }
@@ -182,6 +213,8 @@ struct Service {
     transfer_timeout: Duration,
     prefer: Vec<Transport>,
     require: Option<Transport>,
+    layerwise: bool,
+    n_layers: u32,
     /// Peers whose transport choice has been logged.
     announced: Mutex<std::collections::HashSet<String>>,
 }
@@ -203,16 +236,17 @@ impl Prefill for Service {
         let req = req.into_inner();
         let n = req.tokens.len() as u32;
         let t0 = Instant::now();
-        let (reply, kv) = oneshot::channel();
+        let (accepted, verdict) = oneshot::channel();
+        let (layers_tx, mut layers_rx) = tokio::sync::mpsc::unbounded_channel();
         self.send(Cmd::Prefill {
             id: req.request_id,
             tokens: req.tokens,
-            reply,
+            accepted,
+            layers: layers_tx,
         })?;
-        let layers = kv
+        verdict
             .await
             .map_err(|_| Status::unavailable("the engine thread has stopped"))??;
-        let compute = t0.elapsed();
         let offers: Vec<Offer> = req
             .offers
             .iter()
@@ -249,14 +283,29 @@ impl Prefill for Service {
                 .await
                 .map_err(|e| Status::unavailable(e.to_string()))?,
         };
+        // Connected while the prompt computes; now the layers, streamed or whole.
+        let started = t0.elapsed();
+        let all: Vec<Vec<u8>>;
+        let layers = if self.layerwise {
+            Layers::Stream {
+                n_layers: self.n_layers,
+                rx: &mut layers_rx,
+            }
+        } else {
+            let mut v = Vec::with_capacity(self.n_layers as usize);
+            while v.len() < self.n_layers as usize {
+                v.push(
+                    layers_rx
+                        .recv()
+                        .await
+                        .ok_or_else(|| Status::internal("the prefill of this request failed"))?,
+                );
+            }
+            all = v;
+            Layers::Ready(&all)
+        };
         let stats = conn
-            .send(
-                req.request_id,
-                n,
-                self.width,
-                &layers,
-                self.transfer_timeout,
-            )
+            .send(req.request_id, n, self.width, layers, self.transfer_timeout)
             .await
             .map_err(|e| Status::unavailable(e.to_string()))?;
         self.conns
@@ -267,7 +316,7 @@ impl Prefill for Service {
             .push(conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
-            compute_us: compute.as_micros() as u64,
+            compute_us: started.as_micros() as u64,
             transfer_us: stats.elapsed.as_micros() as u64,
             transport: stats.transport.name().into(),
         }))
@@ -336,10 +385,10 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         ..Default::default()
     }));
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
-    let l2 = load.clone();
+    let (l2, layerwise) = (load.clone(), cfg.layerwise);
     std::thread::Builder::new()
         .name("prefill-engine".into())
-        .spawn(move || engine_loop(engine, cmd_rx, l2))
+        .spawn(move || engine_loop(engine, cmd_rx, l2, layerwise))
         .expect("engine thread starts");
 
     let addr = format!("{}:0", cfg.host);
@@ -362,6 +411,8 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         transfer_timeout: cfg.transfer_timeout,
         prefer: cfg.prefer.clone(),
         require: cfg.require,
+        layerwise: cfg.layerwise,
+        n_layers: model.config.n_layers as u32,
         announced: Mutex::new(Default::default()),
     };
     let server = tokio::spawn(

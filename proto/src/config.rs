@@ -142,6 +142,10 @@ pub struct KvTransferSection {
     /// Accept only this transport: a pair that cannot use it fails instead of falling back.
     #[serde(default)]
     pub require: Option<Spanned<String>>,
+    /// Stream each layer's KV as soon as the prefill computes it (default), overlapping the
+    /// transfer with the remaining layers; `false` sends all layers once the prompt is done.
+    #[serde(default = "yes")]
+    pub layerwise: bool,
     /// A file holding the cluster secret: KV senders must prove it (HMAC-SHA256 over a fresh
     /// nonce) before a decode worker reads any KV. `TANDEM_KV_SECRET` overrides it.
     #[serde(default)]
@@ -152,6 +156,10 @@ pub struct KvTransferSection {
     /// Deadline for one request's whole KV transfer.
     #[serde(default = "default_transfer_ms")]
     pub transfer_timeout_ms: Spanned<u64>,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn default_prefer() -> Spanned<Vec<String>> {
@@ -174,6 +182,7 @@ impl Default for KvTransferSection {
             prefer: default_prefer(),
             require: None,
             secret_file: None,
+            layerwise: true,
             connect_timeout_ms: default_connect_ms(),
             transfer_timeout_ms: default_transfer_ms(),
         }
