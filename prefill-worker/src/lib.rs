@@ -73,8 +73,21 @@ pub enum WorkerError {
     Transfer(#[from] kv_transfer::TransferError),
 }
 
-/// Where a request's KV layers go, in order, as the engine produces them.
-type LayerTx = tokio::sync::mpsc::UnboundedSender<Vec<u8>>;
+/// Where a request's KV layers go, in order, as the engine produces them, and when the last
+/// one was computed.
+struct LayerTx {
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    done: Arc<std::sync::OnceLock<Instant>>,
+}
+
+impl LayerTx {
+    fn send(&self, bytes: Vec<u8>, last: bool) {
+        if last {
+            let _ = self.done.set(Instant::now());
+        }
+        let _ = self.tx.send(bytes);
+    }
+}
 
 enum Cmd {
     Prefill {
@@ -155,7 +168,7 @@ fn engine_loop(
         // Callers that went away (their channel closed) are aborted and their blocks freed.
         let gone: Vec<u64> = outs
             .iter()
-            .filter(|(_, t)| t.is_closed())
+            .filter(|(_, t)| t.tx.is_closed())
             .map(|(id, _)| *id)
             .collect();
         for id in gone {
@@ -166,7 +179,7 @@ fn engine_loop(
             let stepped = if layerwise {
                 engine.step_streaming(&mut |id, l, bytes| {
                     if let Some(t) = outs.get(&id) {
-                        let _ = t.send(bytes);
+                        t.send(bytes, l + 1 == n_layers);
                     }
                     if l + 1 == n_layers {
                         outs.remove(&id);
@@ -185,9 +198,10 @@ fn engine_loop(
             for id in engine.take_prefilled() {
                 let kv = engine.export_kv(id).expect("reported as prefilled");
                 if let Some(t) = outs.remove(&id) {
-                    kv.into_iter().for_each(|l| {
-                        let _ = t.send(l);
-                    });
+                    let n = kv.len();
+                    kv.into_iter()
+                        .enumerate()
+                        .for_each(|(l, bytes)| t.send(bytes, l + 1 == n));
                 }
             }
         }
@@ -238,11 +252,16 @@ impl Prefill for Service {
         let t0 = Instant::now();
         let (accepted, verdict) = oneshot::channel();
         let (layers_tx, mut layers_rx) = tokio::sync::mpsc::unbounded_channel();
+        let done = Arc::new(std::sync::OnceLock::new());
+        let layers = LayerTx {
+            tx: layers_tx,
+            done: done.clone(),
+        };
         self.send(Cmd::Prefill {
             id: req.request_id,
             tokens: req.tokens,
             accepted,
-            layers: layers_tx,
+            layers,
         })?;
         verdict
             .await
@@ -284,7 +303,6 @@ impl Prefill for Service {
                 .map_err(|e| Status::unavailable(e.to_string()))?,
         };
         // Connected while the prompt computes; now the layers, streamed or whole.
-        let started = t0.elapsed();
         let all: Vec<Vec<u8>>;
         let layers = if self.layerwise {
             Layers::Stream {
@@ -316,8 +334,10 @@ impl Prefill for Service {
             .push(conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
-            compute_us: started.as_micros() as u64,
-            transfer_us: stats.elapsed.as_micros() as u64,
+            compute_us: done
+                .get()
+                .map_or(0, |d| d.duration_since(t0).as_micros() as u64),
+            transfer_us: done.get().map_or(0, |d| d.elapsed().as_micros() as u64),
             transport: stats.transport.name().into(),
         }))
     }

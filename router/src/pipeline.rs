@@ -138,7 +138,7 @@ pub async fn start(
             let _guard = pguard;
             let reply = client.prefill(req).await.map(|r| r.into_inner());
             if let Ok(r) = &reply {
-                registry.record_transfer(pw.id, &r.transport);
+                registry.record_transfer(pw.id, r);
             }
             reply.map_err(|s| {
                 if worker_failed(&s) && s.message().contains("transport") {

@@ -28,6 +28,8 @@ pub struct Worker {
     pub kv_offers: Vec<(String, String)>,
     /// KV transfers this worker made, by transport (prefill workers).
     pub kv_transfers: std::collections::BTreeMap<String, u64>,
+    /// The last prefill's queue + compute time and exposed KV wait, µs (prefill workers).
+    pub last_prefill_us: (u64, u64),
     #[serde(skip)]
     pub(crate) offers: Vec<grpc::KvOffer>,
     /// Last reported load.
@@ -109,10 +111,11 @@ impl Registry {
         Some((w.clone(), InFlight(w.inflight.clone())))
     }
 
-    /// Counts a KV transfer made by worker `id` over `transport`.
-    pub fn record_transfer(&self, id: u64, transport: &str) {
+    /// Counts a KV transfer made by worker `id` and keeps its timings.
+    pub fn record_transfer(&self, id: u64, reply: &grpc::PrefillReply) {
         if let Some(w) = self.workers.lock().expect("registry lock").get_mut(&id) {
-            *w.kv_transfers.entry(transport.to_string()).or_default() += 1;
+            *w.kv_transfers.entry(reply.transport.clone()).or_default() += 1;
+            w.last_prefill_us = (reply.compute_us, reply.transfer_us);
         }
     }
 
@@ -183,6 +186,7 @@ impl Control for ControlService {
                 .map(|o| (o.transport.clone(), o.endpoint.clone()))
                 .collect(),
             kv_transfers: Default::default(),
+            last_prefill_us: (0, 0),
             offers: j.kv_offers,
             running: 0,
             waiting: 0,
