@@ -181,7 +181,7 @@ fn engine_loop(
                             kv.request_id
                         ))
                     };
-                    let _ = kv.reply.send(r);
+                    kv.answer(r);
                 }
                 Cmd::Cancel { id, found } => {
                     streams.remove(&id);

@@ -80,7 +80,7 @@ async fn main() {
         let (tx, mut rx) = tokio::sync::mpsc::channel::<kv_transfer::IncomingKv>(4);
         tokio::spawn(async move {
             while let Some(kv) = rx.recv().await {
-                let _ = kv.reply.send(Ok(()));
+                kv.answer(Ok(()));
             }
         });
         let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -64,17 +64,24 @@ impl QuicKvReceiver {
 
     /// Accepts connections and their streams forever, handing complete transfers to `tx`.
     pub async fn serve(self, local: Local, tx: mpsc::Sender<IncomingKv>) {
+        let pool = wire::BufferPool::default();
         while let Some(incoming) = self.endpoint.accept().await {
-            let (local, tx) = (local.clone(), tx.clone());
+            let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
                 let peer = conn.remote_address();
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                    let (local, tx) = (local.clone(), tx.clone());
+                    let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
                     tokio::spawn(async move {
-                        if let Err(e) =
-                            wire::serve_stream(&mut recv, &mut send, &local, Transport::Quic, &tx)
-                                .await
+                        if let Err(e) = wire::serve_stream(
+                            &mut recv,
+                            &mut send,
+                            &local,
+                            Transport::Quic,
+                            &tx,
+                            &pool,
+                        )
+                        .await
                         {
                             tracing::warn!(%peer, "KV stream (quic) closed: {e}");
                         }

@@ -70,16 +70,19 @@ impl TcpKvSender {
 
 /// Accepts KV connections on `listener` forever, handing complete transfers to `tx`.
 pub async fn serve(listener: TcpListener, local: Local, tx: mpsc::Sender<IncomingKv>) {
+    let pool = wire::BufferPool::default();
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
-        let (local, tx) = (local.clone(), tx.clone());
+        let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
             let mut r = BufReader::with_capacity(1 << 20, r);
-            if let Err(e) = wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx).await {
+            if let Err(e) =
+                wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx, &pool).await
+            {
                 tracing::warn!(%peer, "KV connection (tcp) closed: {e}");
             }
         });

@@ -11,6 +11,42 @@ use crate::TransferError;
 
 /// Reads one frame, checking its CRC.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, TransferError> {
+    read_frame_with(r, None).await
+}
+
+/// Layer buffers handed back once their KV is in the cache, reused for the next transfers so
+/// that big layers do not land in freshly mapped (page-faulting) memory every time.
+#[derive(Debug, Clone, Default)]
+pub struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
+
+impl BufferPool {
+    /// Most buffers kept.
+    const KEEP: usize = 256;
+
+    fn take(&self, n: usize) -> Vec<u8> {
+        let mut pool = self.0.lock().expect("pool lock");
+        let mut buf = match pool.iter().position(|b| b.capacity() >= n) {
+            Some(i) => pool.swap_remove(i),
+            None => Vec::with_capacity(n),
+        };
+        buf.clear();
+        buf.resize(n, 0);
+        buf
+    }
+
+    fn give(&self, buf: Vec<u8>) {
+        let mut pool = self.0.lock().expect("pool lock");
+        if pool.len() < Self::KEEP {
+            pool.push(buf);
+        }
+    }
+}
+
+/// [`read_frame`], taking layer buffers from `pool`.
+pub async fn read_frame_with<R: AsyncRead + Unpin>(
+    r: &mut R,
+    pool: Option<&BufferPool>,
+) -> Result<Frame, TransferError> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h).await?;
     let (kind, len, crc) = Frame::header(&h)?;
@@ -18,7 +54,10 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, Transf
         // A layer: read its bytes straight into the buffer the frame keeps (no second copy).
         let mut head = [0u8; 12];
         r.read_exact(&mut head).await?;
-        let mut data = vec![0u8; len as usize - 12];
+        let mut data = match pool {
+            Some(p) => p.take(len as usize - 12),
+            None => vec![0u8; len as usize - 12],
+        };
         r.read_exact(&mut data).await?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&head);
@@ -225,6 +264,7 @@ pub async fn deadline<T>(
 }
 
 /// A whole request's KV, received and checksummed, waiting for the decode engine's verdict.
+/// Its layer buffers go back to the receiver's pool when it is dropped.
 #[derive(Debug)]
 pub struct IncomingKv {
     /// The request.
@@ -235,8 +275,25 @@ pub struct IncomingKv {
     pub layers: Vec<Vec<u8>>,
     /// Which transport brought it.
     pub transport: crate::Transport,
-    /// Send `Ok` once the KV is in the cache, or the reason it was not taken.
-    pub reply: oneshot::Sender<Result<(), String>>,
+    reply: Option<oneshot::Sender<Result<(), String>>>,
+    pool: BufferPool,
+}
+
+impl IncomingKv {
+    /// Answers the sender: `Ok` once the KV is in the cache, or the reason it was not taken.
+    pub fn answer(mut self, verdict: Result<(), String>) {
+        if let Some(r) = self.reply.take() {
+            let _ = r.send(verdict);
+        }
+    }
+}
+
+impl Drop for IncomingKv {
+    fn drop(&mut self) {
+        for l in self.layers.drain(..) {
+            self.pool.give(l);
+        }
+    }
 }
 
 /// The server side of one stream: the handshake, then transfers until the peer closes it.
@@ -248,6 +305,7 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     local: &Local,
     transport: crate::Transport,
     tx: &mpsc::Sender<IncomingKv>,
+    pool: &BufferPool,
 ) -> Result<(), TransferError> {
     let identity = &local.identity;
     match read_frame(r).await? {
@@ -326,7 +384,7 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         let expect = 4 * n_tokens as usize * width;
         let mut layers = Vec::with_capacity(n_layers as usize);
         for l in 0..n_layers {
-            match read_frame(r).await? {
+            match read_frame_with(r, Some(pool)).await? {
                 Frame::Layer { request_id: rid, layer, data } if rid == request_id && layer == l && data.len() == expect => layers.push(data),
                 Frame::Layer { request_id: rid, layer, data } => {
                     return Err(TransferError::Protocol(format!(
@@ -343,7 +401,8 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             n_tokens,
             layers,
             transport,
-            reply,
+            reply: Some(reply),
+            pool: pool.clone(),
         };
         let result = match tx.send(incoming).await {
             Ok(()) => verdict

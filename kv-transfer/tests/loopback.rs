@@ -64,9 +64,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
         while let Some(kv) = rx.recv().await {
             let ok = kv.request_id % 2 == 0;
             seen.push((kv.request_id, kv.transport, kv.n_tokens, kv.layers.clone()));
-            let _ = kv
-                .reply
-                .send(if ok { Ok(()) } else { Err("no room".into()) });
+            kv.answer(if ok { Ok(()) } else { Err("no room".into()) });
             if seen.len() == 4 {
                 return seen;
             }
@@ -180,7 +178,7 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
         });
         let kv = rx.recv().await.expect("the authenticated transfer arrives");
         assert_eq!(kv.request_id, 8);
-        kv.reply.send(Ok(())).unwrap();
+        kv.answer(Ok(()));
         sent.await.unwrap().unwrap();
     }
     // Nothing from the refused peers ever reached the receiver.
