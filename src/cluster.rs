@@ -31,6 +31,9 @@ pub struct RoleArgs {
     /// Worker name for logs.
     #[arg(long)]
     pub name: Option<String>,
+    /// Decode workers: the TCP KV endpoint to advertise instead of the bound one (NAT, proxies).
+    #[arg(long)]
+    pub kv_advertise: Option<String>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -159,6 +162,7 @@ pub fn decode(a: RoleArgs) -> Result<()> {
             .as_ref()
             .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
         secret: secret(&cfg)?,
+        kv_advertise: a.kv_advertise.clone(),
     };
     runtime()?.block_on(decode_worker::run(dc))?;
     Ok(())

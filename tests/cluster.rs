@@ -421,9 +421,7 @@ fn tcp_and_quic_layerwise_or_whole_carry_the_kv_to_identical_tokens_and_say_whic
                 .unwrap()
                 .to_string(),
         );
-        let ws = c.workers();
-        let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
-        assert_eq!(p["kv_transfers"][transport], 1, "{p}");
+        c.wait_transfers(transport, 1);
     }
     assert_eq!(texts[0], texts[1]);
     assert_eq!(texts[0], texts[2]);
@@ -446,9 +444,7 @@ fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_cl
         &json!({"prompt": "Hello there", "max_tokens": 2}),
     );
     assert_eq!(status, 200);
-    let ws = c.workers();
-    let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
-    assert_eq!(p["kv_transfers"]["tcp"], 1, "{p}");
+    c.wait_transfers("tcp", 1);
     // A prefill worker that requires RDMA refuses to start, saying why.
     let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "require = \"rdma\"");
     let out = c

@@ -43,6 +43,8 @@ pub struct DecodeConfig {
     pub require: Option<kv_transfer::Transport>,
     /// The cluster secret KV senders must prove (HMAC), if the cluster has one.
     pub secret: Option<Arc<Vec<u8>>>,
+    /// The TCP KV endpoint to advertise instead of the bound address (NAT, proxies).
+    pub kv_advertise: Option<String>,
 }
 
 /// Why the worker stopped.
@@ -389,7 +391,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         },
         grpc::KvOffer {
             transport: "tcp".into(),
-            endpoint: kv_addr.to_string(),
+            endpoint: cfg
+                .kv_advertise
+                .clone()
+                .unwrap_or_else(|| kv_addr.to_string()),
             cert_der: Vec::new(),
         },
     ];

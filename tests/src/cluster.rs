@@ -147,13 +147,31 @@ impl Cluster {
 
     /// Starts a worker process without tracking it (the caller owns it).
     pub fn spawn_worker(&self, role: &str, name: &str, config: &Path) -> Child {
+        self.spawn_worker_with(role, name, config, &[])
+    }
+
+    /// [`Cluster::spawn_worker`] with extra command-line arguments.
+    pub fn spawn_worker_with(
+        &self,
+        role: &str,
+        name: &str,
+        config: &Path,
+        extra: &[&str],
+    ) -> Child {
         Command::new(&self.exe)
-            .args([role, "--router", &self.control, "--name", name, "--config"])
+            .args([role, "--router", &self.control, "--name", name])
+            .args(extra)
+            .arg("--config")
             .arg(config)
             .stdin(Stdio::null())
             .stderr(Stdio::piped())
             .spawn()
             .expect("start worker")
+    }
+
+    /// Tracks a worker process started by the caller (killed when the cluster drops).
+    pub fn adopt(&mut self, name: &str, child: Child) {
+        self.workers.push((name.into(), child));
     }
 
     /// Kills a worker with SIGKILL.
@@ -191,6 +209,29 @@ impl Cluster {
         let (_, body) = get(self.http, "/debug/workers").expect("debug endpoint");
         let v: Value = serde_json::from_str(&body).unwrap();
         v["workers"].as_array().cloned().unwrap_or_default()
+    }
+
+    /// Polls until the prefill workers report `n` KV transfers over `transport` in all (the
+    /// router counts a transfer when the prefill call returns, which may be after the client's
+    /// response is complete); panics after 10 s.
+    pub fn wait_transfers(&self, transport: &str, n: u64) {
+        let t0 = Instant::now();
+        loop {
+            let ws = self.workers();
+            let count: u64 = ws
+                .iter()
+                .filter(|w| w["role"] == "prefill")
+                .map(|w| w["kv_transfers"][transport].as_u64().unwrap_or(0))
+                .sum();
+            if count == n {
+                return;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "expected {n} transfers over {transport}: {ws:?}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// Polls until every worker reports all KV blocks free and nothing running; returns how

@@ -1,0 +1,265 @@
+//! Prefill and decode on different hosts: two network namespaces joined by a veth pair, with
+//! `tc netem` delay, loss and corruption on the link that carries both the control plane and
+//! the KV (where the kernel has netem; it says so where it does not). Every request must either complete with the single-process answer or fail with an
+//! OpenAI error — never hang — and afterwards no KV block may stay reserved anywhere.
+//!
+//! Needs root (CI runs as root): the test creates and deletes its own namespaces. Where
+//! namespaces cannot be created it says so and fails, unless `TANDEM_SKIP_NETNS=1` is set.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
+use serde_json::{json, Value};
+use tandem_tests::cluster::{get, post_json};
+use tandem_tests::load_model;
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+
+fn sh(args: &[&str]) -> Result<(), String> {
+    let out = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("{args:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+/// Two namespaces: `p` (prefill, 10.77.0.1) and `d` (router + decode, 10.77.0.2) joined by a
+/// veth pair; `d` also reaches this namespace over a second pair (10.77.9.2, here 10.77.9.1).
+struct Net {
+    p: String,
+    d: String,
+}
+
+impl Net {
+    fn new() -> Result<Net, String> {
+        let id = std::process::id() % 100000;
+        let (p, d) = (format!("tdmp{id}"), format!("tdmd{id}"));
+        let net = Net {
+            p: p.clone(),
+            d: d.clone(),
+        };
+        let (pv, dv, hv, dh) = (
+            format!("vp{id}"),
+            format!("vd{id}"),
+            format!("vh{id}"),
+            format!("vx{id}"),
+        );
+        for cmd in [
+            vec!["ip", "netns", "add", &p],
+            vec!["ip", "netns", "add", &d],
+            vec![
+                "ip", "link", "add", &pv, "type", "veth", "peer", "name", &dv,
+            ],
+            vec!["ip", "link", "set", &pv, "netns", &p],
+            vec!["ip", "link", "set", &dv, "netns", &d],
+            vec!["ip", "-n", &p, "addr", "add", "10.77.0.1/24", "dev", &pv],
+            vec!["ip", "-n", &d, "addr", "add", "10.77.0.2/24", "dev", &dv],
+            vec![
+                "ip", "link", "add", &hv, "type", "veth", "peer", "name", &dh,
+            ],
+            vec!["ip", "link", "set", &dh, "netns", &d],
+            vec!["ip", "addr", "add", "10.77.9.1/24", "dev", &hv],
+            vec!["ip", "-n", &d, "addr", "add", "10.77.9.2/24", "dev", &dh],
+            vec!["ip", "link", "set", &hv, "up"],
+            vec!["ip", "-n", &p, "link", "set", &pv, "up"],
+            vec!["ip", "-n", &p, "link", "set", "lo", "up"],
+            vec!["ip", "-n", &d, "link", "set", &dv, "up"],
+            vec!["ip", "-n", &d, "link", "set", &dh, "up"],
+            vec!["ip", "-n", &d, "link", "set", "lo", "up"],
+        ] {
+            sh(&cmd)?;
+        }
+        // The P-D link: 5 ms each way with jitter, 3% loss, 1% corrupted packets, where the
+        // kernel has netem; tests/faults.rs injects faults in user space everywhere.
+        for (ns, dev) in [(&p, &pv), (&d, &dv)] {
+            let netem = [
+                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
+                "delay", "5ms", "2ms", "loss", "3%", "corrupt", "1%",
+            ];
+            if let Err(e) = sh(&netem) {
+                println!("tc netem is not available on this kernel, the link carries no injected faults: {e}");
+                break;
+            }
+        }
+        Ok(net)
+    }
+
+    fn spawn(&self, ns: &str, args: &[&str]) -> Child {
+        Command::new("ip")
+            .args(["netns", "exec", ns, EXE])
+            .args(args)
+            .stdin(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start a process in a namespace")
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        let id = std::process::id() % 100000;
+        let _ = sh(&["ip", "link", "del", &format!("vh{id}")]);
+        let _ = sh(&["ip", "netns", "del", &self.p]);
+        let _ = sh(&["ip", "netns", "del", &self.d]);
+    }
+}
+
+struct Procs(Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn prefill_and_decode_in_separate_network_namespaces() {
+    let net = match Net::new() {
+        Ok(n) => n,
+        Err(e) if std::env::var("TANDEM_SKIP_NETNS").is_ok() => {
+            println!("skipped (TANDEM_SKIP_NETNS): cannot create network namespaces: {e}");
+            return;
+        }
+        Err(e) => panic!(
+            "cannot create network namespaces (run as root, or set TANDEM_SKIP_NETNS=1): {e}"
+        ),
+    };
+    let dir = std::env::temp_dir().join(format!("tandem-netns-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let model = tandem_tests::model_path();
+    let cfg = |host: &str| {
+        let path = dir.join(format!("cluster-{host}.toml"));
+        std::fs::write(
+            &path,
+            format!(
+                "[model]\npath = {model:?}\n[router]\nlisten = \"0.0.0.0:0\"\ncontrol = \"0.0.0.0:0\"\n\
+                 [prefill]\nhost = \"{host}\"\nkv_blocks = 256\n[decode]\nhost = \"{host}\"\nkv_blocks = 512\n\
+                 [kv_transfer]\nprefer = [\"tcp\"]\ntransfer_timeout_ms = 5000\nconnect_timeout_ms = 2000\n"
+            ),
+        )
+        .unwrap();
+        path
+    };
+    let (cfg_p, cfg_d) = (cfg("10.77.0.1"), cfg("10.77.0.2"));
+    let mut procs = Procs(Vec::new());
+    let mut router = net.spawn(&net.d, &["router", "--config", cfg_d.to_str().unwrap()]);
+    let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
+    let (http_port, ctrl_port) = loop {
+        let line = lines.next().expect("router output").unwrap();
+        if let Some(rest) = line.strip_prefix("tandem router: listening on http://0.0.0.0:") {
+            let (h, c) = rest.split_once(" (control http://0.0.0.0:").unwrap();
+            break (h.to_string(), c.trim_end_matches(')').to_string());
+        }
+    };
+    std::thread::spawn(move || for _ in lines {});
+    procs.0.push(router);
+    let control = format!("http://10.77.0.2:{ctrl_port}");
+    procs.0.push(net.spawn(
+        &net.d,
+        &[
+            "decode",
+            "--config",
+            cfg_d.to_str().unwrap(),
+            "--router",
+            &control,
+        ],
+    ));
+    procs.0.push(net.spawn(
+        &net.p,
+        &[
+            "prefill",
+            "--config",
+            cfg_p.to_str().unwrap(),
+            "--router",
+            &control,
+        ],
+    ));
+    let http: SocketAddr = format!("10.77.9.2:{http_port}").parse().unwrap();
+    let t0 = Instant::now();
+    while get(http, "/health").map(|(s, _)| s).ok() != Some(200) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the cluster did not come up across namespaces"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (m, tok) = load_model();
+    let mut ok = 0;
+    for i in 0..8 {
+        let q = format!("Name {} animals that live in the sea.", 2 + i % 3);
+        let t = Instant::now();
+        let (status, v): (u16, Value) = post_json(
+            http,
+            "/v1/chat/completions",
+            &json!({"temperature": 0, "max_tokens": 24, "messages": [{"role": "user", "content": q}]}),
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(40),
+            "request {i} took {:?}",
+            t.elapsed()
+        );
+        if status == 200 {
+            let text = tok
+                .apply_chat_template(&[ChatMessage::user(&q)], true)
+                .unwrap();
+            let mut e =
+                Engine::new(m.clone(), EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
+            e.add(0, tok.encode(&text).unwrap(), SamplingParams::greedy(24))
+                .unwrap();
+            let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
+            if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
+                out.pop();
+            }
+            assert_eq!(
+                v["choices"][0]["message"]["content"],
+                tok.decode(&out, true).unwrap(),
+                "request {i}: a success must be the right answer"
+            );
+            ok += 1;
+        } else {
+            assert!(
+                status >= 500 && v["error"]["message"].is_string(),
+                "request {i}: {status} {v}"
+            );
+            println!("request {i} failed cleanly: {status} {v}");
+        }
+    }
+    println!("{ok} of 8 requests completed across the namespaces");
+    // The ledger balances: nothing reserved, running or pending anywhere.
+    let t = Instant::now();
+    loop {
+        let (_, body) = get(http, "/debug/workers").unwrap();
+        let ws: Value = serde_json::from_str(&body).unwrap();
+        let ws = ws["workers"].as_array().cloned().unwrap_or_default();
+        let idle = ws.len() == 2
+            && ws.iter().all(|w| {
+                let s = &w["stats"];
+                s["kv_blocks_free"] == s["kv_blocks_total"]
+                    && s["running"] == 0
+                    && s["pending_transfers"] == 0
+            });
+        if idle {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "KV still held after the requests: {ws:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+}
