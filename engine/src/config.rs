@@ -163,3 +163,24 @@ impl ModelConfig {
         .check(path)
     }
 }
+
+/// Whether `path` is a model directory (Hugging Face layout) rather than a single file.
+pub(crate) fn is_dir(path: &Path) -> crate::Result<bool> {
+    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
+        path: path.into(),
+        source,
+    })?;
+    Ok(meta.is_dir())
+}
+
+/// Reads `dir/config.json`: the model's configuration and the raw JSON (for loader options).
+pub(crate) fn read_hf_config(dir: &Path) -> crate::Result<(ModelConfig, serde_json::Value)> {
+    let cfg_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
+        path: cfg_path.clone(),
+        source,
+    })?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
+    Ok((ModelConfig::from_hf_json(&cfg_path, &json)?, json))
+}

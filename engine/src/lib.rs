@@ -58,20 +58,9 @@ pub fn identity_of(c: &ModelConfig, block_size: usize) -> proto::ModelIdentity {
 /// Reads a model's configuration and tokenizer without loading its weights (what the router
 /// needs: it owns text, and checks workers' identities against the model's shape).
 pub fn inspect(path: &std::path::Path) -> Result<(ModelConfig, Tokenizer)> {
-    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
-        path: path.into(),
-        source,
-    })?;
-    if meta.is_dir() {
-        let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
-            path: cfg_path.clone(),
-            source,
-        })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
+    if config::is_dir(path)? {
         Ok((
-            ModelConfig::from_hf_json(&cfg_path, &json)?,
+            config::read_hf_config(path)?.0,
             Tokenizer::from_hf_dir(path)?,
         ))
     } else {

@@ -181,19 +181,8 @@ impl TensorSource for SafetensorsDir {
 
 /// Loads a model and its tokenizer from a `.gguf` file or a Hugging Face directory.
 pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
-    let meta = std::fs::metadata(path).map_err(|source| EngineError::Io {
-        path: path.into(),
-        source,
-    })?;
-    if meta.is_dir() {
-        let cfg_path = path.join("config.json");
-        let text = std::fs::read_to_string(&cfg_path).map_err(|source| EngineError::Io {
-            path: cfg_path.clone(),
-            source,
-        })?;
-        let json: serde_json::Value = serde_json::from_str(&text)
-            .map_err(|e| EngineError::model(&cfg_path, format!("invalid JSON: {e}")))?;
-        let config = ModelConfig::from_hf_json(&cfg_path, &json)?;
+    if crate::config::is_dir(path)? {
+        let (config, json) = crate::config::read_hf_config(path)?;
         let src = SafetensorsDir::open(path)?;
         let mut weights = Weights::load(&src, &HF_NAMES, &config)?;
         if json["tie_word_embeddings"] == false && !src.has(HF_NAMES.output) {
