@@ -141,7 +141,7 @@ mod avx2 {
         let lanes = hd / 8;
         debug_assert!(lanes <= 32);
         let mut qv = [_mm256_setzero_ps(); 32];
-        // SAFETY (whole body): q, out have hd values; cache offsets index whole heads in bounds.
+        // SAFETY: (whole body) q, out have hd values; cache offsets index whole heads in bounds.
         unsafe {
             for (l, v) in qv.iter_mut().enumerate().take(lanes) {
                 let x = _mm256_loadu_ps(q.as_ptr().add(8 * l));

@@ -605,7 +605,7 @@ pub(crate) mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); N]; M];
         let mut summ = [[0f32; N]; M];
         let mut tail = [[0f32; N]; M];
-        // SAFETY (whole block): every load is inside the rows the caller vouched for.
+        // SAFETY: (whole block) every load is inside the rows the caller vouched for.
         unsafe {
             if F == F16 || F == F32 {
                 let k8 = k / 8 * 8;

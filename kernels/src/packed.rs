@@ -158,7 +158,7 @@ pub(crate) mod avx2 {
         let mut acc = [_mm256_setzero_ps(); M];
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
-        // SAFETY (whole body): block b of the group and of each activation row is in bounds.
+        // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
         unsafe {
             for b in 0..nb {
                 let p = w.add(b * 160);
@@ -201,7 +201,7 @@ pub(crate) mod avx2 {
     ) {
         let mut acc = [_mm256_setzero_ps(); M];
         let ones = _mm256_set1_epi16(1);
-        // SAFETY (whole body): block b of the group and of each activation row is in bounds.
+        // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
         unsafe {
             for b in 0..nb {
                 let p = w.add(b * 272);
