@@ -277,7 +277,7 @@ pub fn up(config: PathBuf) -> Result<()> {
         }
         let model_id = router::model_id(&_model);
         println!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}");
-        println!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'");
+        println!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'");
         println!("Ctrl-C stops the cluster.");
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("watching SIGTERM")?;
         let exited = loop {
