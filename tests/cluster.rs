@@ -513,3 +513,72 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
     drop(outsider);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_everything() {
+    let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = tandem_tests::cluster::write_config(&dir, true, 16);
+    let mut up = std::process::Command::new(EXE)
+        .args(["up", "--config"])
+        .arg(&cfg)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut out = std::io::BufReader::new(up.stdout.take().unwrap());
+    let mut printed = String::new();
+    while !printed.contains("Ctrl-C") {
+        let mut line = String::new();
+        assert!(
+            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
+            "tandem up ended early: {printed}"
+        );
+        printed += &line;
+    }
+    // The printed curl: its URL and its JSON body, sent as printed.
+    let url = printed
+        .split("curl http://")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
+    let (addr, path) = url.split_once('/').unwrap();
+    let body = printed
+        .split("-d '")
+        .nth(1)
+        .unwrap()
+        .split('\'')
+        .next()
+        .unwrap();
+    let (status, v) = post_json(
+        addr.parse().unwrap(),
+        &format!("/{path}"),
+        &serde_json::from_str(body).unwrap(),
+    );
+    assert_eq!(status, 200, "{v}");
+    assert!(
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .contains("Berlin"),
+        "{v}"
+    );
+    // Ctrl-C: tandem up stops every child and exits.
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
+    let t0 = Instant::now();
+    while up.try_wait().unwrap().is_none() {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "tandem up did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        tandem_tests::cluster::get(addr.parse().unwrap(), "/health").is_err(),
+        "the router still answers"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
