@@ -582,3 +582,45 @@ fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_ev
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    for _ in 0..2 {
+        let (status, _) = post_json(
+            c.http,
+            "/v1/completions",
+            &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
+        );
+        assert_eq!(status, 200);
+    }
+    let (status, _) = post_json(
+        c.http,
+        "/v1/completions",
+        &json!({"prompt": "x", "max_tokens": -1}),
+    );
+    assert_eq!(status, 400);
+    c.wait_transfers("tcp", 2);
+    let (status, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+    assert_eq!(status, 200);
+    let value = |needle: &str| -> f64 {
+        text.lines()
+            .find(|l| l.starts_with(needle))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {needle} in\n{text}"))
+    };
+    assert_eq!(value("tandem_router_requests_total{outcome=\"ok\"}"), 2.0);
+    assert_eq!(
+        value("tandem_router_requests_total{outcome=\"client_error\"}"),
+        1.0
+    );
+    assert_eq!(value("tandem_router_ttft_seconds_count"), 2.0);
+    assert_eq!(value("tandem_router_itl_seconds_count"), 6.0);
+    assert_eq!(value("tandem_kv_transfers_total{transport=\"tcp\"}"), 2.0);
+    assert!(value("tandem_kv_transfer_bytes_total{transport=\"tcp\"}") > 0.0);
+    assert!(
+        text.contains("tandem_worker_kv_blocks_free{worker=\"decode-0\",role=\"decode\"}"),
+        "{text}"
+    );
+}

@@ -3,7 +3,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
 use axum::extract::State as AxState;
@@ -131,6 +131,7 @@ pub async fn chat(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let start = Instant::now();
     let run = async {
         let req: ChatRequest = parse(&headers, &body)?;
         if req.messages.is_empty() {
@@ -155,7 +156,7 @@ pub async fn chat(
             .encode(&text)
             .map_err(|e| ApiError::Internal(e.to_string()))?;
         let p = prepare(&state, &req.common, ids)?;
-        respond(state.clone(), p, Kind::Chat).await
+        respond(state.clone(), p, Kind::Chat, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -166,6 +167,7 @@ pub async fn completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    let start = Instant::now();
     let run = async {
         let req: CompletionRequest = parse(&headers, &body)?;
         let ids = match &req.prompt {
@@ -192,7 +194,7 @@ pub async fn completions(
             }
         };
         let p = prepare(&state, &req.common, ids)?;
-        respond(state.clone(), p, Kind::Text).await
+        respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -210,11 +212,30 @@ struct Texter {
     dec: StreamDecoder,
     stops: StopStrings,
     tokens: usize,
+    /// When the request arrived, and when the previous token did (for TTFT, ITL, end to end).
+    start: Instant,
+    last: Option<Instant>,
 }
 
 impl Texter {
-    /// The text this token adds, and the finish reason if generation ends here.
+    /// The text this token adds, and the finish reason if generation ends here; records the
+    /// request's latency metrics.
     fn push(&mut self, tok: u32, finish: Finish) -> (String, Option<&'static str>) {
+        let now = Instant::now();
+        match self.last {
+            None => metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start),
+            Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
+        }
+        self.last = Some(now);
+        let (text, reason) = self.push_text(tok, finish);
+        if reason.is_some() {
+            metrics::histogram!("tandem_router_e2e_seconds").record(now - self.start);
+            metrics::counter!("tandem_router_requests_total", "outcome" => "ok").increment(1);
+        }
+        (text, reason)
+    }
+
+    fn push_text(&mut self, tok: u32, finish: Finish) -> (String, Option<&'static str>) {
         self.tokens += 1;
         let end = |f: Finish| match f {
             Finish::None => None,
@@ -246,7 +267,12 @@ fn now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn respond(state: Arc<State>, p: Prepared, kind: Kind) -> Result<Response, ApiError> {
+async fn respond(
+    state: Arc<State>,
+    p: Prepared,
+    kind: Kind,
+    start: Instant,
+) -> Result<Response, ApiError> {
     let prompt_tokens = p.prompt.len();
     let (first, rx) = pipeline::start(&state, p.prompt, p.params).await?;
     let first = first?;
@@ -264,6 +290,8 @@ async fn respond(state: Arc<State>, p: Prepared, kind: Kind) -> Result<Response,
         dec: StreamDecoder::default(),
         stops: StopStrings::new(&p.stops),
         tokens: 0,
+        start,
+        last: None,
     };
     if !p.stream {
         let (mut text, mut reason) = tx.push(first.0, first.1);
@@ -397,6 +425,8 @@ fn sse(
                 }
                 Err(e) => {
                     tracing::warn!("stream failed: {e}");
+                    metrics::counter!("tandem_router_requests_total", "outcome" => "stream_error")
+                        .increment(1);
                     events.push(Event::default().event("error").data(e.body().to_string()));
                     events.push(Event::default().data("[DONE]"));
                     St::Done
@@ -472,4 +502,23 @@ pub async fn workers(AxState(state): AxState<Arc<State>>) -> Json<Value> {
 /// Any other path.
 pub async fn not_found(uri: axum::http::Uri) -> Response {
     ApiError::NotFound(format!("no endpoint {}", uri.path())).into_response()
+}
+
+/// `GET /metrics`: Prometheus text — the router's request histograms and counters, KV-transfer
+/// counters by transport, and every joined worker's last reported load.
+pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
+    for w in state.registry.workers() {
+        let labels = [("worker", w.name.clone()), ("role", w.role.to_string())];
+        metrics::gauge!("tandem_worker_running", &labels).set(w.running as f64);
+        metrics::gauge!("tandem_worker_waiting", &labels).set(w.waiting as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_free", &labels).set(w.kv_blocks_free as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_total", &labels).set(w.kv_blocks_total as f64);
+        metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight as f64);
+    }
+    match &state.metrics {
+        Some(h) => ([("content-type", "text/plain; version=0.0.4")], h.render()).into_response(),
+        None => {
+            ApiError::Unavailable("metrics are not enabled in this process".into()).into_response()
+        }
+    }
 }

@@ -69,6 +69,8 @@ pub struct State {
     /// Whether requests go through a prefill pool.
     pub disaggregated: bool,
     next_id: AtomicU64,
+    /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
+    metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
 }
 
@@ -76,6 +78,28 @@ impl State {
     fn next_request_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::SeqCst)
     }
+}
+
+/// Installs the Prometheus recorder for this process (latency histograms with buckets from
+/// 1 ms to 60 s) and keeps it maintained.
+fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    let buckets = [
+        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+    ];
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .set_buckets(&buckets)
+        .ok()?
+        .install_recorder()
+        .map_err(|e| tracing::warn!("metrics disabled: {e}"))
+        .ok()?;
+    let h = handle.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+            h.run_upkeep();
+        }
+    });
+    Some(handle)
 }
 
 /// The id clients use for a model at `path`: its file or directory name without `.gguf`.
@@ -103,6 +127,7 @@ pub async fn run(
         vocab_size: config.vocab_size,
         disaggregated: cfg.disaggregated,
         next_id: AtomicU64::new(1),
+        metrics: install_metrics(),
         channels: Mutex::new(HashMap::new()),
     });
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
@@ -125,6 +150,7 @@ pub async fn run(
         .route("/v1/models", get(http::models))
         .route("/health", get(http::health))
         .route("/debug/workers", get(http::workers))
+        .route("/metrics", get(http::metrics))
         .fallback(http::not_found)
         .with_state(state);
     let control = tonic::transport::Server::builder()

@@ -76,6 +76,12 @@ impl ApiError {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let (status, _, _) = self.status();
+        let outcome = if status.is_client_error() {
+            "client_error"
+        } else {
+            "server_error"
+        };
+        metrics::counter!("tandem_router_requests_total", "outcome" => outcome).increment(1);
         (status, axum::Json(self.body())).into_response()
     }
 }

@@ -139,6 +139,10 @@ pub async fn start(
             let reply = client.prefill(req).await.map(|r| r.into_inner());
             if let Ok(r) = &reply {
                 registry.record_transfer(pw.id, r);
+                metrics::counter!("tandem_kv_transfers_total", "transport" => r.transport.clone())
+                    .increment(1);
+                metrics::counter!("tandem_kv_transfer_bytes_total", "transport" => r.transport.clone()).increment(r.kv_bytes);
+                metrics::histogram!("tandem_kv_exposed_wait_seconds", "transport" => r.transport.clone()).record(r.transfer_us as f64 / 1e6);
             }
             reply.map_err(|s| {
                 if worker_failed(&s) && s.message().contains("transport") {
@@ -181,6 +185,7 @@ pub async fn start(
                             // No token can have been produced without the KV: recompute the
                             // prompt on the decode worker itself instead of failing.
                             tracing::warn!(request = id, "{e}; recomputing the prompt on decode worker {dname}");
+                            metrics::counter!("tandem_kv_transfer_failures_total").increment(1);
                             let req = GenerateRequest { request_id: state2.next_request_id(), prompt: prompt.clone(), params: Some(params.clone()), remote_prefill: false };
                             let mut client = match channel(&state2, &dw.endpoint) {
                                 Ok(c) => DecodeClient::new(c),
