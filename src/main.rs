@@ -3,6 +3,7 @@
 //! default model; `bench engine` measures prefill/decode throughput.
 
 mod cluster;
+mod load;
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -61,6 +62,8 @@ enum ModelCmd {
 enum BenchCmd {
     /// Prefill and decode throughput of the engine on one machine.
     Engine(BenchArgs),
+    /// Open-loop load (Poisson or a replayed Mooncake trace) against an OpenAI endpoint.
+    Load(load::LoadArgs),
 }
 
 #[derive(Args)]
@@ -142,6 +145,7 @@ fn main() -> Result<()> {
             Ok(())
         }
         Cmd::Bench(BenchCmd::Engine(a)) => bench(a),
+        Cmd::Bench(BenchCmd::Load(a)) => load::run(a),
     }
 }
 

@@ -624,3 +624,41 @@ fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
         "{text}"
     );
 }
+
+#[test]
+fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let dir = std::env::temp_dir().join(format!("tandem-load-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // Three requests; the second shares the first's leading block (a shared prefix).
+    let trace = dir.join("trace.jsonl");
+    std::fs::write(
+        &trace,
+        "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 200, \"hash_ids\": [0, 1]}\n\
+         {\"timestamp\": 100, \"input_length\": 700, \"output_length\": 100, \"hash_ids\": [0, 2]}\n\
+         {\"timestamp\": 200, \"input_length\": 300, \"output_length\": 50, \"hash_ids\": [3]}\n",
+    )
+    .unwrap();
+    let report = dir.join("report.json");
+    let out = std::process::Command::new(EXE)
+        .args(["bench", "load", "--addr", &c.http.to_string(), "--trace"])
+        .arg(&trace)
+        .args(["--length-scale", "0.05", "--time-scale", "1", "--json"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["requests"], 3, "{r}");
+    assert_eq!(r["completed"], 3, "{r}");
+    assert!(r["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{r}");
+    // Output lengths are exact (ignore_eos): 10 + 5 + 3 (rounded 200/100/50 x 0.05 = 10/5/2.5).
+    let tokens = r["output_tokens_per_s"].as_f64().unwrap() * r["duration_s"].as_f64().unwrap();
+    assert!((tokens - 18.0).abs() < 0.5, "{r}");
+    c.wait_all_free(Duration::from_secs(5));
+    let _ = std::fs::remove_dir_all(&dir);
+}

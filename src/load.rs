@@ -1,0 +1,300 @@
+//! `tandem bench load`: an open-loop load generator against any OpenAI-compatible endpoint.
+//!
+//! Requests arrive on a schedule — Poisson at a fixed rate, or replayed from a trace in the
+//! Mooncake JSONL format (`timestamp` ms, `input_length`, `output_length`, `hash_ids` of
+//! 512-token blocks; requests sharing hash ids get identical prompt prefixes) with time and
+//! length scaling — whether or not earlier ones have finished. Each streams a completion of
+//! token-id prompts with `ignore_eos`, so lengths are exact. Reports TTFT, ITL and end-to-end
+//! percentiles, throughput and goodput (requests meeting both SLOs).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Args;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+/// Arguments of `tandem bench load`.
+#[derive(Args, Debug)]
+pub struct LoadArgs {
+    /// The router's address (host:port).
+    #[arg(long, default_value = "127.0.0.1:8000")]
+    addr: String,
+    /// Model name to send.
+    #[arg(long, default_value = "SmolLM2-135M-Instruct.Q4_1")]
+    model: String,
+    /// Poisson arrival rate (requests/s) when no trace is given.
+    #[arg(long, default_value_t = 2.0)]
+    rate: f64,
+    /// Requests to send (the first N of a trace).
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Prompt tokens per request (without a trace).
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: usize,
+    /// Output tokens per request (without a trace).
+    #[arg(long, default_value_t = 32)]
+    output_tokens: usize,
+    /// Replay this Mooncake-format trace instead.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Multiply trace timestamps by this (e.g. 0.1 to replay 10x faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_scale: f64,
+    /// Multiply trace lengths by this (to fit a small cluster).
+    #[arg(long, default_value_t = 1.0)]
+    length_scale: f64,
+    /// TTFT target for goodput.
+    #[arg(long, default_value_t = 1000)]
+    ttft_slo_ms: u64,
+    /// ITL target for goodput (p90 of a request's gaps).
+    #[arg(long, default_value_t = 100)]
+    itl_slo_ms: u64,
+    /// Random seed for arrivals and prompts.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Also write the report as JSON here.
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+struct Planned {
+    at: Duration,
+    prompt: Vec<u32>,
+    output: usize,
+}
+
+#[derive(Debug, Default, Clone)]
+struct Outcome {
+    ttft: Option<Duration>,
+    gaps: Vec<Duration>,
+    e2e: Duration,
+    tokens: usize,
+    error: Option<String>,
+}
+
+/// splitmix64: deterministic prompts and arrivals from the seed.
+fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn token(key: u64, i: u64) -> u32 {
+    // Ordinary vocabulary ids (skips the 17 control tokens at the start of SmolLM2's vocabulary).
+    100 + (mix(key.wrapping_mul(1_000_003).wrapping_add(i)) % 40_000) as u32
+}
+
+fn plan(a: &LoadArgs) -> Result<Vec<Planned>> {
+    let mut out = Vec::new();
+    match &a.trace {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let block = ((512.0 * a.length_scale).round() as usize).max(1);
+            for (n, line) in text
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .take(a.requests)
+                .enumerate()
+            {
+                let v: serde_json::Value = serde_json::from_str(line)
+                    .with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
+                let field = |k: &str| {
+                    v[k].as_f64()
+                        .ok_or_else(|| anyhow!("{}:{}: missing {k}", path.display(), n + 1))
+                };
+                let input = ((field("input_length")? * a.length_scale).round() as usize).max(1);
+                let output = ((field("output_length")? * a.length_scale).round() as usize).max(1);
+                // Shared hash ids give shared prefixes; the tail is unique to the request.
+                let mut prompt = Vec::with_capacity(input);
+                for h in v["hash_ids"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|h| h.as_u64())
+                {
+                    prompt.extend((0..block as u64).map(|i| token(h, i)));
+                }
+                prompt.truncate(input);
+                let rest = input - prompt.len();
+                prompt.extend((0..rest as u64).map(|i| token(u64::MAX - n as u64, i)));
+                out.push(Planned {
+                    at: Duration::from_secs_f64(field("timestamp")? / 1e3 * a.time_scale),
+                    prompt,
+                    output,
+                });
+            }
+        }
+        None => {
+            if a.rate <= 0.0 {
+                bail!("--rate must be positive");
+            }
+            let mut t = 0.0;
+            for n in 0..a.requests {
+                let u = (mix(a.seed ^ (n as u64) << 20) >> 11) as f64 / (1u64 << 53) as f64;
+                t += -(1.0 - u).ln() / a.rate;
+                let prompt = (0..a.prompt_tokens as u64)
+                    .map(|i| token(a.seed.wrapping_add(n as u64), i))
+                    .collect();
+                out.push(Planned {
+                    at: Duration::from_secs_f64(t),
+                    prompt,
+                    output: a.output_tokens,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn one(addr: SocketAddr, model: &str, p: &Planned, sent: Instant) -> Outcome {
+    let mut o = Outcome::default();
+    let body = serde_json::json!({"model": model, "prompt": p.prompt, "max_tokens": p.output, "ignore_eos": true,
+                                  "temperature": 0, "stream": true})
+    .to_string();
+    let run = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        s.write_all(format!("POST /v1/completions HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes()).await?;
+        let mut lines = BufReader::new(s).lines();
+        let status = lines.next_line().await?.unwrap_or_default();
+        if !status.contains(" 200 ") {
+            let mut rest = String::new();
+            while let Some(l) = lines.next_line().await? {
+                rest += &l;
+            }
+            return Err(anyhow!("{status} {rest}"));
+        }
+        let mut last = None::<Instant>;
+        while let Some(l) = lines.next_line().await? {
+            if l.starts_with("event: error") {
+                return Err(anyhow!(
+                    "error event: {}",
+                    lines.next_line().await?.unwrap_or_default()
+                ));
+            }
+            let Some(data) = l.strip_prefix("data: ") else {
+                continue;
+            };
+            if data == "[DONE]" {
+                break;
+            }
+            let v: serde_json::Value = serde_json::from_str(data)?;
+            if v["choices"][0]["text"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+            {
+                let now = Instant::now();
+                match last {
+                    None => o.ttft = Some(now - sent),
+                    Some(prev) => o.gaps.push(now - prev),
+                }
+                last = Some(now);
+            }
+            if let Some(u) = v.get("usage") {
+                o.tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
+            }
+        }
+        Ok::<_, anyhow::Error>(())
+    };
+    if let Err(e) = run.await {
+        o.error = Some(e.to_string());
+    }
+    o.e2e = sent.elapsed();
+    if o.tokens == 0 {
+        o.tokens = o.gaps.len() + o.ttft.is_some() as usize;
+    }
+    o
+}
+
+fn pct(v: &mut [f64], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[((v.len() - 1) as f64 * p).round() as usize]
+}
+
+/// Runs the load and prints the report.
+pub fn run(a: LoadArgs) -> Result<()> {
+    let addr: SocketAddr = a
+        .addr
+        .parse()
+        .with_context(|| format!("--addr {:?} is not host:port", a.addr))?;
+    let planned = plan(&a)?;
+    if planned.is_empty() {
+        bail!("no requests to send");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (outcomes, elapsed) = rt.block_on(async {
+        let t0 = Instant::now();
+        let mut tasks = Vec::new();
+        for p in planned {
+            let model = a.model.clone();
+            tasks.push(tokio::spawn(async move {
+                tokio::time::sleep_until((t0 + p.at).into()).await;
+                one(addr, &model, &p, Instant::now()).await
+            }));
+        }
+        let mut out = Vec::new();
+        for t in tasks {
+            out.push(t.await.unwrap_or_default());
+        }
+        (out, t0.elapsed())
+    });
+    let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
+    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+    let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();
+    let mut itl: Vec<f64> = ok.iter().flat_map(|o| o.gaps.iter().map(ms)).collect();
+    let mut e2e: Vec<f64> = ok.iter().map(|o| ms(&o.e2e)).collect();
+    let good = ok
+        .iter()
+        .filter(|o| {
+            let mut g: Vec<f64> = o.gaps.iter().map(ms).collect();
+            o.ttft.is_some_and(|t| ms(&t) <= a.ttft_slo_ms as f64)
+                && (g.is_empty() || pct(&mut g, 0.9) <= a.itl_slo_ms as f64)
+        })
+        .count();
+    let tokens: usize = ok.iter().map(|o| o.tokens).sum();
+    let secs = elapsed.as_secs_f64();
+    let report = serde_json::json!({
+        "requests": outcomes.len(), "completed": ok.len(), "errors": outcomes.len() - ok.len(),
+        "duration_s": secs, "output_tokens_per_s": tokens as f64 / secs, "requests_per_s": ok.len() as f64 / secs,
+        "goodput_requests_per_s": good as f64 / secs, "slo": {"ttft_ms": a.ttft_slo_ms, "itl_p90_ms": a.itl_slo_ms},
+        "ttft_ms": {"p50": pct(&mut ttft, 0.5), "p90": pct(&mut ttft, 0.9), "p99": pct(&mut ttft, 0.99)},
+        "itl_ms": {"p50": pct(&mut itl, 0.5), "p90": pct(&mut itl, 0.9), "p99": pct(&mut itl, 0.99)},
+        "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},
+        "first_error": outcomes.iter().find_map(|o| o.error.clone()),
+    });
+    println!(
+        "requests {} completed {} errors {} in {secs:.1} s",
+        outcomes.len(),
+        ok.len(),
+        outcomes.len() - ok.len()
+    );
+    println!("throughput {:.1} output tokens/s, {:.2} requests/s, goodput {:.2} requests/s (TTFT <= {} ms, ITL p90 <= {} ms)",
+        tokens as f64 / secs, ok.len() as f64 / secs, good as f64 / secs, a.ttft_slo_ms, a.itl_slo_ms);
+    println!("| metric | p50 | p90 | p99 |\n|---|---:|---:|---:|");
+    for k in ["ttft_ms", "itl_ms", "e2e_ms"] {
+        let r = &report[k];
+        println!(
+            "| {k} | {:.1} | {:.1} | {:.1} |",
+            r["p50"].as_f64().unwrap_or(f64::NAN),
+            r["p90"].as_f64().unwrap_or(f64::NAN),
+            r["p99"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    if let Some(e) = report["first_error"].as_str() {
+        eprintln!("first error: {e}");
+    }
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
