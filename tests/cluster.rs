@@ -623,6 +623,28 @@ fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
         text.contains("tandem_worker_kv_blocks_free{worker=\"decode-0\",role=\"decode\"}"),
         "{text}"
     );
+    // The ledger from heartbeats: nothing reserved or in flight once the requests are done.
+    let t0 = Instant::now();
+    loop {
+        let (_, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+        let held: f64 = text
+            .lines()
+            .filter(|l| {
+                l.starts_with("tandem_worker_kv_blocks_reserved")
+                    || l.starts_with("tandem_worker_transfers_in_flight")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        let reported = text.contains("tandem_worker_transfers_in_flight{worker=\"prefill-0\"");
+        if reported && held == 0.0 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "ledger not balanced: {text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 #[test]

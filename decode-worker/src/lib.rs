@@ -91,6 +91,7 @@ struct Load {
     running: u32,
     waiting: u32,
     awaiting: u32,
+    reserved: u32,
     free: u32,
     total: u32,
 }
@@ -259,6 +260,7 @@ fn engine_loop(
             running: running as u32,
             waiting: waiting as u32,
             awaiting: awaiting as u32,
+            reserved: engine.awaiting_blocks() as u32,
             free: engine.free_blocks() as u32,
             total: engine.total_blocks() as u32,
         };
@@ -460,6 +462,8 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
                 waiting: l.waiting + l.awaiting,
                 kv_blocks_free: l.free,
                 kv_blocks_total: l.total,
+                kv_blocks_reserved: l.reserved,
+                transfers_in_flight: 0,
             }
         },
     )

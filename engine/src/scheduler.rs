@@ -219,6 +219,11 @@ impl Engine {
         Some(layers)
     }
 
+    /// Blocks held by requests still waiting for their KV from a prefill worker.
+    pub fn awaiting_blocks(&self) -> usize {
+        self.awaiting.iter().map(|s| s.table.blocks().len()).sum()
+    }
+
     /// Requests queued or running / waiting for remote KV.
     pub fn counts(&self) -> (usize, usize, usize) {
         (self.waiting.len(), self.running.len(), self.awaiting.len())

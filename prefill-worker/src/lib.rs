@@ -231,6 +231,8 @@ struct Service {
     n_layers: u32,
     /// Peers whose transport choice has been logged.
     announced: Mutex<std::collections::HashSet<String>>,
+    /// Requests between admission and the decode worker's ack (reported in heartbeats).
+    inflight: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Service {
@@ -266,6 +268,16 @@ impl Prefill for Service {
         verdict
             .await
             .map_err(|_| Status::unavailable("the engine thread has stopped"))??;
+        // Counted until this call ends, however it ends.
+        struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        self.inflight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let _counted = Counted(self.inflight.clone());
         let offers: Vec<Offer> = req
             .offers
             .iter()
@@ -418,6 +430,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let grpc_addr = listener
         .local_addr()
         .map_err(|e| WorkerError::Bind(addr, e))?;
+    let inflight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let service = Service {
         cmds: cmd_tx,
         load: load.clone(),
@@ -427,6 +440,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
             secret: cfg.secret.clone(),
         },
         conns: Mutex::new(HashMap::new()),
+        inflight: inflight.clone(),
         connect_timeout: cfg.connect_timeout,
         transfer_timeout: cfg.transfer_timeout,
         prefer: cfg.prefer.clone(),
@@ -450,6 +464,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         kv_blocks_total: cfg.engine.num_blocks as u32,
     };
     let l3 = load.clone();
+    let inflight = inflight.clone();
     let id = proto::membership::join(
         cfg.router.clone(),
         join,
@@ -463,6 +478,8 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
                 waiting: l.waiting,
                 kv_blocks_free: l.free,
                 kv_blocks_total: l.total,
+                kv_blocks_reserved: 0,
+                transfers_in_flight: inflight.load(std::sync::atomic::Ordering::SeqCst) as u32,
             }
         },
     )

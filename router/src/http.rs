@@ -514,6 +514,10 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
         metrics::gauge!("tandem_worker_kv_blocks_free", &labels).set(w.kv_blocks_free as f64);
         metrics::gauge!("tandem_worker_kv_blocks_total", &labels).set(w.kv_blocks_total as f64);
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_reserved", &labels)
+            .set(w.kv_blocks_reserved as f64);
+        metrics::gauge!("tandem_worker_transfers_in_flight", &labels)
+            .set(w.transfers_in_flight as f64);
     }
     match &state.metrics {
         Some(h) => ([("content-type", "text/plain; version=0.0.4")], h.render()).into_response(),

@@ -38,6 +38,10 @@ pub struct Worker {
     pub waiting: u32,
     /// Last reported free KV blocks.
     pub kv_blocks_free: u32,
+    /// Last reported blocks reserved for KV still arriving (decode workers).
+    pub kv_blocks_reserved: u32,
+    /// Last reported transfers in flight (prefill workers).
+    pub transfers_in_flight: u32,
     /// KV blocks in all.
     pub kv_blocks_total: u32,
     /// Requests the router has in flight on it.
@@ -191,6 +195,8 @@ impl Control for ControlService {
             running: 0,
             waiting: 0,
             kv_blocks_free: j.kv_blocks_total,
+            kv_blocks_reserved: 0,
+            transfers_in_flight: 0,
             kv_blocks_total: j.kv_blocks_total,
             in_flight: 0,
             last_beat: Instant::now(),
@@ -211,6 +217,8 @@ impl Control for ControlService {
         w.waiting = b.waiting;
         w.kv_blocks_free = b.kv_blocks_free;
         w.kv_blocks_total = b.kv_blocks_total;
+        w.kv_blocks_reserved = b.kv_blocks_reserved;
+        w.transfers_in_flight = b.transfers_in_flight;
         w.last_beat = Instant::now();
         Ok(Response::new(grpc::HeartbeatReply {}))
     }
