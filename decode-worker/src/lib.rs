@@ -18,6 +18,7 @@ use engine::{Engine, EngineConfig, EngineError, FinishReason, SamplingParams};
 use kv_transfer::IncomingKv;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{self, generate_event, GenerateEvent, GenerateRequest};
+use proto::membership::Load;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::{TcpListenerStream, UnboundedReceiverStream};
 use tonic::{Request, Response, Status};
@@ -83,17 +84,6 @@ enum Cmd {
         found: oneshot::Sender<bool>,
     },
     Drain,
-}
-
-/// Load figures shared between the engine thread and the services.
-#[derive(Debug, Clone, Copy, Default)]
-struct Load {
-    running: u32,
-    waiting: u32,
-    awaiting: u32,
-    reserved: u32,
-    free: u32,
-    total: u32,
 }
 
 fn status(e: EngineError) -> Status {
@@ -255,15 +245,7 @@ fn engine_loop(
                 }
             }
         }
-        let (waiting, running, awaiting) = engine.counts();
-        *load.lock().expect("load lock") = Load {
-            running: running as u32,
-            waiting: waiting as u32,
-            awaiting: awaiting as u32,
-            reserved: engine.awaiting_blocks() as u32,
-            free: engine.free_blocks() as u32,
-            total: engine.total_blocks() as u32,
-        };
+        *load.lock().expect("load lock") = engine.load();
     }
 }
 
@@ -322,14 +304,7 @@ impl Decode for Service {
         &self,
         _: Request<grpc::StatsRequest>,
     ) -> Result<Response<grpc::WorkerStats>, Status> {
-        let l = *self.load.lock().expect("load lock");
-        Ok(Response::new(grpc::WorkerStats {
-            running: l.running,
-            waiting: l.waiting,
-            kv_blocks_free: l.free,
-            kv_blocks_total: l.total,
-            pending_transfers: l.awaiting,
-        }))
+        Ok(Response::new(self.load.lock().expect("load lock").stats()))
     }
 }
 
@@ -346,11 +321,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let model = Arc::new(model);
     let identity = engine::identity(&model, cfg.engine.block_size);
     let engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
-    let load = Arc::new(Mutex::new(Load {
-        free: engine.free_blocks() as u32,
-        total: engine.total_blocks() as u32,
-        ..Default::default()
-    }));
+    let load = Arc::new(Mutex::new(engine.load()));
 
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
     let (l2, timeout) = (load.clone(), cfg.kv_timeout);
@@ -454,18 +425,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         join,
         Duration::from_secs(60),
         Duration::from_millis(250),
-        move || {
-            let l = *l3.lock().expect("load lock");
-            grpc::Heartbeat {
-                worker_id: 0,
-                running: l.running,
-                waiting: l.waiting + l.awaiting,
-                kv_blocks_free: l.free,
-                kv_blocks_total: l.total,
-                kv_blocks_reserved: l.reserved,
-                transfers_in_flight: 0,
-            }
-        },
+        move || l3.lock().expect("load lock").heartbeat(0),
     )
     .await?;
     tracing::info!(worker_id = id, grpc = %grpc_addr, kv = %kv_addr, "decode worker {} joined {}", cfg.name, cfg.router);

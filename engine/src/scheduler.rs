@@ -219,14 +219,21 @@ impl Engine {
         Some(layers)
     }
 
+    /// The load figures a worker reports.
+    pub fn load(&self) -> proto::membership::Load {
+        proto::membership::Load {
+            running: self.running.len() as u32,
+            waiting: self.waiting.len() as u32,
+            awaiting: self.awaiting.len() as u32,
+            kv_blocks_reserved: self.awaiting_blocks() as u32,
+            kv_blocks_free: self.free_blocks() as u32,
+            kv_blocks_total: self.total_blocks() as u32,
+        }
+    }
+
     /// Blocks held by requests still waiting for their KV from a prefill worker.
     pub fn awaiting_blocks(&self) -> usize {
         self.awaiting.iter().map(|s| s.table.blocks().len()).sum()
-    }
-
-    /// Requests queued or running / waiting for remote KV.
-    pub fn counts(&self) -> (usize, usize, usize) {
-        (self.waiting.len(), self.running.len(), self.awaiting.len())
     }
 
     fn new_seq(

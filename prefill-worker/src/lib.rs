@@ -16,6 +16,7 @@ use engine::{Engine, EngineConfig, EngineError};
 use kv_transfer::{KvSender, Layers, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{self, PrefillReply, PrefillRequest};
+use proto::membership::Load;
 use tokio::sync::oneshot;
 use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{Request, Response, Status};
@@ -102,14 +103,6 @@ enum Cmd {
         found: oneshot::Sender<bool>,
     },
     Drain,
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct Load {
-    running: u32,
-    waiting: u32,
-    free: u32,
-    total: u32,
 }
 
 /// The engine thread. With `layerwise`, each layer of a completing prompt is handed over as
@@ -205,13 +198,7 @@ fn engine_loop(
                 }
             }
         }
-        let (waiting, running, _) = engine.counts();
-        *load.lock().expect("load lock") = Load {
-            running: running as u32,
-            waiting: waiting as u32,
-            free: engine.free_blocks() as u32,
-            total: engine.total_blocks() as u32,
-        };
+        *load.lock().expect("load lock") = engine.load();
     }
 }
 
@@ -380,14 +367,7 @@ impl Prefill for Service {
         &self,
         _: Request<grpc::StatsRequest>,
     ) -> Result<Response<grpc::WorkerStats>, Status> {
-        let l = *self.load.lock().expect("load lock");
-        Ok(Response::new(grpc::WorkerStats {
-            running: l.running,
-            waiting: l.waiting,
-            kv_blocks_free: l.free,
-            kv_blocks_total: l.total,
-            pending_transfers: 0,
-        }))
+        Ok(Response::new(self.load.lock().expect("load lock").stats()))
     }
 }
 
@@ -411,11 +391,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let model = Arc::new(model);
     let identity = engine::identity(&model, cfg.engine.block_size);
     let engine = Engine::new(model.clone(), cfg.engine.clone(), Vec::new())?;
-    let load = Arc::new(Mutex::new(Load {
-        free: engine.free_blocks() as u32,
-        total: engine.total_blocks() as u32,
-        ..Default::default()
-    }));
+    let load = Arc::new(Mutex::new(engine.load()));
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
     let (l2, layerwise) = (load.clone(), cfg.layerwise);
     std::thread::Builder::new()
@@ -471,16 +447,8 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         Duration::from_secs(60),
         Duration::from_millis(250),
         move || {
-            let l = *l3.lock().expect("load lock");
-            grpc::Heartbeat {
-                worker_id: 0,
-                running: l.running,
-                waiting: l.waiting,
-                kv_blocks_free: l.free,
-                kv_blocks_total: l.total,
-                kv_blocks_reserved: 0,
-                transfers_in_flight: inflight.load(std::sync::atomic::Ordering::SeqCst) as u32,
-            }
+            let inflight = inflight.load(std::sync::atomic::Ordering::SeqCst) as u32;
+            l3.lock().expect("load lock").heartbeat(inflight)
         },
     )
     .await?;

@@ -3,7 +3,50 @@
 use std::time::Duration;
 
 use crate::grpc::control_client::ControlClient;
-use crate::grpc::{Heartbeat, JoinRequest};
+use crate::grpc::{Heartbeat, JoinRequest, WorkerStats};
+
+/// A worker's load, written by its engine thread and read by its services and heartbeats.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Requests in the running batch.
+    pub running: u32,
+    /// Requests queued for admission.
+    pub waiting: u32,
+    /// Requests holding blocks while their KV arrives (decode workers).
+    pub awaiting: u32,
+    /// Blocks those requests hold.
+    pub kv_blocks_reserved: u32,
+    /// Free KV blocks.
+    pub kv_blocks_free: u32,
+    /// All KV blocks.
+    pub kv_blocks_total: u32,
+}
+
+impl Load {
+    /// The heartbeat reporting this load (`worker_id` is filled in by [`join`]).
+    pub fn heartbeat(&self, transfers_in_flight: u32) -> Heartbeat {
+        Heartbeat {
+            worker_id: 0,
+            running: self.running,
+            waiting: self.waiting + self.awaiting,
+            kv_blocks_free: self.kv_blocks_free,
+            kv_blocks_total: self.kv_blocks_total,
+            kv_blocks_reserved: self.kv_blocks_reserved,
+            transfers_in_flight,
+        }
+    }
+
+    /// The `Stats` answer for this load.
+    pub fn stats(&self) -> WorkerStats {
+        WorkerStats {
+            running: self.running,
+            waiting: self.waiting,
+            kv_blocks_free: self.kv_blocks_free,
+            kv_blocks_total: self.kv_blocks_total,
+            pending_transfers: self.awaiting,
+        }
+    }
+}
 
 /// Why a worker could not join.
 #[derive(Debug, thiserror::Error)]
