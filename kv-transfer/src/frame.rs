@@ -6,7 +6,9 @@
 //! A connection starts with `Hello` (magic, protocol version, model identity) answered by
 //! `HelloOk` or `Refuse`. Then transfers follow one after another: `Begin` (request id, tokens,
 //! layers, width), one `Layer` per layer (request id, layer index, keys then values as f16),
-//! answered by one `Ack` (request id, ok flag, message).
+//! answered by one `Ack` (request id, ok flag, message). In-place (RDMA) transfers replace the
+//! `Layer` frames by `Grant` (the receiver's block ids) and one `Written` (layer, CRC) per layer
+//! whose bytes were written into those blocks directly.
 
 use proto::ModelIdentity;
 
@@ -54,6 +56,24 @@ pub enum Frame {
         layer: u32,
         /// The bytes.
         data: Vec<u8>,
+    },
+    /// In-place (RDMA) transfers: the receiver's KV blocks for a request, in token order, that
+    /// the sender writes into directly.
+    Grant {
+        /// The request.
+        request_id: u64,
+        /// Block ids in the receiver's pool.
+        blocks: Vec<u32>,
+    },
+    /// In-place transfers: one layer has been written into the granted blocks; the CRC32 of
+    /// its bytes in the wire layout (keys then values), checked by the receiver before admitting.
+    Written {
+        /// The request.
+        request_id: u64,
+        /// Layer index.
+        layer: u32,
+        /// CRC32 of the layer's bytes.
+        crc: u32,
     },
     /// The receiver's verdict on a whole transfer.
     Ack {
@@ -121,6 +141,8 @@ impl Frame {
             Frame::Ack { .. } => 6,
             Frame::Challenge(_) => 7,
             Frame::Proof(_) => 8,
+            Frame::Grant { .. } => 9,
+            Frame::Written { .. } => 10,
         }
     }
 
@@ -135,6 +157,8 @@ impl Frame {
             Frame::Ack { .. } => "Ack",
             Frame::Challenge(_) => "Challenge",
             Frame::Proof(_) => "Proof",
+            Frame::Grant { .. } => "Grant",
+            Frame::Written { .. } => "Written",
         }
     }
 
@@ -178,6 +202,22 @@ impl Frame {
                 p.extend(request_id.to_le_bytes());
                 p.extend(layer.to_le_bytes());
                 p.extend(data);
+            }
+            Frame::Grant { request_id, blocks } => {
+                p.extend(request_id.to_le_bytes());
+                p.extend((blocks.len() as u32).to_le_bytes());
+                for b in blocks {
+                    p.extend(b.to_le_bytes());
+                }
+            }
+            Frame::Written {
+                request_id,
+                layer,
+                crc,
+            } => {
+                p.extend(request_id.to_le_bytes());
+                p.extend(layer.to_le_bytes());
+                p.extend(crc.to_le_bytes());
             }
             Frame::Ack {
                 request_id,
@@ -272,6 +312,20 @@ impl Frame {
             }
             7 => Frame::Challenge(r.take(16)?.try_into().expect("16")),
             8 => Frame::Proof(std::mem::take(&mut r.0).to_vec()),
+            9 => {
+                let request_id = r.u64()?;
+                let n = r.u32()? as usize;
+                if n > r.0.len() / 4 {
+                    return Err(FrameError(format!("grant of {n} blocks in a short frame")));
+                }
+                let blocks = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
+                Frame::Grant { request_id, blocks }
+            }
+            10 => Frame::Written {
+                request_id: r.u64()?,
+                layer: r.u32()?,
+                crc: r.u32()?,
+            },
             k => return Err(FrameError(format!("unknown frame kind {k}"))),
         };
         r.end()?;
@@ -318,6 +372,15 @@ mod tests {
             request_id: 7,
             layer: 1,
             data: vec![1, 2, 3],
+        });
+        roundtrip(Frame::Grant {
+            request_id: 7,
+            blocks: vec![3, 1, 4],
+        });
+        roundtrip(Frame::Written {
+            request_id: 7,
+            layer: 2,
+            crc: 0xdead_beef,
         });
         roundtrip(Frame::Ack {
             request_id: 7,

@@ -8,6 +8,7 @@
 //! keys of its tokens, then all values, f16 little-endian — independent of either side's block
 //! ids.
 
+pub mod core;
 pub mod frame;
 pub mod negotiate;
 pub mod quic;

@@ -1,0 +1,506 @@
+//! A simulated pair: a [`Client`] and a [`Server`] joined by a link with latency, driven on a
+//! virtual clock. Frames cross the link as bytes, so corruption is caught where the real
+//! drivers catch it; a stalled link delivers nothing; a closed end is seen by the other after
+//! the link's delay. The server's owner keeps a [`Ledger`] as the decode worker does.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use proto::ModelIdentity;
+
+use super::*;
+use crate::frame::{Frame, HEADER};
+use crate::wire::Local;
+
+const MS: Duration = Duration::from_millis(1);
+
+fn identity() -> ModelIdentity {
+    ModelIdentity {
+        model: "sim".into(),
+        kv_dtype: "f16".into(),
+        block_size: 16,
+        n_layers: 4,
+        n_kv_heads: 2,
+        head_dim: 8,
+    }
+}
+
+fn decode(bytes: &[u8]) -> Result<Frame, TransferError> {
+    let (kind, _, crc) = Frame::header(bytes[..HEADER].try_into().expect("header"))?;
+    Ok(Frame::decode(kind, crc, &bytes[HEADER..])?)
+}
+
+/// One direction of the link.
+#[derive(Default)]
+struct Link {
+    delay: Duration,
+    queue: VecDeque<(Instant, Option<Vec<u8>>)>,
+    stalled: bool,
+    /// Flip a bit of the n-th frame sent from now (0 = the next one).
+    corrupt: Option<usize>,
+}
+
+impl Link {
+    fn send(&mut self, now: Instant, bytes: Option<Vec<u8>>) {
+        let bytes = bytes.map(|mut b| {
+            match self.corrupt {
+                Some(0) => {
+                    let i = b.len() - 1;
+                    b[i] ^= 0x10;
+                    self.corrupt = None;
+                }
+                Some(n) => self.corrupt = Some(n - 1),
+                None => {}
+            }
+            b
+        });
+        self.queue.push_back((now + self.delay, bytes));
+    }
+    fn next(&self) -> Option<Instant> {
+        (!self.stalled)
+            .then(|| self.queue.front().map(|(t, _)| *t))
+            .flatten()
+    }
+}
+
+struct Sim {
+    now: Instant,
+    client: Client,
+    server: Server,
+    c2s: Link,
+    s2c: Link,
+    /// The server owner's verdict on every received transfer.
+    verdict: Result<(), String>,
+    ledger: Ledger,
+    client_events: Vec<ClientEvent>,
+    server_events: Vec<ServerEvent>,
+    client_gone: bool,
+    server_gone: bool,
+}
+
+impl Sim {
+    fn new(client: &Local, server: &Local, in_place: bool, delay: Duration) -> Sim {
+        let now = Instant::now();
+        let t = Timeouts {
+            handshake: 100 * MS,
+            transfer: 500 * MS,
+        };
+        Sim {
+            now,
+            client: Client::new(client, t, in_place, now),
+            server: Server::new(server, t, in_place, [7; 16], now),
+            c2s: Link {
+                delay,
+                ..Link::default()
+            },
+            s2c: Link {
+                delay,
+                ..Link::default()
+            },
+            verdict: Ok(()),
+            ledger: Ledger::new(),
+            client_events: vec![],
+            server_events: vec![],
+            client_gone: false,
+            server_gone: false,
+        }
+    }
+
+    fn open(delay: Duration) -> Sim {
+        let l = Local::open(identity());
+        let mut s = Sim::new(&l, &l, false, delay);
+        s.run_for(10 * delay + MS);
+        assert!(s.client.is_open() && s.server.is_open());
+        s
+    }
+
+    /// Moves frames and events, then advances the clock event by event up to `now + d`.
+    fn run_for(&mut self, d: Duration) {
+        let end = self.now + d;
+        loop {
+            self.pump();
+            let next = [
+                self.c2s.next(),
+                self.s2c.next(),
+                self.client.poll_timeout(),
+                self.server.poll_timeout(),
+            ]
+            .into_iter()
+            .flatten()
+            .min();
+            match next {
+                Some(t) if t <= end => self.now = self.now.max(t),
+                _ => break,
+            }
+            self.deliver();
+            self.client.handle_timeout(self.now);
+            self.server.handle_timeout(self.now);
+        }
+        self.now = end;
+    }
+
+    fn deliver(&mut self) {
+        while self.c2s.next().is_some_and(|t| t <= self.now) {
+            match self.c2s.queue.pop_front().expect("next").1 {
+                Some(b) => match decode(&b) {
+                    Ok(f) => self.server.handle(self.now, f),
+                    Err(e) => self.server.handle_error(e),
+                },
+                None => self.server.handle_error(TransferError::Io(
+                    std::io::ErrorKind::UnexpectedEof.into(),
+                )),
+            }
+        }
+        while self.s2c.next().is_some_and(|t| t <= self.now) {
+            match self.s2c.queue.pop_front().expect("next").1 {
+                Some(b) => match decode(&b) {
+                    Ok(f) => self.client.handle(self.now, f),
+                    Err(e) => self.client.handle_error(e),
+                },
+                None => self.client.handle_error(TransferError::Io(
+                    std::io::ErrorKind::ConnectionReset.into(),
+                )),
+            }
+        }
+    }
+
+    /// Transmits queued frames, closes the link of an end that closed, and plays the server's
+    /// owner: grants blocks, records the ledger, gives verdicts.
+    fn pump(&mut self) {
+        while let Some(f) = self.client.poll_transmit() {
+            self.c2s.send(self.now, Some(f.encode()));
+        }
+        while let Some(f) = self.server.poll_transmit() {
+            self.s2c.send(self.now, Some(f.encode()));
+        }
+        while let Some(e) = self.server.poll_event() {
+            match &e {
+                ServerEvent::Begun { request_id, .. } => {
+                    assert!(self.ledger.in_flight(*request_id), "KV for an unreserved request");
+                }
+                ServerEvent::GrantNeeded {
+                    request_id,
+                    n_tokens,
+                } => {
+                    let blocks = (0..n_tokens.div_ceil(16)).collect();
+                    self.server.grant(*request_id, blocks).expect("grant");
+                }
+                ServerEvent::Received { request_id, .. } => {
+                    if self.verdict.is_ok() {
+                        self.ledger.commit(*request_id);
+                    } else {
+                        self.ledger.free(*request_id);
+                    }
+                    self.server.verdict(*request_id, self.verdict.clone());
+                }
+                ServerEvent::Abandoned { request_id, .. } => {
+                    assert_eq!(self.ledger.free(*request_id), Some(Holding::InFlight));
+                }
+                ServerEvent::Closed(_) | ServerEvent::Accepted { .. } => {}
+            }
+            self.server_events.push(e);
+        }
+        while let Some(e) = self.client.poll_event() {
+            self.client_events.push(e);
+        }
+        // Frames the closing end queued went out first; then the other end sees it close.
+        if self.server.is_closed() && !self.server_gone {
+            self.server_gone = true;
+            self.s2c.send(self.now, None);
+        }
+        if self.client.is_closed() && !self.client_gone {
+            self.client_gone = true;
+            self.c2s.send(self.now, None);
+        }
+        while let Some(f) = self.server.poll_transmit() {
+            self.s2c.send(self.now, Some(f.encode()));
+        }
+    }
+
+    /// The decode side reserves, then the prefill side begins a transfer.
+    fn begin(&mut self, request_id: u64, n_tokens: u32) {
+        let lease = self.now + Duration::from_secs(1);
+        assert!(self.ledger.reserve(request_id, n_tokens.div_ceil(16), Some(lease)));
+        self.client.begin(self.now, request_id, n_tokens, 16).unwrap();
+    }
+
+    /// Sends layer `l` of a request inline (as the TCP driver does).
+    fn send_layer(&mut self, request_id: u64, l: u32, n_tokens: u32) {
+        let data = vec![l as u8; layer_bytes(&identity(), n_tokens) as usize];
+        // Frames the client queued (its Begin) leave before the layer, as in the drivers.
+        while let Some(f) = self.client.poll_transmit() {
+            self.c2s.send(self.now, Some(f.encode()));
+        }
+        self.client.layer(request_id, l, data.len() as u64).unwrap();
+        let f = Frame::Layer {
+            request_id,
+            layer: l,
+            data,
+        };
+        self.c2s.send(self.now, Some(f.encode()));
+    }
+
+    fn delivered(&self) -> Vec<u64> {
+        self.client_events
+            .iter()
+            .filter_map(|e| match e {
+                ClientEvent::Delivered { request_id, .. } => Some(*request_id),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn failures(&self) -> Vec<String> {
+        self.client_events
+            .iter()
+            .filter_map(|e| match e {
+                ClientEvent::Failed { request_id, error } => Some(format!("{request_id}: {error}")),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+#[test]
+fn handshake_and_interleaved_transfers_arrive_whole_after_exact_virtual_delays() {
+    let mut s = Sim::open(2 * MS);
+    // Hello out, HelloOk back: one round trip.
+    assert!(matches!(s.client_events[0], ClientEvent::Connected));
+    let t0 = s.now;
+    s.begin(1, 20);
+    s.begin(2, 3);
+    for l in 0..4 {
+        s.send_layer(1, l, 20);
+        s.send_layer(2, l, 3);
+    }
+    s.run_for(3 * MS);
+    assert!(s.delivered().is_empty(), "acks need a full round trip");
+    s.run_for(2 * MS);
+    assert_eq!(s.delivered(), vec![1, 2]);
+    assert_eq!(s.now - t0, 5 * MS);
+    let bytes: Vec<u64> = s
+        .client_events
+        .iter()
+        .filter_map(|e| match e {
+            ClientEvent::Delivered { bytes, .. } => Some(*bytes),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(bytes, vec![4 * 20 * 64, 4 * 3 * 64]);
+    let received: Vec<usize> = s
+        .server_events
+        .iter()
+        .filter_map(|e| match e {
+            ServerEvent::Received {
+                kv: Received::Inline(layers),
+                ..
+            } => Some(layers.len()),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(received, vec![4, 4]);
+    for id in [1, 2] {
+        assert_eq!(s.ledger.free(id), Some(Holding::Committed));
+    }
+    assert!(s.ledger.is_empty());
+}
+
+#[test]
+fn the_cluster_secret_is_proven_and_outsiders_never_reach_a_transfer() {
+    let secret = Some(std::sync::Arc::new(b"s3cret".to_vec()));
+    let member = Local {
+        identity: identity(),
+        secret: secret.clone(),
+    };
+    let mut s = Sim::new(&member, &member, false, MS);
+    s.run_for(10 * MS);
+    assert!(s.client.is_open(), "a member passes the challenge");
+
+    for outsider in [
+        Local {
+            identity: identity(),
+            secret: Some(std::sync::Arc::new(b"guess".to_vec())),
+        },
+        Local::open(identity()),
+    ] {
+        let mut s = Sim::new(&outsider, &member, false, MS);
+        s.run_for(10 * MS);
+        assert!(s.client.is_closed() && s.server.is_closed());
+        let closed = format!("{:?}", s.client_events.last().unwrap());
+        assert!(
+            closed.contains("wrong cluster secret") || closed.contains("none is configured"),
+            "{closed}"
+        );
+        assert!(
+            !s.server_events
+                .iter()
+                .any(|e| matches!(e, ServerEvent::Accepted { .. } | ServerEvent::Begun { .. })),
+            "the outsider got no further than the handshake"
+        );
+    }
+}
+
+#[test]
+fn a_mismatched_layout_or_version_is_refused_with_the_difference() {
+    let mut other = identity();
+    other.block_size = 32;
+    let mut s = Sim::new(&Local::open(other), &Local::open(identity()), false, MS);
+    s.run_for(10 * MS);
+    let closed = format!("{:?}", s.client_events.last().unwrap());
+    assert!(closed.contains("Refused") && closed.contains("block_size"), "{closed}");
+
+    // A peer that says nothing is dropped at the handshake deadline.
+    let l = Local::open(identity());
+    let mut s = Sim::new(&l, &l, false, MS);
+    s.c2s.stalled = true;
+    s.run_for(99 * MS);
+    assert!(!s.server.is_closed());
+    s.run_for(MS);
+    assert!(s.server.is_closed() && s.client.is_closed());
+    assert!(format!("{:?}", s.server_events.last().unwrap()).contains("no handshake"));
+}
+
+#[test]
+fn a_stalled_transfer_ends_at_its_deadline_on_both_sides_and_frees_the_reservation() {
+    let mut s = Sim::open(MS);
+    let t0 = s.now;
+    s.begin(9, 40);
+    s.send_layer(9, 0, 40);
+    s.run_for(5 * MS);
+    s.c2s.stalled = true; // the prefill side's writes stop arriving
+    s.send_layer(9, 1, 40);
+    s.run_for(480 * MS);
+    assert!(s.client_events.iter().all(|e| !matches!(e, ClientEvent::Failed { .. })));
+    s.run_for(20 * MS);
+    // Both deadlines are the transfer timeout from Begin: 500 ms of virtual time, exactly.
+    assert_eq!(s.now - t0, 505 * MS);
+    assert!(s.failures()[0].contains("timed out"), "{:?}", s.failures());
+    let abandoned = s
+        .server_events
+        .iter()
+        .any(|e| matches!(e, ServerEvent::Abandoned { request_id: 9, error } if error.to_string().contains("1 of 4 layers")));
+    assert!(abandoned, "{:?}", s.server_events);
+    assert!(s.ledger.is_empty(), "the reservation was freed");
+}
+
+#[test]
+fn a_corrupted_layer_is_caught_before_admission_and_fails_the_transfer() {
+    let mut s = Sim::open(MS);
+    s.begin(3, 16);
+    s.c2s.corrupt = Some(2); // Begin, layer 0, then layer 1 corrupted
+    for l in 0..4 {
+        s.send_layer(3, l, 16);
+    }
+    s.run_for(10 * MS);
+    assert!(s.delivered().is_empty());
+    assert!(s.failures()[0].contains("3: KV transfer I/O"), "{:?}", s.failures());
+    assert!(s
+        .server_events
+        .iter()
+        .any(|e| matches!(e, ServerEvent::Closed(TransferError::Frame(f)) if f.0.contains("checksum"))));
+    assert!(!s
+        .server_events
+        .iter()
+        .any(|e| matches!(e, ServerEvent::Received { .. })));
+    assert!(s.ledger.is_empty());
+}
+
+#[test]
+fn a_refused_transfer_is_a_nack_and_the_connection_stays_usable() {
+    let mut s = Sim::open(MS);
+    s.verdict = Err("request 4 is not waiting for KV here".into());
+    s.begin(4, 5);
+    for l in 0..4 {
+        s.send_layer(4, l, 5);
+    }
+    s.run_for(5 * MS);
+    assert!(s.failures()[0].contains("not waiting"), "{:?}", s.failures());
+    assert!(s.client.is_open());
+    s.verdict = Ok(());
+    s.begin(5, 5);
+    for l in 0..4 {
+        s.send_layer(5, l, 5);
+    }
+    s.run_for(5 * MS);
+    assert_eq!(s.delivered(), vec![5]);
+    s.ledger.free(5);
+    assert!(s.ledger.is_empty());
+}
+
+#[test]
+fn out_of_protocol_frames_close_the_connection_without_admitting_anything() {
+    // A layer out of order.
+    let mut s = Sim::open(MS);
+    s.begin(6, 5);
+    s.client.layer(6, 0, 320).unwrap();
+    let bad = Frame::Layer {
+        request_id: 6,
+        layer: 2,
+        data: vec![0; 320],
+    };
+    while let Some(f) = s.client.poll_transmit() {
+        s.c2s.send(s.now, Some(f.encode()));
+    }
+    s.c2s.send(s.now, Some(bad.encode()));
+    s.run_for(5 * MS);
+    assert!(s.server.is_closed());
+    assert!(s.failures()[0].starts_with("6:"));
+    // The sender's own misuse is refused locally and sends nothing.
+    let mut s = Sim::open(MS);
+    s.begin(7, 5);
+    assert!(s.client.layer(7, 1, 320).is_err());
+    assert!(s.client.layer(7, 0, 321).is_err());
+    assert!(s.client.begin(s.now, 7, 5, 16).is_err());
+    assert!(s.client.begin(s.now, 8, 5, 99).is_err());
+    assert!(s.client.written(7, 0, 0).is_err(), "inline connection");
+}
+
+#[test]
+fn in_place_transfers_grant_blocks_then_carry_only_checksums() {
+    let l = Local::open(identity());
+    let mut s = Sim::new(&l, &l, true, MS);
+    s.run_for(5 * MS);
+    s.begin(11, 40);
+    assert!(s.client.written(11, 0, 1).is_err(), "nothing may be written before the grant");
+    s.run_for(2 * MS);
+    let blocks = s.client_events.iter().find_map(|e| match e {
+        ClientEvent::Granted { request_id: 11, blocks } => Some(blocks.clone()),
+        _ => None,
+    });
+    assert_eq!(blocks, Some(vec![0, 1, 2]));
+    for layer in 0..4 {
+        s.client.written(11, layer, 100 + layer).unwrap();
+    }
+    s.run_for(2 * MS);
+    let crcs = s.server_events.iter().find_map(|e| match e {
+        ServerEvent::Received {
+            kv: Received::InPlace(c),
+            ..
+        } => Some(c.clone()),
+        _ => None,
+    });
+    assert_eq!(crcs, Some(vec![100, 101, 102, 103]));
+    assert_eq!(s.delivered(), vec![11]);
+    assert_eq!(s.ledger.free(11), Some(Holding::Committed));
+}
+
+#[test]
+fn a_lost_connection_fails_every_transfer_on_it_and_abandons_every_incomplete_one() {
+    let mut s = Sim::open(MS);
+    s.begin(1, 5);
+    s.begin(2, 5);
+    s.send_layer(1, 0, 5);
+    s.run_for(3 * MS);
+    s.client.handle_error(TransferError::Io(std::io::ErrorKind::BrokenPipe.into()));
+    s.run_for(3 * MS);
+    assert_eq!(s.failures().len(), 2);
+    assert!(s.server.is_closed());
+    let abandoned = s
+        .server_events
+        .iter()
+        .filter(|e| matches!(e, ServerEvent::Abandoned { .. }))
+        .count();
+    assert_eq!(abandoned, 2);
+    assert!(s.ledger.is_empty());
+    assert!(s.client.poll_timeout().is_none() && s.server.poll_timeout().is_none());
+}
