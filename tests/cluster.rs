@@ -137,6 +137,14 @@ fn sixteen_concurrent_requests_match_single_process_and_free_their_blocks() {
         assert_eq!(v["choices"][0]["message"]["content"], want, "request {i}");
     }
     c.wait_all_free(Duration::from_secs(5));
+    // Each request went through the decode worker's ledger: reserved, in flight, committed, freed.
+    let freed: u64 = c
+        .workers()
+        .iter()
+        .filter(|w| w["role"] == "decode")
+        .map(|w| w["stats"]["kv_requests_freed"].as_u64().unwrap())
+        .sum();
+    assert_eq!(freed, 16, "{:?}", c.workers());
 }
 
 #[test]

@@ -15,7 +15,8 @@ use std::sync::{mpsc as std_mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, EngineError, FinishReason, SamplingParams};
-use kv_transfer::IncomingKv;
+use kv_transfer::core::Ledger;
+use kv_transfer::KvEvent;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{self, generate_event, GenerateEvent, GenerateRequest};
 use proto::membership::Load;
@@ -78,7 +79,7 @@ enum Cmd {
         req: GenerateRequest,
         events: EventTx,
     },
-    Kv(IncomingKv),
+    Kv(KvEvent),
     Cancel {
         id: u64,
         found: oneshot::Sender<bool>,
@@ -115,7 +116,8 @@ fn engine_loop(
     kv_timeout: Duration,
 ) {
     let mut streams: HashMap<u64, EventTx> = HashMap::new();
-    let mut deadlines: HashMap<u64, Instant> = HashMap::new();
+    // Who holds blocks for KV from a prefill worker, with the lease of each reservation.
+    let mut ledger = Ledger::new();
     let mut draining = false;
     loop {
         // Block for a command only when there is nothing to step.
@@ -149,7 +151,8 @@ fn engine_loop(
                     match added {
                         Ok(()) => {
                             if req.remote_prefill {
-                                deadlines.insert(id, Instant::now() + kv_timeout);
+                                let blocks = engine.blocks_of(id) as u32;
+                                ledger.reserve(id, blocks, Some(Instant::now() + kv_timeout));
                                 let _ = events.send(Ok(GenerateEvent {
                                     event: Some(generate_event::Event::Reserved(true)),
                                     finish: 0,
@@ -162,12 +165,29 @@ fn engine_loop(
                         }
                     }
                 }
-                Cmd::Kv(kv) => {
-                    deadlines.remove(&kv.request_id);
+                Cmd::Kv(KvEvent::Arriving(id)) => {
+                    ledger.in_flight(id);
+                }
+                Cmd::Kv(KvEvent::Abandoned { request_id, error }) => {
+                    // The transfer broke: free the reservation now rather than at its lease.
+                    if ledger.free(request_id).is_some() {
+                        engine.abort(request_id);
+                        if let Some(tx) = streams.remove(&request_id) {
+                            let _ = tx.send(Err(Status::aborted(format!(
+                                "the KV of request {request_id} did not arrive: {error}"
+                            ))));
+                        }
+                    }
+                }
+                Cmd::Kv(KvEvent::Complete(kv)) => {
                     let r = if streams.contains_key(&kv.request_id) {
-                        engine
+                        let admitted = engine
                             .admit_remote(kv.request_id, &kv.layers)
-                            .map_err(|e| e.to_string())
+                            .map_err(|e| e.to_string());
+                        if admitted.is_ok() {
+                            ledger.commit(kv.request_id);
+                        }
+                        admitted
                     } else {
                         Err(format!(
                             "request {} is not waiting for KV here (cancelled?)",
@@ -178,7 +198,7 @@ fn engine_loop(
                 }
                 Cmd::Cancel { id, found } => {
                     streams.remove(&id);
-                    deadlines.remove(&id);
+                    ledger.free(id);
                     let _ = found.send(engine.abort(id));
                 }
                 Cmd::Drain => draining = true,
@@ -193,19 +213,15 @@ fn engine_loop(
             .collect();
         for id in gone {
             streams.remove(&id);
-            deadlines.remove(&id);
+            ledger.free(id);
             engine.abort(id);
         }
-        let late: Vec<u64> = deadlines
-            .iter()
-            .filter(|(_, d)| **d <= now)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in late {
-            deadlines.remove(&id);
+        for id in ledger.expired(now) {
+            ledger.free(id);
             engine.abort(id);
             if let Some(tx) = streams.remove(&id) {
-                let _ = tx.send(Err(Status::deadline_exceeded(format!(
+                // ABORTED: the request never started here; the router recomputes it.
+                let _ = tx.send(Err(Status::aborted(format!(
                     "the KV of request {id} did not arrive within {kv_timeout:?}"
                 ))));
             }
@@ -228,6 +244,7 @@ fn engine_loop(
                             .is_some_and(|tx| tx.send(Ok(msg)).is_ok());
                         if ev.finish.is_some() || !sent {
                             streams.remove(&ev.id);
+                            ledger.free(ev.id);
                             if !sent {
                                 engine.abort(ev.id);
                             }
@@ -239,13 +256,20 @@ fn engine_loop(
                     tracing::error!("decode step failed: {e}");
                     for (id, tx) in streams.drain() {
                         engine.abort(id);
+                        ledger.free(id);
                         let _ = tx.send(Err(Status::internal(format!("decode step failed: {e}"))));
                     }
-                    deadlines.clear();
                 }
             }
         }
-        *load.lock().expect("load lock") = engine.load();
+        let counts = ledger.counts();
+        *load.lock().expect("load lock") = Load {
+            kv_blocks_reserved: counts.reserved as u32,
+            kv_blocks_in_flight: counts.in_flight as u32,
+            kv_blocks_committed: counts.committed as u32,
+            kv_requests_freed: counts.freed,
+            ..engine.load()
+        };
     }
 }
 
@@ -371,22 +395,23 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
             cert_der: Vec::new(),
         },
     ];
-    let (kv_tx, mut kv_rx) = mpsc::channel::<IncomingKv>(16);
+    let (kv_tx, mut kv_rx) = mpsc::channel::<KvEvent>(16);
+    let kv_local = kv_transfer::Local {
+        identity: identity.clone(),
+        secret: cfg.secret.clone(),
+    };
+    // A transfer must finish within the reservation's lease.
+    let timeouts = kv_transfer::Timeouts {
+        transfer: cfg.kv_timeout,
+        ..Default::default()
+    };
     tokio::spawn(kv_transfer::tcp::serve(
         kv_listener,
-        kv_transfer::Local {
-            identity: identity.clone(),
-            secret: cfg.secret.clone(),
-        },
+        kv_local.clone(),
         kv_tx.clone(),
+        timeouts,
     ));
-    tokio::spawn(quic.serve(
-        kv_transfer::Local {
-            identity: identity.clone(),
-            secret: cfg.secret.clone(),
-        },
-        kv_tx,
-    ));
+    tokio::spawn(quic.serve(kv_local, kv_tx, timeouts));
     let fwd = cmd_tx.clone();
     tokio::spawn(async move {
         while let Some(kv) = kv_rx.recv().await {

@@ -228,7 +228,19 @@ impl Engine {
             kv_blocks_reserved: self.awaiting_blocks() as u32,
             kv_blocks_free: self.free_blocks() as u32,
             kv_blocks_total: self.total_blocks() as u32,
+            ..Default::default()
         }
+    }
+
+    /// Blocks held by request `id` (0 if it holds none or is unknown).
+    pub fn blocks_of(&self, id: u64) -> usize {
+        self.awaiting
+            .iter()
+            .chain(&self.running)
+            .chain(&self.waiting)
+            .chain(&self.prefilled)
+            .find(|s| s.id == id)
+            .map_or(0, |s| s.table.blocks().len())
     }
 
     /// Blocks held by requests still waiting for their KV from a prefill worker.

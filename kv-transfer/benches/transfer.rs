@@ -77,19 +77,26 @@ async fn main() {
         let width = layout.n_kv_heads * layout.head_dim;
         let per_token = 4 * width as usize * layout.n_layers as usize;
         // Receivers that acknowledge every whole transfer at once.
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<kv_transfer::IncomingKv>(4);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<kv_transfer::KvEvent>(4);
         tokio::spawn(async move {
-            while let Some(kv) = rx.recv().await {
-                kv.answer(Ok(()));
+            while let Some(ev) = rx.recv().await {
+                if let kv_transfer::KvEvent::Complete(kv) = ev {
+                    kv.answer(Ok(()));
+                }
             }
         });
         let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let tcp_addr = tcp.local_addr().unwrap();
-        tokio::spawn(kv_transfer::tcp::serve(tcp, local.clone(), tx.clone()));
+        tokio::spawn(kv_transfer::tcp::serve(
+            tcp,
+            local.clone(),
+            tx.clone(),
+            Default::default(),
+        ));
         let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let quic_addr = quic.local_addr().unwrap();
         let cert = quic.cert_der.clone();
-        tokio::spawn(quic.serve(local.clone(), tx));
+        tokio::spawn(quic.serve(local.clone(), tx, Default::default()));
         // Raw TCP: read exactly `len` bytes, answer one byte.
         let raw = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let raw_addr = raw.local_addr().unwrap();

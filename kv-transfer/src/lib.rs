@@ -17,8 +17,9 @@ pub mod wire;
 
 use std::time::Duration;
 
+pub use core::Timeouts;
 pub use negotiate::Offer;
-pub use wire::{IncomingKv, Layers, Local};
+pub use wire::{IncomingKv, KvEvent, Layers, Local};
 
 /// A way to move KV between workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -95,6 +96,14 @@ impl KvSender {
             Transport::Rdma => Err(TransferError::Refused(
                 "tandem was built without the `rdma` feature".into(),
             )),
+        }
+    }
+
+    /// Whether the connection can carry another transfer (a failed one closes it).
+    pub fn is_open(&self) -> bool {
+        match self {
+            KvSender::Tcp(s) => s.is_open(),
+            KvSender::Quic(_) => true,
         }
     }
 

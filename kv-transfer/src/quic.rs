@@ -12,7 +12,8 @@ use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::sync::mpsc;
 
-use crate::wire::{self, IncomingKv};
+use crate::core::Timeouts;
+use crate::wire::{self, Conn, KvEvent};
 use crate::{TransferError, TransferStats, Transport};
 
 /// The name in the generated certificate.
@@ -63,7 +64,7 @@ impl QuicKvReceiver {
     }
 
     /// Accepts connections and their streams forever, handing complete transfers to `tx`.
-    pub async fn serve(self, local: Local, tx: mpsc::Sender<IncomingKv>) {
+    pub async fn serve(self, local: Local, tx: mpsc::Sender<KvEvent>, timeouts: Timeouts) {
         let pool = wire::BufferPool::default();
         while let Some(incoming) = self.endpoint.accept().await {
             let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
@@ -80,6 +81,7 @@ impl QuicKvReceiver {
                             Transport::Quic,
                             &tx,
                             &pool,
+                            timeouts,
                         )
                         .await
                         {
@@ -179,16 +181,21 @@ impl QuicKvSender {
             timeout,
             || format!("KV of request {request_id} to {peer} over QUIC"),
             async {
-                let (send, mut recv) = self
+                let (send, recv) = self
                     .conn
                     .open_bi()
                     .await
                     .map_err(|e| TransferError::Protocol(format!("QUIC stream: {e}")))?;
-                let mut send = tokio::io::BufWriter::with_capacity(256 << 10, send);
-                wire::hello(&mut recv, &mut send, &self.local).await?;
-                let bytes =
-                    wire::transfer(&mut recv, &mut send, request_id, n_tokens, width, layers)
-                        .await?;
+                let send = tokio::io::BufWriter::with_capacity(256 << 10, send);
+                let timeouts = Timeouts {
+                    handshake: timeout,
+                    transfer: timeout,
+                };
+                let mut stream = Conn::open(recv, send, &self.local, timeouts).await?;
+                let bytes = stream
+                    .send(request_id, n_tokens, width, layers, timeout)
+                    .await?;
+                let (_, send) = stream.into_parts();
                 let _ = send.into_inner().finish();
                 Ok(bytes)
             },

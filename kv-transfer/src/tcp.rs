@@ -1,19 +1,20 @@
-//! The TCP transport: one connection per (prefill, decode) pair, transfers one after another.
+//! The TCP transport: connections per (prefill, decode) pair, transfers one after another on
+//! each; the prefill side keeps several when transfers overlap.
 
 use std::time::{Duration, Instant};
 
-use crate::wire::Local;
-use tokio::io::BufReader;
+use tokio::io::{BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
-use crate::wire::{self, IncomingKv};
+use crate::core::Timeouts;
+use crate::wire::{self, Conn, KvEvent, Local};
 use crate::{TransferError, TransferStats, Transport};
 
 /// The sending side of a connection to one decode worker.
 pub struct TcpKvSender {
-    stream: TcpStream,
-    peer: String,
+    conn: Conn<BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>>,
 }
 
 impl TcpKvSender {
@@ -23,21 +24,31 @@ impl TcpKvSender {
         local: &Local,
         timeout: Duration,
     ) -> Result<TcpKvSender, TransferError> {
-        wire::deadline(
+        let stream = wire::deadline(
             timeout,
             || format!("connecting to {addr} over TCP"),
-            async {
-                let mut stream = TcpStream::connect(addr).await?;
-                stream.set_nodelay(true)?;
-                let (mut r, mut w) = stream.split();
-                wire::hello(&mut r, &mut w, local).await?;
-                Ok(TcpKvSender {
-                    stream,
-                    peer: addr.to_string(),
-                })
-            },
+            async { Ok(TcpStream::connect(addr).await?) },
         )
-        .await
+        .await?;
+        stream.set_nodelay(true)?;
+        let (r, w) = stream.into_split();
+        // Small frames (headers, small layers) leave in few writes; big layers bypass the buffer.
+        let (r, w) = (
+            BufReader::with_capacity(64 << 10, r),
+            BufWriter::with_capacity(256 << 10, w),
+        );
+        let timeouts = Timeouts {
+            handshake: timeout,
+            ..Timeouts::default()
+        };
+        Ok(TcpKvSender {
+            conn: Conn::open(r, w, local, timeouts).await?,
+        })
+    }
+
+    /// Whether the connection can carry another transfer.
+    pub fn is_open(&self) -> bool {
+        self.conn.is_open()
     }
 
     /// Sends one request's KV and waits for the receiver to admit it, within `timeout`.
@@ -50,16 +61,10 @@ impl TcpKvSender {
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
-        let peer = self.peer.clone();
-        let (mut r, w) = self.stream.split();
-        // Small frames (headers, small layers) leave in few writes; big layers bypass the buffer.
-        let mut w = tokio::io::BufWriter::with_capacity(256 << 10, w);
-        let bytes = wire::deadline(
-            timeout,
-            || format!("KV of request {request_id} to {peer} over TCP"),
-            wire::transfer(&mut r, &mut w, request_id, n_tokens, width, layers),
-        )
-        .await?;
+        let bytes = self
+            .conn
+            .send(request_id, n_tokens, width, layers, timeout)
+            .await?;
         Ok(TransferStats {
             bytes,
             elapsed: t0.elapsed(),
@@ -68,8 +73,13 @@ impl TcpKvSender {
     }
 }
 
-/// Accepts KV connections on `listener` forever, handing complete transfers to `tx`.
-pub async fn serve(listener: TcpListener, local: Local, tx: mpsc::Sender<IncomingKv>) {
+/// Accepts KV connections on `listener` forever, handing what arrives to `tx`.
+pub async fn serve(
+    listener: TcpListener,
+    local: Local,
+    tx: mpsc::Sender<KvEvent>,
+    timeouts: Timeouts,
+) {
     let pool = wire::BufferPool::default();
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
@@ -80,9 +90,9 @@ pub async fn serve(listener: TcpListener, local: Local, tx: mpsc::Sender<Incomin
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
             let mut r = BufReader::with_capacity(1 << 20, r);
-            if let Err(e) =
-                wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx, &pool).await
-            {
+            let served =
+                wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx, &pool, timeouts);
+            if let Err(e) = served.await {
                 tracing::warn!(%peer, "KV connection (tcp) closed: {e}");
             }
         });

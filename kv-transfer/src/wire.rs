@@ -1,17 +1,22 @@
 //! The transfer protocol over any ordered byte stream (a TCP connection, a QUIC stream).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proto::ModelIdentity;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
 
+use crate::core::{Client, ClientEvent, Received, Server, ServerEvent, Timeouts};
 use crate::frame::{Frame, HEADER};
 use crate::TransferError;
 
-/// Reads one frame, checking its CRC.
+/// Largest frame read before a peer has passed the handshake, and the largest non-`Layer`
+/// frame at any time: a stranger cannot make a worker allocate more than this.
+pub const MAX_CONTROL_FRAME: u32 = 1 << 20;
+
+/// Reads one control frame, checking its CRC.
 pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, TransferError> {
-    read_frame_with(r, None).await
+    read_frame_limited(r, None, MAX_CONTROL_FRAME).await
 }
 
 /// Layer buffers handed back once their KV is in the cache, reused for the next transfers so
@@ -42,14 +47,27 @@ impl BufferPool {
     }
 }
 
-/// [`read_frame`], taking layer buffers from `pool`.
-pub async fn read_frame_with<R: AsyncRead + Unpin>(
+/// Reads one frame of at most `limit` payload bytes, checking its CRC; `Layer` payloads go
+/// straight into a buffer from `pool`.
+pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     r: &mut R,
     pool: Option<&BufferPool>,
+    limit: u32,
 ) -> Result<Frame, TransferError> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h).await?;
     let (kind, len, crc) = Frame::header(&h)?;
+    let limit = if kind == 5 {
+        limit
+    } else {
+        limit.min(MAX_CONTROL_FRAME)
+    };
+    if len > limit {
+        return Err(crate::frame::FrameError(format!(
+            "a frame of kind {kind} with {len} bytes, more than the {limit} allowed here"
+        ))
+        .into());
+    }
     if kind == 5 && len >= 12 {
         // A layer: read its bytes straight into the buffer the frame keeps (no second copy).
         let mut head = [0u8; 12];
@@ -125,117 +143,193 @@ impl Local {
     }
 }
 
-const PROOF_CONTEXT: &[u8] = b"tandem-kv-v1";
+/// The client end of a connection over a byte stream, driving a [`Client`]: every await is
+/// bounded by the core's next deadline, and every outcome comes from the core.
+pub struct Conn<R, W> {
+    r: R,
+    w: W,
+    core: Client,
+}
 
-fn proof_message(nonce: &[u8; 16], identity: &ModelIdentity) -> Vec<u8> {
-    let mut m = PROOF_CONTEXT.to_vec();
-    m.extend(nonce);
-    // The identity is bound into the proof, so a proof cannot be replayed for another layout.
-    m.extend(
-        Frame::Hello {
-            version: proto::PROTOCOL_VERSION,
-            identity: identity.clone(),
+impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
+    /// Runs the handshake (Hello, and the proof of the cluster secret if challenged).
+    pub async fn open(
+        r: R,
+        w: W,
+        local: &Local,
+        timeouts: Timeouts,
+    ) -> Result<Conn<R, W>, TransferError> {
+        let core = Client::new(local, timeouts, false, Instant::now());
+        let mut conn = Conn { r, w, core };
+        match conn.next_event().await {
+            ClientEvent::Connected => Ok(conn),
+            ClientEvent::Closed(e) => Err(e),
+            other => Err(TransferError::Protocol(format!(
+                "unexpected {other:?} during the handshake"
+            ))),
         }
-        .encode(),
-    );
-    m
-}
-
-/// The client side of the handshake: Hello, then (if the server challenges) a proof of the
-/// cluster secret.
-pub async fn hello<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-    r: &mut R,
-    w: &mut W,
-    local: &Local,
-) -> Result<(), TransferError> {
-    let hello = Frame::Hello {
-        version: proto::PROTOCOL_VERSION,
-        identity: local.identity.clone(),
-    };
-    w.write_all(&hello.encode()).await?;
-    w.flush().await?;
-    let mut reply = read_frame(r).await?;
-    if let Frame::Challenge(nonce) = reply {
-        let secret = local.secret.as_ref().ok_or_else(|| {
-            TransferError::Refused(
-                "the peer requires the cluster secret and none is configured here".into(),
-            )
-        })?;
-        let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
-        let tag = ring::hmac::sign(&key, &proof_message(&nonce, &local.identity));
-        w.write_all(&Frame::Proof(tag.as_ref().to_vec()).encode())
-            .await?;
-        w.flush().await?;
-        reply = read_frame(r).await?;
     }
-    match reply {
-        Frame::HelloOk => Ok(()),
-        Frame::Refuse(why) => Err(TransferError::Refused(why)),
-        other => Err(TransferError::Protocol(format!(
-            "expected HelloOk, got {other:?}"
-        ))),
-    }
-}
 
-/// Sends one request's KV and waits for its ack.
-pub async fn transfer<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
-    r: &mut R,
-    w: &mut W,
-    request_id: u64,
-    n_tokens: u32,
-    width: u32,
-    layers: Layers<'_>,
-) -> Result<u64, TransferError> {
-    let n_layers = match &layers {
-        Layers::Ready(l) => l.len() as u32,
-        Layers::Stream { n_layers, .. } => *n_layers,
-    };
-    let begin = Frame::Begin {
-        request_id,
-        n_tokens,
-        n_layers,
-        width,
-    };
-    w.write_all(&begin.encode()).await?;
-    let mut bytes = 0u64;
-    match layers {
-        Layers::Ready(all) => {
-            for (l, data) in all.iter().enumerate() {
-                write_layer(w, request_id, l as u32, data).await?;
-                bytes += data.len() as u64;
+    /// Whether the connection can carry more transfers.
+    pub fn is_open(&self) -> bool {
+        self.core.is_open()
+    }
+
+    /// The reader and writer back.
+    pub fn into_parts(self) -> (R, W) {
+        (self.r, self.w)
+    }
+
+    /// Writes the frames the core queued.
+    async fn transmit(&mut self) {
+        while let Some(f) = self.core.poll_transmit() {
+            if let Err(e) = self.w.write_all(&f.encode()).await {
+                return self.core.handle_error(e.into());
             }
         }
-        Layers::Stream { n_layers, rx } => {
-            for l in 0..n_layers {
-                let data = rx.recv().await.ok_or_else(|| {
-                    TransferError::Protocol(format!(
-                        "request {request_id}: the KV source ended after {l} of {n_layers} layers"
-                    ))
-                })?;
-                write_layer(w, request_id, l, &data).await?;
-                // Out now: the next layer is still being computed.
-                w.flush().await?;
-                bytes += data.len() as u64;
+        if let Err(e) = self.w.flush().await {
+            self.core.handle_error(e.into());
+        }
+    }
+
+    /// Awaits `fut` until the core's next deadline; fires the deadline if it comes first.
+    async fn bounded<T>(
+        &mut self,
+        fut: impl std::future::Future<Output = Result<T, TransferError>>,
+    ) -> Option<T> {
+        let out = match self.core.poll_timeout() {
+            Some(d) => match tokio::time::timeout_at(d.into(), fut).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.core.handle_timeout(Instant::now());
+                    return None;
+                }
+            },
+            None => fut.await,
+        };
+        match out {
+            Ok(v) => Some(v),
+            Err(e) => {
+                self.core.handle_error(e);
+                None
             }
         }
     }
-    w.flush().await?;
-    match read_frame(r).await? {
-        Frame::Ack {
-            request_id: id,
-            ok: true,
-            ..
-        } if id == request_id => Ok(()),
-        Frame::Ack {
-            request_id: id,
-            ok: false,
-            message,
-        } if id == request_id => Err(TransferError::Refused(message)),
-        other => Err(TransferError::Protocol(format!(
-            "expected the ack of request {request_id}, got {other:?}"
-        ))),
+
+    /// Reads frames (and fires deadlines) until the core has something to say.
+    async fn next_event(&mut self) -> ClientEvent {
+        loop {
+            if let Some(e) = self.core.poll_event() {
+                return e;
+            }
+            self.transmit().await;
+            if self.core.is_closed() {
+                continue;
+            }
+            if let Some(f) = self.bounded_read().await {
+                self.core.handle(Instant::now(), f);
+            }
+        }
     }
-    .map(|()| bytes)
+
+    async fn bounded_read(&mut self) -> Option<Frame> {
+        let deadline = self.core.poll_timeout();
+        let read = read_frame_limited(&mut self.r, None, MAX_CONTROL_FRAME);
+        let out = match deadline {
+            Some(d) => match tokio::time::timeout_at(d.into(), read).await {
+                Ok(r) => r,
+                Err(_) => {
+                    self.core.handle_timeout(Instant::now());
+                    return None;
+                }
+            },
+            None => read.await,
+        };
+        out.map_err(|e| self.core.handle_error(e)).ok()
+    }
+
+    /// Sends one request's KV and waits for the receiver's verdict, within `timeout` from now.
+    pub async fn send(
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        layers: Layers<'_>,
+        timeout: Duration,
+    ) -> Result<u64, TransferError> {
+        self.core.set_transfer_timeout(timeout);
+        self.core
+            .begin(Instant::now(), request_id, n_tokens, width)?;
+        self.transmit().await;
+        let n_layers = match &layers {
+            Layers::Ready(l) => l.len() as u32,
+            Layers::Stream { n_layers, .. } => *n_layers,
+        };
+        let mut stream = match layers {
+            Layers::Ready(all) => Ok(all.iter()),
+            Layers::Stream { rx, .. } => Err(rx),
+        };
+        for l in 0..n_layers {
+            if self.core.is_closed() {
+                break;
+            }
+            let data: std::borrow::Cow<'_, [u8]> = match &mut stream {
+                Ok(all) => all.next().expect("counted").as_slice().into(),
+                Err(rx) => {
+                    let next = async {
+                        rx.recv().await.ok_or_else(|| {
+                            TransferError::Protocol(format!(
+                                "request {request_id}: the KV source ended after {l} of {n_layers} layers"
+                            ))
+                        })
+                    };
+                    match self.bounded(next).await {
+                        Some(d) => d.into(),
+                        None => break,
+                    }
+                }
+            };
+            self.core.layer(request_id, l, data.len() as u64)?;
+            let streaming = stream.is_err();
+            let write = async {
+                write_layer(&mut self.w, request_id, l, &data).await?;
+                if streaming {
+                    // Out now: the next layer is still being computed.
+                    self.w.flush().await?;
+                }
+                Ok(())
+            };
+            let deadline = self.core.poll_timeout();
+            let written = match deadline {
+                Some(d) => tokio::time::timeout_at(d.into(), write)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(TransferError::Timeout(format!(
+                            "writing the KV of request {request_id} for {timeout:?}"
+                        )))
+                    }),
+                None => write.await,
+            };
+            if let Err(e) = written {
+                self.core.handle_error(e);
+            }
+        }
+        self.transmit().await;
+        loop {
+            match self.next_event().await {
+                ClientEvent::Delivered {
+                    request_id: id,
+                    bytes,
+                } if id == request_id => return Ok(bytes),
+                ClientEvent::Failed {
+                    request_id: id,
+                    error,
+                } if id == request_id => return Err(error),
+                ClientEvent::Closed(e) => return Err(e),
+                _ => {}
+            }
+        }
+    }
 }
 
 /// A request's KV to send: all layers at hand, or layers arriving one by one as the prefill
@@ -296,126 +390,117 @@ impl Drop for IncomingKv {
     }
 }
 
-/// The server side of one stream: the handshake, then transfers until the peer closes it.
-/// Peers with another protocol version or an incompatible model identity are refused before
-/// any KV is read.
+/// What a decode worker hears from its KV listeners.
+#[derive(Debug)]
+pub enum KvEvent {
+    /// A request's KV started to arrive.
+    Arriving(u64),
+    /// A request's KV is here whole; answer it.
+    Complete(IncomingKv),
+    /// A request's KV will not come (the transfer broke); free what it holds.
+    Abandoned {
+        /// The request.
+        request_id: u64,
+        /// Why.
+        error: String,
+    },
+}
+
+/// The server side of one stream, driving a [`Server`]: the handshake, then transfers until
+/// the peer closes it. Peers with another protocol version, an incompatible model identity or
+/// without the cluster secret are refused before any KV is read; until then no frame larger
+/// than [`MAX_CONTROL_FRAME`] is read.
 pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     r: &mut R,
     w: &mut W,
     local: &Local,
     transport: crate::Transport,
-    tx: &mpsc::Sender<IncomingKv>,
+    tx: &mpsc::Sender<KvEvent>,
     pool: &BufferPool,
+    timeouts: Timeouts,
 ) -> Result<(), TransferError> {
-    let identity = &local.identity;
-    match read_frame(r).await? {
-        Frame::Hello {
-            version,
-            identity: theirs,
-        } => {
-            let why = if version != proto::PROTOCOL_VERSION {
-                Some(format!(
-                    "protocol version {version}, this worker speaks {}",
-                    proto::PROTOCOL_VERSION
-                ))
-            } else {
-                identity
-                    .incompatibility(&theirs)
-                    .map(|d| format!("incompatible KV layout: {d}"))
-            };
-            let why = match (why, &local.secret) {
-                (Some(why), _) => Some(why),
-                (None, None) => None,
-                (None, Some(secret)) => {
-                    let mut nonce = [0u8; 16];
-                    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
-                        .map_err(|_| TransferError::Protocol("no system randomness".into()))?;
-                    w.write_all(&Frame::Challenge(nonce).encode()).await?;
-                    w.flush().await?;
-                    match read_frame(r).await? {
-                        Frame::Proof(tag) => {
-                            let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
-                            ring::hmac::verify(&key, &proof_message(&nonce, &theirs), &tag)
-                                .err()
-                                .map(|_| "authentication failed: wrong cluster secret".to_string())
-                        }
-                        other => Some(format!(
-                            "authentication failed: expected a proof, got {}",
-                            other.name()
-                        )),
-                    }
-                }
-            };
-            if let Some(why) = why {
-                w.write_all(&Frame::Refuse(why.clone()).encode()).await?;
-                w.flush().await?;
-                return Err(TransferError::Refused(why));
-            }
-            w.write_all(&Frame::HelloOk.encode()).await?;
-            w.flush().await?;
-        }
-        other => {
-            return Err(TransferError::Protocol(format!(
-                "expected Hello, got {other:?}"
-            )))
-        }
-    }
-    let width = (identity.n_kv_heads * identity.head_dim) as usize;
+    let mut nonce = [0u8; 16];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
+        .map_err(|_| TransferError::Protocol("no system randomness".into()))?;
+    let mut core = Server::new(local, timeouts, false, nonce, Instant::now());
+    let mut broke = false;
     loop {
-        let (request_id, n_tokens, n_layers) = match read_frame(r).await {
-            Ok(Frame::Begin {
-                request_id,
-                n_tokens,
-                n_layers,
-                width: w2,
-            }) if w2 as usize == width && n_layers == identity.n_layers => {
-                (request_id, n_tokens, n_layers)
-            }
-            Ok(other) => {
-                return Err(TransferError::Protocol(format!(
-                    "expected a Begin matching the handshake, got {other:?}"
-                )))
-            }
-            Err(TransferError::Io(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => {
-                return Ok(())
-            }
-            Err(e) => return Err(e),
-        };
-        let expect = 4 * n_tokens as usize * width;
-        let mut layers = Vec::with_capacity(n_layers as usize);
-        for l in 0..n_layers {
-            match read_frame_with(r, Some(pool)).await? {
-                Frame::Layer { request_id: rid, layer, data } if rid == request_id && layer == l && data.len() == expect => layers.push(data),
-                Frame::Layer { request_id: rid, layer, data } => {
-                    return Err(TransferError::Protocol(format!(
-                        "request {request_id} layer {l}: got request {rid} layer {layer} with {} bytes (expected {expect})",
-                        data.len()
-                    )))
-                }
-                other => return Err(TransferError::Protocol(format!("expected a Layer, got {other:?}"))),
+        while let Some(f) = core.poll_transmit() {
+            if let Err(e) = w.write_all(&f.encode()).await {
+                core.handle_error(e.into());
             }
         }
-        let (reply, verdict) = oneshot::channel();
-        let incoming = IncomingKv {
-            request_id,
-            n_tokens,
-            layers,
-            transport,
-            reply: Some(reply),
-            pool: pool.clone(),
+        if let Err(e) = w.flush().await {
+            core.handle_error(e.into());
+        }
+        // One event at a time: a verdict queues an Ack, which goes out before the next read.
+        if let Some(event) = core.poll_event() {
+            match event {
+                ServerEvent::Accepted { .. } => {}
+                ServerEvent::Begun { request_id, .. } => {
+                    let _ = tx.send(KvEvent::Arriving(request_id)).await;
+                }
+                ServerEvent::Received {
+                    request_id,
+                    n_tokens,
+                    kv: Received::Inline(layers),
+                } => {
+                    let (reply, verdict) = oneshot::channel();
+                    let incoming = IncomingKv {
+                        request_id,
+                        n_tokens,
+                        layers,
+                        transport,
+                        reply: Some(reply),
+                        pool: pool.clone(),
+                    };
+                    let result = match tx.send(KvEvent::Complete(incoming)).await {
+                        Ok(()) => verdict
+                            .await
+                            .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
+                        Err(_) => Err("the worker is shutting down".into()),
+                    };
+                    core.verdict(request_id, result);
+                }
+                ServerEvent::Received { request_id, .. }
+                | ServerEvent::GrantNeeded { request_id, .. } => {
+                    core.handle_error(TransferError::Protocol(format!(
+                        "request {request_id}: an in-place transfer on a {transport} stream"
+                    )));
+                }
+                ServerEvent::Abandoned { request_id, error } => {
+                    broke = true;
+                    let error = error.to_string();
+                    let _ = tx.send(KvEvent::Abandoned { request_id, error }).await;
+                }
+                ServerEvent::Closed(TransferError::Io(e))
+                    if e.kind() == std::io::ErrorKind::UnexpectedEof && !broke =>
+                {
+                    return Ok(())
+                }
+                ServerEvent::Closed(e) => return Err(e),
+            }
+            continue;
+        }
+        let limit = if core.is_open() {
+            crate::frame::MAX_FRAME
+        } else {
+            MAX_CONTROL_FRAME
         };
-        let result = match tx.send(incoming).await {
-            Ok(()) => verdict
-                .await
-                .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
-            Err(_) => Err("the worker is shutting down".into()),
+        let read = read_frame_limited(r, Some(pool), limit);
+        let frame = match core.poll_timeout() {
+            Some(d) => match tokio::time::timeout_at(d.into(), read).await {
+                Ok(f) => f,
+                Err(_) => {
+                    core.handle_timeout(Instant::now());
+                    continue;
+                }
+            },
+            None => read.await,
         };
-        let ack = Frame::Ack {
-            request_id,
-            ok: result.is_ok(),
-            message: result.err().unwrap_or_default(),
-        };
-        w.write_all(&ack.encode()).await?;
-        w.flush().await?;
+        match frame {
+            Ok(f) => core.handle(Instant::now(), f),
+            Err(e) => core.handle_error(e),
+        }
     }
 }

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use std::sync::Arc;
 
-use kv_transfer::{quic::QuicKvReceiver, IncomingKv, KvSender, Local, Offer, Transport};
+use kv_transfer::{
+    quic::QuicKvReceiver, IncomingKv, KvEvent, KvSender, Local, Offer, Timeouts, Transport,
+};
 use proto::ModelIdentity;
 use tokio::sync::mpsc;
 
@@ -31,15 +33,32 @@ async fn receivers() -> (Vec<Offer>, mpsc::Receiver<IncomingKv>) {
     receivers_with(None).await
 }
 
+/// Listeners on TCP and QUIC; whole transfers come out of the returned channel (the
+/// `Arriving`/`Abandoned` notices a decode worker also gets are dropped here).
 async fn receivers_with(secret: Option<&str>) -> (Vec<Offer>, mpsc::Receiver<IncomingKv>) {
-    let (tx, rx) = mpsc::channel(4);
+    let (tx, mut events) = mpsc::channel(4);
+    let (whole, rx) = mpsc::channel(4);
+    tokio::spawn(async move {
+        while let Some(ev) = events.recv().await {
+            if let KvEvent::Complete(kv) = ev {
+                if whole.send(kv).await.is_err() {
+                    return;
+                }
+            }
+        }
+    });
     let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let tcp_addr = tcp.local_addr().unwrap();
-    tokio::spawn(kv_transfer::tcp::serve(tcp, local(16, secret), tx.clone()));
+    tokio::spawn(kv_transfer::tcp::serve(
+        tcp,
+        local(16, secret),
+        tx.clone(),
+        Timeouts::default(),
+    ));
     let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let quic_addr = quic.local_addr().unwrap();
     let cert = quic.cert_der.clone();
-    tokio::spawn(quic.serve(local(16, secret), tx));
+    tokio::spawn(quic.serve(local(16, secret), tx, Timeouts::default()));
     let offers = vec![
         Offer {
             transport: Transport::Tcp,

@@ -20,6 +20,12 @@ pub struct Load {
     pub kv_blocks_free: u32,
     /// All KV blocks.
     pub kv_blocks_total: u32,
+    /// Ledger: blocks whose KV is on the wire (decode workers).
+    pub kv_blocks_in_flight: u32,
+    /// Ledger: blocks of remotely prefilled requests committed to running sequences.
+    pub kv_blocks_committed: u32,
+    /// Ledger: requests whose blocks were freed, since start.
+    pub kv_requests_freed: u64,
 }
 
 impl Load {
@@ -33,6 +39,9 @@ impl Load {
             kv_blocks_total: self.kv_blocks_total,
             kv_blocks_reserved: self.kv_blocks_reserved,
             transfers_in_flight,
+            kv_blocks_in_flight: self.kv_blocks_in_flight,
+            kv_blocks_committed: self.kv_blocks_committed,
+            kv_requests_freed: self.kv_requests_freed,
         }
     }
 
@@ -44,6 +53,10 @@ impl Load {
             kv_blocks_free: self.kv_blocks_free,
             kv_blocks_total: self.kv_blocks_total,
             pending_transfers: self.awaiting,
+            kv_blocks_reserved: self.kv_blocks_reserved,
+            kv_blocks_in_flight: self.kv_blocks_in_flight,
+            kv_blocks_committed: self.kv_blocks_committed,
+            kv_requests_freed: self.kv_requests_freed,
         }
     }
 }

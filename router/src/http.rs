@@ -492,6 +492,8 @@ pub async fn workers(AxState(state): AxState<Arc<State>>) -> Json<Value> {
             v["stats"] = json!({
                 "running": s.running, "waiting": s.waiting, "kv_blocks_free": s.kv_blocks_free,
                 "kv_blocks_total": s.kv_blocks_total, "pending_transfers": s.pending_transfers,
+                "kv_blocks_reserved": s.kv_blocks_reserved, "kv_blocks_in_flight": s.kv_blocks_in_flight,
+                "kv_blocks_committed": s.kv_blocks_committed, "kv_requests_freed": s.kv_requests_freed,
             });
         }
         out.push(v);
@@ -518,6 +520,11 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
             .set(w.kv_blocks_reserved as f64);
         metrics::gauge!("tandem_worker_transfers_in_flight", &labels)
             .set(w.transfers_in_flight as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_in_flight", &labels)
+            .set(w.kv_blocks_in_flight as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_committed", &labels)
+            .set(w.kv_blocks_committed as f64);
+        metrics::gauge!("tandem_worker_kv_requests_freed", &labels).set(w.kv_requests_freed as f64);
     }
     match &state.metrics {
         Some(h) => ([("content-type", "text/plain; version=0.0.4")], h.render()).into_response(),

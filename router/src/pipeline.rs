@@ -165,6 +165,7 @@ pub async fn start(
     tokio::spawn(async move {
         let _dguard = dguard;
         let mut prefill = prefill;
+        let mut started = false;
         loop {
             let next = tokio::select! {
                 _ = tx.closed() => {
@@ -184,19 +185,12 @@ pub async fn start(
                         Err(e) => {
                             // No token can have been produced without the KV: recompute the
                             // prompt on the decode worker itself instead of failing.
-                            tracing::warn!(request = id, "{e}; recomputing the prompt on decode worker {dname}");
-                            metrics::counter!("tandem_kv_transfer_failures_total").increment(1);
-                            let req = GenerateRequest { request_id: state2.next_request_id(), prompt: prompt.clone(), params: Some(params.clone()), remote_prefill: false };
-                            let mut client = match channel(&state2, &dw.endpoint) {
-                                Ok(c) => DecodeClient::new(c),
-                                Err(e) => { let _ = tx.send(Err(e)).await; break; }
-                            };
-                            match client.generate(req).await {
-                                Ok(r) => {
-                                    stream = r.into_inner();
+                            match recompute(&state2, &dw, &prompt, &params, &e).await {
+                                Ok(s) => {
+                                    stream = s;
                                     continue;
                                 }
-                                Err(s) => Err(ApiError::Upstream(format!("{e}; recomputing on decode worker {dname} failed too: {}", s.message()))),
+                                Err(e) => Err(e),
                             }
                         }
                     }
@@ -207,6 +201,21 @@ pub async fn start(
                     }
                     Ok(Some(other)) => Err(ApiError::Upstream(format!("unexpected event from decode worker {dname}: {other:?}"))),
                     Ok(None) => Err(ApiError::Upstream(format!("decode worker {dname} ended the stream before the request finished"))),
+                    Err(s) if s.code() == Code::Aborted && remote && !started => {
+                        // The decode worker gave up on the KV (the transfer broke or its lease
+                        // ran out) before any token: recompute there, whatever the prefill says.
+                        if let Some(p) = prefill.take() {
+                            p.abort();
+                        }
+                        let e = ApiError::Upstream(s.message().to_string());
+                        match recompute(&state2, &dw, &prompt, &params, &e).await {
+                            Ok(s) => {
+                                stream = s;
+                                continue;
+                            }
+                            Err(e) => Err(e),
+                        }
+                    }
                     Err(s) => {
                         if worker_failed(&s) {
                             registry.remove(dw.id);
@@ -219,6 +228,7 @@ pub async fn start(
                 },
             };
             let last = !matches!(next, Ok((_, Finish::None)));
+            started = true;
             if tx.send(next).await.is_err() || last {
                 break;
             }
@@ -230,4 +240,32 @@ pub async fn start(
         ))
     });
     Ok((first, rx))
+}
+
+/// Runs a request's whole prompt on its decode worker after the remote prefill or the KV
+/// transfer failed (`why`), returning the new token stream.
+async fn recompute(
+    state: &State,
+    dw: &crate::registry::Worker,
+    prompt: &[u32],
+    params: &grpc::SamplingParams,
+    why: &ApiError,
+) -> Result<tonic::Streaming<grpc::GenerateEvent>, ApiError> {
+    tracing::warn!("{why}; recomputing the prompt on decode worker {}", dw.name);
+    metrics::counter!("tandem_kv_transfer_failures_total").increment(1);
+    let req = GenerateRequest {
+        request_id: state.next_request_id(),
+        prompt: prompt.to_vec(),
+        params: Some(params.clone()),
+        remote_prefill: false,
+    };
+    let mut client = DecodeClient::new(channel(state, &dw.endpoint)?);
+    match client.generate(req).await {
+        Ok(r) => Ok(r.into_inner()),
+        Err(s) => Err(ApiError::Upstream(format!(
+            "{why}; recomputing on decode worker {} failed too: {}",
+            dw.name,
+            s.message()
+        ))),
+    }
 }

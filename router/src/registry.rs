@@ -42,6 +42,12 @@ pub struct Worker {
     pub kv_blocks_reserved: u32,
     /// Last reported transfers in flight (prefill workers).
     pub transfers_in_flight: u32,
+    /// Ledger (decode workers): blocks whose KV is on the wire.
+    pub kv_blocks_in_flight: u32,
+    /// Ledger (decode workers): blocks of remotely prefilled requests that run.
+    pub kv_blocks_committed: u32,
+    /// Ledger (decode workers): requests freed since the worker started.
+    pub kv_requests_freed: u64,
     /// KV blocks in all.
     pub kv_blocks_total: u32,
     /// Requests the router has in flight on it.
@@ -197,6 +203,9 @@ impl Control for ControlService {
             kv_blocks_free: j.kv_blocks_total,
             kv_blocks_reserved: 0,
             transfers_in_flight: 0,
+            kv_blocks_in_flight: 0,
+            kv_blocks_committed: 0,
+            kv_requests_freed: 0,
             kv_blocks_total: j.kv_blocks_total,
             in_flight: 0,
             last_beat: Instant::now(),
@@ -219,6 +228,9 @@ impl Control for ControlService {
         w.kv_blocks_total = b.kv_blocks_total;
         w.kv_blocks_reserved = b.kv_blocks_reserved;
         w.transfers_in_flight = b.transfers_in_flight;
+        w.kv_blocks_in_flight = b.kv_blocks_in_flight;
+        w.kv_blocks_committed = b.kv_blocks_committed;
+        w.kv_requests_freed = b.kv_requests_freed;
         w.last_beat = Instant::now();
         Ok(Response::new(grpc::HeartbeatReply {}))
     }

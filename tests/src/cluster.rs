@@ -247,6 +247,10 @@ impl Cluster {
                         && s["running"] == 0
                         && s["waiting"] == 0
                         && s["pending_transfers"] == 0
+                        // The ownership ledger balances: no request holds blocks in any state.
+                        && s["kv_blocks_reserved"] == 0
+                        && s["kv_blocks_in_flight"] == 0
+                        && s["kv_blocks_committed"] == 0
                 });
             if idle {
                 return t0.elapsed();

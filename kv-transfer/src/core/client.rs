@@ -97,6 +97,11 @@ impl Client {
         }
     }
 
+    /// Sets the deadline of transfers begun from now on (their `Begin` to their `Ack`).
+    pub fn set_transfer_timeout(&mut self, timeout: std::time::Duration) {
+        self.timeouts.transfer = timeout;
+    }
+
     /// Whether transfers may begin.
     pub fn is_open(&self) -> bool {
         matches!(self.state, State::Open)
@@ -199,10 +204,7 @@ impl Client {
     /// In-place transfers: `layer` has been written into the granted blocks (its writes are
     /// complete); queues `Written` with the CRC32 of its bytes in the wire layout.
     pub fn written(&mut self, request_id: u64, layer: u32, crc: u32) -> Result<(), TransferError> {
-        let len = self
-            .transfers
-            .get(&request_id)
-            .map_or(0, |t| t.layer_bytes);
+        let len = self.transfers.get(&request_id).map_or(0, |t| t.layer_bytes);
         self.next_layer(request_id, layer, len, true)?;
         self.out.push_back(Frame::Written {
             request_id,
@@ -232,7 +234,9 @@ impl Client {
                 self.state = State::Open;
                 self.events.push_back(ClientEvent::Connected);
             }
-            (State::Handshake { .. }, Frame::Refuse(why)) => self.close(TransferError::Refused(why)),
+            (State::Handshake { .. }, Frame::Refuse(why)) => {
+                self.close(TransferError::Refused(why))
+            }
             (State::Open, Frame::Grant { request_id, blocks }) => {
                 match self.transfers.get_mut(&request_id) {
                     Some(t) if self.in_place && !t.granted && blocks.len() == t.blocks => {
@@ -287,12 +291,12 @@ impl Client {
     /// Fires the deadlines that have passed by `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
         match &self.state {
-            State::Handshake { deadline, .. } if *deadline <= now => self.close(
-                TransferError::Timeout(format!(
+            State::Handshake { deadline, .. } if *deadline <= now => {
+                self.close(TransferError::Timeout(format!(
                     "no handshake within {:?}",
                     self.timeouts.handshake
-                )),
-            ),
+                )))
+            }
             State::Open => {
                 if let Some((&id, _)) = self.transfers.iter().find(|(_, t)| t.deadline <= now) {
                     self.close(TransferError::Timeout(format!(

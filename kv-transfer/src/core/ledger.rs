@@ -195,7 +195,10 @@ mod tests {
         assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![1]);
         assert_eq!(l.free(1), Some(Holding::Reserved));
         assert!(l.commit(2));
-        assert!(l.expired(t0 + Duration::from_secs(9)).is_empty(), "committed KV has no lease");
+        assert!(
+            l.expired(t0 + Duration::from_secs(9)).is_empty(),
+            "committed KV has no lease"
+        );
         assert_eq!(l.free(2), Some(Holding::Committed));
         assert_eq!(l.free(2), None, "freed exactly once");
         assert!(l.is_empty());

@@ -63,8 +63,13 @@ pub enum ServerEvent {
 }
 
 enum State {
-    AwaitHello { deadline: Instant },
-    AwaitProof { deadline: Instant, theirs: ModelIdentity },
+    AwaitHello {
+        deadline: Instant,
+    },
+    AwaitProof {
+        deadline: Instant,
+        theirs: ModelIdentity,
+    },
     Open,
     Closed,
 }

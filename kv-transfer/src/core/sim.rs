@@ -146,9 +146,9 @@ impl Sim {
                     Ok(f) => self.server.handle(self.now, f),
                     Err(e) => self.server.handle_error(e),
                 },
-                None => self.server.handle_error(TransferError::Io(
-                    std::io::ErrorKind::UnexpectedEof.into(),
-                )),
+                None => self
+                    .server
+                    .handle_error(TransferError::Io(std::io::ErrorKind::UnexpectedEof.into())),
             }
         }
         while self.s2c.next().is_some_and(|t| t <= self.now) {
@@ -176,7 +176,10 @@ impl Sim {
         while let Some(e) = self.server.poll_event() {
             match &e {
                 ServerEvent::Begun { request_id, .. } => {
-                    assert!(self.ledger.in_flight(*request_id), "KV for an unreserved request");
+                    assert!(
+                        self.ledger.in_flight(*request_id),
+                        "KV for an unreserved request"
+                    );
                 }
                 ServerEvent::GrantNeeded {
                     request_id,
@@ -220,8 +223,12 @@ impl Sim {
     /// The decode side reserves, then the prefill side begins a transfer.
     fn begin(&mut self, request_id: u64, n_tokens: u32) {
         let lease = self.now + Duration::from_secs(1);
-        assert!(self.ledger.reserve(request_id, n_tokens.div_ceil(16), Some(lease)));
-        self.client.begin(self.now, request_id, n_tokens, 16).unwrap();
+        assert!(self
+            .ledger
+            .reserve(request_id, n_tokens.div_ceil(16), Some(lease)));
+        self.client
+            .begin(self.now, request_id, n_tokens, 16)
+            .unwrap();
     }
 
     /// Sends layer `l` of a request inline (as the TCP driver does).
@@ -347,7 +354,10 @@ fn a_mismatched_layout_or_version_is_refused_with_the_difference() {
     let mut s = Sim::new(&Local::open(other), &Local::open(identity()), false, MS);
     s.run_for(10 * MS);
     let closed = format!("{:?}", s.client_events.last().unwrap());
-    assert!(closed.contains("Refused") && closed.contains("block_size"), "{closed}");
+    assert!(
+        closed.contains("Refused") && closed.contains("block_size"),
+        "{closed}"
+    );
 
     // A peer that says nothing is dropped at the handshake deadline.
     let l = Local::open(identity());
@@ -370,7 +380,10 @@ fn a_stalled_transfer_ends_at_its_deadline_on_both_sides_and_frees_the_reservati
     s.c2s.stalled = true; // the prefill side's writes stop arriving
     s.send_layer(9, 1, 40);
     s.run_for(480 * MS);
-    assert!(s.client_events.iter().all(|e| !matches!(e, ClientEvent::Failed { .. })));
+    assert!(s
+        .client_events
+        .iter()
+        .all(|e| !matches!(e, ClientEvent::Failed { .. })));
     s.run_for(20 * MS);
     // Both deadlines are the transfer timeout from Begin: 500 ms of virtual time, exactly.
     assert_eq!(s.now - t0, 505 * MS);
@@ -393,11 +406,14 @@ fn a_corrupted_layer_is_caught_before_admission_and_fails_the_transfer() {
     }
     s.run_for(10 * MS);
     assert!(s.delivered().is_empty());
-    assert!(s.failures()[0].contains("3: KV transfer I/O"), "{:?}", s.failures());
-    assert!(s
-        .server_events
-        .iter()
-        .any(|e| matches!(e, ServerEvent::Closed(TransferError::Frame(f)) if f.0.contains("checksum"))));
+    assert!(
+        s.failures()[0].contains("3: KV transfer I/O"),
+        "{:?}",
+        s.failures()
+    );
+    assert!(s.server_events.iter().any(
+        |e| matches!(e, ServerEvent::Closed(TransferError::Frame(f)) if f.0.contains("checksum"))
+    ));
     assert!(!s
         .server_events
         .iter()
@@ -414,7 +430,11 @@ fn a_refused_transfer_is_a_nack_and_the_connection_stays_usable() {
         s.send_layer(4, l, 5);
     }
     s.run_for(5 * MS);
-    assert!(s.failures()[0].contains("not waiting"), "{:?}", s.failures());
+    assert!(
+        s.failures()[0].contains("not waiting"),
+        "{:?}",
+        s.failures()
+    );
     assert!(s.client.is_open());
     s.verdict = Ok(());
     s.begin(5, 5);
@@ -461,10 +481,16 @@ fn in_place_transfers_grant_blocks_then_carry_only_checksums() {
     let mut s = Sim::new(&l, &l, true, MS);
     s.run_for(5 * MS);
     s.begin(11, 40);
-    assert!(s.client.written(11, 0, 1).is_err(), "nothing may be written before the grant");
+    assert!(
+        s.client.written(11, 0, 1).is_err(),
+        "nothing may be written before the grant"
+    );
     s.run_for(2 * MS);
     let blocks = s.client_events.iter().find_map(|e| match e {
-        ClientEvent::Granted { request_id: 11, blocks } => Some(blocks.clone()),
+        ClientEvent::Granted {
+            request_id: 11,
+            blocks,
+        } => Some(blocks.clone()),
         _ => None,
     });
     assert_eq!(blocks, Some(vec![0, 1, 2]));
@@ -491,7 +517,8 @@ fn a_lost_connection_fails_every_transfer_on_it_and_abandons_every_incomplete_on
     s.begin(2, 5);
     s.send_layer(1, 0, 5);
     s.run_for(3 * MS);
-    s.client.handle_error(TransferError::Io(std::io::ErrorKind::BrokenPipe.into()));
+    s.client
+        .handle_error(TransferError::Io(std::io::ErrorKind::BrokenPipe.into()));
     s.run_for(3 * MS);
     assert_eq!(s.failures().len(), 2);
     assert!(s.server.is_closed());
