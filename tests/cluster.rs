@@ -453,6 +453,16 @@ fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_cl
     );
     assert_eq!(status, 200);
     c.wait_transfers("tcp", 1);
+    // The fallback and its reason are in the router's metrics.
+    let (_, metrics) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+    let chosen = metrics
+        .lines()
+        .find(|l| l.starts_with("tandem_kv_transport_chosen_total{"))
+        .unwrap_or_else(|| panic!("no transport choice in /metrics:\n{metrics}"));
+    assert!(
+        chosen.contains("transport=\"tcp\"") && chosen.contains("rdma: "),
+        "{chosen}"
+    );
     // A prefill worker that requires RDMA refuses to start, saying why.
     let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "require = \"rdma\"");
     let out = c

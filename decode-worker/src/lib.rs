@@ -127,7 +127,12 @@ fn engine_loop(
             match rx.recv_timeout(Duration::from_millis(20)) {
                 Ok(c) => Some(c),
                 Err(std_mpsc::RecvTimeoutError::Timeout) => None,
-                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                Err(std_mpsc::RecvTimeoutError::Disconnected) => {
+                    // The KV pool may be registered with an RDMA device, which peers can still
+                    // write into: it is never freed (the process is ending anyway).
+                    std::mem::forget(engine);
+                    return;
+                }
             }
         };
         for cmd in first
@@ -179,11 +184,21 @@ fn engine_loop(
                         }
                     }
                 }
+                Cmd::Kv(KvEvent::Grant {
+                    request_id,
+                    n_tokens,
+                    reply,
+                }) => {
+                    let blocks = engine.grant(request_id, n_tokens as usize);
+                    let _ = reply.send(blocks.map_err(|e| e.to_string()));
+                }
                 Cmd::Kv(KvEvent::Complete(kv)) => {
                     let r = if streams.contains_key(&kv.request_id) {
-                        let admitted = engine
-                            .admit_remote(kv.request_id, &kv.layers)
-                            .map_err(|e| e.to_string());
+                        let admitted = match &kv.in_place {
+                            Some(crcs) => engine.admit_in_place(kv.request_id, crcs),
+                            None => engine.admit_remote(kv.request_id, &kv.layers),
+                        }
+                        .map_err(|e| e.to_string());
                         if admitted.is_ok() {
                             ledger.commit(kv.request_id);
                         }
@@ -344,8 +359,13 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     .expect("model loading does not panic")?;
     let model = Arc::new(model);
     let identity = engine::identity(&model, cfg.engine.block_size);
-    let engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
+    let mut engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
     let load = Arc::new(Mutex::new(engine.load()));
+    let (layers, block_bytes) = engine.kv_regions();
+    let regions = kv_transfer::KvRegions {
+        layers,
+        block_bytes,
+    };
 
     let (cmd_tx, cmd_rx) = std_mpsc::channel();
     let (l2, timeout) = (load.clone(), cfg.kv_timeout);
@@ -380,7 +400,17 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
             |_| WorkerError::Bind(cfg.host.clone(), std::io::Error::other("not an IP address")),
         )?)?;
     let quic_addr = quic.local_addr()?;
-    let offers = vec![
+    // RDMA where this build and machine have it: the KV pool is registered with the device
+    // and prefill workers write into it; the side channel is a TCP listener of its own.
+    let rdma = if local.contains(&kv_transfer::Transport::Rdma) {
+        let side = bind("KV listener (rdma side channel)").await?;
+        // SAFETY: the engine owning the pool lives in its thread until the process ends and
+        // is never dropped (see `engine_loop`), so the registered memory stays valid.
+        Some(unsafe { kv_transfer::rdma::RdmaKvReceiver::bind(side, &regions) }?)
+    } else {
+        None
+    };
+    let mut offers = vec![
         grpc::KvOffer {
             transport: "quic".into(),
             endpoint: quic_addr.to_string(),
@@ -395,6 +425,16 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
             cert_der: Vec::new(),
         },
     ];
+    if let Some(r) = &rdma {
+        offers.insert(
+            0,
+            grpc::KvOffer {
+                transport: "rdma".into(),
+                endpoint: r.local_addr()?.to_string(),
+                cert_der: Vec::new(),
+            },
+        );
+    }
     let (kv_tx, mut kv_rx) = mpsc::channel::<KvEvent>(16);
     let kv_local = kv_transfer::Local {
         identity: identity.clone(),
@@ -411,6 +451,9 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         kv_tx.clone(),
         timeouts,
     ));
+    if let Some(r) = rdma {
+        tokio::spawn(r.serve(kv_local.clone(), kv_tx.clone(), timeouts));
+    }
     tokio::spawn(quic.serve(kv_local, kv_tx, timeouts));
     let fwd = cmd_tx.clone();
     tokio::spawn(async move {

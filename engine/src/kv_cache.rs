@@ -188,6 +188,25 @@ impl KvCache {
         Ok(())
     }
 
+    /// The pools as raw memory, for registration with an RDMA device: per layer, (address,
+    /// bytes) of the keys and of the values. The pools never move or reallocate after `new`.
+    pub fn raw_regions(&mut self) -> Vec<[(usize, usize); 2]> {
+        self.layers
+            .iter_mut()
+            .map(|l| {
+                [
+                    (l.k.as_mut_ptr() as usize, l.k.len() * 2),
+                    (l.v.as_mut_ptr() as usize, l.v.len() * 2),
+                ]
+            })
+            .collect()
+    }
+
+    /// Bytes of one block in one pool.
+    pub fn block_bytes(&self) -> usize {
+        self.block_size * self.width * 2
+    }
+
     /// The cache slot (block × block_size + offset) of token `pos` of a sequence.
     pub fn slot(&self, table: &[u32], pos: usize) -> Option<usize> {
         table

@@ -197,6 +197,63 @@ impl Engine {
         Ok(())
     }
 
+    /// In-place (RDMA) transfers: the blocks a reserved request's remote KV of `n_tokens`
+    /// tokens is written into, in token order.
+    pub fn grant(&self, id: u64, n_tokens: usize) -> Result<Vec<u32>> {
+        let seq = self.awaiting.iter().find(|s| s.id == id).ok_or_else(|| {
+            EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
+        })?;
+        if n_tokens + 1 != seq.prompt_len {
+            return Err(EngineError::InvalidRequest(format!(
+                "KV of {n_tokens} tokens offered for a prompt of {}",
+                seq.prompt_len
+            )));
+        }
+        Ok(seq.table.blocks()[..self.kv.blocks_for(n_tokens)].to_vec())
+    }
+
+    /// In-place transfers: admits a reserved request whose KV was written straight into its
+    /// blocks, once every layer's bytes match the CRC32 the sender computed.
+    pub fn admit_in_place(&mut self, id: u64, crcs: &[u32]) -> Result<()> {
+        let i = self
+            .awaiting
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or_else(|| {
+                EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
+            })?;
+        let n = self.awaiting[i].prompt_len - 1;
+        if crcs.len() != self.model.config.n_layers {
+            return Err(EngineError::InvalidRequest(format!(
+                "checksums for {} layers; the model has {}",
+                crcs.len(),
+                self.model.config.n_layers
+            )));
+        }
+        let mut buf = Vec::new();
+        for (l, &want) in crcs.iter().enumerate() {
+            buf.clear();
+            self.kv
+                .read_tokens(self.awaiting[i].table.blocks(), l, n, &mut buf);
+            let got = crc32fast::hash(&buf);
+            if got != want {
+                return Err(EngineError::InvalidRequest(format!(
+                    "layer {l} of request {id} was corrupted in transfer (CRC32 {got:08x}, sender                      says {want:08x})"
+                )));
+            }
+        }
+        let mut seq = self.awaiting.remove(i);
+        seq.computed = n;
+        self.waiting.push_front(seq);
+        Ok(())
+    }
+
+    /// The KV pool as raw memory, for RDMA registration (see [`KvCache::raw_regions`]), and
+    /// the bytes of one block in one pool.
+    pub fn kv_regions(&mut self) -> (Vec<[(usize, usize); 2]>, usize) {
+        (self.kv.raw_regions(), self.kv.block_bytes())
+    }
+
     /// Ids of prefill-only requests whose KV is complete and not yet exported.
     pub fn take_prefilled(&self) -> Vec<u64> {
         self.prefilled.iter().map(|s| s.id).collect()

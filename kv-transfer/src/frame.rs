@@ -75,6 +75,9 @@ pub enum Frame {
         /// CRC32 of the layer's bytes.
         crc: u32,
     },
+    /// Transport setup after the handshake (RDMA: queue-pair endpoints and memory keys),
+    /// opaque to the protocol core.
+    Setup(Vec<u8>),
     /// The receiver's verdict on a whole transfer.
     Ack {
         /// The request.
@@ -143,6 +146,7 @@ impl Frame {
             Frame::Proof(_) => 8,
             Frame::Grant { .. } => 9,
             Frame::Written { .. } => 10,
+            Frame::Setup(_) => 11,
         }
     }
 
@@ -159,6 +163,7 @@ impl Frame {
             Frame::Proof(_) => "Proof",
             Frame::Grant { .. } => "Grant",
             Frame::Written { .. } => "Written",
+            Frame::Setup(_) => "Setup",
         }
     }
 
@@ -180,7 +185,7 @@ impl Frame {
             }
             Frame::HelloOk => {}
             Frame::Challenge(n) => p.extend(n),
-            Frame::Proof(t) => p.extend(t),
+            Frame::Proof(t) | Frame::Setup(t) => p.extend(t),
             Frame::Refuse(m) => put_str(&mut p, m),
             Frame::Begin {
                 request_id,
@@ -321,6 +326,7 @@ impl Frame {
                 let blocks = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
                 Frame::Grant { request_id, blocks }
             }
+            11 => Frame::Setup(std::mem::take(&mut r.0).to_vec()),
             10 => Frame::Written {
                 request_id: r.u64()?,
                 layer: r.u32()?,
@@ -377,6 +383,7 @@ mod tests {
             request_id: 7,
             blocks: vec![3, 1, 4],
         });
+        roundtrip(Frame::Setup(vec![5; 40]));
         roundtrip(Frame::Written {
             request_id: 7,
             layer: 2,

@@ -12,6 +12,13 @@ pub mod core;
 pub mod frame;
 pub mod negotiate;
 pub mod quic;
+/// One-sided RDMA WRITE transfers (feature `rdma`; without it, every call says so).
+#[cfg(feature = "rdma")]
+pub mod rdma;
+/// One-sided RDMA WRITE transfers (feature `rdma`; without it, every call says so).
+#[cfg(not(feature = "rdma"))]
+#[path = "rdma_off.rs"]
+pub mod rdma;
 pub mod tcp;
 pub mod wire;
 
@@ -76,6 +83,8 @@ pub enum KvSender {
     Tcp(tcp::TcpKvSender),
     /// QUIC.
     Quic(quic::QuicKvSender),
+    /// RDMA (one-sided writes; a TCP side channel carries the protocol).
+    Rdma(rdma::RdmaKvSender),
 }
 
 impl KvSender {
@@ -93,8 +102,8 @@ impl KvSender {
                 quic::QuicKvSender::connect(&offer.endpoint, &offer.cert_der, local, timeout)
                     .await?,
             )),
-            Transport::Rdma => Err(TransferError::Refused(
-                "tandem was built without the `rdma` feature".into(),
+            Transport::Rdma => Ok(KvSender::Rdma(
+                rdma::RdmaKvSender::connect(&offer.endpoint, local, timeout).await?,
             )),
         }
     }
@@ -103,7 +112,7 @@ impl KvSender {
     pub fn is_open(&self) -> bool {
         match self {
             KvSender::Tcp(s) => s.is_open(),
-            KvSender::Quic(_) => true,
+            KvSender::Quic(_) | KvSender::Rdma(_) => true,
         }
     }
 
@@ -119,6 +128,7 @@ impl KvSender {
         match self {
             KvSender::Tcp(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
             KvSender::Quic(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
+            KvSender::Rdma(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
         }
     }
 }
@@ -141,6 +151,17 @@ pub enum TransferError {
     /// A deadline passed.
     #[error("KV transfer timed out: {0}")]
     Timeout(String),
+}
+
+/// A decode worker's paged KV pool as raw memory, for RDMA registration: per layer, the
+/// (address, bytes) of its key pool and of its value pool; `block_bytes` is the stride of one
+/// block in each (block size × KV width × 2 bytes).
+#[derive(Debug, Clone)]
+pub struct KvRegions {
+    /// Per layer: keys, values.
+    pub layers: Vec<[(usize, usize); 2]>,
+    /// Bytes of one block in one pool.
+    pub block_bytes: usize,
 }
 
 /// The shape of one KV block as both ends store it.

@@ -15,13 +15,22 @@ pub struct Offer {
     pub cert_der: Vec<u8>,
 }
 
-/// Transports this build and machine can use. RDMA needs the `rdma` feature and a device;
-/// neither exists in this build, and the reason is part of the answer.
+/// Transports this build and machine can use, and why the others cannot be (RDMA needs the
+/// `rdma` feature and a device). Probed once per process.
 pub fn local_transports() -> (Vec<Transport>, Vec<String>) {
-    (
-        vec![Transport::Quic, Transport::Tcp],
-        vec!["rdma: tandem was built without the `rdma` feature".to_string()],
-    )
+    static PROBED: std::sync::OnceLock<(Vec<Transport>, Vec<String>)> = std::sync::OnceLock::new();
+    PROBED
+        .get_or_init(|| match crate::rdma::probe() {
+            Ok(_) => (
+                vec![Transport::Rdma, Transport::Quic, Transport::Tcp],
+                vec![],
+            ),
+            Err(why) => (
+                vec![Transport::Quic, Transport::Tcp],
+                vec![format!("rdma: {why}")],
+            ),
+        })
+        .clone()
 }
 
 /// Picks the first transport in `prefer` that the peer offers and this side has. With
@@ -49,8 +58,10 @@ pub fn choose(
                 };
                 return Ok((o.clone(), why));
             }
-            (None, _) => skipped.push(format!("{t} not offered by the peer")),
-            (Some(_), false) => skipped.push(
+            (None, true) => skipped.push(format!("{t} not offered by the peer")),
+            // What this side lacks is the more useful reason (the peer cannot offer what
+            // neither end would use).
+            (_, false) => skipped.push(
                 missing
                     .iter()
                     .find(|m| m.starts_with(t.name()))
@@ -87,13 +98,18 @@ mod tests {
         let all = [Transport::Rdma, Transport::Quic, Transport::Tcp];
         let (o, why) = choose(&offers, &local, &all, None).unwrap();
         assert_eq!(o.transport, Transport::Quic);
-        assert!(why.contains("rdma not offered"), "{why}");
+        assert!(why.contains("rdma: "), "{why}");
+        let (o, why) = choose(&offers, &[Transport::Rdma, Transport::Tcp], &all, None).unwrap();
+        assert_eq!(o.transport, Transport::Tcp);
+        assert!(why.contains("rdma not offered by the peer"), "{why}");
         let (o, _) = choose(&offers, &local, &[Transport::Tcp, Transport::Quic], None).unwrap();
         assert_eq!(o.transport, Transport::Tcp);
         let with_rdma = [offer(Transport::Rdma), offer(Transport::Tcp)];
         let (o, why) = choose(&with_rdma, &local, &all, None).unwrap();
         assert_eq!(o.transport, Transport::Tcp);
-        assert!(why.contains("without the `rdma` feature"), "{why}");
+        if let Some(m) = local_transports().1.first() {
+            assert!(why.contains(m), "{why}");
+        }
         let e = choose(&with_rdma, &local, &all, Some(Transport::Rdma))
             .unwrap_err()
             .to_string();

@@ -82,6 +82,7 @@ impl QuicKvReceiver {
                             &tx,
                             &pool,
                             timeouts,
+                            None,
                         )
                         .await
                         {

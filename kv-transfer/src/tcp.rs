@@ -90,8 +90,16 @@ pub async fn serve(
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
             let mut r = BufReader::with_capacity(1 << 20, r);
-            let served =
-                wire::serve_stream(&mut r, &mut w, &local, Transport::Tcp, &tx, &pool, timeouts);
+            let served = wire::serve_stream(
+                &mut r,
+                &mut w,
+                &local,
+                Transport::Tcp,
+                &tx,
+                &pool,
+                timeouts,
+                None,
+            );
             if let Err(e) = served.await {
                 tracing::warn!(%peer, "KV connection (tcp) closed: {e}");
             }

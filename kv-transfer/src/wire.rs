@@ -152,14 +152,26 @@ pub struct Conn<R, W> {
 }
 
 impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
-    /// Runs the handshake (Hello, and the proof of the cluster secret if challenged).
+    /// Runs the handshake (Hello, and the proof of the cluster secret if challenged) for
+    /// inline transfers.
     pub async fn open(
         r: R,
         w: W,
         local: &Local,
         timeouts: Timeouts,
     ) -> Result<Conn<R, W>, TransferError> {
-        let core = Client::new(local, timeouts, false, Instant::now());
+        Conn::open_with(r, w, local, timeouts, false).await
+    }
+
+    /// [`Conn::open`] for inline or in-place (RDMA) transfers.
+    pub async fn open_with(
+        r: R,
+        w: W,
+        local: &Local,
+        timeouts: Timeouts,
+        in_place: bool,
+    ) -> Result<Conn<R, W>, TransferError> {
+        let core = Client::new(local, timeouts, in_place, Instant::now());
         let mut conn = Conn { r, w, core };
         match conn.next_event().await {
             ClientEvent::Connected => Ok(conn),
@@ -315,6 +327,11 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
             }
         }
         self.transmit().await;
+        self.outcome(request_id).await
+    }
+
+    /// Waits for the receiver's verdict on `request_id`: the bytes delivered, or why not.
+    pub async fn outcome(&mut self, request_id: u64) -> Result<u64, TransferError> {
         loop {
             match self.next_event().await {
                 ClientEvent::Delivered {
@@ -329,6 +346,72 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
                 _ => {}
             }
         }
+    }
+
+    /// Exchanges transport setup blobs with the receiver (after the handshake, before any
+    /// transfer), within the handshake timeout.
+    pub async fn setup(
+        &mut self,
+        ours: Vec<u8>,
+        timeout: Duration,
+    ) -> Result<Vec<u8>, TransferError> {
+        let exchange = async {
+            self.w.write_all(&Frame::Setup(ours).encode()).await?;
+            self.w.flush().await?;
+            match read_frame(&mut self.r).await? {
+                Frame::Setup(theirs) => Ok(theirs),
+                other => Err(TransferError::Protocol(format!(
+                    "expected the receiver's setup, got {}",
+                    other.name()
+                ))),
+            }
+        };
+        deadline(timeout, || "transport setup".to_string(), exchange).await
+    }
+
+    /// In-place transfers: begins `request_id` and waits for the receiver's blocks.
+    pub async fn begin_granted(
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        timeout: Duration,
+    ) -> Result<Vec<u32>, TransferError> {
+        self.core.set_transfer_timeout(timeout);
+        self.core
+            .begin(Instant::now(), request_id, n_tokens, width)?;
+        self.transmit().await;
+        loop {
+            match self.next_event().await {
+                ClientEvent::Granted {
+                    request_id: id,
+                    blocks,
+                } if id == request_id => return Ok(blocks),
+                ClientEvent::Failed {
+                    request_id: id,
+                    error,
+                } if id == request_id => return Err(error),
+                ClientEvent::Closed(e) => return Err(e),
+                _ => {}
+            }
+        }
+    }
+
+    /// In-place transfers: layer `layer` is in the receiver's memory; tells it with its CRC.
+    pub async fn written(
+        &mut self,
+        request_id: u64,
+        layer: u32,
+        crc: u32,
+    ) -> Result<(), TransferError> {
+        self.core.written(request_id, layer, crc)?;
+        self.transmit().await;
+        Ok(())
+    }
+
+    /// The earliest deadline of the connection (the running transfer's), if any.
+    pub fn deadline(&self) -> Option<Instant> {
+        self.core.poll_timeout()
     }
 }
 
@@ -369,6 +452,9 @@ pub struct IncomingKv {
     pub layers: Vec<Vec<u8>>,
     /// Which transport brought it.
     pub transport: crate::Transport,
+    /// In-place transfers: the KV is already in the granted blocks (`layers` is empty); one
+    /// CRC32 per layer to check it by before admitting.
+    pub in_place: Option<Vec<u32>>,
     reply: Option<oneshot::Sender<Result<(), String>>>,
     pool: BufferPool,
 }
@@ -397,6 +483,16 @@ pub enum KvEvent {
     Arriving(u64),
     /// A request's KV is here whole; answer it.
     Complete(IncomingKv),
+    /// In-place transfers: the blocks the request's KV of `n_tokens` tokens is to be written
+    /// into, or why there are none.
+    Grant {
+        /// The request.
+        request_id: u64,
+        /// Tokens to be written.
+        n_tokens: u32,
+        /// Where the answer goes.
+        reply: oneshot::Sender<Result<Vec<u32>, String>>,
+    },
     /// A request's KV will not come (the transfer broke); free what it holds.
     Abandoned {
         /// The request.
@@ -404,6 +500,16 @@ pub enum KvEvent {
         /// Why.
         error: String,
     },
+}
+
+/// What an in-place (RDMA) transport adds to the server side of its side channel.
+pub trait InPlaceSide: Send {
+    /// Sets the data path up from the sender's setup blob (after the handshake); returns this
+    /// side's blob.
+    fn setup(&mut self, theirs: &[u8]) -> Result<Vec<u8>, TransferError>;
+    /// Whether the writes of all `n_layers` layers of `request_id` have landed (their
+    /// completions have been seen); never blocks.
+    fn try_writes(&mut self, request_id: u64, n_layers: u32) -> Result<bool, TransferError>;
 }
 
 /// The server side of one stream, driving a [`Server`]: the handshake, then transfers until
@@ -418,11 +524,12 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     tx: &mpsc::Sender<KvEvent>,
     pool: &BufferPool,
     timeouts: Timeouts,
+    mut in_place: Option<&mut dyn InPlaceSide>,
 ) -> Result<(), TransferError> {
     let mut nonce = [0u8; 16];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
         .map_err(|_| TransferError::Protocol("no system randomness".into()))?;
-    let mut core = Server::new(local, timeouts, false, nonce, Instant::now());
+    let mut core = Server::new(local, timeouts, in_place.is_some(), nonce, Instant::now());
     let mut broke = false;
     loop {
         while let Some(f) = core.poll_transmit() {
@@ -436,20 +543,94 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         // One event at a time: a verdict queues an Ack, which goes out before the next read.
         if let Some(event) = core.poll_event() {
             match event {
-                ServerEvent::Accepted { .. } => {}
+                ServerEvent::Accepted { .. } => {
+                    if let Some(side) = in_place.as_deref_mut() {
+                        let set_up = async {
+                            let theirs = match read_frame(r).await? {
+                                Frame::Setup(b) => b,
+                                other => {
+                                    return Err(TransferError::Protocol(format!(
+                                        "expected the sender's setup, got {}",
+                                        other.name()
+                                    )))
+                                }
+                            };
+                            let ours = side.setup(&theirs)?;
+                            w.write_all(&Frame::Setup(ours).encode()).await?;
+                            Ok(())
+                        };
+                        let done =
+                            deadline(timeouts.handshake, || "transport setup".into(), set_up);
+                        if let Err(e) = done.await {
+                            core.handle_error(e);
+                        }
+                    }
+                }
+                ServerEvent::GrantNeeded {
+                    request_id,
+                    n_tokens,
+                } => {
+                    let (reply, answer) = oneshot::channel();
+                    let ask = KvEvent::Grant {
+                        request_id,
+                        n_tokens,
+                        reply,
+                    };
+                    let blocks = match tx.send(ask).await {
+                        Ok(()) => answer
+                            .await
+                            .unwrap_or_else(|_| Err("the worker dropped the request".into())),
+                        Err(_) => Err("the worker is shutting down".into()),
+                    };
+                    let granted = blocks
+                        .map_err(TransferError::Refused)
+                        .and_then(|b| core.grant(request_id, b));
+                    if let Err(e) = granted {
+                        core.handle_error(e);
+                    }
+                }
                 ServerEvent::Begun { request_id, .. } => {
                     let _ = tx.send(KvEvent::Arriving(request_id)).await;
                 }
                 ServerEvent::Received {
                     request_id,
                     n_tokens,
-                    kv: Received::Inline(layers),
+                    kv,
                 } => {
+                    let (layers, crcs) = match kv {
+                        Received::Inline(layers) => (layers, None),
+                        Received::InPlace(crcs) => (Vec::new(), Some(crcs)),
+                    };
+                    if let (Some(side), Some(crcs)) = (in_place.as_deref_mut(), &crcs) {
+                        // The `Written` frames came over the side channel; the writes' own
+                        // completions (their immediates) must be here too before admission.
+                        let n_layers = crcs.len() as u32;
+                        let until = Instant::now() + timeouts.transfer;
+                        let landed = loop {
+                            match side.try_writes(request_id, n_layers) {
+                                Ok(true) => break Ok(()),
+                                Ok(false) if Instant::now() < until => {
+                                    tokio::time::sleep(Duration::from_micros(50)).await
+                                }
+                                Ok(false) => {
+                                    break Err(TransferError::Timeout(format!(
+                                        "request {request_id}: the RDMA writes did not complete"
+                                    )))
+                                }
+                                Err(e) => break Err(e),
+                            }
+                        };
+                        if let Err(e) = landed {
+                            core.handle_error(e);
+                            continue;
+                        }
+                    }
                     let (reply, verdict) = oneshot::channel();
                     let incoming = IncomingKv {
                         request_id,
                         n_tokens,
                         layers,
+                        in_place: crcs,
                         transport,
                         reply: Some(reply),
                         pool: pool.clone(),
@@ -461,12 +642,6 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                         Err(_) => Err("the worker is shutting down".into()),
                     };
                     core.verdict(request_id, result);
-                }
-                ServerEvent::Received { request_id, .. }
-                | ServerEvent::GrantNeeded { request_id, .. } => {
-                    core.handle_error(TransferError::Protocol(format!(
-                        "request {request_id}: an in-place transfer on a {transport} stream"
-                    )));
                 }
                 ServerEvent::Abandoned { request_id, error } => {
                     broke = true;

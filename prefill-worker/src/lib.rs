@@ -338,6 +338,7 @@ impl Prefill for Service {
                 .map_or(0, |d| d.duration_since(t0).as_micros() as u64),
             transfer_us: done.get().map_or(0, |d| d.elapsed().as_micros() as u64),
             transport: stats.transport.name().into(),
+            transport_reason: why,
         }))
     }
 

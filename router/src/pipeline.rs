@@ -141,6 +141,10 @@ pub async fn start(
                 registry.record_transfer(pw.id, r);
                 metrics::counter!("tandem_kv_transfers_total", "transport" => r.transport.clone())
                     .increment(1);
+                // The negotiation's reason as a label: a fallback from a preferred transport is
+                // visible in metrics, not only in a worker's log.
+                metrics::counter!("tandem_kv_transport_chosen_total", "transport" => r.transport.clone(), "why" => r.transport_reason.clone())
+                    .increment(1);
                 metrics::counter!("tandem_kv_transfer_bytes_total", "transport" => r.transport.clone()).increment(r.kv_bytes);
                 metrics::histogram!("tandem_kv_exposed_wait_seconds", "transport" => r.transport.clone()).record(r.transfer_us as f64 / 1e6);
             }

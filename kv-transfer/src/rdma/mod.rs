@@ -1,0 +1,484 @@
+//! The RDMA transport (cargo feature `rdma`): one-sided RDMA WRITEs straight into the decode
+//! worker's paged KV pool.
+//!
+//! The decode worker registers each layer's key and value pools as memory regions and listens
+//! on a TCP side channel. A prefill worker connects, passes the protocol handshake (version,
+//! layout, cluster secret), then both exchange queue-pair endpoints and the pools' addresses
+//! and keys (`Setup`), and connect a reliable-connected queue pair. Per transfer the receiver
+//! grants the request's block ids; for each layer the sender copies the layer into a registered
+//! staging buffer, posts one WRITE per block for keys and one for values (the last carrying the
+//! layer index as immediate data), waits for their completion, and sends `Written` with the
+//! layer's CRC32. The receiver waits for the immediates, checks every CRC against its cache and
+//! only then admits the request. Layout, deadlines and acks are the protocol core's, as for
+//! TCP and QUIC.
+
+mod verbs;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::io::{BufReader, BufWriter};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+
+use crate::core::Timeouts;
+use crate::wire::{self, Conn, InPlaceSide, KvEvent, Layers, Local};
+use crate::{KvRegions, TransferError, TransferStats, Transport};
+use verbs::{Context, Cq, Endpoint, Mr, Pd, PreparedQp, Qp, Write};
+
+/// Receives posted per connection for the senders' immediates.
+const RECV_DEPTH: u32 = 1024;
+/// Most WRITEs posted before waiting for their completion.
+const SEND_DEPTH: u32 = 1024;
+
+/// RDMA devices here, or why none can be used.
+pub fn probe() -> Result<Vec<String>, String> {
+    match ibverbs::devices() {
+        Ok(list) => {
+            let names: Vec<String> = list
+                .iter()
+                .filter_map(|d| d.name().map(|n| n.to_string_lossy().into_owned()))
+                .collect();
+            if names.is_empty() {
+                Err("no RDMA device on this machine".into())
+            } else {
+                Ok(names)
+            }
+        }
+        // ENOSYS: the kernel has no RDMA support at all, which also means no devices.
+        Err(e) if e.raw_os_error() == Some(38) => {
+            Err("no RDMA device on this machine (the kernel has no RDMA support)".into())
+        }
+        Err(e) => Err(format!("listing RDMA devices failed: {e}")),
+    }
+}
+
+fn io(e: std::io::Error) -> TransferError {
+    TransferError::Io(e)
+}
+
+fn put_endpoint(b: &mut Vec<u8>, e: &Endpoint) {
+    b.extend(e.qpn.to_le_bytes());
+    b.extend(e.lid.to_le_bytes());
+    b.push(e.gid.is_some() as u8);
+    b.extend(e.gid.unwrap_or_default());
+}
+
+struct Cursor<'a>(&'a [u8]);
+
+impl Cursor<'_> {
+    fn take<const N: usize>(&mut self) -> Result<[u8; N], TransferError> {
+        if self.0.len() < N {
+            return Err(TransferError::Protocol("truncated RDMA setup".into()));
+        }
+        let (a, b) = self.0.split_at(N);
+        self.0 = b;
+        Ok(a.try_into().expect("N bytes"))
+    }
+    fn endpoint(&mut self) -> Result<Endpoint, TransferError> {
+        let qpn = u32::from_le_bytes(self.take()?);
+        let lid = u16::from_le_bytes(self.take()?);
+        let has_gid = self.take::<1>()?[0] != 0;
+        let gid = self.take::<16>()?;
+        Ok(Endpoint {
+            qpn,
+            lid,
+            gid: has_gid.then_some(gid),
+        })
+    }
+    fn u64(&mut self) -> Result<u64, TransferError> {
+        Ok(u64::from_le_bytes(self.take()?))
+    }
+    fn u32(&mut self) -> Result<u32, TransferError> {
+        Ok(u32::from_le_bytes(self.take()?))
+    }
+}
+
+/// One remote pool (a layer's keys or values): where, how long, which key.
+#[derive(Debug, Clone, Copy)]
+struct RemotePool {
+    addr: u64,
+    len: u64,
+    rkey: u32,
+}
+
+/// The device side of a decode worker: its KV pools registered for remote writes.
+struct Registered {
+    ctx: Arc<Context>,
+    pd: Arc<Pd>,
+    /// Per layer: keys, values.
+    pools: Vec<[Mr; 2]>,
+    block_bytes: u64,
+}
+
+/// The decode side: a TCP side channel plus the registered KV pool.
+pub struct RdmaKvReceiver {
+    listener: TcpListener,
+    dev: Arc<Registered>,
+}
+
+impl RdmaKvReceiver {
+    /// Registers the KV pool described by `regions` with the first RDMA device and takes the
+    /// side channel's `listener`.
+    ///
+    /// # Safety
+    /// Every region must stay allocated and unmoved for the life of the process: peers write
+    /// into it whenever a transfer is granted. The engine that owns the pool must not free it.
+    pub unsafe fn bind(
+        listener: TcpListener,
+        regions: &KvRegions,
+    ) -> Result<RdmaKvReceiver, TransferError> {
+        let ctx = Context::open().map_err(io)?;
+        let pd = Pd::new(&ctx).map_err(io)?;
+        let mut pools = Vec::with_capacity(regions.layers.len());
+        for [(k, kl), (v, vl)] in &regions.layers {
+            // SAFETY: the caller keeps the pool allocated for the process' life.
+            let k = unsafe { Mr::register(&pd, *k as *mut u8, *kl) }.map_err(io)?;
+            // SAFETY: as above.
+            let v = unsafe { Mr::register(&pd, *v as *mut u8, *vl) }.map_err(io)?;
+            pools.push([k, v]);
+        }
+        tracing::info!(
+            device = ctx.name(),
+            layers = pools.len(),
+            "KV pool registered for RDMA"
+        );
+        Ok(RdmaKvReceiver {
+            listener,
+            dev: Arc::new(Registered {
+                ctx,
+                pd,
+                pools,
+                block_bytes: regions.block_bytes as u64,
+            }),
+        })
+    }
+
+    /// The side channel's address.
+    pub fn local_addr(&self) -> Result<SocketAddr, TransferError> {
+        Ok(self.listener.local_addr()?)
+    }
+
+    /// Accepts side-channel connections forever, each with its own queue pair.
+    pub async fn serve(self, local: Local, tx: mpsc::Sender<KvEvent>, timeouts: Timeouts) {
+        let pool = wire::BufferPool::default();
+        loop {
+            let Ok((stream, peer)) = self.listener.accept().await else {
+                continue;
+            };
+            let (local, tx, pool, dev) =
+                (local.clone(), tx.clone(), pool.clone(), self.dev.clone());
+            tokio::spawn(async move {
+                let _ = stream.set_nodelay(true);
+                let (r, mut w) = stream.into_split();
+                let mut r = BufReader::with_capacity(64 << 10, r);
+                let mut side = ServerSide {
+                    dev,
+                    qp: None,
+                    imms: Vec::new(),
+                };
+                let served = wire::serve_stream(
+                    &mut r,
+                    &mut w,
+                    &local,
+                    Transport::Rdma,
+                    &tx,
+                    &pool,
+                    timeouts,
+                    Some(&mut side),
+                );
+                if let Err(e) = served.await {
+                    tracing::warn!(%peer, "KV connection (rdma) closed: {e}");
+                }
+            });
+        }
+    }
+}
+
+/// The decode side of one connection's data path.
+struct ServerSide {
+    dev: Arc<Registered>,
+    qp: Option<Qp>,
+    /// Immediates (layer indices) seen and not yet consumed by a transfer.
+    imms: Vec<u32>,
+}
+
+impl InPlaceSide for ServerSide {
+    fn setup(&mut self, theirs: &[u8]) -> Result<Vec<u8>, TransferError> {
+        let peer = Cursor(theirs).endpoint()?;
+        let cq = Cq::new(&self.dev.ctx, (RECV_DEPTH + 16) as i32).map_err(io)?;
+        let prepared = PreparedQp::new(&self.dev.pd, &cq, 16, RECV_DEPTH).map_err(io)?;
+        let mut ours = Vec::new();
+        put_endpoint(&mut ours, &prepared.endpoint());
+        let mut qp = prepared.connect(peer).map_err(io)?;
+        for i in 0..RECV_DEPTH {
+            // SAFETY: an empty receive references no memory.
+            unsafe { qp.post_empty_recv(i as u64) }.map_err(io)?;
+        }
+        self.qp = Some(qp);
+        ours.extend(self.dev.block_bytes.to_le_bytes());
+        ours.extend((self.dev.pools.len() as u32).to_le_bytes());
+        for pair in &self.dev.pools {
+            for mr in pair {
+                ours.extend(mr.addr().to_le_bytes());
+                ours.extend((mr.len() as u64).to_le_bytes());
+                ours.extend(mr.rkey().to_le_bytes());
+            }
+        }
+        Ok(ours)
+    }
+
+    fn try_writes(&mut self, request_id: u64, n_layers: u32) -> Result<bool, TransferError> {
+        let qp = self
+            .qp
+            .as_mut()
+            .ok_or_else(|| TransferError::Protocol("RDMA transfer before setup".into()))?;
+        let mut wcs = [ibverbs_sys::ibv_wc::default(); 32];
+        let cq = qp.cq().clone();
+        let n = cq.poll(&mut wcs).map_err(io)?;
+        for wc in &wcs[..n] {
+            if let Some((status, vendor)) = wc.error() {
+                return Err(TransferError::Protocol(format!(
+                    "request {request_id}: RDMA receive failed (status {status}, vendor {vendor})"
+                )));
+            }
+            if let Some(imm) = wc.imm_data() {
+                self.imms.push(u32::from_be(imm));
+            }
+            // SAFETY: an empty receive references no memory.
+            unsafe { qp.post_empty_recv(wc.wr_id()) }.map_err(io)?;
+        }
+        if self.imms.len() < n_layers as usize {
+            return Ok(false);
+        }
+        let got: Vec<u32> = self.imms.drain(..n_layers as usize).collect();
+        if got.iter().copied().ne(0..n_layers) {
+            return Err(TransferError::Protocol(format!(
+                "request {request_id}: RDMA layer completions out of order: {got:?}"
+            )));
+        }
+        Ok(true)
+    }
+}
+
+/// The prefill side: a side-channel connection and a connected queue pair to one decode
+/// worker, with a registered staging buffer.
+pub struct RdmaKvSender {
+    conn: Conn<BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>>,
+    qp: Qp,
+    pd: Arc<Pd>,
+    staging: Mr,
+    pools: Vec<[RemotePool; 2]>,
+    block_bytes: u64,
+    block_size: usize,
+    wr_id: u64,
+}
+
+impl RdmaKvSender {
+    /// Connects the side channel to `addr`, runs the handshake, exchanges setup and connects
+    /// a queue pair, within `timeout`.
+    pub async fn connect(
+        addr: &str,
+        local: &Local,
+        timeout: Duration,
+    ) -> Result<RdmaKvSender, TransferError> {
+        let ctx = Context::open().map_err(io)?;
+        let pd = Pd::new(&ctx).map_err(io)?;
+        let cq = Cq::new(&ctx, (SEND_DEPTH + 16) as i32).map_err(io)?;
+        let prepared = PreparedQp::new(&pd, &cq, SEND_DEPTH, 16).map_err(io)?;
+        let stream = wire::deadline(
+            timeout,
+            || format!("connecting to {addr} (RDMA side channel)"),
+            async { Ok(TcpStream::connect(addr).await?) },
+        )
+        .await?;
+        stream.set_nodelay(true)?;
+        let (r, w) = stream.into_split();
+        let (r, w) = (BufReader::new(r), BufWriter::new(w));
+        let timeouts = Timeouts {
+            handshake: timeout,
+            ..Timeouts::default()
+        };
+        let mut conn = Conn::open_with(r, w, local, timeouts, true).await?;
+        let mut ours = Vec::new();
+        put_endpoint(&mut ours, &prepared.endpoint());
+        let theirs = conn.setup(ours, timeout).await?;
+        let mut c = Cursor(&theirs);
+        let peer = c.endpoint()?;
+        let block_bytes = c.u64()?;
+        let n_layers = c.u32()?;
+        if n_layers != local.identity.n_layers {
+            return Err(TransferError::Protocol(format!(
+                "the receiver registered {n_layers} layers, this model has {}",
+                local.identity.n_layers
+            )));
+        }
+        let mut pools = Vec::with_capacity(n_layers as usize);
+        for _ in 0..n_layers {
+            let mut pair = [RemotePool {
+                addr: 0,
+                len: 0,
+                rkey: 0,
+            }; 2];
+            for p in &mut pair {
+                *p = RemotePool {
+                    addr: c.u64()?,
+                    len: c.u64()?,
+                    rkey: c.u32()?,
+                };
+            }
+            pools.push(pair);
+        }
+        let qp = prepared.connect(peer).map_err(io)?;
+        let staging = Mr::alloc(&pd, 1 << 20).map_err(io)?;
+        Ok(RdmaKvSender {
+            conn,
+            qp,
+            pd,
+            staging,
+            pools,
+            block_bytes,
+            block_size: local.identity.block_size as usize,
+            wr_id: 0,
+        })
+    }
+
+    /// Writes one layer into the granted blocks and waits for the writes' completion.
+    async fn write_layer(
+        &mut self,
+        layer: u32,
+        data: &[u8],
+        n_tokens: usize,
+        blocks: &[u32],
+        until: Instant,
+    ) -> Result<(), TransferError> {
+        if self.staging.len() < data.len() {
+            self.staging = Mr::alloc(&self.pd, data.len().next_power_of_two()).map_err(io)?;
+        }
+        self.staging.bytes_mut()[..data.len()].copy_from_slice(data);
+        let per_token = data.len() / (2 * n_tokens);
+        let mut writes = Vec::with_capacity(2 * blocks.len());
+        for (half, pool) in self.pools[layer as usize].iter().enumerate() {
+            for (j, &b) in blocks.iter().enumerate() {
+                let t0 = j * self.block_size;
+                let t1 = (t0 + self.block_size).min(n_tokens);
+                let len = ((t1 - t0) * per_token) as u64;
+                let remote = pool.addr + b as u64 * self.block_bytes;
+                if b as u64 * self.block_bytes + len > pool.len {
+                    return Err(TransferError::Protocol(format!(
+                        "granted block {b} lies outside the receiver's pool"
+                    )));
+                }
+                let local = half * n_tokens * per_token + t0 * per_token;
+                writes.push(Write {
+                    local: self.staging.addr() + local as u64,
+                    lkey: self.staging.lkey(),
+                    len: len as u32,
+                    remote,
+                    rkey: pool.rkey,
+                });
+            }
+        }
+        for (i, chunk) in writes.chunks(SEND_DEPTH as usize).enumerate() {
+            let last = (i + 1) * SEND_DEPTH as usize >= writes.len();
+            self.wr_id += 1;
+            let id = self.wr_id;
+            // The layer index travels as the immediate of the layer's last write only; earlier
+            // chunks carry an index the receiver never expects, so they are sent plain.
+            // SAFETY: local bytes are in the staging region, which is neither touched nor freed
+            // until this completion is polled below; remote ranges were bounds-checked against
+            // the receiver's registered pools.
+            unsafe {
+                if last {
+                    self.qp.post_writes(chunk, layer, id)
+                } else {
+                    self.qp.post_writes_plain(chunk, id)
+                }
+            }
+            .map_err(io)?;
+            self.await_completion(id, until).await?;
+        }
+        Ok(())
+    }
+
+    async fn await_completion(&mut self, id: u64, until: Instant) -> Result<(), TransferError> {
+        let mut wcs = [ibverbs_sys::ibv_wc::default(); 16];
+        let cq = self.qp.cq().clone();
+        loop {
+            let n = cq.poll(&mut wcs).map_err(io)?;
+            for wc in &wcs[..n] {
+                if let Some((status, vendor)) = wc.error() {
+                    return Err(TransferError::Protocol(format!(
+                        "RDMA write failed (status {status}, vendor {vendor})"
+                    )));
+                }
+                if wc.wr_id() == id {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= until {
+                return Err(TransferError::Timeout(
+                    "RDMA writes did not complete".into(),
+                ));
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
+    /// Sends one request's KV and waits for the receiver to admit it, within `timeout`.
+    pub async fn send(
+        &mut self,
+        request_id: u64,
+        n_tokens: u32,
+        width: u32,
+        layers: Layers<'_>,
+        timeout: Duration,
+    ) -> Result<TransferStats, TransferError> {
+        let t0 = Instant::now();
+        let until = t0 + timeout;
+        let blocks = self
+            .conn
+            .begin_granted(request_id, n_tokens, width, timeout)
+            .await?;
+        let (n_layers, mut ready, mut rx) = match layers {
+            Layers::Ready(all) => (all.len() as u32, Some(all.iter()), None),
+            Layers::Stream { n_layers, rx } => (n_layers, None, Some(rx)),
+        };
+        let mut bytes = 0u64;
+        for l in 0..n_layers {
+            let owned;
+            let data: &[u8] = match (&mut ready, &mut rx) {
+                (Some(all), _) => all.next().expect("counted"),
+                (None, Some(rx)) => {
+                    let left = until.saturating_duration_since(Instant::now());
+                    owned = tokio::time::timeout(left, rx.recv())
+                        .await
+                        .map_err(|_| {
+                            TransferError::Timeout(format!("layer {l} of request {request_id}"))
+                        })?
+                        .ok_or_else(|| {
+                            TransferError::Protocol(format!(
+                                "request {request_id}: the KV source ended after {l} layers"
+                            ))
+                        })?;
+                    &owned
+                }
+                (None, None) => unreachable!("one source"),
+            };
+            self.write_layer(l, data, n_tokens as usize, &blocks, until)
+                .await?;
+            bytes += data.len() as u64;
+            self.conn
+                .written(request_id, l, crc32fast::hash(data))
+                .await?;
+        }
+        self.conn.outcome(request_id).await?;
+        Ok(TransferStats {
+            bytes,
+            elapsed: t0.elapsed(),
+            transport: Transport::Rdma,
+        })
+    }
+}
