@@ -1,7 +1,10 @@
 //! Prefill and decode on different hosts: two network namespaces joined by a veth pair, with
-//! `tc netem` delay, loss and corruption on the link that carries both the control plane and
-//! the KV (where the kernel has netem; it says so where it does not). Every request must either complete with the single-process answer or fail with an
-//! OpenAI error — never hang — and afterwards no KV block may stay reserved anywhere.
+//! delay, loss and corruption on the link that carries both the control plane and the KV:
+//! `tc netem` where the kernel has it; where it does not (this development kernel has no
+//! `sch_netem`), nftables drops 3% and corrupts 1% of the link's TCP packets at random and a
+//! `tbf` qdisc limits it to 200 Mbit/s with up to 50 ms of queueing. Every request must either
+//! complete with the single-process answer or fail with an OpenAI error — never hang — and
+//! afterwards no KV block may stay reserved anywhere.
 //!
 //! Needs root (CI runs as root): the test creates and deletes its own namespaces. Where
 //! namespaces cannot be created it says so and fails, unless `TANDEM_SKIP_NETNS=1` is set.
@@ -79,16 +82,43 @@ impl Net {
         ] {
             sh(&cmd)?;
         }
-        // The P-D link: 5 ms each way with jitter, 3% loss, 1% corrupted packets, where the
-        // kernel has netem; tests/faults.rs injects faults in user space everywhere.
+        // The P-D link, both directions: 5 ms each way with jitter, 3% loss, 1% corrupted
+        // packets with netem; without netem, the same loss and corruption from nftables and a
+        // rate limit whose queue delays packets. tests/faults.rs injects faults in user space.
         for (ns, dev) in [(&p, &pv), (&d, &dv)] {
             let netem = [
                 "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem",
                 "delay", "5ms", "2ms", "loss", "3%", "corrupt", "1%",
             ];
-            if let Err(e) = sh(&netem) {
-                println!("tc netem is not available on this kernel, the link carries no injected faults: {e}");
-                break;
+            let Err(no_netem) = sh(&netem) else {
+                println!("{ns}/{dev}: netem delay 5ms±2ms, loss 3%, corrupt 1%");
+                continue;
+            };
+            let rules = format!(
+                "table inet tandem_faults {{\n                   chain out {{\n                     type filter hook output priority 0; policy accept;\n                     oifname \"{dev}\" meta l4proto tcp numgen random mod 100 < 3 counter drop\n                     oifname \"{dev}\" meta l4proto tcp numgen random mod 100 < 1 counter @ih,0,32 set 0xdeadbeef\n                   }}\n                 }}\n"
+            );
+            let file = std::env::temp_dir().join(format!("tandem-nft-{ns}.conf"));
+            std::fs::write(&file, rules).map_err(|e| e.to_string())?;
+            let nft = [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "nft",
+                "-f",
+                file.to_str().unwrap(),
+            ];
+            let tbf = [
+                "ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+                "200mbit", "burst", "64kb", "latency", "50ms",
+            ];
+            let applied = sh(&nft).and_then(|()| sh(&tbf));
+            let _ = std::fs::remove_file(&file);
+            match applied {
+                Ok(()) => println!(
+                    "{ns}/{dev}: no netem here ({no_netem}); nftables loss 3%, corrupt 1%, tbf 200 Mbit/s"
+                ),
+                Err(e) => return Err(format!("no netem ({no_netem}) and no nftables/tbf: {e}")),
             }
         }
         Ok(net)
@@ -238,6 +268,19 @@ fn prefill_and_decode_in_separate_network_namespaces() {
         }
     }
     println!("{ok} of 8 requests completed across the namespaces");
+    for ns in [&net.p, &net.d] {
+        // What the injected faults actually hit (where nftables carried them).
+        if let Ok(out) = Command::new("ip")
+            .args(["netns", "exec", ns, "nft", "list", "table", "inet", "tandem_faults"])
+            .output()
+        {
+            for line in String::from_utf8_lossy(&out.stdout).lines() {
+                if line.contains("counter") {
+                    println!("{ns}: {}", line.trim());
+                }
+            }
+        }
+    }
     // The ledger balances: nothing reserved, running or pending anywhere.
     let t = Instant::now();
     loop {
@@ -250,6 +293,9 @@ fn prefill_and_decode_in_separate_network_namespaces() {
                 s["kv_blocks_free"] == s["kv_blocks_total"]
                     && s["running"] == 0
                     && s["pending_transfers"] == 0
+                    && s["kv_blocks_reserved"] == 0
+                    && s["kv_blocks_in_flight"] == 0
+                    && s["kv_blocks_committed"] == 0
             });
         if idle {
             break;
