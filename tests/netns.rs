@@ -271,7 +271,16 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     for ns in [&net.p, &net.d] {
         // What the injected faults actually hit (where nftables carried them).
         if let Ok(out) = Command::new("ip")
-            .args(["netns", "exec", ns, "nft", "list", "table", "inet", "tandem_faults"])
+            .args([
+                "netns",
+                "exec",
+                ns,
+                "nft",
+                "list",
+                "table",
+                "inet",
+                "tandem_faults",
+            ])
             .output()
         {
             for line in String::from_utf8_lossy(&out.stdout).lines() {

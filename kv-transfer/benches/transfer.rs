@@ -3,6 +3,8 @@
 //!
 //!     cargo bench -p kv-transfer --bench transfer
 //!
+//! `TANDEM_BENCH_ONLY=tcp|quic` leaves the other transport out; `TANDEM_BENCH_MB=16` runs one
+//! size.
 //! Loopback on one machine: the receiver acknowledges as soon as a transfer is whole (no model).
 
 use std::time::{Duration, Instant};
@@ -60,8 +62,17 @@ fn row(what: &str, bytes: usize, per: Duration) {
     );
 }
 
-#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+/// The sending side runs on this runtime's one worker thread, every receiver (tandem's and the
+/// raw socket's alike) on another runtime's one thread: each end has a core, as two processes
+/// would, instead of both ends competing for the same two worker threads.
+#[tokio::main(flavor = "multi_thread", worker_threads = 1)]
 async fn main() {
+    let receivers = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("receiver runtime");
+    let rt = receivers.handle().clone();
     println!("| transport | MB | µs per transfer | GB/s |");
     println!("|---|---:|---:|---:|");
     for layout in &LAYOUTS {
@@ -78,29 +89,38 @@ async fn main() {
         let per_token = 4 * width as usize * layout.n_layers as usize;
         // Receivers that acknowledge every whole transfer at once.
         let (tx, mut rx) = tokio::sync::mpsc::channel::<kv_transfer::KvEvent>(4);
-        tokio::spawn(async move {
+        rt.spawn(async move {
             while let Some(ev) = rx.recv().await {
                 if let kv_transfer::KvEvent::Complete(kv) = ev {
                     kv.answer(Ok(()));
                 }
             }
         });
-        let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        // Receivers' sockets belong to the receivers' runtime.
+        let on_rx = |l: std::net::TcpListener| {
+            let _inside = rt.enter();
+            l.set_nonblocking(true).unwrap();
+            tokio::net::TcpListener::from_std(l).unwrap()
+        };
+        let tcp = on_rx(std::net::TcpListener::bind("127.0.0.1:0").unwrap());
         let tcp_addr = tcp.local_addr().unwrap();
-        tokio::spawn(kv_transfer::tcp::serve(
+        rt.spawn(kv_transfer::tcp::serve(
             tcp,
             local.clone(),
             tx.clone(),
             Default::default(),
         ));
-        let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let quic = {
+            let _inside = rt.enter();
+            QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap()
+        };
         let quic_addr = quic.local_addr().unwrap();
         let cert = quic.cert_der.clone();
-        tokio::spawn(quic.serve(local.clone(), tx, Default::default()));
+        rt.spawn(quic.serve(local.clone(), tx, Default::default()));
         // Raw TCP: read exactly `len` bytes, answer one byte.
-        let raw = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let raw = on_rx(std::net::TcpListener::bind("127.0.0.1:0").unwrap());
         let raw_addr = raw.local_addr().unwrap();
-        tokio::spawn(async move {
+        rt.spawn(async move {
             let (mut s, _) = raw.accept().await.unwrap();
             s.set_nodelay(true).unwrap();
             let mut buf = vec![0u8; 1 << 20];
@@ -132,7 +152,12 @@ async fn main() {
             },
         ];
         let mut senders = Vec::new();
-        for o in &offers {
+        // `TANDEM_BENCH_ONLY=tcp` (or quic) measures one transport, e.g. under a profiler.
+        let only = std::env::var("TANDEM_BENCH_ONLY").ok();
+        for o in offers
+            .iter()
+            .filter(|o| only.as_deref().is_none_or(|t| t == o.transport.name()))
+        {
             senders.push(
                 KvSender::connect(o, &local, Duration::from_secs(5))
                     .await
@@ -144,7 +169,11 @@ async fn main() {
             layout.name,
             per_token / 1024
         );
-        for &size in &SIZES {
+        // `TANDEM_BENCH_MB=16` measures one size.
+        let mb: Option<usize> = std::env::var("TANDEM_BENCH_MB")
+            .ok()
+            .and_then(|s| s.parse().ok());
+        for &size in SIZES.iter().filter(|&&s| mb.is_none_or(|m| s == m << 20)) {
             let n_tokens = size.div_ceil(per_token).max(1);
             let layer_bytes = 4 * n_tokens * width as usize;
             let layers: Vec<Vec<u8>> = (0..layout.n_layers)
@@ -167,6 +196,7 @@ async fn main() {
                 let name = match s {
                     KvSender::Tcp(_) => "tandem TCP",
                     KvSender::Quic(_) => "tandem QUIC",
+                    KvSender::Rdma(_) => "tandem RDMA",
                 };
                 let per = timed!(n, {
                     s.send(
@@ -189,4 +219,6 @@ async fn main() {
             row("memcpy", bytes, per);
         }
     }
+    // The receivers' runtime cannot be dropped inside this async context.
+    receivers.shutdown_background();
 }

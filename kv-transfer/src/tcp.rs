@@ -89,7 +89,9 @@ pub async fn serve(
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
-            let mut r = BufReader::with_capacity(1 << 20, r);
+            // Small: control frames are buffered, but a layer larger than this is read straight
+            // from the socket into its pooled buffer instead of through a second copy.
+            let mut r = BufReader::with_capacity(64 << 10, r);
             let served = wire::serve_stream(
                 &mut r,
                 &mut w,

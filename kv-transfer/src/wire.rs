@@ -28,14 +28,21 @@ impl BufferPool {
     /// Most buffers kept.
     const KEEP: usize = 256;
 
+    /// An empty buffer with room for `n` bytes: the smallest kept one that fits, else a new one
+    /// (its bytes are written by the socket read, never zeroed first).
     fn take(&self, n: usize) -> Vec<u8> {
         let mut pool = self.0.lock().expect("pool lock");
-        let mut buf = match pool.iter().position(|b| b.capacity() >= n) {
+        let best = pool
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| b.capacity() >= n)
+            .min_by_key(|(_, b)| b.capacity())
+            .map(|(i, _)| i);
+        let mut buf = match best {
             Some(i) => pool.swap_remove(i),
             None => Vec::with_capacity(n),
         };
         buf.clear();
-        buf.resize(n, 0);
         buf
     }
 
@@ -72,14 +79,24 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
         // A layer: read its bytes straight into the buffer the frame keeps (no second copy).
         let mut head = [0u8; 12];
         r.read_exact(&mut head).await?;
+        let n = len as usize - 12;
         let mut data = match pool {
-            Some(p) => p.take(len as usize - 12),
-            None => vec![0u8; len as usize - 12],
+            Some(p) => p.take(n),
+            None => Vec::with_capacity(n),
         };
-        r.read_exact(&mut data).await?;
         let mut hasher = crc32fast::Hasher::new();
         hasher.update(&head);
-        hasher.update(&data);
+        // Straight from the socket into the buffer's spare room, checksumming each piece while
+        // it is still in cache.
+        while data.len() < n {
+            let at = data.len();
+            let room = bytes::BufMut::limit(&mut data, n - at);
+            let mut room = room;
+            if r.read_buf(&mut room).await? == 0 {
+                return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+            }
+            hasher.update(&data[at..]);
+        }
         let got = hasher.finalize();
         if got != crc {
             return Err(crate::frame::FrameError(format!(
