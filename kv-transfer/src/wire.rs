@@ -117,19 +117,43 @@ pub async fn read_frame_limited<R: AsyncRead + Unpin>(
     Ok(Frame::decode(kind, crc, &payload)?)
 }
 
-/// Writes a `Layer` frame without copying `data` into a frame buffer.
+/// One layer's KV in the wire layout (keys then values, f16), with the CRC32 of its bytes
+/// computed where it was produced, while they were in cache: sending never reads them twice,
+/// and the checksum covers the staging copy too.
+#[derive(Debug, Clone)]
+pub struct Layer {
+    /// The bytes.
+    pub bytes: Vec<u8>,
+    /// CRC32 of `bytes`.
+    pub crc: u32,
+}
+
+impl Layer {
+    /// Checksums `bytes`.
+    pub fn new(bytes: Vec<u8>) -> Layer {
+        let crc = crc32fast::hash(&bytes);
+        Layer { bytes, crc }
+    }
+}
+
+/// Writes a `Layer` frame without copying the layer into a frame buffer; the frame's CRC is
+/// the layer's own combined with its 12-byte head's.
 pub async fn write_layer<W: AsyncWrite + Unpin>(
     w: &mut W,
     request_id: u64,
     layer: u32,
-    data: &[u8],
+    kv: &Layer,
 ) -> Result<(), TransferError> {
+    let data = &kv.bytes;
     let mut head = Vec::with_capacity(12);
     head.extend(request_id.to_le_bytes());
     head.extend(layer.to_le_bytes());
     let mut crc = crc32fast::Hasher::new();
     crc.update(&head);
-    crc.update(data);
+    crc.combine(&crc32fast::Hasher::new_with_initial_len(
+        kv.crc,
+        data.len() as u64,
+    ));
     let mut h = Vec::with_capacity(HEADER + 12);
     h.push(5);
     h.extend(((12 + data.len()) as u32).to_le_bytes());
@@ -302,8 +326,8 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
             if self.core.is_closed() {
                 break;
             }
-            let data: std::borrow::Cow<'_, [u8]> = match &mut stream {
-                Ok(all) => all.next().expect("counted").as_slice().into(),
+            let data: std::borrow::Cow<'_, Layer> = match &mut stream {
+                Ok(all) => std::borrow::Cow::Borrowed(all.next().expect("counted")),
                 Err(rx) => {
                     let next = async {
                         rx.recv().await.ok_or_else(|| {
@@ -313,12 +337,12 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
                         })
                     };
                     match self.bounded(next).await {
-                        Some(d) => d.into(),
+                        Some(d) => std::borrow::Cow::Owned(d),
                         None => break,
                     }
                 }
             };
-            self.core.layer(request_id, l, data.len() as u64)?;
+            self.core.layer(request_id, l, data.bytes.len() as u64)?;
             let streaming = stream.is_err();
             let write = async {
                 write_layer(&mut self.w, request_id, l, &data).await?;
@@ -436,13 +460,13 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
 /// computes them (layer-wise streaming).
 pub enum Layers<'a> {
     /// Every layer, in order.
-    Ready(&'a [Vec<u8>]),
+    Ready(&'a [Layer]),
     /// `n_layers` layers, in order, from a channel.
     Stream {
         /// How many layers will come.
         n_layers: u32,
         /// Where they come from.
-        rx: &'a mut mpsc::UnboundedReceiver<Vec<u8>>,
+        rx: &'a mut mpsc::UnboundedReceiver<Layer>,
     },
 }
 

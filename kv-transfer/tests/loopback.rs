@@ -6,7 +6,7 @@ use std::time::Duration;
 use std::sync::Arc;
 
 use kv_transfer::{
-    quic::QuicKvReceiver, IncomingKv, KvEvent, KvSender, Local, Offer, Timeouts, Transport,
+    quic::QuicKvReceiver, IncomingKv, KvEvent, KvSender, Layer, Local, Offer, Timeouts, Transport,
 };
 use proto::ModelIdentity;
 use tokio::sync::mpsc;
@@ -98,17 +98,19 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
                 .collect()
         })
         .collect();
+    // Checksummed where produced, as the prefill worker does.
+    let kv: Vec<Layer> = layers.iter().cloned().map(Layer::new).collect();
     let t = Duration::from_secs(5);
     for offer in &offers {
         let mut s = KvSender::connect(offer, &local(16, None), t).await.unwrap();
         let stats = s
-            .send(2, 5, width, kv_transfer::Layers::Ready(&layers), t)
+            .send(2, 5, width, kv_transfer::Layers::Ready(&kv), t)
             .await
             .unwrap();
         assert_eq!(stats.transport, offer.transport);
         assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
         let e = s
-            .send(3, 5, width, kv_transfer::Layers::Ready(&layers), t)
+            .send(3, 5, width, kv_transfer::Layers::Ready(&kv), t)
             .await
             .unwrap_err()
             .to_string();
@@ -116,7 +118,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
         // A peer with another block size is refused before any KV moves.
         let refused = match KvSender::connect(offer, &local(32, None), t).await {
             Ok(mut s) => s
-                .send(4, 5, width, kv_transfer::Layers::Ready(&layers), t)
+                .send(4, 5, width, kv_transfer::Layers::Ready(&kv), t)
                 .await
                 .map(|_| ()),
             Err(e) => Err(e),
@@ -164,7 +166,7 @@ async fn a_silent_receiver_times_out_instead_of_hanging() {
 async fn only_holders_of_the_cluster_secret_may_write_kv() {
     let (offers, mut rx) = receivers_with(Some("s3cret")).await;
     let t = Duration::from_secs(5);
-    let layers: Vec<Vec<u8>> = (0..3).map(|_| vec![1u8; 4 * 16]).collect();
+    let layers: Vec<Layer> = (0..3).map(|_| Layer::new(vec![1u8; 4 * 16])).collect();
     for offer in &offers {
         for (secret, needle) in [
             (None, "requires the cluster secret"),

@@ -12,7 +12,9 @@
 
 use std::time::Duration;
 
-use kv_transfer::{rdma, KvEvent, KvRegions, KvSender, Layers, Local, Offer, Timeouts, Transport};
+use kv_transfer::{
+    rdma, KvEvent, KvRegions, KvSender, Layer, Layers, Local, Offer, Timeouts, Transport,
+};
 use proto::ModelIdentity;
 
 #[test]
@@ -84,6 +86,7 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
     let layers: Vec<Vec<u8>> = (0..3)
         .map(|l| (0..4 * n * width).map(|i| (i * 13 + l * 7) as u8).collect())
         .collect();
+    let kv: Vec<Layer> = layers.iter().cloned().map(Layer::new).collect();
     let offer = Offer {
         transport: Transport::Rdma,
         endpoint: addr.to_string(),
@@ -94,7 +97,7 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
         .await
         .unwrap();
     let stats = s
-        .send(1, n as u32, width as u32, Layers::Ready(&layers), t)
+        .send(1, n as u32, width as u32, Layers::Ready(&kv), t)
         .await
         .unwrap();
     assert_eq!(stats.transport, Transport::Rdma);

@@ -77,16 +77,17 @@ pub enum WorkerError {
 /// Where a request's KV layers go, in order, as the engine produces them, and when the last
 /// one was computed.
 struct LayerTx {
-    tx: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    tx: tokio::sync::mpsc::UnboundedSender<kv_transfer::Layer>,
     done: Arc<std::sync::OnceLock<Instant>>,
 }
 
 impl LayerTx {
+    /// Hands on one layer, checksummed here on the engine thread while its bytes are hot.
     fn send(&self, bytes: Vec<u8>, last: bool) {
         if last {
             let _ = self.done.set(Instant::now());
         }
-        let _ = self.tx.send(bytes);
+        let _ = self.tx.send(kv_transfer::Layer::new(bytes));
     }
 }
 
@@ -302,7 +303,7 @@ impl Prefill for Service {
                 .map_err(|e| Status::unavailable(e.to_string()))?,
         };
         // Connected while the prompt computes; now the layers, streamed or whole.
-        let all: Vec<Vec<u8>>;
+        let all: Vec<kv_transfer::Layer>;
         let layers = if self.layerwise {
             Layers::Stream {
                 n_layers: self.n_layers,

@@ -24,7 +24,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 
 use crate::core::Timeouts;
-use crate::wire::{self, Conn, InPlaceSide, KvEvent, Layers, Local};
+use crate::wire::{self, Conn, InPlaceSide, KvEvent, Layer, Layers, Local};
 use crate::{KvRegions, TransferError, TransferStats, Transport};
 use verbs::{Context, Cq, Endpoint, Mr, Pd, PreparedQp, Qp, Write};
 
@@ -448,8 +448,8 @@ impl RdmaKvSender {
         };
         let mut bytes = 0u64;
         for l in 0..n_layers {
-            let owned;
-            let data: &[u8] = match (&mut ready, &mut rx) {
+            let owned: Layer;
+            let data: &Layer = match (&mut ready, &mut rx) {
                 (Some(all), _) => all.next().expect("counted"),
                 (None, Some(rx)) => {
                     let left = until.saturating_duration_since(Instant::now());
@@ -467,12 +467,10 @@ impl RdmaKvSender {
                 }
                 (None, None) => unreachable!("one source"),
             };
-            self.write_layer(l, data, n_tokens as usize, &blocks, until)
+            self.write_layer(l, &data.bytes, n_tokens as usize, &blocks, until)
                 .await?;
-            bytes += data.len() as u64;
-            self.conn
-                .written(request_id, l, crc32fast::hash(data))
-                .await?;
+            bytes += data.bytes.len() as u64;
+            self.conn.written(request_id, l, data.crc).await?;
         }
         self.conn.outcome(request_id).await?;
         Ok(TransferStats {
