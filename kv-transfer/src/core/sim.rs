@@ -531,3 +531,45 @@ fn a_lost_connection_fails_every_transfer_on_it_and_abandons_every_incomplete_on
     assert!(s.ledger.is_empty());
     assert!(s.client.poll_timeout().is_none() && s.server.poll_timeout().is_none());
 }
+
+mod fuzz {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        /// A stranger feeding the receiver arbitrary frames (decoded from arbitrary bytes, as a
+        /// driver would) never panics it and never gets past the handshake without the secret:
+        /// no transfer begins, nothing is received, no KV pool is touched.
+        #[test]
+        fn arbitrary_frames_never_panic_the_receiver_nor_reach_the_pool(
+            chunks in proptest::collection::vec((any::<u8>(), proptest::collection::vec(any::<u8>(), 0..96)), 0..24),
+            ticks in proptest::collection::vec(0u64..400, 0..24),
+        ) {
+            let member = Local {
+                identity: identity(),
+                secret: Some(std::sync::Arc::new(b"s3cret".to_vec())),
+            };
+            let t0 = Instant::now();
+            let mut server = Server::new(&member, Timeouts::default(), false, [3; 16], t0);
+            let mut now = t0;
+            for (i, (kind, payload)) in chunks.into_iter().enumerate() {
+                now += Duration::from_millis(ticks.get(i).copied().unwrap_or(1));
+                // Half the frames carry an honest checksum, so they reach the state machine.
+                let crc = if i % 2 == 0 { crc32fast::hash(&payload) } else { 0 };
+                match Frame::decode(kind, crc, &payload) {
+                    Ok(f) => server.handle(now, f),
+                    Err(e) => server.handle_error(e.into()),
+                }
+                server.handle_timeout(now);
+                while server.poll_transmit().is_some() {}
+            }
+            while let Some(e) = server.poll_event() {
+                prop_assert!(
+                    !matches!(e, ServerEvent::Accepted { .. } | ServerEvent::Begun { .. } | ServerEvent::Received { .. } | ServerEvent::GrantNeeded { .. }),
+                    "a stranger got through: {e:?}"
+                );
+            }
+        }
+    }
+}
