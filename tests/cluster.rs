@@ -702,3 +702,67 @@ fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
     c.wait_all_free(Duration::from_secs(5));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `promtool check metrics` on a process's `/metrics` text: `Ok` or promtool's complaints.
+fn promtool_check(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut p = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            format!("promtool (Debian package `prometheus`, installed by .ci/run): {e}")
+        })?;
+    p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = p.wait_with_output().unwrap();
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
+#[test]
+fn every_process_serves_metrics_that_promtool_accepts() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (status, _) = post_json(
+        c.http,
+        "/v1/chat/completions",
+        &json!({"temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
+    );
+    assert_eq!(status, 200);
+    c.wait_all_free(Duration::from_secs(5));
+    let mut texts = vec![(
+        "router".to_string(),
+        tandem_tests::cluster::get(c.http, "/metrics").unwrap().1,
+    )];
+    for w in c.workers() {
+        let at: std::net::SocketAddr = w["metrics_endpoint"].as_str().unwrap().parse().unwrap();
+        let (status, text) = tandem_tests::cluster::get(at, "/metrics").unwrap();
+        assert_eq!(status, 200, "{w}");
+        texts.push((w["name"].as_str().unwrap().to_string(), text));
+    }
+    for (who, text) in &texts {
+        promtool_check(text).unwrap_or_else(|e| panic!("{who}: {e}\n{text}"));
+    }
+    let find = |who: &str, metric: &str| {
+        let (_, text) = texts.iter().find(|(w, _)| w.starts_with(who)).unwrap();
+        assert!(text.contains(metric), "{who} has no {metric}:\n{text}");
+    };
+    find("router", "tandem_router_ttft_seconds_bucket");
+    find("prefill", "tandem_prefill_prompt_tokens_total");
+    find("prefill", "tandem_prefill_queue_depth");
+    find("prefill", "tandem_kv_sent_bytes_total{transport=\"tcp\"}");
+    find("decode", "tandem_decode_step_seconds_bucket");
+    find("decode", "tandem_decode_kv_blocks_free");
+    find(
+        "decode",
+        "tandem_decode_kv_ledger_blocks{state=\"reserved\"} 0",
+    );
+}

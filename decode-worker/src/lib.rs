@@ -174,6 +174,7 @@ fn engine_loop(
                     ledger.in_flight(id);
                 }
                 Cmd::Kv(KvEvent::Abandoned { request_id, error }) => {
+                    metrics::counter!("tandem_kv_receive_failures_total").increment(1);
                     // The transfer broke: free the reservation now rather than at its lease.
                     if ledger.free(request_id).is_some() {
                         engine.abort(request_id);
@@ -193,6 +194,8 @@ fn engine_loop(
                     let _ = reply.send(blocks.map_err(|e| e.to_string()));
                 }
                 Cmd::Kv(KvEvent::Complete(kv)) => {
+                    let bytes = kv.layers.iter().map(|l| l.len() as u64).sum::<u64>();
+                    metrics::counter!("tandem_kv_received_bytes_total", "transport" => kv.transport.name()).increment(bytes);
                     let r = if streams.contains_key(&kv.request_id) {
                         let admitted = match &kv.in_place {
                             Some(crcs) => engine.admit_in_place(kv.request_id, crcs),
@@ -242,8 +245,12 @@ fn engine_loop(
             }
         }
         if engine.has_work() {
-            match engine.step() {
+            let t0 = Instant::now();
+            let stepped = engine.step();
+            metrics::histogram!("tandem_decode_step_seconds").record(t0.elapsed().as_secs_f64());
+            match stepped {
                 Ok(events) => {
+                    metrics::counter!("tandem_decode_tokens_total").increment(events.len() as u64);
                     for ev in events {
                         let finish = match ev.finish {
                             None => grpc::Finish::None,
@@ -278,6 +285,20 @@ fn engine_loop(
             }
         }
         let counts = ledger.counts();
+        let l = engine.load();
+        metrics::gauge!("tandem_decode_running").set(l.running as f64);
+        metrics::gauge!("tandem_decode_waiting").set(l.waiting as f64);
+        metrics::gauge!("tandem_decode_kv_blocks_free").set(l.kv_blocks_free as f64);
+        metrics::gauge!("tandem_decode_kv_blocks_used")
+            .set((l.kv_blocks_total - l.kv_blocks_free) as f64);
+        for (state, n) in [
+            ("reserved", counts.reserved),
+            ("in_flight", counts.in_flight),
+            ("committed", counts.committed),
+        ] {
+            metrics::gauge!("tandem_decode_kv_ledger_blocks", "state" => state).set(n as f64);
+        }
+        metrics::gauge!("tandem_decode_kv_ledger_requests_freed").set(counts.freed as f64);
         *load.lock().expect("load lock") = Load {
             kv_blocks_reserved: counts.reserved as u32,
             kv_blocks_in_flight: counts.in_flight as u32,
@@ -478,6 +499,13 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
             .serve_with_incoming(TcpListenerStream::new(grpc_listener)),
     );
 
+    let metrics_at = proto::metrics::start(&cfg.host)
+        .await
+        .map_err(|e| WorkerError::Bind("metrics".into(), e))?;
+    proto::metrics::describe(METRICS);
+    if let Some(a) = metrics_at {
+        eprintln!("tandem decode {}: metrics on http://{a}/metrics", cfg.name);
+    }
     let join = grpc::JoinRequest {
         protocol_version: proto::PROTOCOL_VERSION,
         role: grpc::Role::Decode as i32,
@@ -486,6 +514,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         kv_offers: offers,
         identity: Some(identity.into()),
         kv_blocks_total: cfg.engine.num_blocks as u32,
+        metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
     };
     let l3 = load.clone();
     let id = proto::membership::join(
@@ -505,3 +534,19 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     server.await.expect("server task does not panic")?;
     Ok(())
 }
+
+use proto::metrics::Kind::{Counter, Gauge, Histogram};
+
+/// Every metric a decode worker exports, with its help text.
+const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
+    ("tandem_decode_running", Gauge, "Sequences in the running batch."),
+    ("tandem_decode_waiting", Gauge, "Requests queued for the batch."),
+    ("tandem_decode_kv_blocks_free", Gauge, "Free KV blocks."),
+    ("tandem_decode_kv_blocks_used", Gauge, "KV blocks in use."),
+    ("tandem_decode_kv_ledger_blocks", Gauge, "KV ownership ledger: blocks of remotely prefilled requests by state (reserved, in_flight, committed)."),
+    ("tandem_decode_kv_ledger_requests_freed", Gauge, "KV ownership ledger: requests freed since start."),
+    ("tandem_decode_step_seconds", Histogram, "Duration of one decode step (the inter-token latency of its batch)."),
+    ("tandem_decode_tokens_total", Counter, "Tokens generated."),
+    ("tandem_kv_received_bytes_total", Counter, "KV bytes received from prefill workers, by transport."),
+    ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
+];

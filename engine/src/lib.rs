@@ -7,6 +7,7 @@
 //!   sequences at different positions.
 //! - [`sampler`] and [`scheduler`]: sampling and continuous batching.
 //! - [`fetch`]: the default model's cache.
+//! - [`mock`]: the mock engine (a timing model instead of kernels) for scaling tests.
 
 pub mod config;
 pub mod error;
@@ -16,6 +17,7 @@ pub mod gguf;
 pub mod kv_cache;
 #[cfg(feature = "runtime")]
 pub mod loader;
+pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod model;
 pub mod sampler;
@@ -30,6 +32,7 @@ pub use error::{EngineError, Result};
 pub use kv_cache::{BlockTable, KvCache};
 #[cfg(feature = "runtime")]
 pub use loader::load;
+pub use mock::MockTiming;
 #[cfg(feature = "runtime")]
 pub use model::{Model, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};

@@ -157,6 +157,7 @@ pub struct Model {
     /// Weights.
     pub weights: Weights,
     device: Device,
+    mock: Option<crate::mock::MockTiming>,
 }
 
 impl Model {
@@ -166,12 +167,28 @@ impl Model {
             config,
             weights,
             device,
+            mock: None,
         }
+    }
+
+    /// This model as the mock engine: no kernels run, each step takes `timing`'s time and
+    /// yields deterministic tokens (see [`crate::mock`]).
+    pub fn into_mock(mut self, timing: crate::mock::MockTiming) -> Model {
+        self.mock = Some(timing);
+        self
+    }
+
+    /// Whether this is the mock engine.
+    pub fn is_mock(&self) -> bool {
+        self.mock.is_some()
     }
 
     /// The backend's name.
     pub fn device_name(&self) -> String {
-        self.device.backend().name()
+        match self.mock {
+            Some(_) => "mock".into(),
+            None => self.device.backend().name(),
+        }
     }
 
     /// A KV cache shaped for this model.
@@ -203,11 +220,72 @@ impl Model {
         batch: &[SeqChunk<'_>],
         on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
     ) -> Result<Vec<Option<Vec<f32>>>> {
+        if let Some(timing) = self.mock {
+            return self.forward_mock(timing, kv, batch, on_layer);
+        }
         let mut result = None;
         self.device
             .backend()
             .run(&mut || result = Some(self.forward_inner(kv, batch, on_layer)));
         result.expect("the backend ran the step")
+    }
+
+    /// The mock engine's step: the same checks as a real one, the timing model's time spread
+    /// over the layers (so layer-wise streaming behaves as with real compute), one-hot logits.
+    fn forward_mock(
+        &self,
+        timing: crate::mock::MockTiming,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let c = &self.config;
+        let (mut prefill, mut decode, mut attended) = (0, 0, 0);
+        for s in batch {
+            let end = s.start_pos + s.tokens.len();
+            if end > c.context_len {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence of {end} tokens exceeds the model's context of {}",
+                    c.context_len
+                )));
+            }
+            if end > 0 && kv.slot(s.block_table, end - 1).is_none() {
+                return Err(EngineError::InvalidRequest(format!(
+                    "block table of {} blocks does not cover position {}",
+                    s.block_table.len(),
+                    end - 1
+                )));
+            }
+            if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
+                return Err(EngineError::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary of {}",
+                    c.vocab_size
+                )));
+            }
+            match s.tokens.len() {
+                1 if s.start_pos > 0 => decode += 1,
+                n => prefill += n,
+            }
+            attended += end;
+        }
+        let total = timing.step_time(prefill, decode, attended);
+        let t0 = std::time::Instant::now();
+        for l in 0..c.n_layers {
+            crate::mock::wait_layer(t0, total, l, c.n_layers);
+            on_layer(l, kv);
+        }
+        Ok(batch
+            .iter()
+            .map(|s| {
+                s.logits.then(|| {
+                    let end = s.start_pos + s.tokens.len();
+                    let last = s.tokens.last().copied().unwrap_or(0);
+                    let mut l = vec![0f32; c.vocab_size];
+                    l[crate::mock::next_token(last, end, c.vocab_size) as usize] = 1.0;
+                    l
+                })
+            })
+            .collect())
     }
 
     fn forward_inner(

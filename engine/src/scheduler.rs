@@ -85,6 +85,8 @@ pub struct Engine {
     awaiting: Vec<Seq>,
     /// Prefill-only requests whose KV is complete, until exported.
     prefilled: Vec<Seq>,
+    /// Tokens in the last step: (prompt tokens, decode tokens).
+    last_step: (usize, usize),
 }
 
 impl Engine {
@@ -105,6 +107,7 @@ impl Engine {
             running: Vec::new(),
             awaiting: Vec::new(),
             prefilled: Vec::new(),
+            last_step: (0, 0),
         })
     }
 
@@ -289,6 +292,11 @@ impl Engine {
         }
     }
 
+    /// Tokens the last step ran: (prompt tokens, decoding sequences).
+    pub fn last_step(&self) -> (usize, usize) {
+        self.last_step
+    }
+
     /// Blocks held by request `id` (0 if it holds none or is unknown).
     pub fn blocks_of(&self, id: u64) -> usize {
         self.awaiting
@@ -427,6 +435,12 @@ impl Engine {
                 budget -= n;
             }
         }
+        let decoding = plan
+            .iter()
+            .filter(|&&(i, _, _)| self.running[i].computed >= self.running[i].prompt_len)
+            .count();
+        let total: usize = plan.iter().map(|p| p.2).sum();
+        self.last_step = (total - decoding, decoding);
         if plan.is_empty() {
             return Ok(Vec::new());
         }

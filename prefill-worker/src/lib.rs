@@ -170,6 +170,7 @@ fn engine_loop(
             engine.abort(id);
         }
         if engine.has_work() {
+            let t0 = Instant::now();
             let stepped = if layerwise {
                 engine.step_streaming(&mut |id, l, bytes| {
                     if let Some(t) = outs.get(&id) {
@@ -182,6 +183,10 @@ fn engine_loop(
             } else {
                 engine.step()
             };
+            let (prompt_tokens, _) = engine.last_step();
+            metrics::histogram!("tandem_prefill_step_seconds").record(t0.elapsed().as_secs_f64());
+            metrics::histogram!("tandem_prefill_batch_tokens").record(prompt_tokens as f64);
+            metrics::counter!("tandem_prefill_prompt_tokens_total").increment(prompt_tokens as u64);
             if let Err(e) = stepped {
                 // Dropping the senders fails every transfer in progress; keep serving.
                 tracing::error!("prefill step failed: {e}");
@@ -199,7 +204,10 @@ fn engine_loop(
                 }
             }
         }
-        *load.lock().expect("load lock") = engine.load();
+        let l = engine.load();
+        metrics::gauge!("tandem_prefill_queue_depth").set(l.waiting as f64);
+        metrics::gauge!("tandem_prefill_running").set(l.running as f64);
+        *load.lock().expect("load lock") = l;
     }
 }
 
@@ -322,10 +330,19 @@ impl Prefill for Service {
             all = v;
             Layers::Ready(&all)
         };
+        let transport = offer.transport.name();
         let stats = conn
             .send(req.request_id, n, self.width, layers, self.transfer_timeout)
             .await
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+            .map_err(|e| {
+                metrics::counter!("tandem_kv_send_failures_total", "transport" => transport)
+                    .increment(1);
+                Status::unavailable(e.to_string())
+            })?;
+        metrics::counter!("tandem_kv_sent_bytes_total", "transport" => transport)
+            .increment(stats.bytes);
+        metrics::histogram!("tandem_kv_send_seconds", "transport" => transport)
+            .record(stats.elapsed.as_secs_f64());
         self.conns
             .lock()
             .expect("conns lock")
@@ -432,6 +449,13 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
             .add_service(PrefillServer::new(service))
             .serve_with_incoming(TcpListenerStream::new(listener)),
     );
+    let metrics_at = proto::metrics::start(&cfg.host)
+        .await
+        .map_err(|e| WorkerError::Bind("metrics".into(), e))?;
+    proto::metrics::describe(METRICS);
+    if let Some(a) = metrics_at {
+        eprintln!("tandem prefill {}: metrics on http://{a}/metrics", cfg.name);
+    }
     let join = grpc::JoinRequest {
         protocol_version: proto::PROTOCOL_VERSION,
         role: grpc::Role::Prefill as i32,
@@ -440,6 +464,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         kv_offers: Vec::new(),
         identity: Some(identity.into()),
         kv_blocks_total: cfg.engine.num_blocks as u32,
+        metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
     };
     let l3 = load.clone();
     let inflight = inflight.clone();
@@ -463,3 +488,45 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     server.await.expect("server task does not panic")?;
     Ok(())
 }
+
+use proto::metrics::Kind::{Counter, Gauge, Histogram};
+
+/// Every metric a prefill worker exports, with its help text.
+const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
+    (
+        "tandem_prefill_queue_depth",
+        Gauge,
+        "Prompts waiting for the engine.",
+    ),
+    ("tandem_prefill_running", Gauge, "Prompts being computed."),
+    (
+        "tandem_prefill_step_seconds",
+        Histogram,
+        "Duration of one engine step.",
+    ),
+    (
+        "tandem_prefill_batch_tokens",
+        Histogram,
+        "Prompt tokens in one engine step.",
+    ),
+    (
+        "tandem_prefill_prompt_tokens_total",
+        Counter,
+        "Prompt tokens computed (rate: prompt tokens per second).",
+    ),
+    (
+        "tandem_kv_sent_bytes_total",
+        Counter,
+        "KV bytes delivered to decode workers, by transport.",
+    ),
+    (
+        "tandem_kv_send_seconds",
+        Histogram,
+        "One request's KV transfer, first byte to ack, by transport.",
+    ),
+    (
+        "tandem_kv_send_failures_total",
+        Counter,
+        "KV transfers that failed, by transport.",
+    ),
+];

@@ -106,6 +106,77 @@ pub struct PoolSection {
     /// Latency targets (used by the autoscaler).
     #[serde(default)]
     pub slo: SloSection,
+    /// `"cpu"` (the real engine) or `"mock"` (no model runs; a timing model, see `[<pool>.mock]`).
+    #[serde(default = "default_engine")]
+    pub engine: Spanned<String>,
+    /// The mock engine's timing model.
+    #[serde(default)]
+    pub mock: MockSection,
+    /// Autoscaling of this pool on its own latency target; absent: a fixed pool.
+    pub autoscale: Option<AutoscaleSection>,
+}
+
+fn default_engine() -> Spanned<String> {
+    Spanned::new(0..0, "cpu".into())
+}
+
+/// `[<pool>.mock]`: the mock engine's step time, `step_us + prefill_token_us × prompt tokens +
+/// decode_token_us × decoding sequences + kv_token_ns × KV tokens read`. A `preset`
+/// (`"cpu-smollm2"`, fitted to this engine; `"h200-llama8b"`, estimated) fills the fields not set.
+#[derive(Debug, Clone, Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub struct MockSection {
+    /// Starting point for the fields not given.
+    pub preset: Option<Spanned<String>>,
+    /// Fixed cost of a step, µs.
+    pub step_us: Option<f64>,
+    /// Per prompt token in a step, µs.
+    pub prefill_token_us: Option<f64>,
+    /// Per decoding sequence in a step, µs.
+    pub decode_token_us: Option<f64>,
+    /// Per KV token attended, ns.
+    pub kv_token_ns: Option<f64>,
+}
+
+/// The mock presets by name.
+pub const MOCK_PRESETS: [&str; 2] = ["cpu-smollm2", "h200-llama8b"];
+
+/// `[<pool>.autoscale]`: the planner's bounds and pace for one pool.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AutoscaleSection {
+    /// Fewest replicas.
+    #[serde(default = "one")]
+    pub min: Spanned<u32>,
+    /// Most replicas.
+    pub max: Spanned<u32>,
+    /// How often the planner decides, ms.
+    #[serde(default = "default_tick")]
+    pub tick_ms: Spanned<u64>,
+    /// Least time between two scale-downs (and after a scale-up before one), ms.
+    #[serde(default = "default_cooldown")]
+    pub cooldown_ms: Spanned<u64>,
+    /// Latency window the planner reads percentiles over, ms.
+    #[serde(default = "default_window")]
+    pub window_ms: Spanned<u64>,
+    /// `"local"` (the router starts and drains worker processes) or `"command"`.
+    #[serde(default = "default_actuator")]
+    pub actuator: Spanned<String>,
+    /// For `actuator = "command"`: run as `<command> <pool> <replicas>` on every change.
+    pub command: Option<Spanned<String>>,
+}
+
+fn default_tick() -> Spanned<u64> {
+    Spanned::new(0..0, 1000)
+}
+fn default_cooldown() -> Spanned<u64> {
+    Spanned::new(0..0, 5000)
+}
+fn default_window() -> Spanned<u64> {
+    Spanned::new(0..0, 5000)
+}
+fn default_actuator() -> Spanned<String> {
+    Spanned::new(0..0, "local".into())
 }
 
 fn one() -> Spanned<u32> {
@@ -265,6 +336,73 @@ impl ClusterConfig {
             ctx.positive(&pool.threads, &format!("{name}.threads"))?;
             ctx.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
             ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
+            if !["cpu", "mock"].contains(&pool.engine.get_ref().as_str()) {
+                return ctx.err(
+                    pool.engine.span(),
+                    &format!("{name}.engine"),
+                    format!("{:?} is not an engine (cpu, mock)", pool.engine.get_ref()),
+                );
+            }
+            if let Some(p) = &pool.mock.preset {
+                if !MOCK_PRESETS.contains(&p.get_ref().as_str()) {
+                    return ctx.err(
+                        p.span(),
+                        &format!("{name}.mock.preset"),
+                        format!(
+                            "unknown preset {:?} (known: {})",
+                            p.get_ref(),
+                            MOCK_PRESETS.join(", ")
+                        ),
+                    );
+                }
+            }
+            if let Some(a) = &pool.autoscale {
+                let key = |k: &str| format!("{name}.autoscale.{k}");
+                ctx.positive(&a.min, &key("min"))?;
+                ctx.positive(&a.tick_ms, &key("tick_ms"))?;
+                ctx.positive(&a.window_ms, &key("window_ms"))?;
+                if a.max.get_ref() < a.min.get_ref() {
+                    return ctx.err(
+                        a.max.span(),
+                        &key("max"),
+                        format!("must be at least min ({})", a.min.get_ref()),
+                    );
+                }
+                let target = if name == "prefill" {
+                    pool.slo.ttft_p90_ms
+                } else {
+                    pool.slo.itl_p90_ms
+                };
+                if target.is_none() {
+                    let slo = if name == "prefill" {
+                        "ttft_p90_ms"
+                    } else {
+                        "itl_p90_ms"
+                    };
+                    return ctx.err(
+                        a.max.span(),
+                        &key("max"),
+                        format!("autoscaling needs a target: set {name}.slo.{slo}"),
+                    );
+                }
+                match (a.actuator.get_ref().as_str(), &a.command) {
+                    ("local", _) | ("command", Some(_)) => {}
+                    ("command", None) => {
+                        return ctx.err(
+                            a.actuator.span(),
+                            &key("command"),
+                            "actuator = \"command\" needs a command",
+                        )
+                    }
+                    (other, _) => {
+                        return ctx.err(
+                            a.actuator.span(),
+                            &key("actuator"),
+                            format!("{other:?} is not an actuator (local, command)"),
+                        )
+                    }
+                }
+            }
         }
         let t = &cfg.kv_transfer;
         if t.prefer.get_ref().is_empty() {
@@ -348,5 +486,37 @@ mod tests {
         );
         let e = parse("").unwrap_err().to_string();
         assert!(e.contains("missing field `decode`"), "{e}");
+        let e = parse("[decode]\nengine = \"gpu9\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: decode.engine: \"gpu9\" is not an engine"),
+            "{e}"
+        );
+        let e = parse("[decode]\n[decode.autoscale]\nmin = 3\nmax = 2\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "cluster.toml:4: decode.autoscale.max: must be at least min (3)"
+        );
+        let e = parse("[decode]\n[decode.autoscale]\nmax = 2\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(
+                "decode.autoscale.max: autoscaling needs a target: set decode.slo.itl_p90_ms"
+            ),
+            "{e}"
+        );
+        let e = parse("[decode]\nengine = \"mock\"\n[decode.mock]\npreset = \"tpu\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:4: decode.mock.preset: unknown preset"),
+            "{e}"
+        );
+        let c = parse("[decode]\nengine = \"mock\"\n[decode.slo]\nitl_p90_ms = 50\n[decode.autoscale]\nmax = 4\n").unwrap();
+        assert_eq!(*c.decode.autoscale.unwrap().max.get_ref(), 4);
     }
 }

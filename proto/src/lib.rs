@@ -8,6 +8,7 @@
 
 pub mod config;
 pub mod membership;
+pub mod metrics;
 
 /// Generated gRPC messages, clients and servers of `proto/tandem.proto`.
 #[allow(missing_docs, clippy::all)]

@@ -514,7 +514,7 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
         metrics::gauge!("tandem_worker_running", &labels).set(w.running as f64);
         metrics::gauge!("tandem_worker_waiting", &labels).set(w.waiting as f64);
         metrics::gauge!("tandem_worker_kv_blocks_free", &labels).set(w.kv_blocks_free as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_total", &labels).set(w.kv_blocks_total as f64);
+        metrics::gauge!("tandem_worker_kv_blocks_capacity", &labels).set(w.kv_blocks_total as f64);
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight as f64);
         metrics::gauge!("tandem_worker_kv_blocks_reserved", &labels)
             .set(w.kv_blocks_reserved as f64);

@@ -80,28 +80,6 @@ impl State {
     }
 }
 
-/// Installs the Prometheus recorder for this process (latency histograms with buckets from
-/// 1 ms to 60 s) and keeps it maintained.
-fn install_metrics() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    let buckets = [
-        0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-    ];
-    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
-        .set_buckets(&buckets)
-        .ok()?
-        .install_recorder()
-        .map_err(|e| tracing::warn!("metrics disabled: {e}"))
-        .ok()?;
-    let h = handle.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::time::sleep(std::time::Duration::from_secs(5)).await;
-            h.run_upkeep();
-        }
-    });
-    Some(handle)
-}
-
 /// The id clients use for a model at `path`: its file or directory name without `.gguf`.
 pub fn model_id(path: &std::path::Path) -> String {
     let name = path
@@ -127,7 +105,7 @@ pub async fn run(
         vocab_size: config.vocab_size,
         disaggregated: cfg.disaggregated,
         next_id: AtomicU64::new(1),
-        metrics: install_metrics(),
+        metrics: proto::metrics::install().inspect(|_| proto::metrics::describe(METRICS)),
         channels: Mutex::new(HashMap::new()),
     });
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
@@ -162,3 +140,104 @@ pub async fn run(
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
     }
 }
+
+use proto::metrics::Kind::{Counter, Gauge, Histogram};
+
+/// Every metric the router exports, with its help text.
+const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
+    (
+        "tandem_router_requests_total",
+        Counter,
+        "Requests by outcome (ok, client_error, server_error, stream_error).",
+    ),
+    (
+        "tandem_router_ttft_seconds",
+        Histogram,
+        "Time to first token, from arrival at the router (queueing included).",
+    ),
+    (
+        "tandem_router_itl_seconds",
+        Histogram,
+        "Time between consecutive tokens of a stream.",
+    ),
+    (
+        "tandem_router_e2e_seconds",
+        Histogram,
+        "Arrival to last token.",
+    ),
+    (
+        "tandem_kv_transfers_total",
+        Counter,
+        "KV transfers completed, by transport.",
+    ),
+    (
+        "tandem_kv_transfer_bytes_total",
+        Counter,
+        "KV bytes moved, by transport.",
+    ),
+    (
+        "tandem_kv_transfer_failures_total",
+        Counter,
+        "Prefills or KV transfers that failed (the prompt was recomputed on the decode worker).",
+    ),
+    (
+        "tandem_kv_transport_chosen_total",
+        Counter,
+        "Transfers by the transport negotiated and why it was chosen.",
+    ),
+    (
+        "tandem_kv_exposed_wait_seconds",
+        Histogram,
+        "From a prompt's last layer computed to the decode worker's ack, by transport.",
+    ),
+    (
+        "tandem_worker_running",
+        Gauge,
+        "Sequences running on a worker (heartbeat).",
+    ),
+    (
+        "tandem_worker_waiting",
+        Gauge,
+        "Requests queued on a worker (heartbeat).",
+    ),
+    (
+        "tandem_worker_kv_blocks_free",
+        Gauge,
+        "Free KV blocks on a worker.",
+    ),
+    (
+        "tandem_worker_kv_blocks_capacity",
+        Gauge,
+        "KV blocks on a worker.",
+    ),
+    (
+        "tandem_worker_kv_blocks_reserved",
+        Gauge,
+        "Decode ledger: blocks reserved for KV not yet arriving.",
+    ),
+    (
+        "tandem_worker_kv_blocks_in_flight",
+        Gauge,
+        "Decode ledger: blocks whose KV is on the wire.",
+    ),
+    (
+        "tandem_worker_kv_blocks_committed",
+        Gauge,
+        "Decode ledger: blocks of remotely prefilled sequences that run.",
+    ),
+    (
+        "tandem_worker_kv_requests_freed",
+        Gauge,
+        "Decode ledger: requests whose blocks were freed since the worker started.",
+    ),
+    (
+        "tandem_worker_transfers_in_flight",
+        Gauge,
+        "Prefill: requests whose KV is being sent.",
+    ),
+    (
+        "tandem_worker_in_flight",
+        Gauge,
+        "Requests the router has in flight on a worker.",
+    ),
+];

@@ -32,6 +32,8 @@ pub struct Worker {
     pub last_prefill_us: (u64, u64),
     #[serde(skip)]
     pub(crate) offers: Vec<grpc::KvOffer>,
+    /// Where the worker serves Prometheus metrics (`host:port`).
+    pub metrics_endpoint: String,
     /// Last reported load.
     pub running: u32,
     /// Last reported queue.
@@ -198,6 +200,7 @@ impl Control for ControlService {
             kv_transfers: Default::default(),
             last_prefill_us: (0, 0),
             offers: j.kv_offers,
+            metrics_endpoint: j.metrics_endpoint.clone(),
             running: 0,
             waiting: 0,
             kv_blocks_free: j.kv_blocks_total,

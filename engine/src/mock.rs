@@ -1,0 +1,86 @@
+//! The mock engine, named as such: a [`crate::Model`] that runs no kernels but takes the time a
+//! timing model gives for each forward step, writes no KV values (the blocks are allocated and
+//! moved at their real size), and produces deterministic tokens. Scaling tests and planner
+//! benchmarks need it: on a 2-core machine extra real CPU workers add no capacity, mock ones do.
+
+use std::time::{Duration, Instant};
+
+/// How long a mock forward step takes:
+/// `step_us + prefill_token_us × prompt tokens + decode_token_us × decode tokens
+///  + kv_token_ns × KV tokens attended`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct MockTiming {
+    /// Fixed cost of a step.
+    pub step_us: f64,
+    /// Per token of a prefill chunk.
+    pub prefill_token_us: f64,
+    /// Per decoding sequence (one token each).
+    pub decode_token_us: f64,
+    /// Per token of KV the step's attention reads.
+    pub kv_token_ns: f64,
+}
+
+impl MockTiming {
+    /// Fitted to this project's CPU engine on SmolLM2-135M Q4_1 with 2 threads
+    /// (`BENCHMARKS.md`): batch-1 decode ≈ 2.5 ms a token, batch 16 ≈ 23 ms a step, prefill
+    /// ≈ 970 tokens/s.
+    pub const CPU_SMOLLM2: MockTiming = MockTiming {
+        step_us: 1150.0,
+        prefill_token_us: 1030.0,
+        decode_token_us: 1350.0,
+        kv_token_ns: 0.0,
+    };
+
+    /// H200-like figures for a Llama-8B-sized model in bf16, estimated from the card's memory
+    /// bandwidth (4.8 TB/s: 16 GB of weights ≈ 3.4 ms a step, 128 KB of KV per token) and a
+    /// prefill rate of ~20k tokens/s — estimates, not measurements.
+    pub const H200_LLAMA8B: MockTiming = MockTiming {
+        step_us: 4000.0,
+        prefill_token_us: 50.0,
+        decode_token_us: 40.0,
+        kv_token_ns: 27.0,
+    };
+
+    /// A named preset (`cpu-smollm2`, `h200-llama8b`).
+    pub fn preset(name: &str) -> Option<MockTiming> {
+        match name {
+            "cpu-smollm2" => Some(MockTiming::CPU_SMOLLM2),
+            "h200-llama8b" => Some(MockTiming::H200_LLAMA8B),
+            _ => None,
+        }
+    }
+
+    /// The time of one step.
+    pub fn step_time(
+        &self,
+        prefill_tokens: usize,
+        decode_tokens: usize,
+        kv_tokens: usize,
+    ) -> Duration {
+        let us = self.step_us
+            + self.prefill_token_us * prefill_tokens as f64
+            + self.decode_token_us * decode_tokens as f64
+            + self.kv_token_ns * kv_tokens as f64 / 1000.0;
+        Duration::from_secs_f64(us.max(0.0) / 1e6)
+    }
+}
+
+/// The mock's next token after `last` at position `pos`: deterministic, never a special token
+/// (ids below 256 hold SmolLM2's specials and bytes), so a request runs to its length limit.
+pub fn next_token(last: u32, pos: usize, vocab: usize) -> u32 {
+    let span = vocab.saturating_sub(256).max(1) as u64;
+    let h =
+        (last as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (pos as u64).wrapping_mul(0xC2B2_AE3D);
+    256 + (h % span) as u32
+}
+
+/// Sleeps until `t0 + total × (l + 1) / n`: spreads a step's time over its layers without
+/// accumulating the oversleep of many short sleeps.
+#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
+pub(crate) fn wait_layer(t0: Instant, total: Duration, l: usize, n: usize) {
+    let due = t0 + total.mul_f64((l + 1) as f64 / n.max(1) as f64);
+    let now = Instant::now();
+    if due > now {
+        std::thread::sleep(due - now);
+    }
+}
