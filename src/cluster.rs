@@ -80,6 +80,61 @@ fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
     }
 }
 
+/// The mock engine's timing for a pool with `engine = "mock"` (a preset, then the fields set).
+fn mock_timing(pool: &PoolSection) -> Option<engine::MockTiming> {
+    if pool.engine.get_ref() != "mock" {
+        return None;
+    }
+    let m = &pool.mock;
+    let mut t = m
+        .preset
+        .as_ref()
+        .and_then(|p| engine::MockTiming::preset(p.get_ref()))
+        .unwrap_or(engine::MockTiming::CPU_SMOLLM2);
+    t.step_us = m.step_us.unwrap_or(t.step_us);
+    t.prefill_token_us = m.prefill_token_us.unwrap_or(t.prefill_token_us);
+    t.decode_token_us = m.decode_token_us.unwrap_or(t.decode_token_us);
+    t.kv_token_ns = m.kv_token_ns.unwrap_or(t.kv_token_ns);
+    Some(t)
+}
+
+/// What the router's planner scales: each pool with an `[<pool>.autoscale]` section.
+fn scaling(cfg: &ClusterConfig) -> Vec<router::planner::Scaling> {
+    use router::planner::{Pool, Scaling};
+    let pools = [
+        (Pool::Prefill, cfg.prefill.as_ref()),
+        (Pool::Decode, Some(&cfg.decode)),
+    ];
+    pools
+        .into_iter()
+        .filter_map(|(pool, section)| {
+            let s = section?;
+            let a = s.autoscale.as_ref()?;
+            let target = match pool {
+                Pool::Prefill => s.slo.ttft_p90_ms,
+                Pool::Decode => s.slo.itl_p90_ms,
+            }?;
+            Some(Scaling {
+                pool,
+                target: Duration::from_millis(target),
+                min: *a.min.get_ref(),
+                max: *a.max.get_ref(),
+                initial: *s.replicas.get_ref(),
+                tick: Duration::from_millis(*a.tick_ms.get_ref()),
+                cooldown: Duration::from_millis(*a.cooldown_ms.get_ref()),
+                window: Duration::from_millis(*a.window_ms.get_ref()),
+            })
+        })
+        .collect()
+}
+
+/// Whether `tandem up` leaves a pool's workers to the router's local actuator.
+fn router_starts(pool: &PoolSection) -> bool {
+    pool.autoscale
+        .as_ref()
+        .is_some_and(|a| a.actuator.get_ref() == "local")
+}
+
 fn control_endpoint(cfg: &ClusterConfig, a: &RoleArgs) -> String {
     a.router
         .clone()
@@ -101,6 +156,23 @@ pub fn router(a: RoleArgs) -> Result<()> {
         model,
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
+        scaling: scaling(&cfg),
+        actuator: {
+            // One actuator for the cluster: a command if any pool names one, else local.
+            let command = [cfg.prefill.as_ref(), Some(&cfg.decode)]
+                .into_iter()
+                .flatten()
+                .filter_map(|p| p.autoscale.as_ref()?.command.as_ref())
+                .map(|c| c.get_ref().clone())
+                .next();
+            match command {
+                Some(c) => router::ActuatorConfig::Command(c),
+                None => router::ActuatorConfig::Local {
+                    exe: std::env::current_exe().context("locating the tandem binary")?,
+                    config: std::fs::canonicalize(&a.config).unwrap_or(a.config.clone()),
+                },
+            }
+        },
     };
     runtime()?.block_on(router::run(rc, |http, control| {
         eprintln!("tandem router: listening on http://{http} (control http://{control})");
@@ -118,6 +190,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
     let t = &cfg.kv_transfer;
     let pc = prefill_worker::PrefillConfig {
         model,
+        mock: mock_timing(pool),
         threads: *pool.threads.get_ref() as usize,
         engine: engine_config(&cfg, pool),
         host: pool.host.clone(),
@@ -147,6 +220,7 @@ pub fn decode(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let dc = decode_worker::DecodeConfig {
         model,
+        mock: mock_timing(&cfg.decode),
         threads: *cfg.decode.threads.get_ref() as usize,
         engine: engine_config(&cfg, &cfg.decode),
         host: cfg.decode.host.clone(),
@@ -247,14 +321,23 @@ pub fn up(config: PathBuf) -> Result<()> {
         let pools = [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))];
         for (role, pool) in pools {
             let Some(pool) = pool else { continue };
+            if router_starts(pool) {
+                // The router's planner starts (and later scales) this pool itself.
+                continue;
+            }
             for i in 0..*pool.replicas.get_ref() {
                 let name = format!("{role}-{i}");
                 let c = spawn(&exe, &[role, "--config", &cfg_s, "--router", &control, "--name", &name], false)?;
                 children.push((name, c));
             }
         }
-        let want_p = cfg.prefill.as_ref().map_or(0, |p| *p.replicas.get_ref() as u64);
-        let want_d = *cfg.decode.replicas.get_ref() as u64;
+        // Autoscaled pools start at their replicas, within their bounds.
+        let want = |p: &PoolSection| {
+            let r = *p.replicas.get_ref();
+            p.autoscale.as_ref().map_or(r, |a| r.clamp(*a.min.get_ref(), *a.max.get_ref())) as u64
+        };
+        let want_p = cfg.prefill.as_ref().map_or(0, want);
+        let want_d = want(&cfg.decode);
         let t0 = Instant::now();
         let result = loop {
             if let Some((name, status)) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {

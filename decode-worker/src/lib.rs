@@ -29,6 +29,8 @@ use tonic::{Request, Response, Status};
 pub struct DecodeConfig {
     /// Model file or directory.
     pub model: PathBuf,
+    /// Run the mock engine with this timing model instead of the model's kernels.
+    pub mock: Option<engine::MockTiming>,
     /// Kernel threads.
     pub threads: usize,
     /// Engine sizes (KV blocks, batch budget).
@@ -378,7 +380,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     })
     .await
     .expect("model loading does not panic")?;
-    let model = Arc::new(model);
+    let model = Arc::new(match cfg.mock {
+        Some(timing) => model.into_mock(timing),
+        None => model,
+    });
     let identity = engine::identity(&model, cfg.engine.block_size);
     let mut engine = Engine::new(model.clone(), cfg.engine.clone(), tok.stop_ids().to_vec())?;
     let load = Arc::new(Mutex::new(engine.load()));

@@ -26,6 +26,8 @@ use tonic::{Request, Response, Status};
 pub struct PrefillConfig {
     /// Model file or directory.
     pub model: PathBuf,
+    /// Run the mock engine with this timing model instead of the model's kernels.
+    pub mock: Option<engine::MockTiming>,
     /// Kernel threads.
     pub threads: usize,
     /// Engine sizes (KV blocks, chunk budget).
@@ -116,6 +118,8 @@ fn engine_loop(
 ) {
     let n_layers = engine.model().config.n_layers;
     let mut outs: HashMap<u64, LayerTx> = HashMap::new();
+    // Prompt tokens per second of engine time (moving average), reported as capacity.
+    let mut capacity = 0f64;
     let mut draining = false;
     loop {
         let first = if engine.has_work() {
@@ -184,6 +188,15 @@ fn engine_loop(
                 engine.step()
             };
             let (prompt_tokens, _) = engine.last_step();
+            let secs = t0.elapsed().as_secs_f64();
+            if prompt_tokens > 0 && secs > 0.0 {
+                let rate = prompt_tokens as f64 / secs;
+                capacity = if capacity > 0.0 {
+                    0.8 * capacity + 0.2 * rate
+                } else {
+                    rate
+                };
+            }
             metrics::histogram!("tandem_prefill_step_seconds").record(t0.elapsed().as_secs_f64());
             metrics::histogram!("tandem_prefill_batch_tokens").record(prompt_tokens as f64);
             metrics::counter!("tandem_prefill_prompt_tokens_total").increment(prompt_tokens as u64);
@@ -204,7 +217,10 @@ fn engine_loop(
                 }
             }
         }
-        let l = engine.load();
+        let l = proto::membership::Load {
+            prompt_tokens_per_s: capacity as f32,
+            ..engine.load()
+        };
         metrics::gauge!("tandem_prefill_queue_depth").set(l.waiting as f64);
         metrics::gauge!("tandem_prefill_running").set(l.running as f64);
         *load.lock().expect("load lock") = l;
@@ -407,7 +423,10 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     })
     .await
     .expect("model loading does not panic")?;
-    let model = Arc::new(model);
+    let model = Arc::new(match cfg.mock {
+        Some(timing) => model.into_mock(timing),
+        None => model,
+    });
     let identity = engine::identity(&model, cfg.engine.block_size);
     let engine = Engine::new(model.clone(), cfg.engine.clone(), Vec::new())?;
     let load = Arc::new(Mutex::new(engine.load()));

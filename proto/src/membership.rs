@@ -6,7 +6,7 @@ use crate::grpc::control_client::ControlClient;
 use crate::grpc::{Heartbeat, JoinRequest, WorkerStats};
 
 /// A worker's load, written by its engine thread and read by its services and heartbeats.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Load {
     /// Requests in the running batch.
     pub running: u32,
@@ -26,6 +26,8 @@ pub struct Load {
     pub kv_blocks_committed: u32,
     /// Ledger: requests whose blocks were freed, since start.
     pub kv_requests_freed: u64,
+    /// Prefill: prompt tokens per second of engine time (moving average over busy steps).
+    pub prompt_tokens_per_s: f32,
 }
 
 impl Load {
@@ -42,6 +44,7 @@ impl Load {
             kv_blocks_in_flight: self.kv_blocks_in_flight,
             kv_blocks_committed: self.kv_blocks_committed,
             kv_requests_freed: self.kv_requests_freed,
+            prompt_tokens_per_s: self.prompt_tokens_per_s,
         }
     }
 

@@ -7,9 +7,11 @@
 //! exchange KV with the cluster's is refused at join time. Errors become HTTP statuses in one
 //! place ([`openai::ApiError`]).
 
+pub mod actuator;
 pub mod http;
 pub mod openai;
 pub mod pipeline;
+pub mod planner;
 pub mod registry;
 
 use std::collections::HashMap;
@@ -17,6 +19,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use axum::routing::{get, post};
 use engine::{EngineError, Tokenizer};
@@ -38,6 +41,24 @@ pub struct RouterConfig {
     pub block_size: usize,
     /// Whether the cluster has a prefill pool.
     pub disaggregated: bool,
+    /// Pools the planner scales (empty: fixed pools).
+    pub scaling: Vec<planner::Scaling>,
+    /// How the planner acts.
+    pub actuator: ActuatorConfig,
+}
+
+/// Which actuator the planner drives.
+#[derive(Debug, Clone)]
+pub enum ActuatorConfig {
+    /// Start and drain `exe <pool> --config <config> --router <control>` processes here.
+    Local {
+        /// The tandem binary.
+        exe: PathBuf,
+        /// The cluster config the workers read.
+        config: PathBuf,
+    },
+    /// Run `<command> <pool> <replicas>`.
+    Command(String),
 }
 
 /// Why the router stopped.
@@ -68,6 +89,8 @@ pub struct State {
     pub vocab_size: usize,
     /// Whether requests go through a prefill pool.
     pub disaggregated: bool,
+    /// What the planner reads.
+    pub signals: Arc<planner::Signals>,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -104,6 +127,13 @@ pub async fn run(
         context_len: config.context_len,
         vocab_size: config.vocab_size,
         disaggregated: cfg.disaggregated,
+        signals: Arc::new(planner::Signals::new(
+            cfg.scaling
+                .iter()
+                .map(|s| s.window)
+                .max()
+                .unwrap_or(Duration::from_secs(5)),
+        )),
         next_id: AtomicU64::new(1),
         metrics: proto::metrics::install().inspect(|_| proto::metrics::describe(METRICS)),
         channels: Mutex::new(HashMap::new()),
@@ -130,11 +160,27 @@ pub async fn run(
         .route("/debug/workers", get(http::workers))
         .route("/metrics", get(http::metrics))
         .fallback(http::not_found)
-        .with_state(state);
+        .with_state(state.clone());
     let control = tonic::transport::Server::builder()
         .add_service(ControlServer::new(ControlService(registry)))
         .serve_with_incoming(TcpListenerStream::new(ctrl_l));
     on_ready(http_addr, ctrl_addr);
+    if !cfg.scaling.is_empty() {
+        let control = format!("http://{ctrl_addr}");
+        let actuator: Box<dyn actuator::Actuator> = match &cfg.actuator {
+            ActuatorConfig::Local { exe, config } => {
+                Box::new(actuator::Local::new(exe.clone(), config.clone(), control))
+            }
+            ActuatorConfig::Command(c) => Box::new(actuator::Command::new(c.clone())),
+        };
+        let plans = cfg
+            .scaling
+            .iter()
+            .cloned()
+            .map(planner::PoolPlan::new)
+            .collect();
+        tokio::spawn(planner::run(state.clone(), plans, actuator));
+    }
     tokio::select! {
         r = axum::serve(http_l, app) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),

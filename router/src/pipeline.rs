@@ -54,8 +54,11 @@ pub async fn start(
 ) -> Result<(TokenResult, mpsc::Receiver<TokenResult>), ApiError> {
     let id = state.next_request_id();
     let remote = prompt.len() >= 2 && state.registry.count("prefill") > 0;
-    let deadline = Instant::now() + ADMISSION_WAIT;
+    let arrived = Instant::now();
+    let deadline = arrived + ADMISSION_WAIT;
     let mut full: Vec<u64> = Vec::new();
+    // Counted as waiting for a decode worker with room from the first refusal on.
+    let mut waiting: Option<WaitingForRoom> = None;
     // A decode worker that accepts the request (and, for a remote prefill, has reserved blocks).
     let (dw, dguard, mut stream) = loop {
         let Some((w, guard)) = state.registry.pick("decode", &full) else {
@@ -71,6 +74,7 @@ pub async fn start(
                 ));
             }
             full.clear();
+            waiting.get_or_insert_with(|| WaitingForRoom::new(&state.signals));
             tokio::time::sleep(Duration::from_millis(20)).await;
             continue;
         };
@@ -120,6 +124,14 @@ pub async fn start(
             }
         }
     };
+    drop(waiting);
+    let reserved = Instant::now();
+    state
+        .signals
+        .admission
+        .lock()
+        .expect("window lock")
+        .record(reserved, reserved - arrived);
     // The prefill, sent to the least-loaded prefill worker; its KV goes to `dw` directly.
     let prefill = if remote {
         let (pw, pguard) = state.registry.pick("prefill", &[]).ok_or_else(|| {
@@ -132,10 +144,12 @@ pub async fn start(
             offers: dw.offers.clone(),
         };
         let registry = state.registry.clone();
+        let pending = state.signals.prefill_started(req.tokens.len() as u64);
         // Its own task, so that it completes (and is counted) even when the decode stream
         // finishes first; aborted only when the client goes away.
         Some(tokio::spawn(async move {
             let _guard = pguard;
+            let _pending = pending;
             let reply = client.prefill(req).await.map(|r| r.into_inner());
             if let Ok(r) = &reply {
                 registry.record_transfer(pw.id, r);
@@ -170,6 +184,7 @@ pub async fn start(
         let _dguard = dguard;
         let mut prefill = prefill;
         let mut started = false;
+        let mut last_token: Option<Instant> = None;
         loop {
             let next = tokio::select! {
                 _ = tx.closed() => {
@@ -232,6 +247,26 @@ pub async fn start(
                 },
             };
             let last = !matches!(next, Ok((_, Finish::None)));
+            if next.is_ok() {
+                // The planner's signals: the prefill pool's share of TTFT, and token gaps.
+                let now = Instant::now();
+                match last_token {
+                    None if remote => state2
+                        .signals
+                        .prefill_ttft
+                        .lock()
+                        .expect("window lock")
+                        .record(now, now - reserved),
+                    None => {}
+                    Some(prev) => state2
+                        .signals
+                        .itl
+                        .lock()
+                        .expect("window lock")
+                        .record(now, now - prev),
+                }
+                last_token = Some(now);
+            }
             started = true;
             if tx.send(next).await.is_err() || last {
                 break;
@@ -271,5 +306,25 @@ async fn recompute(
             dw.name,
             s.message()
         ))),
+    }
+}
+
+/// A request waiting for a decode worker with room, counted for the planner while it lives.
+struct WaitingForRoom(Arc<crate::planner::Signals>);
+
+impl WaitingForRoom {
+    fn new(signals: &Arc<crate::planner::Signals>) -> WaitingForRoom {
+        signals
+            .decode_waiting
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        WaitingForRoom(signals.clone())
+    }
+}
+
+impl Drop for WaitingForRoom {
+    fn drop(&mut self) {
+        self.0
+            .decode_waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }

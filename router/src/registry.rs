@@ -34,6 +34,10 @@ pub struct Worker {
     pub(crate) offers: Vec<grpc::KvOffer>,
     /// Where the worker serves Prometheus metrics (`host:port`).
     pub metrics_endpoint: String,
+    /// Being drained by the planner: takes no new requests.
+    pub draining: bool,
+    /// Prefill: measured prompt tokens per second of engine time.
+    pub prompt_tokens_per_s: f32,
     /// Last reported load.
     pub running: u32,
     /// Last reported queue.
@@ -108,7 +112,10 @@ impl Registry {
 
     /// Number of live workers of a role.
     pub fn count(&self, role: &str) -> usize {
-        self.workers().iter().filter(|w| w.role == role).count()
+        self.workers()
+            .iter()
+            .filter(|w| w.role == role && !w.draining)
+            .count()
     }
 
     /// The least-loaded live worker of `role`, counted as in flight until the guard drops.
@@ -117,7 +124,7 @@ impl Registry {
         let ws = self.workers.lock().expect("registry lock");
         let w = ws
             .values()
-            .filter(|w| w.role == role && !exclude.contains(&w.id))
+            .filter(|w| w.role == role && !w.draining && !exclude.contains(&w.id))
             .min_by_key(|w| (w.inflight.load(Ordering::SeqCst) + w.waiting as usize, w.id))?;
         w.inflight.fetch_add(1, Ordering::SeqCst);
         Some((w.clone(), InFlight(w.inflight.clone())))
@@ -128,6 +135,13 @@ impl Registry {
         if let Some(w) = self.workers.lock().expect("registry lock").get_mut(&id) {
             *w.kv_transfers.entry(reply.transport.clone()).or_default() += 1;
             w.last_prefill_us = (reply.compute_us, reply.transfer_us);
+        }
+    }
+
+    /// Stops routing new requests to worker `id` (it is being drained).
+    pub fn set_draining(&self, id: u64) {
+        if let Some(w) = self.workers.lock().expect("registry lock").get_mut(&id) {
+            w.draining = true;
         }
     }
 
@@ -201,6 +215,8 @@ impl Control for ControlService {
             last_prefill_us: (0, 0),
             offers: j.kv_offers,
             metrics_endpoint: j.metrics_endpoint.clone(),
+            draining: false,
+            prompt_tokens_per_s: 0.0,
             running: 0,
             waiting: 0,
             kv_blocks_free: j.kv_blocks_total,
@@ -234,6 +250,7 @@ impl Control for ControlService {
         w.kv_blocks_in_flight = b.kv_blocks_in_flight;
         w.kv_blocks_committed = b.kv_blocks_committed;
         w.kv_requests_freed = b.kv_requests_freed;
+        w.prompt_tokens_per_s = b.prompt_tokens_per_s;
         w.last_beat = Instant::now();
         Ok(Response::new(grpc::HeartbeatReply {}))
     }

@@ -1,0 +1,279 @@
+//! Per-pool autoscaling end to end: `tandem up` with mock-engine pools (real processes, real KV
+//! transfers; a timing model instead of kernels, so extra replicas add capacity on a 2-core
+//! machine) and the router's local actuator.
+//!
+//! The loads are chosen well away from the capacity boundaries so the outcome does not hinge
+//! on timing: a prefill replica computes ~1000 prompt tokens/s (1 ms a token); the baseline
+//! prompt load is half of that, the step triples it to 1.5x one replica's capacity; a decode
+//! step costs 2 ms plus 2 ms per sequence, so the decode-heavy load (128-token answers at 6/s)
+//! cannot stay under a 40 ms ITL on one replica but can on two.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use tandem_tests::cluster::{get, post_json};
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+
+const CONFIG: &str = r#"
+[router]
+listen = "127.0.0.1:0"
+control = "127.0.0.1:0"
+
+[prefill]
+replicas = 1
+engine = "mock"
+kv_blocks = 512
+max_batch_tokens = 512
+[prefill.mock]
+step_us = 2000
+prefill_token_us = 1000
+[prefill.slo]
+ttft_p90_ms = 800
+[prefill.autoscale]
+min = 1
+max = 4
+tick_ms = 250
+cooldown_ms = 2000
+window_ms = 3000
+
+[decode]
+replicas = 1
+engine = "mock"
+kv_blocks = 4096
+max_batch_tokens = 256
+[decode.mock]
+step_us = 2000
+decode_token_us = 2000
+[decode.slo]
+itl_p90_ms = 40
+[decode.autoscale]
+min = 1
+max = 3
+tick_ms = 250
+cooldown_ms = 2000
+window_ms = 3000
+"#;
+
+struct Up(Child);
+
+impl Drop for Up {
+    fn drop(&mut self) {
+        // SAFETY: signalling our own child; `tandem up` stops the router, which stops its workers.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.0.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs `tandem bench load` against `http` and returns its JSON report.
+fn bench(http: SocketAddr, dir: &std::path::Path, args: &[&str]) -> Value {
+    let out = dir.join("bench.json");
+    let status = Command::new(EXE)
+        .args(["bench", "load", "--addr", &http.to_string(), "--json"])
+        .arg(&out)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(status.success(), "tandem bench load {args:?} failed");
+    serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
+}
+
+/// A series of the router's `/metrics`, 0 when absent.
+fn metric(http: SocketAddr, series: &str) -> f64 {
+    let (_, text) = get(http, "/metrics").unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+fn ups(http: SocketAddr, pool: &str) -> f64 {
+    metric(
+        http,
+        &format!("tandem_planner_decisions_total{{pool=\"{pool}\",action=\"up\"}}"),
+    )
+}
+
+fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "{what} within {limit:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn live_workers(http: SocketAddr, role: &str) -> Vec<Value> {
+    let (_, body) = get(http, "/debug/workers").unwrap();
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["workers"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|w| w["role"] == role && w["draining"] == false)
+        .collect()
+}
+
+#[test]
+fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
+    let dir = std::env::temp_dir().join(format!("tandem-autoscale-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("cluster.toml");
+    std::fs::write(&cfg, CONFIG).unwrap();
+    let mut child = Command::new(EXE)
+        .args(["up", "--config"])
+        .arg(&cfg)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let up = Up(child);
+    let http: SocketAddr = BufReader::new(stdout)
+        .lines()
+        .map_while(Result::ok)
+        .find_map(|l| {
+            let rest = l.split("behind http://").nth(1)?;
+            rest.trim().parse().ok()
+        })
+        .expect("tandem up prints its address");
+
+    // Baseline: half a prefill replica's capacity. Nothing scales.
+    let r = bench(
+        http,
+        &dir,
+        &[
+            "--rate",
+            "4",
+            "--requests",
+            "24",
+            "--prompt-tokens",
+            "128",
+            "--output-tokens",
+            "16",
+        ],
+    );
+    assert_eq!(r["errors"], 0, "{r}");
+    assert_eq!(ups(http, "prefill"), 0.0);
+
+    // The prompt load triples: the prefill pool grows; the decode pool has no reason to.
+    let r = bench(
+        http,
+        &dir,
+        &[
+            "--rate",
+            "12",
+            "--requests",
+            "100",
+            "--prompt-tokens",
+            "128",
+            "--output-tokens",
+            "16",
+        ],
+    );
+    assert_eq!(r["errors"], 0, "{r}");
+    assert!(ups(http, "prefill") >= 1.0, "the prefill pool did not grow");
+    // Within a bounded number of ticks (the first phase is ~8 s = 32 ticks), p90 TTFT is back
+    // under the 800 ms target for the same load.
+    let r = bench(
+        http,
+        &dir,
+        &[
+            "--rate",
+            "12",
+            "--requests",
+            "100",
+            "--prompt-tokens",
+            "128",
+            "--output-tokens",
+            "16",
+        ],
+    );
+    assert_eq!(r["errors"], 0, "{r}");
+    let p90 = r["ttft_ms"]["p90"].as_f64().unwrap();
+    assert!(p90 < 800.0, "p90 TTFT {p90} ms after scaling: {r}");
+    assert_eq!(
+        ups(http, "decode"),
+        0.0,
+        "the decode pool grew for the prefill pool's load"
+    );
+    assert!(live_workers(http, "prefill").len() >= 2);
+
+    // A decode-heavy load: the decode pool grows on ITL.
+    let r = bench(
+        http,
+        &dir,
+        &[
+            "--rate",
+            "6",
+            "--requests",
+            "60",
+            "--prompt-tokens",
+            "16",
+            "--output-tokens",
+            "128",
+        ],
+    );
+    assert_eq!(r["errors"], 0, "{r}");
+    assert!(
+        ups(http, "decode") >= 1.0,
+        "the decode pool did not grow on ITL"
+    );
+
+    // Load stops: both pools shrink to their minimum, draining (not killing) what they drop.
+    wait_until(
+        "both pools back at one replica",
+        Duration::from_secs(60),
+        || {
+            metric(http, "tandem_planner_desired_replicas{pool=\"prefill\"}") == 1.0
+                && metric(http, "tandem_planner_desired_replicas{pool=\"decode\"}") == 1.0
+                && live_workers(http, "prefill").len() == 1
+                && live_workers(http, "decode").len() == 1
+        },
+    );
+    let (status, v) = post_json(
+        http,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "Hello", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
+
+    // A worker that crashes is dropped from routing and replaced.
+    let victim = live_workers(http, "decode")[0]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let killed = Command::new("pkill")
+        .args(["-9", "-f", &format!("name {victim}$")])
+        .status()
+        .unwrap();
+    assert!(killed.success(), "no process named {victim}");
+    wait_until(
+        "a replacement decode worker",
+        Duration::from_secs(30),
+        || {
+            let ws = live_workers(http, "decode");
+            ws.len() == 1 && ws[0]["name"] != victim.as_str()
+        },
+    );
+    let (status, v) = post_json(
+        http,
+        "/v1/completions",
+        &serde_json::json!({"prompt": "Hello", "max_tokens": 4}),
+    );
+    assert_eq!(status, 200, "{v}");
+    drop(up);
+    let _ = std::fs::remove_dir_all(&dir);
+}
