@@ -262,10 +262,14 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .count();
     let tokens: usize = ok.iter().map(|o| o.tokens).sum();
     let secs = elapsed.as_secs_f64();
+    // The report's schema is versioned by `format` and documented in README.md.
     let report = serde_json::json!({
+        "format": "tandem-bench-load/1",
         "requests": outcomes.len(), "completed": ok.len(), "errors": outcomes.len() - ok.len(),
         "duration_s": secs, "output_tokens_per_s": tokens as f64 / secs, "requests_per_s": ok.len() as f64 / secs,
-        "goodput_requests_per_s": good as f64 / secs, "slo": {"ttft_ms": a.ttft_slo_ms, "itl_p90_ms": a.itl_slo_ms},
+        "goodput_requests_per_s": good as f64 / secs,
+        "slo_attainment": if outcomes.is_empty() { 0.0 } else { good as f64 / outcomes.len() as f64 },
+        "slo": {"ttft_ms": a.ttft_slo_ms, "itl_p90_ms": a.itl_slo_ms},
         "ttft_ms": {"p50": pct(&mut ttft, 0.5), "p90": pct(&mut ttft, 0.9), "p99": pct(&mut ttft, 0.99)},
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p90": pct(&mut itl, 0.9), "p99": pct(&mut itl, 0.99)},
         "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},

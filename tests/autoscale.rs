@@ -249,6 +249,10 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
         &serde_json::json!({"prompt": "Hello", "max_tokens": 4}),
     );
     assert_eq!(status, 200, "{v}");
+    // The planner's metrics pass Prometheus' linter too.
+    let (_, text) = get(http, "/metrics").unwrap();
+    tandem_tests::cluster::promtool_check(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(text.contains("tandem_planner_replica_seconds{pool=\"prefill\"}"));
 
     // A worker that crashes is dropped from routing and replaced.
     let victim = live_workers(http, "decode")[0]["name"]

@@ -703,31 +703,6 @@ fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// `promtool check metrics` on a process's `/metrics` text: `Ok` or promtool's complaints.
-fn promtool_check(text: &str) -> Result<(), String> {
-    use std::io::Write;
-    let mut p = std::process::Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .map_err(|e| {
-            format!("promtool (Debian package `prometheus`, installed by .ci/run): {e}")
-        })?;
-    p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
-    let out = p.wait_with_output().unwrap();
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
-
 #[test]
 fn every_process_serves_metrics_that_promtool_accepts() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
@@ -749,7 +724,8 @@ fn every_process_serves_metrics_that_promtool_accepts() {
         texts.push((w["name"].as_str().unwrap().to_string(), text));
     }
     for (who, text) in &texts {
-        promtool_check(text).unwrap_or_else(|e| panic!("{who}: {e}\n{text}"));
+        tandem_tests::cluster::promtool_check(text)
+            .unwrap_or_else(|e| panic!("{who}: {e}\n{text}"));
     }
     let find = |who: &str, metric: &str| {
         let (_, text) = texts.iter().find(|(w, _)| w.starts_with(who)).unwrap();

@@ -286,4 +286,11 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         Gauge,
         "Requests the router has in flight on a worker.",
     ),
+    ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
+    ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),
+    ("tandem_planner_p90_seconds", Gauge, "The p90 the planner read over its window (prefill: TTFT from decode reservation; decode: ITL)."),
+    ("tandem_planner_predicted_seconds", Gauge, "Latency the queue predicts (prefill: pending prompt tokens over measured capacity; decode: admission wait while requests queue)."),
+    ("tandem_planner_queued", Gauge, "Work queued in front of the pool (prefill: prompt tokens; decode: requests waiting for room)."),
+    ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
+    ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
 ];

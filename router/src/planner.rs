@@ -504,6 +504,9 @@ pub async fn run(
             metrics::gauge!("tandem_planner_desired_replicas", "pool" => name)
                 .set(d.desired as f64);
             metrics::gauge!("tandem_planner_live_replicas", "pool" => name).set(n as f64);
+            // Worker-seconds spent, for cost comparisons (live replicas integrated over ticks).
+            metrics::gauge!("tandem_planner_replica_seconds", "pool" => name)
+                .increment(n as f64 * tick.as_secs_f64());
             metrics::gauge!("tandem_planner_p90_seconds", "pool" => name)
                 .set(inputs.p90.map_or(0.0, |d| d.as_secs_f64()));
             metrics::gauge!("tandem_planner_predicted_seconds", "pool" => name)

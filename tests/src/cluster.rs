@@ -376,3 +376,28 @@ pub fn get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let status = r.status;
     Ok((status, r.body()))
 }
+
+/// `promtool check metrics` on a process's `/metrics` text: `Ok` or promtool's complaints.
+pub fn promtool_check(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut p = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| {
+            format!("promtool (Debian package `prometheus`, installed by .ci/run): {e}")
+        })?;
+    p.stdin.take().unwrap().write_all(text.as_bytes()).unwrap();
+    let out = p.wait_with_output().unwrap();
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
