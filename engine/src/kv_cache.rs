@@ -136,14 +136,15 @@ impl KvCache {
     pub fn read_tokens(&self, table: &[u32], layer: usize, n: usize, out: &mut Vec<u8>) {
         let w = self.width;
         let lk = &self.layers[layer];
+        out.reserve(4 * n * w);
         for src in [&lk.k, &lk.v] {
-            for p in 0..n {
+            // Whole blocks at a time: a block's tokens are contiguous in the pool.
+            let mut p = 0;
+            while p < n {
                 let slot = self.slot(table, p).expect("table covers the tokens");
-                out.extend(
-                    src[slot * w..(slot + 1) * w]
-                        .iter()
-                        .flat_map(|h| h.to_bits().to_le_bytes()),
-                );
+                let run = (self.block_size - p % self.block_size).min(n - p);
+                extend_le(out, &src[slot * w..(slot + run) * w]);
+                p += run;
             }
         }
     }
@@ -170,19 +171,23 @@ impl KvCache {
                 table.len()
             )));
         }
-        let slots: Vec<usize> = (0..n)
-            .map(|p| self.slot(table, p).expect("checked"))
+        let bs = self.block_size;
+        // Whole blocks at a time: a block's tokens are contiguous in the pool.
+        let runs: Vec<(usize, usize, usize)> = (0..n)
+            .step_by(bs)
+            .map(|p| {
+                let slot = self.slot(table, p).expect("checked");
+                (p, slot, bs.min(n - p))
+            })
             .collect();
         let lk = &mut self.layers[layer];
         for (half, dst) in [&mut lk.k, &mut lk.v].into_iter().enumerate() {
             let src = &data[half * n * w * 2..(half + 1) * n * w * 2];
-            for (p, &slot) in slots.iter().enumerate() {
-                for (d, c) in dst[slot * w..(slot + 1) * w]
-                    .iter_mut()
-                    .zip(src[p * w * 2..(p + 1) * w * 2].chunks_exact(2))
-                {
-                    *d = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
-                }
+            for &(p, slot, run) in &runs {
+                copy_le(
+                    &mut dst[slot * w..(slot + run) * w],
+                    &src[p * w * 2..(p + run) * w * 2],
+                );
             }
         }
         Ok(())
@@ -212,6 +217,26 @@ impl KvCache {
         table
             .get(pos / self.block_size)
             .map(|&b| b as usize * self.block_size + pos % self.block_size)
+    }
+}
+
+/// Appends `src` as little-endian f16 bytes (one copy on little-endian machines).
+fn extend_le(out: &mut Vec<u8>, src: &[f16]) {
+    if cfg!(target_endian = "little") {
+        out.extend_from_slice(bytemuck::cast_slice(src));
+    } else {
+        out.extend(src.iter().flat_map(|h| h.to_bits().to_le_bytes()));
+    }
+}
+
+/// Fills `dst` from little-endian f16 bytes (one copy on little-endian machines).
+fn copy_le(dst: &mut [f16], src: &[u8]) {
+    if cfg!(target_endian = "little") {
+        bytemuck::cast_slice_mut::<f16, u8>(dst).copy_from_slice(src);
+    } else {
+        for (d, c) in dst.iter_mut().zip(src.chunks_exact(2)) {
+            *d = f16::from_bits(u16::from_le_bytes([c[0], c[1]]));
+        }
     }
 }
 
