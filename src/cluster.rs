@@ -359,9 +359,9 @@ pub fn up(config: PathBuf) -> Result<()> {
             return Err(e);
         }
         let model_id = router::model_id(&_model);
-        println!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}");
-        println!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'");
-        println!("Ctrl-C stops the cluster.");
+        say(format_args!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}"));
+        say(format_args!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'"));
+        say(format_args!("Ctrl-C stops the cluster."));
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("watching SIGTERM")?;
         let exited = loop {
             tokio::select! {
@@ -387,4 +387,14 @@ pub fn up(config: PathBuf) -> Result<()> {
             None => Ok(()),
         }
     })
+}
+
+/// Prints a line to stdout, ignoring a closed pipe (`tandem up | head -1` must not stop the
+/// cluster).
+fn say(args: std::fmt::Arguments<'_>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_fmt(args);
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
 }

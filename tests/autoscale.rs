@@ -141,14 +141,17 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
         .unwrap();
     let stdout = child.stdout.take().unwrap();
     let up = Up(child);
-    let http: SocketAddr = BufReader::new(stdout)
-        .lines()
+    let mut lines = BufReader::new(stdout).lines();
+    let http: SocketAddr = lines
+        .by_ref()
         .map_while(Result::ok)
         .find_map(|l| {
             let rest = l.split("behind http://").nth(1)?;
             rest.trim().parse().ok()
         })
         .expect("tandem up prints its address");
+    // Keep reading what `tandem up` prints after that: a closed pipe would end it.
+    std::thread::spawn(move || for _ in lines {});
 
     // Baseline: half a prefill replica's capacity. Nothing scales.
     let r = bench(
