@@ -2,6 +2,10 @@
 // include path): bf16 and f16 conversions are written out or done with PTX `cvt`.
 #pragma once
 
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
 typedef unsigned short bf16_t;
 typedef unsigned short f16_t;
 

@@ -12,6 +12,13 @@ pub use quant::DType;
 pub mod attention;
 #[cfg(feature = "compute")]
 pub mod backend;
+/// CUDA kernels (feature `cuda`; without it, every entry point says so).
+#[cfg(feature = "cuda")]
+pub mod cuda;
+/// CUDA kernels (feature `cuda`; without it, every entry point says so).
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda_off.rs"]
+pub mod cuda;
 #[cfg(feature = "compute")]
 pub mod matmul;
 #[cfg(feature = "compute")]
