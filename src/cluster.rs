@@ -190,6 +190,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
     let t = &cfg.kv_transfer;
     let pc = prefill_worker::PrefillConfig {
         model,
+        device: pool.device.get_ref().clone(),
         mock: mock_timing(pool),
         threads: *pool.threads.get_ref() as usize,
         engine: engine_config(&cfg, pool),
@@ -220,6 +221,7 @@ pub fn decode(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let dc = decode_worker::DecodeConfig {
         model,
+        device: cfg.decode.device.get_ref().clone(),
         mock: mock_timing(&cfg.decode),
         threads: *cfg.decode.threads.get_ref() as usize,
         engine: engine_config(&cfg, &cfg.decode),

@@ -71,6 +71,9 @@ struct ModelArgs {
     /// A .gguf file or a Hugging Face model directory (default: the cached SmolLM2-135M-Instruct).
     #[arg(long)]
     model: Option<PathBuf>,
+    /// Where the forward pass runs: `cpu`, or `cuda:N` (needs a build with `--features cuda`).
+    #[arg(long, default_value = "cpu")]
+    device: String,
     /// Worker threads for the kernels (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
@@ -158,7 +161,9 @@ fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
         None => engine::fetch::ensure_default_model()?,
     };
     let t0 = Instant::now();
-    let (model, tok) = engine::load(&path, kernels::Device::parse("cpu")?)?;
+    let device = kernels::Device::parse(&args.device)
+        .with_context(|| format!("--device {}", args.device))?;
+    let (model, tok) = engine::load(&path, device)?;
     eprintln!(
         "tandem: loaded {} ({} layers, {}) from {} in {:.2}s",
         model.config.name,

@@ -29,6 +29,8 @@ use tonic::{Request, Response, Status};
 pub struct DecodeConfig {
     /// Model file or directory.
     pub model: PathBuf,
+    /// Where the forward pass runs (`cpu`, `cuda:N`).
+    pub device: String,
     /// Run the mock engine with this timing model instead of the model's kernels.
     pub mock: Option<engine::MockTiming>,
     /// Kernel threads.
@@ -375,8 +377,9 @@ impl Decode for Service {
 pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     kernels::set_threads(cfg.threads)?;
     let model_path = cfg.model.clone();
+    let device = cfg.device.clone();
     let (model, tok) = tokio::task::spawn_blocking(move || {
-        engine::load(&model_path, kernels::Device::parse("cpu")?)
+        engine::load(&model_path, kernels::Device::parse(&device)?)
     })
     .await
     .expect("model loading does not panic")?;

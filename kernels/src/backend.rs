@@ -139,17 +139,31 @@ pub enum Device {
 }
 
 impl Device {
-    /// Parses a device name: `cpu` (the default). Other names are refused with a clear error.
+    /// Parses a device name: `cpu` (the default) or `cuda:N`. A CUDA device is opened (driver,
+    /// NVRTC, kernels) so that a missing GPU or driver is a clear error at start; the model
+    /// forward does not run on it yet, which is an error too rather than a silent CPU fallback.
     pub fn parse(name: &str) -> Result<Device, KernelError> {
-        match name {
-            "cpu" => Ok(Device::Cpu(CpuBackend)),
-            "cuda" => Err(KernelError::Unavailable(
-                "tandem was not compiled with CUDA support".into(),
-            )),
-            other => Err(KernelError::Unavailable(format!(
-                "unknown device {other:?} (expected \"cpu\")"
-            ))),
+        if name == "cpu" {
+            return Ok(Device::Cpu(CpuBackend));
         }
+        if let Some(n) = name.strip_prefix("cuda").map(|r| r.trim_start_matches(':')) {
+            let ordinal: usize = if n.is_empty() {
+                0
+            } else {
+                n.parse().map_err(|_| {
+                    KernelError::Unavailable(format!("device {name:?}: expected cuda:N"))
+                })?
+            };
+            let gpu = crate::cuda::Gpu::new(ordinal)?;
+            drop(gpu);
+            return Err(KernelError::Unavailable(format!(
+                "device {name}: the CUDA kernels load, but the model forward on CUDA is not \
+                 wired into the engine yet; use \"cpu\""
+            )));
+        }
+        Err(KernelError::Unavailable(format!(
+            "unknown device {name:?} (expected \"cpu\" or \"cuda:N\")"
+        )))
     }
 
     /// The backend behind this device.

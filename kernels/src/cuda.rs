@@ -11,7 +11,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::KernelError;
@@ -29,7 +31,17 @@ pub const SOURCES: [(&str, &str); 5] = [
 
 /// The kernels (`extern "C"` names) each source defines.
 const FUNCTIONS: [(&str, &[&str]); 5] = [
-    ("elementwise", &["embedding_bf16", "rms_norm", "rope", "silu_mul", "add", "f32_to_bf16_rows"]),
+    (
+        "elementwise",
+        &[
+            "embedding_bf16",
+            "rms_norm",
+            "rope",
+            "silu_mul",
+            "add",
+            "f32_to_bf16_rows",
+        ],
+    ),
     ("dequant", &["dequant_q4_0", "dequant_q4_1", "dequant_q8_0"]),
     ("attention", &["paged_attention"]),
     ("kv", &["store_kv", "pack_kv", "unpack_kv"]),
@@ -113,8 +125,9 @@ fn cached_ptx(name: &str, arch: &'static str) -> Result<String, KernelError> {
 }
 
 fn fxhash(b: &[u8]) -> u64 {
-    b.iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &x| (h ^ x as u64).wrapping_mul(0x100_0000_01b3))
+    b.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &x| {
+        (h ^ x as u64).wrapping_mul(0x100_0000_01b3)
+    })
 }
 
 /// One GPU with every kernel loaded.
@@ -133,7 +146,12 @@ fn grid(n: u32, block: u32) -> LaunchConfig {
     }
 }
 
-fn launched(r: Result<Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>, cudarc::driver::DriverError>) -> Result<(), KernelError> {
+fn launched(
+    r: Result<
+        Option<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)>,
+        cudarc::driver::DriverError,
+    >,
+) -> Result<(), KernelError> {
     r.map(|_| ()).map_err(|e| err("launch", e))
 }
 
@@ -147,8 +165,11 @@ impl Gpu {
             ));
         }
         nvrtc_present()?;
-        let ctx = CudaContext::new(ordinal).map_err(|e| err(&format!("opening cuda:{ordinal}"), e))?;
-        let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        let ctx =
+            CudaContext::new(ordinal).map_err(|e| err(&format!("opening cuda:{ordinal}"), e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| err("compute capability", e))?;
         let arch = arch_name(major, minor);
         let mut functions = HashMap::new();
         for (name, fns) in FUNCTIONS {
@@ -192,24 +213,44 @@ impl Gpu {
     }
 
     /// Copies host data to a new device buffer.
-    pub fn upload<T: cudarc::driver::DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>, KernelError> {
+    pub fn upload<T: cudarc::driver::DeviceRepr>(
+        &self,
+        host: &[T],
+    ) -> Result<CudaSlice<T>, KernelError> {
         self.stream.clone_htod(host).map_err(|e| err("upload", e))
     }
 
     /// Copies a device buffer back.
-    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>, KernelError> {
+    pub fn download<T: cudarc::driver::DeviceRepr + Default + Clone>(
+        &self,
+        dev: &CudaSlice<T>,
+    ) -> Result<Vec<T>, KernelError> {
         self.stream.clone_dtoh(dev).map_err(|e| err("download", e))
     }
 
     /// A zeroed device buffer.
-    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, KernelError> {
+    pub fn zeros<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
         self.stream.alloc_zeros(n).map_err(|e| err("alloc", e))
     }
 
     /// Rows `ids` of a bf16 `table` (`[vocab, dim]`) into `out` (`[ids, dim]` f32).
-    pub fn embedding(&self, table: &CudaSlice<u16>, ids: &CudaSlice<u32>, n: usize, dim: usize, out: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    pub fn embedding(
+        &self,
+        table: &CudaSlice<u16>,
+        ids: &CudaSlice<u32>,
+        n: usize,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
         let dim = dim as i32;
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("embedding_bf16"));
         b.arg(table).arg(ids).arg(out).arg(&dim);
         // SAFETY: buffers sized by the caller: table covers every id, out holds n × dim.
@@ -217,9 +258,21 @@ impl Gpu {
     }
 
     /// Row-wise RMSNorm of `rows` rows of `dim`.
-    pub fn rms_norm(&self, x: &CudaSlice<f32>, weight: &CudaSlice<f32>, rows: usize, dim: usize, eps: f32, out: &mut CudaSlice<f32>) -> Result<(), KernelError> {
+    pub fn rms_norm(
+        &self,
+        x: &CudaSlice<f32>,
+        weight: &CudaSlice<f32>,
+        rows: usize,
+        dim: usize,
+        eps: f32,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
         let dim = dim as i32;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("rms_norm"));
         b.arg(x).arg(weight).arg(out).arg(&dim).arg(&eps);
         // SAFETY: x and out hold rows × dim, weight dim.
@@ -228,18 +281,41 @@ impl Gpu {
 
     /// In-place RoPE of `[tokens, n_heads, head_dim]` at `positions`.
     #[allow(clippy::too_many_arguments)]
-    pub fn rope(&self, x: &mut CudaSlice<f32>, positions: &CudaSlice<u32>, tokens: usize, n_heads: usize, head_dim: usize, base: f32, style: crate::RopeStyle) -> Result<(), KernelError> {
+    pub fn rope(
+        &self,
+        x: &mut CudaSlice<f32>,
+        positions: &CudaSlice<u32>,
+        tokens: usize,
+        n_heads: usize,
+        head_dim: usize,
+        base: f32,
+        style: crate::RopeStyle,
+    ) -> Result<(), KernelError> {
         let (h, d) = (n_heads as i32, head_dim as i32);
         let neox = matches!(style, crate::RopeStyle::Halves) as i32;
-        let cfg = LaunchConfig { grid_dim: (tokens as u32, n_heads as u32, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (tokens as u32, n_heads as u32, 1),
+            block_dim: (64, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("rope"));
-        b.arg(x).arg(positions).arg(&h).arg(&d).arg(&base).arg(&neox);
+        b.arg(x)
+            .arg(positions)
+            .arg(&h)
+            .arg(&d)
+            .arg(&base)
+            .arg(&neox);
         // SAFETY: x holds tokens × n_heads × head_dim, positions tokens.
         launched(unsafe { b.launch(cfg) })
     }
 
     /// `gate = silu(gate) * up` over `n` values.
-    pub fn silu_mul(&self, gate: &mut CudaSlice<f32>, up: &CudaSlice<f32>, n: usize) -> Result<(), KernelError> {
+    pub fn silu_mul(
+        &self,
+        gate: &mut CudaSlice<f32>,
+        up: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
         let n64 = n as u64;
         let mut b = self.stream.launch_builder(self.f("silu_mul"));
         b.arg(gate).arg(up).arg(&n64);
@@ -248,12 +324,22 @@ impl Gpu {
     }
 
     /// A GGUF tensor in Q4_0, Q4_1 or Q8_0 blocks, dequantised to bf16 on the device.
-    pub fn dequantize(&self, dtype: crate::DType, blocks: &CudaSlice<u8>, n_blocks: usize) -> Result<CudaSlice<u16>, KernelError> {
+    pub fn dequantize(
+        &self,
+        dtype: crate::DType,
+        blocks: &CudaSlice<u8>,
+        n_blocks: usize,
+    ) -> Result<CudaSlice<u16>, KernelError> {
         let f = match dtype {
             crate::DType::Q4_0 => "dequant_q4_0",
             crate::DType::Q4_1 => "dequant_q4_1",
             crate::DType::Q8_0 => "dequant_q8_0",
-            other => return Err(err("dequantize", format!("{other:?} is not a block format"))),
+            other => {
+                return Err(err(
+                    "dequantize",
+                    format!("{other:?} is not a block format"),
+                ))
+            }
         };
         let mut out = self.zeros::<u16>(n_blocks * 32)?;
         let n = n_blocks as u64;
@@ -266,26 +352,63 @@ impl Gpu {
 
     /// Causal attention over the paged cache for `n_q` queries (see `cuda/attention.cu`).
     #[allow(clippy::too_many_arguments)]
-    pub fn paged_attention(&self, q: &CudaSlice<f32>, out: &mut CudaSlice<f32>, k_cache: &CudaSlice<u16>, v_cache: &CudaSlice<u16>, block_tables: &CudaSlice<u32>, q_seq: &CudaSlice<u32>, q_pos: &CudaSlice<u32>, n_q: usize, shape: AttentionShape) -> Result<(), KernelError> {
+    pub fn paged_attention(
+        &self,
+        q: &CudaSlice<f32>,
+        out: &mut CudaSlice<f32>,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        block_tables: &CudaSlice<u32>,
+        q_seq: &CudaSlice<u32>,
+        q_pos: &CudaSlice<u32>,
+        n_q: usize,
+        shape: AttentionShape,
+    ) -> Result<(), KernelError> {
         let threads = shape.head_dim.next_power_of_two().clamp(64, 1024) as u32;
         let cfg = LaunchConfig {
             grid_dim: (n_q as u32, shape.n_heads as u32, 1),
             block_dim: (threads, 1, 1),
             shared_mem_bytes: ((shape.head_dim + threads as usize) * 4) as u32,
         };
-        let (h, kvh, d, bs, mb) = (shape.n_heads as i32, shape.n_kv_heads as i32, shape.head_dim as i32, shape.block_size as i32, shape.max_blocks as i32);
+        let (h, kvh, d, bs, mb) = (
+            shape.n_heads as i32,
+            shape.n_kv_heads as i32,
+            shape.head_dim as i32,
+            shape.block_size as i32,
+            shape.max_blocks as i32,
+        );
         let mut b = self.stream.launch_builder(self.f("paged_attention"));
-        b.arg(q).arg(out).arg(k_cache).arg(v_cache).arg(block_tables).arg(q_seq).arg(q_pos)
-            .arg(&h).arg(&kvh).arg(&d).arg(&bs).arg(&mb).arg(&shape.scale);
+        b.arg(q)
+            .arg(out)
+            .arg(k_cache)
+            .arg(v_cache)
+            .arg(block_tables)
+            .arg(q_seq)
+            .arg(q_pos)
+            .arg(&h)
+            .arg(&kvh)
+            .arg(&d)
+            .arg(&bs)
+            .arg(&mb)
+            .arg(&shape.scale);
         // SAFETY: shapes as documented in attention.cu; every table entry names a cache block.
         launched(unsafe { b.launch(cfg) })
     }
 
     /// Greedy tokens: the argmax of each of `rows` rows of `vocab` logits.
-    pub fn argmax(&self, logits: &CudaSlice<f32>, rows: usize, vocab: usize) -> Result<Vec<u32>, KernelError> {
+    pub fn argmax(
+        &self,
+        logits: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+    ) -> Result<Vec<u32>, KernelError> {
         let mut out = self.zeros::<u32>(rows)?;
         let v = vocab as i32;
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("argmax_rows"));
         b.arg(logits).arg(&mut out).arg(&v);
         // SAFETY: logits hold rows × vocab.
@@ -295,12 +418,31 @@ impl Gpu {
 
     /// Temperature / top-k (≤ 64) / top-p sampling, one uniform draw in [0, 1) per row.
     #[allow(clippy::too_many_arguments)]
-    pub fn sample(&self, logits: &CudaSlice<f32>, uniform: &CudaSlice<f32>, rows: usize, vocab: usize, top_k: usize, temperature: f32, top_p: f32) -> Result<Vec<u32>, KernelError> {
+    pub fn sample(
+        &self,
+        logits: &CudaSlice<f32>,
+        uniform: &CudaSlice<f32>,
+        rows: usize,
+        vocab: usize,
+        top_k: usize,
+        temperature: f32,
+        top_p: f32,
+    ) -> Result<Vec<u32>, KernelError> {
         let mut out = self.zeros::<u32>(rows)?;
         let (v, k) = (vocab as i32, top_k.clamp(1, 64) as i32);
-        let cfg = LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("sample_top_k_top_p"));
-        b.arg(logits).arg(uniform).arg(&mut out).arg(&v).arg(&k).arg(&temperature).arg(&top_p);
+        b.arg(logits)
+            .arg(uniform)
+            .arg(&mut out)
+            .arg(&v)
+            .arg(&k)
+            .arg(&temperature)
+            .arg(&top_p);
         // SAFETY: logits hold rows × vocab, uniform rows.
         launched(unsafe { b.launch(cfg) })?;
         self.download(&out)
@@ -309,31 +451,82 @@ impl Gpu {
     /// One layer of a sequence's first `n` tokens from the paged pool into a staging buffer in
     /// the transfer's wire layout (`[2, n, width]` f16).
     #[allow(clippy::too_many_arguments)]
-    pub fn pack_kv(&self, k_cache: &CudaSlice<u16>, v_cache: &CudaSlice<u16>, table: &CudaSlice<u32>, staging: &mut CudaSlice<u16>, n: usize, width: usize, block_size: usize) -> Result<(), KernelError> {
+    pub fn pack_kv(
+        &self,
+        k_cache: &CudaSlice<u16>,
+        v_cache: &CudaSlice<u16>,
+        table: &CudaSlice<u32>,
+        staging: &mut CudaSlice<u16>,
+        n: usize,
+        width: usize,
+        block_size: usize,
+    ) -> Result<(), KernelError> {
         let (n32, w, bs) = (n as i32, width as i32, block_size as i32);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("pack_kv"));
-        b.arg(k_cache).arg(v_cache).arg(table).arg(staging).arg(&n32).arg(&w).arg(&bs);
+        b.arg(k_cache)
+            .arg(v_cache)
+            .arg(table)
+            .arg(staging)
+            .arg(&n32)
+            .arg(&w)
+            .arg(&bs);
         // SAFETY: the table covers n tokens; staging holds 2 × n × width.
         launched(unsafe { b.launch(cfg) })
     }
 
     /// The reverse of [`Gpu::pack_kv`].
     #[allow(clippy::too_many_arguments)]
-    pub fn unpack_kv(&self, k_cache: &mut CudaSlice<u16>, v_cache: &mut CudaSlice<u16>, table: &CudaSlice<u32>, staging: &CudaSlice<u16>, n: usize, width: usize, block_size: usize) -> Result<(), KernelError> {
+    pub fn unpack_kv(
+        &self,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        table: &CudaSlice<u32>,
+        staging: &CudaSlice<u16>,
+        n: usize,
+        width: usize,
+        block_size: usize,
+    ) -> Result<(), KernelError> {
         let (n32, w, bs) = (n as i32, width as i32, block_size as i32);
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("unpack_kv"));
-        b.arg(k_cache).arg(v_cache).arg(table).arg(staging).arg(&n32).arg(&w).arg(&bs);
+        b.arg(k_cache)
+            .arg(v_cache)
+            .arg(table)
+            .arg(staging)
+            .arg(&n32)
+            .arg(&w)
+            .arg(&bs);
         // SAFETY: as for pack_kv.
         launched(unsafe { b.launch(cfg) })
     }
 
     /// Rows of keys and values (f32, `[slots, width]`) into their cache slots as f16.
     #[allow(clippy::too_many_arguments)]
-    pub fn store_kv(&self, k_cache: &mut CudaSlice<u16>, v_cache: &mut CudaSlice<u16>, slots: &CudaSlice<u32>, k: &CudaSlice<f32>, v: &CudaSlice<f32>, n: usize, width: usize) -> Result<(), KernelError> {
+    pub fn store_kv(
+        &self,
+        k_cache: &mut CudaSlice<u16>,
+        v_cache: &mut CudaSlice<u16>,
+        slots: &CudaSlice<u32>,
+        k: &CudaSlice<f32>,
+        v: &CudaSlice<f32>,
+        n: usize,
+        width: usize,
+    ) -> Result<(), KernelError> {
         let w = width as i32;
-        let cfg = LaunchConfig { grid_dim: (n as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig {
+            grid_dim: (n as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
         let mut b = self.stream.launch_builder(self.f("store_kv"));
         b.arg(k_cache).arg(v_cache).arg(slots).arg(k).arg(v).arg(&w);
         // SAFETY: every slot lies in the caches; k and v hold n × width.

@@ -25,7 +25,10 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
             "argmax_rows",
             "sample_top_k_top_p",
         ] {
-            assert!(all.contains(&format!(".entry {f}(")), "{arch}: no kernel {f}");
+            assert!(
+                all.contains(&format!(".entry {f}(")),
+                "{arch}: no kernel {f}"
+            );
         }
     }
 }

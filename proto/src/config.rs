@@ -106,6 +106,9 @@ pub struct PoolSection {
     /// Latency targets (used by the autoscaler).
     #[serde(default)]
     pub slo: SloSection,
+    /// Where the real engine's forward pass runs: `"cpu"` or `"cuda:N"`.
+    #[serde(default = "default_device")]
+    pub device: Spanned<String>,
     /// `"cpu"` (the real engine) or `"mock"` (no model runs; a timing model, see `[<pool>.mock]`).
     #[serde(default = "default_engine")]
     pub engine: Spanned<String>,
@@ -114,6 +117,10 @@ pub struct PoolSection {
     pub mock: MockSection,
     /// Autoscaling of this pool on its own latency target; absent: a fixed pool.
     pub autoscale: Option<AutoscaleSection>,
+}
+
+fn default_device() -> Spanned<String> {
+    Spanned::new(0..0, "cpu".into())
 }
 
 fn default_engine() -> Spanned<String> {
@@ -336,6 +343,17 @@ impl ClusterConfig {
             ctx.positive(&pool.threads, &format!("{name}.threads"))?;
             ctx.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
             ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
+            let dev = pool.device.get_ref();
+            let cuda_ok = dev
+                .strip_prefix("cuda:")
+                .is_some_and(|n| n.parse::<u32>().is_ok());
+            if dev != "cpu" && !cuda_ok {
+                return ctx.err(
+                    pool.device.span(),
+                    &format!("{name}.device"),
+                    format!("{dev:?} is not a device (cpu, cuda:N)"),
+                );
+            }
             if !["cpu", "mock"].contains(&pool.engine.get_ref().as_str()) {
                 return ctx.err(
                     pool.engine.span(),

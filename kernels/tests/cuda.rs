@@ -1,0 +1,283 @@
+//! The GPU suite: every CUDA kernel against the CPU kernels on random inputs, with the stated
+//! tolerances. Needs a GPU and the `cuda` feature; ignored unless asked for:
+//!
+//! ```sh
+//! TANDEM_GPU=1 cargo test --release -p kernels --features cuda --test cuda -- --ignored
+//! ```
+#![cfg(feature = "cuda")]
+
+use half::f16;
+use kernels::cuda::{AttentionShape, Gpu};
+use kernels::{ops, quant, DType, PagedKv, Query, RopeStyle};
+
+struct Rng(u64);
+
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn gpu() -> Option<Gpu> {
+    std::env::var_os("TANDEM_GPU")?;
+    Some(Gpu::new(0).expect("TANDEM_GPU is set but no CUDA device opened"))
+}
+
+fn close(what: &str, got: &[f32], want: &[f32], abs: f32, rel: f32) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g - w).abs() <= abs + rel * w.abs(),
+            "{what}[{i}]: gpu {g} vs cpu {w} (tolerance {abs} + {rel}·|cpu|)"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: TANDEM_GPU=1 ... -- --ignored"]
+fn elementwise_kernels_match_the_cpu() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(7);
+    let (rows, dim) = (5, 576);
+    let (x, w) = (r.vec(rows * dim), r.vec(dim));
+    let mut want = vec![0f32; rows * dim];
+    for i in 0..rows {
+        ops::rms_norm(
+            &x[i * dim..(i + 1) * dim],
+            &w,
+            1e-5,
+            &mut want[i * dim..(i + 1) * dim],
+        );
+    }
+    let (dx, dw) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+    let mut out = g.zeros::<f32>(rows * dim).unwrap();
+    g.rms_norm(&dx, &dw, rows, dim, 1e-5, &mut out).unwrap();
+    close("rms_norm", &g.download(&out).unwrap(), &want, 1e-5, 1e-5);
+
+    // RoPE, both pair layouts, positions up to 500 (angles by powf on the GPU, by repeated
+    // multiplication on the CPU: 2e-3 absolute).
+    let (tokens, heads, hd) = (4, 9, 64);
+    let pos: Vec<usize> = vec![0, 1, 77, 500];
+    for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
+        let x = r.vec(tokens * heads * hd);
+        let mut want = x.clone();
+        ops::rope(&mut want, &pos, heads, hd, 10000.0, style);
+        let mut dx = g.upload(&x).unwrap();
+        let dp = g
+            .upload(&pos.iter().map(|&p| p as u32).collect::<Vec<_>>())
+            .unwrap();
+        g.rope(&mut dx, &dp, tokens, heads, hd, 10000.0, style)
+            .unwrap();
+        close(
+            &format!("rope {style:?}"),
+            &g.download(&dx).unwrap(),
+            &want,
+            2e-3,
+            0.0,
+        );
+    }
+
+    let (gate, up) = (r.vec(1536), r.vec(1536));
+    let mut want = gate.clone();
+    ops::silu_mul(&mut want, &up);
+    let (mut dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
+    g.silu_mul(&mut dg, &du, gate.len()).unwrap();
+    close("silu_mul", &g.download(&dg).unwrap(), &want, 1e-5, 1e-4);
+}
+
+#[test]
+#[ignore = "needs a GPU: TANDEM_GPU=1 ... -- --ignored"]
+fn dequantisation_to_bf16_matches_the_cpu_within_bf16_rounding() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(11);
+    let x = r.vec(32 * 64);
+    for (dtype, block) in [(DType::Q4_0, 18), (DType::Q4_1, 20), (DType::Q8_0, 34)] {
+        let mut q = vec![0u8; x.len() / 32 * block];
+        match dtype {
+            DType::Q4_0 => quant::quantize_row_q4_0(&x, &mut q),
+            DType::Q4_1 => quant::quantize_row_q4_1(&x, &mut q),
+            _ => quant::quantize_row_q8_0(&x, &mut q),
+        }
+        let mut want = vec![0f32; x.len()];
+        quant::dequantize_row(dtype, &q, &mut want);
+        let dq = g.upload(&q).unwrap();
+        let got = g
+            .download(&g.dequantize(dtype, &dq, x.len() / 32).unwrap())
+            .unwrap();
+        let got: Vec<f32> = got
+            .iter()
+            .map(|&b| half::bf16::from_bits(b).to_f32())
+            .collect();
+        close(
+            &format!("dequant {dtype:?}"),
+            &got,
+            &want,
+            1e-6,
+            1.0 / 128.0,
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU: TANDEM_GPU=1 ... -- --ignored"]
+fn paged_attention_matches_the_cpu_for_prefill_and_decode_queries() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(3);
+    // SmolLM2's GQA: 9 query heads over 3 KV heads of 64.
+    let (heads, kvh, hd, bs, blocks) = (9, 3, 64, 16, 12);
+    let width = kvh * hd;
+    let k: Vec<f16> = r
+        .vec(blocks * bs * width)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    let v: Vec<f16> = r
+        .vec(blocks * bs * width)
+        .into_iter()
+        .map(f16::from_f32)
+        .collect();
+    // Two sequences with scattered blocks; a prefill chunk of 3 queries and a decode query.
+    let tables: [Vec<u32>; 2] = [vec![5, 0, 9, 2], vec![7, 3, 11, 1]];
+    let qs: Vec<(usize, usize)> = vec![(0, 37), (0, 38), (0, 39), (1, 60)];
+    let q = r.vec(qs.len() * heads * hd);
+    let queries: Vec<Query<'_>> = qs
+        .iter()
+        .map(|&(s, pos)| Query {
+            pos,
+            block_table: &tables[s],
+        })
+        .collect();
+    let kv = PagedKv {
+        k: &k,
+        v: &v,
+        block_size: bs,
+        n_kv_heads: kvh,
+        head_dim: hd,
+    };
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut want = vec![0f32; q.len()];
+    kernels::attention::attention(&q, &queries, kv, heads, scale, &mut want);
+    let bits = |x: &[f16]| x.iter().map(|h| h.to_bits()).collect::<Vec<u16>>();
+    let (dk, dv) = (g.upload(&bits(&k)).unwrap(), g.upload(&bits(&v)).unwrap());
+    let flat: Vec<u32> = tables.concat();
+    let dt = g.upload(&flat).unwrap();
+    let dseq = g
+        .upload(&qs.iter().map(|&(s, _)| s as u32).collect::<Vec<_>>())
+        .unwrap();
+    let dpos = g
+        .upload(&qs.iter().map(|&(_, p)| p as u32).collect::<Vec<_>>())
+        .unwrap();
+    let dq = g.upload(&q).unwrap();
+    let mut out = g.zeros::<f32>(q.len()).unwrap();
+    let shape = AttentionShape {
+        n_heads: heads,
+        n_kv_heads: kvh,
+        head_dim: hd,
+        block_size: bs,
+        max_blocks: 4,
+        scale,
+    };
+    g.paged_attention(&dq, &mut out, &dk, &dv, &dt, &dseq, &dpos, qs.len(), shape)
+        .unwrap();
+    // The CPU rounds queries and probabilities to f16 (as GGML does); the GPU keeps f32.
+    close(
+        "paged_attention",
+        &g.download(&out).unwrap(),
+        &want,
+        5e-3,
+        1e-2,
+    );
+}
+
+#[test]
+#[ignore = "needs a GPU: TANDEM_GPU=1 ... -- --ignored"]
+fn kv_pack_unpack_store_and_sampling_are_exact() {
+    let Some(g) = gpu() else { return };
+    let mut r = Rng(5);
+    let (bs, width, blocks, n) = (16, 192, 8, 37);
+    let table: Vec<u32> = vec![6, 1, 4];
+    let k: Vec<u16> = r
+        .vec(blocks * bs * width)
+        .into_iter()
+        .map(|x| f16::from_f32(x).to_bits())
+        .collect();
+    let v: Vec<u16> = r
+        .vec(blocks * bs * width)
+        .into_iter()
+        .map(|x| f16::from_f32(x).to_bits())
+        .collect();
+    let slot = |p: usize| table[p / bs] as usize * bs + p % bs;
+    let mut want = Vec::new();
+    for src in [&k, &v] {
+        for p in 0..n {
+            want.extend_from_slice(&src[slot(p) * width..(slot(p) + 1) * width]);
+        }
+    }
+    let (dk, dv, dt) = (
+        g.upload(&k).unwrap(),
+        g.upload(&v).unwrap(),
+        g.upload(&table).unwrap(),
+    );
+    let mut staging = g.zeros::<u16>(2 * n * width).unwrap();
+    g.pack_kv(&dk, &dv, &dt, &mut staging, n, width, bs)
+        .unwrap();
+    assert_eq!(
+        g.download(&staging).unwrap(),
+        want,
+        "pack_kv is the wire layout"
+    );
+    let (mut k2, mut v2) = (
+        g.zeros::<u16>(k.len()).unwrap(),
+        g.zeros::<u16>(v.len()).unwrap(),
+    );
+    g.unpack_kv(&mut k2, &mut v2, &dt, &staging, n, width, bs)
+        .unwrap();
+    let (k2, v2) = (g.download(&k2).unwrap(), g.download(&v2).unwrap());
+    for p in 0..n {
+        let s = slot(p) * width..(slot(p) + 1) * width;
+        assert_eq!(k2[s.clone()], k[s.clone()], "unpack keys, token {p}");
+        assert_eq!(v2[s.clone()], v[s], "unpack values, token {p}");
+    }
+
+    // store_kv rounds f32 rows to f16 like the CPU backend.
+    let rows = r.vec(3 * width);
+    let slots: Vec<u32> = vec![9, 40, 77];
+    let (mut kc, mut vc) = (
+        g.zeros::<u16>(k.len()).unwrap(),
+        g.zeros::<u16>(v.len()).unwrap(),
+    );
+    let (ds, dr) = (g.upload(&slots).unwrap(), g.upload(&rows).unwrap());
+    g.store_kv(&mut kc, &mut vc, &ds, &dr, &dr, 3, width)
+        .unwrap();
+    let kc = g.download(&kc).unwrap();
+    for (i, &s) in slots.iter().enumerate() {
+        for j in 0..width {
+            assert_eq!(
+                kc[s as usize * width + j],
+                f16::from_f32(rows[i * width + j]).to_bits()
+            );
+        }
+    }
+
+    // Sampling: argmax exact (ties to the lower id); top-k 1 is argmax whatever the draw; a
+    // draw of 0 picks the most likely of the kept candidates.
+    let vocab = 49152;
+    let mut logits = r.vec(2 * vocab);
+    logits[1234] = 9.0;
+    logits[vocab + 777] = 9.0;
+    logits[vocab + 778] = 9.0;
+    let dl = g.upload(&logits).unwrap();
+    assert_eq!(g.argmax(&dl, 2, vocab).unwrap(), vec![1234, 777]);
+    let u = g.upload(&[0.99f32, 0.0]).unwrap();
+    assert_eq!(
+        g.sample(&dl, &u, 2, vocab, 1, 1.0, 1.0).unwrap(),
+        vec![1234, 777]
+    );
+    assert_eq!(g.sample(&dl, &u, 2, vocab, 40, 0.7, 0.9).unwrap()[1], 777);
+}
