@@ -172,9 +172,9 @@ impl Engine {
         Ok(())
     }
 
-    /// Writes the KV that arrived for a reserved request (one buffer per layer, see
-    /// [`KvCache::read_tokens`]) and queues it to generate from its last prompt token.
-    pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
+    /// The position in `awaiting` of reserved request `id` and the tokens its remote KV covers,
+    /// once `layers` (what arrived: one entry per layer) matches the model.
+    fn awaiting_kv(&self, id: u64, layers: usize, what: &str) -> Result<(usize, usize)> {
         let i = self
             .awaiting
             .iter()
@@ -182,21 +182,32 @@ impl Engine {
             .ok_or_else(|| {
                 EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
             })?;
-        let n = self.awaiting[i].prompt_len - 1;
-        if layers.len() != self.model.config.n_layers {
+        if layers != self.model.config.n_layers {
             return Err(EngineError::InvalidRequest(format!(
-                "KV for {} layers; the model has {}",
-                layers.len(),
+                "{what} for {layers} layers; the model has {}",
                 self.model.config.n_layers
             )));
         }
+        Ok((i, self.awaiting[i].prompt_len - 1))
+    }
+
+    /// Queues awaiting request `i`, whose first `n` tokens are in the cache, to generate from
+    /// its last prompt token.
+    fn admit(&mut self, i: usize, n: usize) {
+        let mut seq = self.awaiting.remove(i);
+        seq.computed = n;
+        self.waiting.push_front(seq);
+    }
+
+    /// Writes the KV that arrived for a reserved request (one buffer per layer, see
+    /// [`KvCache::read_tokens`]) and queues it to generate from its last prompt token.
+    pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
+        let (i, n) = self.awaiting_kv(id, layers.len(), "KV")?;
         for (l, data) in layers.iter().enumerate() {
             self.kv
                 .write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
         }
-        let mut seq = self.awaiting.remove(i);
-        seq.computed = n;
-        self.waiting.push_front(seq);
+        self.admit(i, n);
         Ok(())
     }
 
@@ -218,21 +229,7 @@ impl Engine {
     /// In-place transfers: admits a reserved request whose KV was written straight into its
     /// blocks, once every layer's bytes match the CRC32 the sender computed.
     pub fn admit_in_place(&mut self, id: u64, crcs: &[u32]) -> Result<()> {
-        let i = self
-            .awaiting
-            .iter()
-            .position(|s| s.id == id)
-            .ok_or_else(|| {
-                EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
-            })?;
-        let n = self.awaiting[i].prompt_len - 1;
-        if crcs.len() != self.model.config.n_layers {
-            return Err(EngineError::InvalidRequest(format!(
-                "checksums for {} layers; the model has {}",
-                crcs.len(),
-                self.model.config.n_layers
-            )));
-        }
+        let (i, n) = self.awaiting_kv(id, crcs.len(), "checksums")?;
         let mut buf = Vec::new();
         for (l, &want) in crcs.iter().enumerate() {
             buf.clear();
@@ -241,13 +238,12 @@ impl Engine {
             let got = crc32fast::hash(&buf);
             if got != want {
                 return Err(EngineError::InvalidRequest(format!(
-                    "layer {l} of request {id} was corrupted in transfer (CRC32 {got:08x}, sender                      says {want:08x})"
+                    "layer {l} of request {id} was corrupted in transfer \
+                     (CRC32 {got:08x}, the sender's {want:08x})"
                 )));
             }
         }
-        let mut seq = self.awaiting.remove(i);
-        seq.computed = n;
-        self.waiting.push_front(seq);
+        self.admit(i, n);
         Ok(())
     }
 

@@ -246,11 +246,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         let dim = dim as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(n, 256);
         let mut b = self.stream.launch_builder(self.f("embedding_bf16"));
         b.arg(table).arg(ids).arg(out).arg(&dim);
         // SAFETY: buffers sized by the caller: table covers every id, out holds n × dim.
@@ -268,11 +264,7 @@ impl Gpu {
         out: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
         let dim = dim as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows, 256);
         let mut b = self.stream.launch_builder(self.f("rms_norm"));
         b.arg(x).arg(weight).arg(out).arg(&dim).arg(&eps);
         // SAFETY: x and out hold rows × dim, weight dim.
@@ -404,11 +396,7 @@ impl Gpu {
     ) -> Result<Vec<u32>, KernelError> {
         let mut out = self.zeros::<u32>(rows)?;
         let v = vocab as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows, 1024);
         let mut b = self.stream.launch_builder(self.f("argmax_rows"));
         b.arg(logits).arg(&mut out).arg(&v);
         // SAFETY: logits hold rows × vocab.
@@ -430,11 +418,7 @@ impl Gpu {
     ) -> Result<Vec<u32>, KernelError> {
         let mut out = self.zeros::<u32>(rows)?;
         let (v, k) = (vocab as i32, top_k.clamp(1, 64) as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(rows, 1024);
         let mut b = self.stream.launch_builder(self.f("sample_top_k_top_p"));
         b.arg(logits)
             .arg(uniform)
@@ -448,65 +432,49 @@ impl Gpu {
         self.download(&out)
     }
 
-    /// One layer of a sequence's first `n` tokens from the paged pool into a staging buffer in
-    /// the transfer's wire layout (`[2, n, width]` f16).
-    #[allow(clippy::too_many_arguments)]
+    /// One layer of a sequence's first `span.n` tokens from the paged pool into a staging
+    /// buffer in the transfer's wire layout (`[2, n, width]` f16).
     pub fn pack_kv(
         &self,
         k_cache: &CudaSlice<u16>,
         v_cache: &CudaSlice<u16>,
         table: &CudaSlice<u32>,
         staging: &mut CudaSlice<u16>,
-        n: usize,
-        width: usize,
-        block_size: usize,
+        span: KvSpan,
     ) -> Result<(), KernelError> {
-        let (n32, w, bs) = (n as i32, width as i32, block_size as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let (n, w, bs) = span.args();
         let mut b = self.stream.launch_builder(self.f("pack_kv"));
         b.arg(k_cache)
             .arg(v_cache)
             .arg(table)
             .arg(staging)
-            .arg(&n32)
+            .arg(&n)
             .arg(&w)
             .arg(&bs);
         // SAFETY: the table covers n tokens; staging holds 2 × n × width.
-        launched(unsafe { b.launch(cfg) })
+        launched(unsafe { b.launch(per_row(span.n, 256)) })
     }
 
     /// The reverse of [`Gpu::pack_kv`].
-    #[allow(clippy::too_many_arguments)]
     pub fn unpack_kv(
         &self,
         k_cache: &mut CudaSlice<u16>,
         v_cache: &mut CudaSlice<u16>,
         table: &CudaSlice<u32>,
         staging: &CudaSlice<u16>,
-        n: usize,
-        width: usize,
-        block_size: usize,
+        span: KvSpan,
     ) -> Result<(), KernelError> {
-        let (n32, w, bs) = (n as i32, width as i32, block_size as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let (n, w, bs) = span.args();
         let mut b = self.stream.launch_builder(self.f("unpack_kv"));
         b.arg(k_cache)
             .arg(v_cache)
             .arg(table)
             .arg(staging)
-            .arg(&n32)
+            .arg(&n)
             .arg(&w)
             .arg(&bs);
         // SAFETY: as for pack_kv.
-        launched(unsafe { b.launch(cfg) })
+        launched(unsafe { b.launch(per_row(span.n, 256)) })
     }
 
     /// Rows of keys and values (f32, `[slots, width]`) into their cache slots as f16.
@@ -522,15 +490,37 @@ impl Gpu {
         width: usize,
     ) -> Result<(), KernelError> {
         let w = width as i32;
-        let cfg = LaunchConfig {
-            grid_dim: (n as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let cfg = per_row(n, 256);
         let mut b = self.stream.launch_builder(self.f("store_kv"));
         b.arg(k_cache).arg(v_cache).arg(slots).arg(k).arg(v).arg(&w);
         // SAFETY: every slot lies in the caches; k and v hold n × width.
         launched(unsafe { b.launch(cfg) })
+    }
+}
+
+/// A sequence's span of the paged pool for [`Gpu::pack_kv`] / [`Gpu::unpack_kv`].
+#[derive(Debug, Clone, Copy)]
+pub struct KvSpan {
+    /// Tokens.
+    pub n: usize,
+    /// Values per token (KV heads × head dim).
+    pub width: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl KvSpan {
+    fn args(&self) -> (i32, i32, i32) {
+        (self.n as i32, self.width as i32, self.block_size as i32)
+    }
+}
+
+/// One thread block per row.
+fn per_row(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n as u32, 1, 1),
+        block_dim: (threads, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 

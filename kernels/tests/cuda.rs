@@ -7,7 +7,7 @@
 #![cfg(feature = "cuda")]
 
 use half::f16;
-use kernels::cuda::{AttentionShape, Gpu};
+use kernels::cuda::{AttentionShape, Gpu, KvSpan};
 use kernels::{ops, quant, DType, PagedKv, Query, RopeStyle};
 
 struct Rng(u64);
@@ -225,8 +225,12 @@ fn kv_pack_unpack_store_and_sampling_are_exact() {
         g.upload(&table).unwrap(),
     );
     let mut staging = g.zeros::<u16>(2 * n * width).unwrap();
-    g.pack_kv(&dk, &dv, &dt, &mut staging, n, width, bs)
-        .unwrap();
+    let span = KvSpan {
+        n,
+        width,
+        block_size: bs,
+    };
+    g.pack_kv(&dk, &dv, &dt, &mut staging, span).unwrap();
     assert_eq!(
         g.download(&staging).unwrap(),
         want,
@@ -236,8 +240,7 @@ fn kv_pack_unpack_store_and_sampling_are_exact() {
         g.zeros::<u16>(k.len()).unwrap(),
         g.zeros::<u16>(v.len()).unwrap(),
     );
-    g.unpack_kv(&mut k2, &mut v2, &dt, &staging, n, width, bs)
-        .unwrap();
+    g.unpack_kv(&mut k2, &mut v2, &dt, &staging, span).unwrap();
     let (k2, v2) = (g.download(&k2).unwrap(), g.download(&v2).unwrap());
     for p in 0..n {
         let s = slot(p) * width..(slot(p) + 1) * width;

@@ -373,18 +373,34 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
 
     /// Waits for the receiver's verdict on `request_id`: the bytes delivered, or why not.
     pub async fn outcome(&mut self, request_id: u64) -> Result<u64, TransferError> {
+        self.until(request_id, |e| match e {
+            ClientEvent::Delivered {
+                request_id: id,
+                bytes,
+            } if id == request_id => Some(bytes),
+            _ => None,
+        })
+        .await
+    }
+
+    /// Reads until `pick` accepts an event, or `request_id` fails, or the connection closes.
+    async fn until<T>(
+        &mut self,
+        request_id: u64,
+        pick: impl Fn(ClientEvent) -> Option<T>,
+    ) -> Result<T, TransferError> {
         loop {
             match self.next_event().await {
-                ClientEvent::Delivered {
-                    request_id: id,
-                    bytes,
-                } if id == request_id => return Ok(bytes),
                 ClientEvent::Failed {
                     request_id: id,
                     error,
                 } if id == request_id => return Err(error),
                 ClientEvent::Closed(e) => return Err(e),
-                _ => {}
+                other => {
+                    if let Some(t) = pick(other) {
+                        return Ok(t);
+                    }
+                }
             }
         }
     }
@@ -422,20 +438,14 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
         self.core
             .begin(Instant::now(), request_id, n_tokens, width)?;
         self.transmit().await;
-        loop {
-            match self.next_event().await {
-                ClientEvent::Granted {
-                    request_id: id,
-                    blocks,
-                } if id == request_id => return Ok(blocks),
-                ClientEvent::Failed {
-                    request_id: id,
-                    error,
-                } if id == request_id => return Err(error),
-                ClientEvent::Closed(e) => return Err(e),
-                _ => {}
-            }
-        }
+        self.until(request_id, |e| match e {
+            ClientEvent::Granted {
+                request_id: id,
+                blocks,
+            } if id == request_id => Some(blocks),
+            _ => None,
+        })
+        .await
     }
 
     /// In-place transfers: layer `layer` is in the receiver's memory; tells it with its CRC.
