@@ -65,27 +65,23 @@ impl QuicKvReceiver {
 
     /// Accepts connections and their streams forever, handing complete transfers to `tx`.
     pub async fn serve(self, local: Local, tx: mpsc::Sender<KvEvent>, timeouts: Timeouts) {
-        let pool = wire::BufferPool::default();
+        let receiving = wire::Receiving {
+            local,
+            transport: Transport::Quic,
+            tx,
+            pool: wire::BufferPool::default(),
+            timeouts,
+        };
         while let Some(incoming) = self.endpoint.accept().await {
-            let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
+            let receiving = receiving.clone();
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
                 let peer = conn.remote_address();
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-                    let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
+                    let receiving = receiving.clone();
                     tokio::spawn(async move {
-                        if let Err(e) = wire::serve_stream(
-                            &mut recv,
-                            &mut send,
-                            &local,
-                            Transport::Quic,
-                            &tx,
-                            &pool,
-                            timeouts,
-                            None,
-                        )
-                        .await
-                        {
+                        let served = wire::serve_stream(&mut recv, &mut send, &receiving, None);
+                        if let Err(e) = served.await {
                             tracing::warn!(%peer, "KV stream (quic) closed: {e}");
                         }
                         let _ = send.finish();

@@ -80,28 +80,25 @@ pub async fn serve(
     tx: mpsc::Sender<KvEvent>,
     timeouts: Timeouts,
 ) {
-    let pool = wire::BufferPool::default();
+    let receiving = wire::Receiving {
+        local,
+        transport: Transport::Tcp,
+        tx,
+        pool: wire::BufferPool::default(),
+        timeouts,
+    };
     loop {
         let Ok((stream, peer)) = listener.accept().await else {
             continue;
         };
-        let (local, tx, pool) = (local.clone(), tx.clone(), pool.clone());
+        let receiving = receiving.clone();
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let (r, mut w) = stream.into_split();
             // Small: control frames are buffered, but a layer larger than this is read straight
             // from the socket into its pooled buffer instead of through a second copy.
             let mut r = BufReader::with_capacity(64 << 10, r);
-            let served = wire::serve_stream(
-                &mut r,
-                &mut w,
-                &local,
-                Transport::Tcp,
-                &tx,
-                &pool,
-                timeouts,
-                None,
-            );
+            let served = wire::serve_stream(&mut r, &mut w, &receiving, None);
             if let Err(e) = served.await {
                 tracing::warn!(%peer, "KV connection (tcp) closed: {e}");
             }

@@ -553,6 +553,22 @@ pub enum KvEvent {
     },
 }
 
+/// What the connections of one KV listener share: this end's identity, the transport's name,
+/// where arriving KV goes, the buffer pool and the deadlines.
+#[derive(Debug, Clone)]
+pub struct Receiving {
+    /// This end.
+    pub local: Local,
+    /// The listener's transport (reported with each transfer).
+    pub transport: crate::Transport,
+    /// The decode worker's inbox.
+    pub tx: mpsc::Sender<KvEvent>,
+    /// Layer buffers.
+    pub pool: BufferPool,
+    /// Handshake and transfer deadlines.
+    pub timeouts: Timeouts,
+}
+
 /// What an in-place (RDMA) transport adds to the server side of its side channel.
 pub trait InPlaceSide: Send {
     /// Sets the data path up from the sender's setup blob (after the handshake); returns this
@@ -570,13 +586,17 @@ pub trait InPlaceSide: Send {
 pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     r: &mut R,
     w: &mut W,
-    local: &Local,
-    transport: crate::Transport,
-    tx: &mpsc::Sender<KvEvent>,
-    pool: &BufferPool,
-    timeouts: Timeouts,
+    receiving: &Receiving,
     mut in_place: Option<&mut dyn InPlaceSide>,
 ) -> Result<(), TransferError> {
+    let Receiving {
+        local,
+        transport,
+        tx,
+        pool,
+        timeouts,
+    } = receiving;
+    let (transport, timeouts) = (*transport, *timeouts);
     let mut nonce = [0u8; 16];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
         .map_err(|_| TransferError::Protocol("no system randomness".into()))?;

@@ -300,130 +300,6 @@ impl PoolPlan {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn plan(pool: Pool) -> PoolPlan {
-        PoolPlan::new(Scaling {
-            pool,
-            target: Duration::from_millis(500),
-            min: 1,
-            max: 4,
-            initial: 1,
-            tick: Duration::from_millis(100),
-            cooldown: Duration::from_secs(2),
-            window: Duration::from_secs(5),
-        })
-    }
-
-    fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -> Inputs {
-        Inputs {
-            live,
-            starting: 0,
-            p90: p90_ms.map(Duration::from_millis),
-            predicted: predicted_ms.map(Duration::from_millis),
-            queued,
-        }
-    }
-
-    #[test]
-    fn the_queue_scales_up_before_the_window_shows_a_miss_and_down_only_after_calm() {
-        let t0 = Instant::now();
-        let mut p = plan(Pool::Prefill);
-        // The window still looks fine, but the queue predicts 1.4 s: up to 3 now.
-        let d = p.decide(t0, inp(1, Some(200), Some(1400), 9000));
-        assert_eq!((d.desired, d.action), (3, "up"), "{}", d.why);
-        assert!(d.why.contains("predicted 1400 ms"), "{}", d.why);
-        // While the new replicas start, no further scale-up.
-        let mut i = inp(1, Some(900), Some(900), 9000);
-        i.starting = 2;
-        assert_eq!(p.decide(t0 + Duration::from_millis(100), i).action, "hold");
-        // Within target: hold.
-        let d = p.decide(
-            t0 + Duration::from_secs(1),
-            inp(3, Some(400), Some(300), 10),
-        );
-        assert_eq!((d.desired, d.action), (3, "hold"));
-        // Calm (below half the target, nothing queued) must last the cooldown.
-        let t1 = t0 + Duration::from_secs(3);
-        assert_eq!(p.decide(t1, inp(3, Some(100), None, 0)).action, "hold");
-        assert_eq!(
-            p.decide(t1 + Duration::from_millis(1900), inp(3, None, None, 0))
-                .action,
-            "hold"
-        );
-        let d = p.decide(t1 + Duration::from_secs(2), inp(3, None, None, 0));
-        assert_eq!((d.desired, d.action), (2, "down"));
-        // One at a time, a cooldown apart, never below the minimum.
-        assert_eq!(
-            p.decide(t1 + Duration::from_secs(3), inp(2, None, None, 0))
-                .action,
-            "hold"
-        );
-        assert_eq!(
-            p.decide(t1 + Duration::from_secs(4), inp(2, None, None, 0))
-                .desired,
-            1
-        );
-        assert_eq!(
-            p.decide(t1 + Duration::from_secs(9), inp(1, None, None, 0))
-                .desired,
-            1
-        );
-    }
-
-    #[test]
-    fn a_stale_window_after_a_scale_up_does_not_scale_up_again() {
-        let t0 = Instant::now();
-        let mut p = plan(Pool::Prefill);
-        assert_eq!(p.decide(t0, inp(1, Some(900), None, 0)).desired, 2);
-        // The new replica joined; the window still shows 900 ms for a while: hold.
-        let d = p.decide(t0 + Duration::from_secs(2), inp(2, Some(900), Some(200), 0));
-        assert_eq!((d.desired, d.action), (2, "hold"), "{}", d.why);
-        // Unless the queue itself predicts a miss.
-        let d = p.decide(
-            t0 + Duration::from_secs(3),
-            inp(2, Some(900), Some(1200), 5000),
-        );
-        assert_eq!((d.desired, d.action), (5.min(4), "up"), "{}", d.why);
-    }
-
-    #[test]
-    fn pressure_is_capped_at_max_and_a_lost_replica_is_wanted_back() {
-        let t0 = Instant::now();
-        let mut p = plan(Pool::Decode);
-        let d = p.decide(t0, inp(1, Some(5000), None, 3));
-        assert_eq!(d.desired, 4);
-        // A replica crashed: the desired count stays, so the actuator replaces it.
-        let d = p.decide(t0 + Duration::from_secs(1), inp(3, Some(450), None, 0));
-        assert_eq!((d.desired, d.action), (4, "hold"));
-        // A queue with a fine window is not calm: no scale-down.
-        let t = t0 + Duration::from_secs(10);
-        assert_eq!(p.decide(t, inp(4, Some(10), None, 2)).action, "hold");
-        assert_eq!(
-            p.decide(t + Duration::from_secs(5), inp(4, Some(10), None, 2))
-                .action,
-            "hold"
-        );
-    }
-
-    #[test]
-    fn windows_forget_old_latencies() {
-        let t0 = Instant::now();
-        let mut w = Window::new(Duration::from_secs(1));
-        for i in 0..100 {
-            w.record(t0, Duration::from_millis(if i < 90 { 10 } else { 1000 }));
-        }
-        let (p90, n) = w.quantile(t0, 0.9);
-        assert_eq!(n, 100);
-        assert!(p90.unwrap() <= Duration::from_millis(11));
-        let (p99, _) = w.quantile(t0, 0.99);
-        assert!(p99.unwrap() >= Duration::from_millis(990));
-        assert_eq!(w.quantile(t0 + Duration::from_secs(2), 0.9), (None, 0));
-    }
-}
-
 /// Runs the planner for `plans` forever, one decision per pool per tick, handing each desired
 /// count to `actuator`.
 pub async fn run(
@@ -533,5 +409,129 @@ pub async fn run(
             starting.insert(name, s);
         }
         tokio::time::sleep(tick).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(pool: Pool) -> PoolPlan {
+        PoolPlan::new(Scaling {
+            pool,
+            target: Duration::from_millis(500),
+            min: 1,
+            max: 4,
+            initial: 1,
+            tick: Duration::from_millis(100),
+            cooldown: Duration::from_secs(2),
+            window: Duration::from_secs(5),
+        })
+    }
+
+    fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -> Inputs {
+        Inputs {
+            live,
+            starting: 0,
+            p90: p90_ms.map(Duration::from_millis),
+            predicted: predicted_ms.map(Duration::from_millis),
+            queued,
+        }
+    }
+
+    #[test]
+    fn the_queue_scales_up_before_the_window_shows_a_miss_and_down_only_after_calm() {
+        let t0 = Instant::now();
+        let mut p = plan(Pool::Prefill);
+        // The window still looks fine, but the queue predicts 1.4 s: up to 3 now.
+        let d = p.decide(t0, inp(1, Some(200), Some(1400), 9000));
+        assert_eq!((d.desired, d.action), (3, "up"), "{}", d.why);
+        assert!(d.why.contains("predicted 1400 ms"), "{}", d.why);
+        // While the new replicas start, no further scale-up.
+        let mut i = inp(1, Some(900), Some(900), 9000);
+        i.starting = 2;
+        assert_eq!(p.decide(t0 + Duration::from_millis(100), i).action, "hold");
+        // Within target: hold.
+        let d = p.decide(
+            t0 + Duration::from_secs(1),
+            inp(3, Some(400), Some(300), 10),
+        );
+        assert_eq!((d.desired, d.action), (3, "hold"));
+        // Calm (below half the target, nothing queued) must last the cooldown.
+        let t1 = t0 + Duration::from_secs(3);
+        assert_eq!(p.decide(t1, inp(3, Some(100), None, 0)).action, "hold");
+        assert_eq!(
+            p.decide(t1 + Duration::from_millis(1900), inp(3, None, None, 0))
+                .action,
+            "hold"
+        );
+        let d = p.decide(t1 + Duration::from_secs(2), inp(3, None, None, 0));
+        assert_eq!((d.desired, d.action), (2, "down"));
+        // One at a time, a cooldown apart, never below the minimum.
+        assert_eq!(
+            p.decide(t1 + Duration::from_secs(3), inp(2, None, None, 0))
+                .action,
+            "hold"
+        );
+        assert_eq!(
+            p.decide(t1 + Duration::from_secs(4), inp(2, None, None, 0))
+                .desired,
+            1
+        );
+        assert_eq!(
+            p.decide(t1 + Duration::from_secs(9), inp(1, None, None, 0))
+                .desired,
+            1
+        );
+    }
+
+    #[test]
+    fn a_stale_window_after_a_scale_up_does_not_scale_up_again() {
+        let t0 = Instant::now();
+        let mut p = plan(Pool::Prefill);
+        assert_eq!(p.decide(t0, inp(1, Some(900), None, 0)).desired, 2);
+        // The new replica joined; the window still shows 900 ms for a while: hold.
+        let d = p.decide(t0 + Duration::from_secs(2), inp(2, Some(900), Some(200), 0));
+        assert_eq!((d.desired, d.action), (2, "hold"), "{}", d.why);
+        // Unless the queue itself predicts a miss.
+        let d = p.decide(
+            t0 + Duration::from_secs(3),
+            inp(2, Some(900), Some(1200), 5000),
+        );
+        assert_eq!((d.desired, d.action), (4, "up"), "{}", d.why);
+    }
+
+    #[test]
+    fn pressure_is_capped_at_max_and_a_lost_replica_is_wanted_back() {
+        let t0 = Instant::now();
+        let mut p = plan(Pool::Decode);
+        let d = p.decide(t0, inp(1, Some(5000), None, 3));
+        assert_eq!(d.desired, 4);
+        // A replica crashed: the desired count stays, so the actuator replaces it.
+        let d = p.decide(t0 + Duration::from_secs(1), inp(3, Some(450), None, 0));
+        assert_eq!((d.desired, d.action), (4, "hold"));
+        // A queue with a fine window is not calm: no scale-down.
+        let t = t0 + Duration::from_secs(10);
+        assert_eq!(p.decide(t, inp(4, Some(10), None, 2)).action, "hold");
+        assert_eq!(
+            p.decide(t + Duration::from_secs(5), inp(4, Some(10), None, 2))
+                .action,
+            "hold"
+        );
+    }
+
+    #[test]
+    fn windows_forget_old_latencies() {
+        let t0 = Instant::now();
+        let mut w = Window::new(Duration::from_secs(1));
+        for i in 0..100 {
+            w.record(t0, Duration::from_millis(if i < 90 { 10 } else { 1000 }));
+        }
+        let (p90, n) = w.quantile(t0, 0.9);
+        assert_eq!(n, 100);
+        assert!(p90.unwrap() <= Duration::from_millis(11));
+        let (p99, _) = w.quantile(t0, 0.99);
+        assert!(p99.unwrap() >= Duration::from_millis(990));
+        assert_eq!(w.quantile(t0 + Duration::from_secs(2), 0.9), (None, 0));
     }
 }

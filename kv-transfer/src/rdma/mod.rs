@@ -163,13 +163,18 @@ impl RdmaKvReceiver {
 
     /// Accepts side-channel connections forever, each with its own queue pair.
     pub async fn serve(self, local: Local, tx: mpsc::Sender<KvEvent>, timeouts: Timeouts) {
-        let pool = wire::BufferPool::default();
+        let receiving = wire::Receiving {
+            local,
+            transport: Transport::Rdma,
+            tx,
+            pool: wire::BufferPool::default(),
+            timeouts,
+        };
         loop {
             let Ok((stream, peer)) = self.listener.accept().await else {
                 continue;
             };
-            let (local, tx, pool, dev) =
-                (local.clone(), tx.clone(), pool.clone(), self.dev.clone());
+            let (receiving, dev) = (receiving.clone(), self.dev.clone());
             tokio::spawn(async move {
                 let _ = stream.set_nodelay(true);
                 let (r, mut w) = stream.into_split();
@@ -179,16 +184,7 @@ impl RdmaKvReceiver {
                     qp: None,
                     imms: Vec::new(),
                 };
-                let served = wire::serve_stream(
-                    &mut r,
-                    &mut w,
-                    &local,
-                    Transport::Rdma,
-                    &tx,
-                    &pool,
-                    timeouts,
-                    Some(&mut side),
-                );
+                let served = wire::serve_stream(&mut r, &mut w, &receiving, Some(&mut side));
                 if let Err(e) = served.await {
                     tracing::warn!(%peer, "KV connection (rdma) closed: {e}");
                 }

@@ -87,10 +87,8 @@ impl Context {
         let ctx = null(ctx, "ibv_open_device")?;
         let mut port = ffi::ibv_port_attr::default();
         // SAFETY: `ctx` is open; `port` is a valid out-pointer of the layout libibverbs expects.
-        errno(
-            unsafe { ffi::ibv_query_port(ctx, PORT, &mut port as *mut _ as *mut _) },
-            "ibv_query_port",
-        )?;
+        let rc = unsafe { ffi::ibv_query_port(ctx, PORT, &mut port as *mut _ as *mut _) };
+        errno(rc, "ibv_query_port")?;
         let mut gid = ffi::ibv_gid::default();
         // SAFETY: as above.
         let gid = match unsafe { ffi::ibv_query_gid(ctx, PORT, gid_index as i32, &mut gid) } {
