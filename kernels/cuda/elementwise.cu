@@ -61,3 +61,9 @@ extern "C" __global__ void f32_to_bf16_rows(const float* x, bf16_t* out, unsigne
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
     if (i < n) out[i] = f32_to_bf16(x[i]);
 }
+
+// x += y, elementwise (residual connections).
+extern "C" __global__ void add_into(float* x, const float* y, unsigned long long n) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i < n) x[i] += y[i];
+}

@@ -5,8 +5,9 @@
 //! compile every kernel for sm_80 and sm_90.
 //!
 //! What is here: every kernel of the forward pass and its typed launch wrapper, tested against
-//! the CPU kernels on a GPU (`kernels/tests/cuda.rs`). What is not yet: the model forward on
-//! the device (weights resident in bf16, GEMMs through cuBLAS) wired into `Backend`.
+//! the CPU kernels on a GPU (`kernels/tests/cuda.rs`), and the Llama forward built from them
+//! ([`llama`]). What is not yet: that forward behind the engine's scheduler (a device KV pool
+//! in place of the host one).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -17,6 +18,8 @@ use cudarc::driver::{
 use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::KernelError;
+
+pub mod llama;
 
 const COMMON: &str = include_str!("../cuda/common.cuh");
 
@@ -39,6 +42,7 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
             "rope",
             "silu_mul",
             "add",
+            "add_into",
             "f32_to_bf16_rows",
         ],
     ),
@@ -48,7 +52,7 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
     ("sampling", &["argmax_rows", "sample_top_k_top_p"]),
 ];
 
-fn err(what: &str, e: impl std::fmt::Display) -> KernelError {
+pub(crate) fn err(what: &str, e: impl std::fmt::Display) -> KernelError {
     KernelError::Unavailable(format!("CUDA: {what}: {e}"))
 }
 
@@ -299,6 +303,34 @@ impl Gpu {
             .arg(&neox);
         // SAFETY: x holds tokens × n_heads × head_dim, positions tokens.
         launched(unsafe { b.launch(cfg) })
+    }
+
+    /// `x += y` over `n` values.
+    pub fn add_into(
+        &self,
+        x: &mut CudaSlice<f32>,
+        y: &CudaSlice<f32>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(self.f("add_into"));
+        b.arg(x).arg(y).arg(&n64);
+        // SAFETY: both hold n values.
+        launched(unsafe { b.launch(grid(n as u32, 256)) })
+    }
+
+    /// `n` f32 values to bf16.
+    pub fn to_bf16(
+        &self,
+        x: &CudaSlice<f32>,
+        out: &mut CudaSlice<u16>,
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let n64 = n as u64;
+        let mut b = self.stream.launch_builder(self.f("f32_to_bf16_rows"));
+        b.arg(x).arg(out).arg(&n64);
+        // SAFETY: x and out hold n values.
+        launched(unsafe { b.launch(grid(n as u32, 256)) })
     }
 
     /// `gate = silu(gate) * up` over `n` values.

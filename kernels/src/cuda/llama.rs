@@ -1,0 +1,310 @@
+//! The Llama forward pass on one GPU, from the kernels of `kernels/cuda/` and cuBLAS: weights
+//! resident in bf16 (GGUF blocks dequantised on the device at load), bf16 GEMMs with f32
+//! accumulation and f32 outputs, f32 activations, an f16 paged KV pool on the device with the
+//! same block numbering as the engine's. Checked against the CPU engine by the GPU suite
+//! (`tests/tests/gpu_model.rs`); not yet behind the engine's scheduler.
+
+use std::sync::Arc;
+
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+
+use super::{err, AttentionShape, Gpu};
+use crate::{DType, KernelError, Matrix, RopeStyle};
+
+/// The model's dimensions.
+#[derive(Debug, Clone, Copy)]
+pub struct LlamaShape {
+    /// Hidden size.
+    pub dim: usize,
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// KV heads.
+    pub n_kv_heads: usize,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Feed-forward width.
+    pub hidden: usize,
+    /// Vocabulary.
+    pub vocab: usize,
+    /// RMSNorm epsilon.
+    pub eps: f32,
+    /// RoPE base.
+    pub rope_base: f32,
+    /// RoPE pair layout.
+    pub rope_style: RopeStyle,
+}
+
+/// One block's weights, borrowed from the host model.
+pub struct LayerRefs<'a> {
+    /// RMSNorm before attention.
+    pub attn_norm: &'a [f32],
+    /// Projections.
+    pub wq: &'a Matrix,
+    /// Key projection.
+    pub wk: &'a Matrix,
+    /// Value projection.
+    pub wv: &'a Matrix,
+    /// Output projection.
+    pub wo: &'a Matrix,
+    /// RMSNorm before the feed-forward block.
+    pub ffn_norm: &'a [f32],
+    /// SwiGLU gate.
+    pub w_gate: &'a Matrix,
+    /// SwiGLU up.
+    pub w_up: &'a Matrix,
+    /// Down projection.
+    pub w_down: &'a Matrix,
+}
+
+/// A weight matrix on the device: bf16, `[rows, cols]` row-major.
+struct DevMatrix {
+    w: CudaSlice<u16>,
+    rows: usize,
+    cols: usize,
+}
+
+struct DevLayer {
+    attn_norm: CudaSlice<f32>,
+    wq: DevMatrix,
+    wk: DevMatrix,
+    wv: DevMatrix,
+    wo: DevMatrix,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: DevMatrix,
+    w_up: DevMatrix,
+    w_down: DevMatrix,
+}
+
+/// One step's batch: every token with its position and cache slot, and for each token its
+/// sequence's row in `block_tables` (`[n_seqs, max_blocks]`).
+pub struct GpuBatch<'a> {
+    /// Token ids.
+    pub tokens: &'a [u32],
+    /// Their positions.
+    pub positions: &'a [u32],
+    /// Their cache slots (block × block_size + offset).
+    pub slots: &'a [u32],
+    /// Their sequence's index into `block_tables`.
+    pub seq: &'a [u32],
+    /// Block tables, `max_blocks` entries a sequence.
+    pub block_tables: &'a [u32],
+    /// Entries per block table.
+    pub max_blocks: usize,
+}
+
+/// A Llama model resident on one GPU, with its KV pool.
+pub struct GpuLlama {
+    gpu: Arc<Gpu>,
+    blas: CudaBlas,
+    shape: LlamaShape,
+    embed: CudaSlice<u16>,
+    layers: Vec<DevLayer>,
+    norm: CudaSlice<f32>,
+    output: DevMatrix,
+    k: Vec<CudaSlice<u16>>,
+    v: Vec<CudaSlice<u16>>,
+    block_size: usize,
+}
+
+fn to_bf16(x: f32) -> u16 {
+    half::bf16::from_f32(x).to_bits()
+}
+
+impl GpuLlama {
+    /// Uploads the weights (GGUF blocks dequantised on the device, other formats converted to
+    /// bf16 on the host) and allocates a KV pool of `num_blocks` blocks of `block_size` tokens.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        gpu: Arc<Gpu>,
+        shape: LlamaShape,
+        embed: &Matrix,
+        layers: &[LayerRefs<'_>],
+        norm: &[f32],
+        output: &Matrix,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<GpuLlama, KernelError> {
+        let blas = CudaBlas::new(gpu.stream().clone()).map_err(|e| err("cuBLAS", e))?;
+        let m = |w: &Matrix| upload_matrix(&gpu, w);
+        let v = |x: &[f32]| gpu.upload(x);
+        let mut dev = Vec::with_capacity(layers.len());
+        for l in layers {
+            dev.push(DevLayer {
+                attn_norm: v(l.attn_norm)?,
+                wq: m(l.wq)?,
+                wk: m(l.wk)?,
+                wv: m(l.wv)?,
+                wo: m(l.wo)?,
+                ffn_norm: v(l.ffn_norm)?,
+                w_gate: m(l.w_gate)?,
+                w_up: m(l.w_up)?,
+                w_down: m(l.w_down)?,
+            });
+        }
+        let width = shape.n_kv_heads * shape.head_dim;
+        let pool = num_blocks * block_size * width;
+        let mut k = Vec::with_capacity(shape.n_layers);
+        let mut vv = Vec::with_capacity(shape.n_layers);
+        for _ in 0..shape.n_layers {
+            k.push(gpu.zeros::<u16>(pool)?);
+            vv.push(gpu.zeros::<u16>(pool)?);
+        }
+        Ok(GpuLlama {
+            embed: m(embed)?.w,
+            norm: v(norm)?,
+            output: m(output)?,
+            layers: dev,
+            k,
+            v: vv,
+            gpu,
+            blas,
+            shape,
+            block_size,
+        })
+    }
+
+    /// `y[m, rows] = x[m, cols] · W[rows, cols]^T` (x converted to bf16 first, f32 out).
+    fn linear(
+        &self,
+        x: &CudaSlice<f32>,
+        m: usize,
+        w: &DevMatrix,
+        y: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let mut xb = self.gpu.zeros::<u16>(m * w.cols)?;
+        self.gpu.to_bf16(x, &mut xb, m * w.cols)?;
+        let stream = self.gpu.stream();
+        let (alpha, beta) = (1f32, 0f32);
+        let (a, _ra) = w.w.device_ptr(stream);
+        let (b, _rb) = xb.device_ptr(stream);
+        let (c, _rc) = y.device_ptr_mut(stream);
+        // Row-major y = x W^T is column-major y^T = W x^T: op(A) = W^T (A = W col-major
+        // [cols, rows]), B = x^T (col-major [cols, m]).
+        // SAFETY: W holds rows × cols, xb m × cols, y m × rows, all on this stream.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                blas_sys::cublasOperation_t::CUBLAS_OP_T,
+                blas_sys::cublasOperation_t::CUBLAS_OP_N,
+                w.rows as i32,
+                m as i32,
+                w.cols as i32,
+                (&alpha) as *const f32 as *const _,
+                a as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                w.cols as i32,
+                b as *const _,
+                blas_sys::cudaDataType_t::CUDA_R_16BF,
+                w.cols as i32,
+                (&beta) as *const f32 as *const _,
+                c as *mut _,
+                blas_sys::cudaDataType_t::CUDA_R_32F,
+                w.rows as i32,
+                blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| err("cublasGemmEx", format!("{e:?}")))
+    }
+
+    /// Runs one step and returns the logits of every token of the batch (`[tokens, vocab]`).
+    pub fn forward(&mut self, b: &GpuBatch<'_>) -> Result<Vec<f32>, KernelError> {
+        let s = self.shape;
+        let g = self.gpu.clone();
+        let t = b.tokens.len();
+        let (qd, kvw) = (s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim);
+        let ids = g.upload(b.tokens)?;
+        let pos = g.upload(b.positions)?;
+        let slots = g.upload(b.slots)?;
+        let seq = g.upload(b.seq)?;
+        let tables = g.upload(b.block_tables)?;
+        let mut x = g.zeros::<f32>(t * s.dim)?;
+        g.embedding(&self.embed, &ids, t, s.dim, &mut x)?;
+        let mut h = g.zeros::<f32>(t * s.dim)?;
+        let (mut q, mut k, mut v) = (
+            g.zeros::<f32>(t * qd)?,
+            g.zeros::<f32>(t * kvw)?,
+            g.zeros::<f32>(t * kvw)?,
+        );
+        let mut att = g.zeros::<f32>(t * qd)?;
+        let mut o = g.zeros::<f32>(t * s.dim)?;
+        let (mut gate, mut up) = (g.zeros::<f32>(t * s.hidden)?, g.zeros::<f32>(t * s.hidden)?);
+        let shape = AttentionShape {
+            n_heads: s.n_heads,
+            n_kv_heads: s.n_kv_heads,
+            head_dim: s.head_dim,
+            block_size: self.block_size,
+            max_blocks: b.max_blocks,
+            scale: 1.0 / (s.head_dim as f32).sqrt(),
+        };
+        for l in 0..s.n_layers {
+            let w = &self.layers[l];
+            g.rms_norm(&x, &w.attn_norm, t, s.dim, s.eps, &mut h)?;
+            self.linear(&h, t, &w.wq, &mut q)?;
+            self.linear(&h, t, &w.wk, &mut k)?;
+            self.linear(&h, t, &w.wv, &mut v)?;
+            g.rope(
+                &mut q,
+                &pos,
+                t,
+                s.n_heads,
+                s.head_dim,
+                s.rope_base,
+                s.rope_style,
+            )?;
+            g.rope(
+                &mut k,
+                &pos,
+                t,
+                s.n_kv_heads,
+                s.head_dim,
+                s.rope_base,
+                s.rope_style,
+            )?;
+            let (kc, vc) = (&mut self.k[l], &mut self.v[l]);
+            g.store_kv(kc, vc, &slots, &k, &v, t, kvw)?;
+            g.paged_attention(
+                &q, &mut att, &self.k[l], &self.v[l], &tables, &seq, &pos, t, shape,
+            )?;
+            self.linear(&att, t, &w.wo, &mut o)?;
+            g.add_into(&mut x, &o, t * s.dim)?;
+            g.rms_norm(&x, &w.ffn_norm, t, s.dim, s.eps, &mut h)?;
+            self.linear(&h, t, &w.w_gate, &mut gate)?;
+            self.linear(&h, t, &w.w_up, &mut up)?;
+            g.silu_mul(&mut gate, &up, t * s.hidden)?;
+            self.linear(&gate, t, &w.w_down, &mut o)?;
+            g.add_into(&mut x, &o, t * s.dim)?;
+        }
+        g.rms_norm(&x, &self.norm, t, s.dim, s.eps, &mut h)?;
+        let mut logits = g.zeros::<f32>(t * s.vocab)?;
+        self.linear(&h, t, &self.output, &mut logits)?;
+        g.download(&logits)
+    }
+}
+
+fn upload_matrix(gpu: &Gpu, w: &Matrix) -> Result<DevMatrix, KernelError> {
+    let (rows, cols) = (w.rows(), w.cols());
+    let data = match w.dtype() {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+            let bytes = gpu.upload(w.bytes())?;
+            gpu.dequantize(w.dtype(), &bytes, rows * cols / 32)?
+        }
+        _ => {
+            let mut row = vec![0f32; cols];
+            let mut host = Vec::with_capacity(rows * cols);
+            for r in 0..rows {
+                w.dequantize_row(r, &mut row);
+                host.extend(row.iter().map(|&x| to_bf16(x)));
+            }
+            gpu.upload(&host)?
+        }
+    };
+    Ok(DevMatrix {
+        w: data,
+        rows,
+        cols,
+    })
+}

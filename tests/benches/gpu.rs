@@ -1,0 +1,184 @@
+//! GPU benchmark (issue 6): prefill tokens/s and decode step time at batch 1, 16 and 64 of
+//! the GPU forward, beside the card's memory-bandwidth limit (bf16 weights + KV read per step ÷
+//! the measured device copy bandwidth). Needs `--features cuda` and a GPU:
+//!
+//! ```sh
+//! cargo bench -p tandem-tests --features cuda --bench gpu
+//! ```
+//!
+//! Each step also copies every row's logits back to the host (as the forward returns them),
+//! which the timings include.
+
+#[cfg(not(feature = "cuda"))]
+fn main() {
+    println!("built without `--features cuda`: nothing to measure");
+}
+
+#[cfg(feature = "cuda")]
+fn main() {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use kernels::cuda::llama::{GpuBatch, GpuLlama, LayerRefs, LlamaShape};
+    use kernels::cuda::Gpu;
+
+    let gpu = match Gpu::new(0) {
+        Ok(g) => Arc::new(g),
+        Err(e) => {
+            println!("no GPU: {e}");
+            return;
+        }
+    };
+    let (model, _) = tandem_tests::load_model();
+    let c = &model.config;
+    let w = &model.weights;
+    let layers: Vec<LayerRefs<'_>> = w
+        .layers
+        .iter()
+        .map(|l| LayerRefs {
+            attn_norm: &l.attn_norm,
+            wq: &l.wq,
+            wk: &l.wk,
+            wv: &l.wv,
+            wo: &l.wo,
+            ffn_norm: &l.ffn_norm,
+            w_gate: &l.w_gate,
+            w_up: &l.w_up,
+            w_down: &l.w_down,
+        })
+        .collect();
+    let shape = LlamaShape {
+        dim: c.dim,
+        n_layers: c.n_layers,
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        hidden: c.ffn_dim,
+        vocab: c.vocab_size,
+        eps: c.rms_eps,
+        rope_base: c.rope_base,
+        rope_style: c.rope_style,
+    };
+    // Device copy bandwidth: 1 GiB copied 5 times (each byte read once and written once).
+    let n = 1usize << 29;
+    let src = gpu.zeros::<u16>(n).unwrap();
+    let mut dst = gpu.zeros::<u16>(n).unwrap();
+    gpu.stream().memcpy_dtod(&src, &mut dst).unwrap();
+    gpu.stream().synchronize().unwrap();
+    let t0 = Instant::now();
+    for _ in 0..5 {
+        gpu.stream().memcpy_dtod(&src, &mut dst).unwrap();
+    }
+    gpu.stream().synchronize().unwrap();
+    let bw = 5.0 * 2.0 * (n * 2) as f64 / t0.elapsed().as_secs_f64();
+    drop((src, dst));
+    let kvw = c.n_kv_heads * c.head_dim;
+    let per_layer = c.dim * (c.n_heads * c.head_dim) * 2 + 2 * c.dim * kvw + 3 * c.dim * c.ffn_dim;
+    let weight_bytes = ((per_layer * c.n_layers + c.vocab_size * c.dim) * 2) as f64;
+    println!(
+        "device: {} — copy bandwidth {:.0} GB/s; bf16 weights {:.0} MB",
+        gpu.arch(),
+        bw / 1e9,
+        weight_bytes / 1e6
+    );
+    println!("| measurement | value | memory-bandwidth limit |\n|---|---:|---:|");
+
+    let (bs, ctx) = (16usize, 128usize);
+    // Prefill: one 512-token prompt.
+    let blocks = 64usize;
+    let mut gm = GpuLlama::new(
+        gpu.clone(),
+        shape,
+        &w.embed,
+        &layers,
+        &w.norm,
+        &w.output,
+        bs,
+        blocks,
+    )
+    .unwrap();
+    let prompt: Vec<u32> = (0..512u32).map(|i| 300 + i * 7 % 20000).collect();
+    let pos: Vec<u32> = (0..512).collect();
+    let table: Vec<u32> = (0..blocks as u32).collect();
+    let batch = GpuBatch {
+        tokens: &prompt,
+        positions: &pos,
+        slots: &pos,
+        seq: &vec![0; 512],
+        block_tables: &table,
+        max_blocks: blocks,
+    };
+    gm.forward(&batch).unwrap();
+    let t0 = Instant::now();
+    for _ in 0..3 {
+        gm.forward(&batch).unwrap();
+    }
+    let secs = t0.elapsed().as_secs_f64() / 3.0;
+    println!(
+        "| prefill, 512 tokens | {:.0} tokens/s | — (compute-bound) |",
+        512.0 / secs
+    );
+    drop(gm);
+
+    for b in [1usize, 16, 64] {
+        let per_seq = (ctx + 16).div_ceil(bs);
+        let mut gm = GpuLlama::new(
+            gpu.clone(),
+            shape,
+            &w.embed,
+            &layers,
+            &w.norm,
+            &w.output,
+            bs,
+            b * per_seq,
+        )
+        .unwrap();
+        let tables: Vec<u32> = (0..(b * per_seq) as u32).collect();
+        // Fill each sequence's first `ctx` tokens.
+        for s in 0..b {
+            let toks: Vec<u32> = (0..ctx as u32)
+                .map(|i| 300 + (i + s as u32) % 20000)
+                .collect();
+            let pos: Vec<u32> = (0..ctx as u32).collect();
+            let slots: Vec<u32> = pos
+                .iter()
+                .map(|&p| (s * per_seq) as u32 * bs as u32 + p)
+                .collect();
+            gm.forward(&GpuBatch {
+                tokens: &toks,
+                positions: &pos,
+                slots: &slots,
+                seq: &vec![s as u32; ctx],
+                block_tables: &tables,
+                max_blocks: per_seq,
+            })
+            .unwrap();
+        }
+        let mut step_ms = Vec::new();
+        for i in 0..10u32 {
+            let p = ctx as u32 + i;
+            let toks = vec![300 + i; b];
+            let pos = vec![p; b];
+            let slots: Vec<u32> = (0..b).map(|s| (s * per_seq * bs) as u32 + p).collect();
+            let seq: Vec<u32> = (0..b as u32).collect();
+            let t0 = Instant::now();
+            gm.forward(&GpuBatch {
+                tokens: &toks,
+                positions: &pos,
+                slots: &slots,
+                seq: &seq,
+                block_tables: &tables,
+                max_blocks: per_seq,
+            })
+            .unwrap();
+            step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        step_ms.sort_by(f64::total_cmp);
+        let kv_bytes = (b * (ctx + 5) * c.n_layers * kvw * 2 * 2) as f64;
+        let limit_ms = (weight_bytes + kv_bytes) / bw * 1e3;
+        println!(
+            "| decode step, batch {b} | {:.3} ms (median of 10) | {:.3} ms |",
+            step_ms[5], limit_ms
+        );
+    }
+}
