@@ -38,5 +38,5 @@ echo "$out" | awk '/^test result:/ { p += $4; f += $6 } END { printf "kernels on
 echo "== benchmark (BENCHMARKS.md)"
 cargo bench -p tandem-tests --features cuda --offline --bench gpu 2>&1 | grep -E "^\||device:|no GPU"
 echo "elapsed: $(( $(date +%s) - t0 )) s"
-echo "not yet: the GPU forward behind the engine's scheduler (device KV pool), so workers cannot run on CUDA yet"
+echo "then: tandem generate --device cuda:0 --chat 'What is the capital city of Germany?' (a build with --features cuda)"
 exit $rc

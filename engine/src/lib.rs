@@ -14,6 +14,8 @@ pub mod error;
 pub mod fetch;
 pub mod gguf;
 #[cfg(feature = "runtime")]
+mod gpu;
+#[cfg(feature = "runtime")]
 pub mod kv_cache;
 #[cfg(feature = "runtime")]
 pub mod loader;

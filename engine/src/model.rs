@@ -158,6 +158,7 @@ pub struct Model {
     pub weights: Weights,
     device: Device,
     mock: Option<crate::mock::MockTiming>,
+    gpu: crate::gpu::GpuModel,
 }
 
 impl Model {
@@ -168,6 +169,7 @@ impl Model {
             weights,
             device,
             mock: None,
+            gpu: Default::default(),
         }
     }
 
@@ -185,20 +187,32 @@ impl Model {
 
     /// The backend's name.
     pub fn device_name(&self) -> String {
-        match self.mock {
-            Some(_) => "mock".into(),
-            None => self.device.backend().name(),
+        match (&self.mock, self.device.gpu()) {
+            (Some(_), _) => "mock".into(),
+            (None, Some(g)) => format!("{g:?}"),
+            (None, None) => self.device.backend().name(),
         }
     }
 
-    /// A KV cache shaped for this model.
+    /// A KV cache shaped for this model (on a GPU device, with its device mirror: one cache
+    /// per model).
     pub fn new_kv_cache(&self, block_size: usize, num_blocks: usize) -> Result<KvCache> {
-        KvCache::new(
+        let kv = KvCache::new(
             self.config.n_layers,
             self.config.kv_width(),
             block_size,
             num_blocks,
-        )
+        )?;
+        if let (Some(g), None) = (self.device.gpu(), &self.mock) {
+            self.gpu.init(self, g, block_size, num_blocks)?;
+        }
+        Ok(kv)
+    }
+
+    /// Tells the model that tokens `0..n` of `table` were written into `kv` on the host (KV
+    /// from a prefill worker), so a GPU copy of the pool follows.
+    pub fn kv_written(&self, kv: &KvCache, table: &[u32], n: usize) -> Result<()> {
+        self.gpu.upload(kv, self.config.n_layers, table, n)
     }
 
     /// Runs one forward step over `batch`, writing each chunk's K/V into `kv`, and returns the
@@ -222,6 +236,9 @@ impl Model {
     ) -> Result<Vec<Option<Vec<f32>>>> {
         if let Some(timing) = self.mock {
             return self.forward_mock(timing, kv, batch, on_layer);
+        }
+        if self.gpu.active() {
+            return self.gpu.forward(self, kv, batch, on_layer);
         }
         let mut result = None;
         self.device

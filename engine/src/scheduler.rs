@@ -193,10 +193,14 @@ impl Engine {
 
     /// Queues awaiting request `i`, whose first `n` tokens are in the cache, to generate from
     /// its last prompt token.
-    fn admit(&mut self, i: usize, n: usize) {
+    fn admit(&mut self, i: usize, n: usize) -> Result<()> {
+        // A GPU model's device pool follows the host cache the KV was written into.
+        self.model
+            .kv_written(&self.kv, self.awaiting[i].table.blocks(), n)?;
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
         self.waiting.push_front(seq);
+        Ok(())
     }
 
     /// Writes the KV that arrived for a reserved request (one buffer per layer, see
@@ -207,8 +211,7 @@ impl Engine {
             self.kv
                 .write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
         }
-        self.admit(i, n);
-        Ok(())
+        self.admit(i, n)
     }
 
     /// In-place (RDMA) transfers: the blocks a reserved request's remote KV of `n_tokens`
@@ -243,8 +246,7 @@ impl Engine {
                 )));
             }
         }
-        self.admit(i, n);
-        Ok(())
+        self.admit(i, n)
     }
 
     /// The KV pool as raw memory, for RDMA registration (see [`KvCache::raw_regions`]), and

@@ -136,12 +136,15 @@ impl Backend for CpuBackend {
 pub enum Device {
     /// The CPU kernels.
     Cpu(CpuBackend),
+    /// A GPU: the model's forward runs there (`kernels::cuda::llama`); host-side work (norms
+    /// of loaded vectors and the like) still uses the CPU kernels.
+    Cuda(std::sync::Arc<crate::cuda::Gpu>),
 }
 
 impl Device {
     /// Parses a device name: `cpu` (the default) or `cuda:N`. A CUDA device is opened (driver,
-    /// NVRTC, kernels) so that a missing GPU or driver is a clear error at start; the model
-    /// forward does not run on it yet, which is an error too rather than a silent CPU fallback.
+    /// NVRTC, kernels) here, so a missing GPU or driver is a clear error at start, never a
+    /// silent CPU fallback.
     pub fn parse(name: &str) -> Result<Device, KernelError> {
         if name == "cpu" {
             return Ok(Device::Cpu(CpuBackend));
@@ -154,12 +157,9 @@ impl Device {
                     KernelError::Unavailable(format!("device {name:?}: expected cuda:N"))
                 })?
             };
-            let gpu = crate::cuda::Gpu::new(ordinal)?;
-            drop(gpu);
-            return Err(KernelError::Unavailable(format!(
-                "device {name}: the CUDA kernels load, but the model forward on CUDA is not \
-                 wired into the engine yet; use \"cpu\""
-            )));
+            return Ok(Device::Cuda(std::sync::Arc::new(crate::cuda::Gpu::new(
+                ordinal,
+            )?)));
         }
         Err(KernelError::Unavailable(format!(
             "unknown device {name:?} (expected \"cpu\" or \"cuda:N\")"
@@ -168,8 +168,18 @@ impl Device {
 
     /// The backend behind this device.
     pub fn backend(&self) -> &dyn Backend {
+        static CPU: CpuBackend = CpuBackend;
         match self {
             Device::Cpu(b) => b,
+            Device::Cuda(_) => &CPU,
+        }
+    }
+
+    /// The GPU, for a CUDA device.
+    pub fn gpu(&self) -> Option<&std::sync::Arc<crate::cuda::Gpu>> {
+        match self {
+            Device::Cpu(_) => None,
+            Device::Cuda(g) => Some(g),
         }
     }
 }

@@ -6,8 +6,7 @@
 //!
 //! What is here: every kernel of the forward pass and its typed launch wrapper, tested against
 //! the CPU kernels on a GPU (`kernels/tests/cuda.rs`), and the Llama forward built from them
-//! ([`llama`]). What is not yet: that forward behind the engine's scheduler (a device KV pool
-//! in place of the host one).
+//! ([`llama`]), which the engine runs for `device = "cuda:N"` (`engine/src/gpu.rs`).
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -136,6 +135,7 @@ fn fxhash(b: &[u8]) -> u64 {
 
 /// One GPU with every kernel loaded.
 pub struct Gpu {
+    ordinal: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     functions: HashMap<&'static str, CudaFunction>,
@@ -157,6 +157,12 @@ fn launched(
     >,
 ) -> Result<(), KernelError> {
     r.map(|_| ()).map_err(|e| err("launch", e))
+}
+
+impl std::fmt::Debug for Gpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "cuda:{} ({})", self.ordinal, self.arch)
+    }
 }
 
 impl Gpu {
@@ -190,6 +196,7 @@ impl Gpu {
         }
         let stream = ctx.default_stream();
         Ok(Gpu {
+            ordinal,
             ctx,
             stream,
             functions,

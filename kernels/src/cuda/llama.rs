@@ -1,8 +1,9 @@
 //! The Llama forward pass on one GPU, from the kernels of `kernels/cuda/` and cuBLAS: weights
 //! resident in bf16 (GGUF blocks dequantised on the device at load), bf16 GEMMs with f32
 //! accumulation and f32 outputs, f32 activations, an f16 paged KV pool on the device with the
-//! same block numbering as the engine's. Checked against the CPU engine by the GPU suite
-//! (`tests/tests/gpu_model.rs`); not yet behind the engine's scheduler.
+//! same block numbering as the engine's. The engine drives it for `device = "cuda:N"`
+//! (`engine/src/gpu.rs`); checked against the CPU engine by the GPU suite
+//! (`tests/tests/gpu_model.rs`).
 
 use std::sync::Arc;
 
@@ -212,6 +213,38 @@ impl GpuLlama {
 
     /// Runs one step and returns the logits of every token of the batch (`[tokens, vocab]`).
     pub fn forward(&mut self, b: &GpuBatch<'_>) -> Result<Vec<f32>, KernelError> {
+        self.forward_streaming(b, None)
+    }
+
+    /// Writes one layer of a sequence's first `n` tokens, in the transfer's wire layout (`[2,
+    /// n, width]` f16 bits), into its blocks `table` of the device pool (KV that arrived from
+    /// a prefill worker, or any KV written on the host).
+    pub fn upload_kv(
+        &mut self,
+        layer: usize,
+        table: &[u32],
+        wire: &[u16],
+        n: usize,
+    ) -> Result<(), KernelError> {
+        let staging = self.gpu.upload(wire)?;
+        let t = self.gpu.upload(table)?;
+        let span = super::KvSpan {
+            n,
+            width: self.shape.n_kv_heads * self.shape.head_dim,
+            block_size: self.block_size,
+        };
+        let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
+        self.gpu.unpack_kv(k, v, &t, &staging, span)
+    }
+
+    /// [`GpuLlama::forward`], handing each layer's new keys and values (f32, `[tokens, width]`)
+    /// to `on_layer` as soon as that layer has run, so a host mirror of the pool can follow
+    /// and stream them.
+    pub fn forward_streaming(
+        &mut self,
+        b: &GpuBatch<'_>,
+        mut on_layer: Option<&mut dyn FnMut(usize, &[f32], &[f32])>,
+    ) -> Result<Vec<f32>, KernelError> {
         let s = self.shape;
         let g = self.gpu.clone();
         let t = b.tokens.len();
@@ -266,6 +299,9 @@ impl GpuLlama {
             )?;
             let (kc, vc) = (&mut self.k[l], &mut self.v[l]);
             g.store_kv(kc, vc, &slots, &k, &v, t, kvw)?;
+            if let Some(f) = on_layer.as_deref_mut() {
+                f(l, &g.download(&k)?, &g.download(&v)?);
+            }
             g.paged_attention(
                 &q, &mut att, &self.k[l], &self.v[l], &tables, &seq, &pos, t, shape,
             )?;

@@ -1,0 +1,185 @@
+//! The model's forward on a GPU (`device = "cuda:N"`), through `kernels::cuda::llama`.
+//!
+//! The device KV pool uses the same block numbering as the host [`KvCache`], and the host
+//! cache stays the one the rest of the engine reads and writes (prefill-worker exports, KV
+//! transfers, admissions): each step's new keys and values come back to the host cache layer
+//! by layer (so layer-wise streaming works unchanged), and KV written on the host — a remote
+//! prefill's — is uploaded to the device before its sequence runs. Without the `cuda` feature
+//! the types are uninhabited and none of this can be reached.
+
+use std::sync::{Arc, Mutex};
+
+use kernels::cuda::llama::{GpuBatch, GpuLlama, LayerRefs, LlamaShape};
+use kernels::cuda::Gpu;
+
+use crate::error::{EngineError, Result};
+use crate::kv_cache::KvCache;
+use crate::model::{Model, SeqChunk};
+
+/// The GPU half of a model on a CUDA device, created with its KV pool.
+#[derive(Default)]
+pub(crate) struct GpuModel(Mutex<Option<GpuLlama>>);
+
+impl GpuModel {
+    /// Uploads `model`'s weights and allocates the device pool.
+    pub(crate) fn init(
+        &self,
+        model: &Model,
+        gpu: &Arc<Gpu>,
+        block_size: usize,
+        num_blocks: usize,
+    ) -> Result<()> {
+        let (c, w) = (&model.config, &model.weights);
+        let layers: Vec<LayerRefs<'_>> = w
+            .layers
+            .iter()
+            .map(|l| LayerRefs {
+                attn_norm: &l.attn_norm,
+                wq: &l.wq,
+                wk: &l.wk,
+                wv: &l.wv,
+                wo: &l.wo,
+                ffn_norm: &l.ffn_norm,
+                w_gate: &l.w_gate,
+                w_up: &l.w_up,
+                w_down: &l.w_down,
+            })
+            .collect();
+        let shape = LlamaShape {
+            dim: c.dim,
+            n_layers: c.n_layers,
+            n_heads: c.n_heads,
+            n_kv_heads: c.n_kv_heads,
+            head_dim: c.head_dim,
+            hidden: c.ffn_dim,
+            vocab: c.vocab_size,
+            eps: c.rms_eps,
+            rope_base: c.rope_base,
+            rope_style: c.rope_style,
+        };
+        let g = GpuLlama::new(
+            gpu.clone(),
+            shape,
+            &w.embed,
+            &layers,
+            &w.norm,
+            &w.output,
+            block_size,
+            num_blocks,
+        )?;
+        *self.0.lock().expect("gpu lock") = Some(g);
+        Ok(())
+    }
+
+    /// Whether the forward runs here.
+    pub(crate) fn active(&self) -> bool {
+        self.0.lock().expect("gpu lock").is_some()
+    }
+
+    /// One step on the GPU; the host `kv` receives the step's keys and values.
+    pub(crate) fn forward(
+        &self,
+        model: &Model,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let c = &model.config;
+        let max_blocks = batch
+            .iter()
+            .map(|s| s.block_table.len())
+            .max()
+            .unwrap_or(1)
+            .max(1);
+        let (mut tokens, mut positions, mut slots, mut seq) = (vec![], vec![], vec![], vec![]);
+        let mut tables = vec![0u32; batch.len() * max_blocks];
+        let mut last_rows = Vec::with_capacity(batch.len());
+        for (i, s) in batch.iter().enumerate() {
+            let end = s.start_pos + s.tokens.len();
+            if end > c.context_len {
+                return Err(EngineError::InvalidRequest(format!(
+                    "sequence of {end} tokens exceeds the model's context of {}",
+                    c.context_len
+                )));
+            }
+            tables[i * max_blocks..i * max_blocks + s.block_table.len()]
+                .copy_from_slice(s.block_table);
+            for (j, &t) in s.tokens.iter().enumerate() {
+                let p = s.start_pos + j;
+                let slot = kv.slot(s.block_table, p).ok_or_else(|| {
+                    EngineError::InvalidRequest(format!("block table does not cover position {p}"))
+                })?;
+                if t as usize >= c.vocab_size {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "token id {t} is outside the vocabulary of {}",
+                        c.vocab_size
+                    )));
+                }
+                tokens.push(t);
+                positions.push(p as u32);
+                slots.push(slot as u32);
+                seq.push(i as u32);
+            }
+            last_rows.push((s.logits, tokens.len() - 1));
+        }
+        let host_slots: Vec<usize> = slots.iter().map(|&s| s as usize).collect();
+        let width = c.kv_width();
+        let mut mirror = |l: usize, k: &[f32], v: &[f32]| {
+            let layer = kv.layer_mut(l);
+            kernels::Backend::store_kv(
+                &kernels::CpuBackend,
+                &mut layer.k,
+                &mut layer.v,
+                &host_slots,
+                k,
+                v,
+                width,
+            );
+            on_layer(l, kv);
+        };
+        let b = GpuBatch {
+            tokens: &tokens,
+            positions: &positions,
+            slots: &slots,
+            seq: &seq,
+            block_tables: &tables,
+            max_blocks,
+        };
+        let logits = {
+            let mut g = self.0.lock().expect("gpu lock");
+            let g = g
+                .as_mut()
+                .ok_or_else(|| EngineError::InvalidRequest("the GPU pool is not set up".into()))?;
+            g.forward_streaming(&b, Some(&mut mirror))?
+        };
+        let vocab = c.vocab_size;
+        Ok(last_rows
+            .into_iter()
+            .map(|(want, r)| want.then(|| logits[r * vocab..(r + 1) * vocab].to_vec()))
+            .collect())
+    }
+
+    /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
+    /// on the host).
+    pub(crate) fn upload(
+        &self,
+        kv: &KvCache,
+        n_layers: usize,
+        table: &[u32],
+        n: usize,
+    ) -> Result<()> {
+        let mut g = self.0.lock().expect("gpu lock");
+        let Some(g) = g.as_mut() else { return Ok(()) };
+        let mut bytes = Vec::new();
+        for l in 0..n_layers {
+            bytes.clear();
+            kv.read_tokens(table, l, n, &mut bytes);
+            let wire: Vec<u16> = bytes
+                .chunks_exact(2)
+                .map(|b| u16::from_le_bytes([b[0], b[1]]))
+                .collect();
+            g.upload_kv(l, table, &wire, n)?;
+        }
+        Ok(())
+    }
+}
