@@ -16,6 +16,54 @@ use crate::error::{EngineError, Result};
 use crate::kv_cache::KvCache;
 use crate::model::{Model, SeqChunk};
 
+/// `model` on `gpu`: its weights uploaded, with a device KV pool of `num_blocks` blocks of
+/// `block_size` tokens.
+pub fn gpu_llama(
+    model: &Model,
+    gpu: &Arc<Gpu>,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<GpuLlama> {
+    let (c, w) = (&model.config, &model.weights);
+    let layers: Vec<LayerRefs<'_>> = w
+        .layers
+        .iter()
+        .map(|l| LayerRefs {
+            attn_norm: &l.attn_norm,
+            wq: &l.wq,
+            wk: &l.wk,
+            wv: &l.wv,
+            wo: &l.wo,
+            ffn_norm: &l.ffn_norm,
+            w_gate: &l.w_gate,
+            w_up: &l.w_up,
+            w_down: &l.w_down,
+        })
+        .collect();
+    let shape = LlamaShape {
+        dim: c.dim,
+        n_layers: c.n_layers,
+        n_heads: c.n_heads,
+        n_kv_heads: c.n_kv_heads,
+        head_dim: c.head_dim,
+        hidden: c.ffn_dim,
+        vocab: c.vocab_size,
+        eps: c.rms_eps,
+        rope_base: c.rope_base,
+        rope_style: c.rope_style,
+    };
+    Ok(GpuLlama::new(
+        gpu.clone(),
+        shape,
+        &w.embed,
+        &layers,
+        &w.norm,
+        &w.output,
+        block_size,
+        num_blocks,
+    )?)
+}
+
 /// The GPU half of a model on a CUDA device, created with its KV pool.
 #[derive(Default)]
 pub(crate) struct GpuModel(Mutex<Option<GpuLlama>>);
@@ -29,44 +77,7 @@ impl GpuModel {
         block_size: usize,
         num_blocks: usize,
     ) -> Result<()> {
-        let (c, w) = (&model.config, &model.weights);
-        let layers: Vec<LayerRefs<'_>> = w
-            .layers
-            .iter()
-            .map(|l| LayerRefs {
-                attn_norm: &l.attn_norm,
-                wq: &l.wq,
-                wk: &l.wk,
-                wv: &l.wv,
-                wo: &l.wo,
-                ffn_norm: &l.ffn_norm,
-                w_gate: &l.w_gate,
-                w_up: &l.w_up,
-                w_down: &l.w_down,
-            })
-            .collect();
-        let shape = LlamaShape {
-            dim: c.dim,
-            n_layers: c.n_layers,
-            n_heads: c.n_heads,
-            n_kv_heads: c.n_kv_heads,
-            head_dim: c.head_dim,
-            hidden: c.ffn_dim,
-            vocab: c.vocab_size,
-            eps: c.rms_eps,
-            rope_base: c.rope_base,
-            rope_style: c.rope_style,
-        };
-        let g = GpuLlama::new(
-            gpu.clone(),
-            shape,
-            &w.embed,
-            &layers,
-            &w.norm,
-            &w.output,
-            block_size,
-            num_blocks,
-        )?;
+        let g = gpu_llama(model, gpu, block_size, num_blocks)?;
         *self.0.lock().expect("gpu lock") = Some(g);
         Ok(())
     }

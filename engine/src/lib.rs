@@ -13,8 +13,9 @@ pub mod config;
 pub mod error;
 pub mod fetch;
 pub mod gguf;
+/// The model's forward on a GPU (`device = "cuda:N"`).
 #[cfg(feature = "runtime")]
-mod gpu;
+pub mod gpu;
 #[cfg(feature = "runtime")]
 pub mod kv_cache;
 #[cfg(feature = "runtime")]

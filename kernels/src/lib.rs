@@ -20,6 +20,8 @@ pub mod cuda;
 #[path = "cuda_off.rs"]
 pub mod cuda;
 #[cfg(feature = "compute")]
+mod gpu_types;
+#[cfg(feature = "compute")]
 pub mod matmul;
 #[cfg(feature = "compute")]
 pub mod ops;

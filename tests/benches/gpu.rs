@@ -19,7 +19,7 @@ fn main() {
     use std::sync::Arc;
     use std::time::Instant;
 
-    use kernels::cuda::llama::{GpuBatch, GpuLlama, LayerRefs, LlamaShape};
+    use kernels::cuda::llama::GpuBatch;
     use kernels::cuda::Gpu;
 
     let gpu = match Gpu::new(0) {
@@ -31,34 +31,6 @@ fn main() {
     };
     let (model, _) = tandem_tests::load_model();
     let c = &model.config;
-    let w = &model.weights;
-    let layers: Vec<LayerRefs<'_>> = w
-        .layers
-        .iter()
-        .map(|l| LayerRefs {
-            attn_norm: &l.attn_norm,
-            wq: &l.wq,
-            wk: &l.wk,
-            wv: &l.wv,
-            wo: &l.wo,
-            ffn_norm: &l.ffn_norm,
-            w_gate: &l.w_gate,
-            w_up: &l.w_up,
-            w_down: &l.w_down,
-        })
-        .collect();
-    let shape = LlamaShape {
-        dim: c.dim,
-        n_layers: c.n_layers,
-        n_heads: c.n_heads,
-        n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-        hidden: c.ffn_dim,
-        vocab: c.vocab_size,
-        eps: c.rms_eps,
-        rope_base: c.rope_base,
-        rope_style: c.rope_style,
-    };
     // Device copy bandwidth: 1 GiB copied 5 times (each byte read once and written once).
     let n = 1usize << 29;
     let src = gpu.zeros::<u16>(n).unwrap();
@@ -86,17 +58,7 @@ fn main() {
     let (bs, ctx) = (16usize, 128usize);
     // Prefill: one 512-token prompt.
     let blocks = 64usize;
-    let mut gm = GpuLlama::new(
-        gpu.clone(),
-        shape,
-        &w.embed,
-        &layers,
-        &w.norm,
-        &w.output,
-        bs,
-        blocks,
-    )
-    .unwrap();
+    let mut gm = engine::gpu::gpu_llama(&model, &gpu, bs, blocks).unwrap();
     let prompt: Vec<u32> = (0..512u32).map(|i| 300 + i * 7 % 20000).collect();
     let pos: Vec<u32> = (0..512).collect();
     let table: Vec<u32> = (0..blocks as u32).collect();
@@ -122,17 +84,7 @@ fn main() {
 
     for b in [1usize, 16, 64] {
         let per_seq = (ctx + 16).div_ceil(bs);
-        let mut gm = GpuLlama::new(
-            gpu.clone(),
-            shape,
-            &w.embed,
-            &layers,
-            &w.norm,
-            &w.output,
-            bs,
-            b * per_seq,
-        )
-        .unwrap();
+        let mut gm = engine::gpu::gpu_llama(&model, &gpu, bs, b * per_seq).unwrap();
         let tables: Vec<u32> = (0..(b * per_seq) as u32).collect();
         // Fill each sequence's first `ctx` tokens.
         for s in 0..b {

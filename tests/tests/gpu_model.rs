@@ -14,7 +14,7 @@
 use std::sync::Arc;
 
 use engine::SeqChunk;
-use kernels::cuda::llama::{GpuBatch, GpuLlama, LayerRefs, LlamaShape};
+use kernels::cuda::llama::GpuBatch;
 use kernels::cuda::Gpu;
 
 const MARGIN: f32 = 0.5;
@@ -33,49 +33,11 @@ fn gpu_forward_matches_the_cpu_engine_on_the_golden_prompts() {
     }
     let (model, _) = tandem_tests::load_model();
     let c = &model.config;
-    let w = &model.weights;
     let gpu = Arc::new(Gpu::new(0).expect("a CUDA device"));
-    let layers: Vec<LayerRefs<'_>> = w
-        .layers
-        .iter()
-        .map(|l| LayerRefs {
-            attn_norm: &l.attn_norm,
-            wq: &l.wq,
-            wk: &l.wk,
-            wv: &l.wv,
-            wo: &l.wo,
-            ffn_norm: &l.ffn_norm,
-            w_gate: &l.w_gate,
-            w_up: &l.w_up,
-            w_down: &l.w_down,
-        })
-        .collect();
-    let shape = LlamaShape {
-        dim: c.dim,
-        n_layers: c.n_layers,
-        n_heads: c.n_heads,
-        n_kv_heads: c.n_kv_heads,
-        head_dim: c.head_dim,
-        hidden: c.ffn_dim,
-        vocab: c.vocab_size,
-        eps: c.rms_eps,
-        rope_base: c.rope_base,
-        rope_style: c.rope_style,
-    };
     let (bs, blocks) = (16usize, 64usize);
     let golden = tandem_tests::golden();
     for case in &golden.cases {
-        let mut gm = GpuLlama::new(
-            gpu.clone(),
-            shape,
-            &w.embed,
-            &layers,
-            &w.norm,
-            &w.output,
-            bs,
-            blocks,
-        )
-        .expect("weights upload");
+        let mut gm = engine::gpu::gpu_llama(&model, &gpu, bs, blocks).expect("weights upload");
         let mut kv = model.new_kv_cache(bs, blocks).unwrap();
         let table: Vec<u32> = (0..blocks as u32).collect();
         let mut tokens = case.prompt_ids.clone();

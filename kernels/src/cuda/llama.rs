@@ -11,54 +11,8 @@ use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
 
 use super::{err, AttentionShape, Gpu};
-use crate::{DType, KernelError, Matrix, RopeStyle};
-
-/// The model's dimensions.
-#[derive(Debug, Clone, Copy)]
-pub struct LlamaShape {
-    /// Hidden size.
-    pub dim: usize,
-    /// Transformer blocks.
-    pub n_layers: usize,
-    /// Query heads.
-    pub n_heads: usize,
-    /// KV heads.
-    pub n_kv_heads: usize,
-    /// Values per head.
-    pub head_dim: usize,
-    /// Feed-forward width.
-    pub hidden: usize,
-    /// Vocabulary.
-    pub vocab: usize,
-    /// RMSNorm epsilon.
-    pub eps: f32,
-    /// RoPE base.
-    pub rope_base: f32,
-    /// RoPE pair layout.
-    pub rope_style: RopeStyle,
-}
-
-/// One block's weights, borrowed from the host model.
-pub struct LayerRefs<'a> {
-    /// RMSNorm before attention.
-    pub attn_norm: &'a [f32],
-    /// Projections.
-    pub wq: &'a Matrix,
-    /// Key projection.
-    pub wk: &'a Matrix,
-    /// Value projection.
-    pub wv: &'a Matrix,
-    /// Output projection.
-    pub wo: &'a Matrix,
-    /// RMSNorm before the feed-forward block.
-    pub ffn_norm: &'a [f32],
-    /// SwiGLU gate.
-    pub w_gate: &'a Matrix,
-    /// SwiGLU up.
-    pub w_up: &'a Matrix,
-    /// Down projection.
-    pub w_down: &'a Matrix,
-}
+pub use crate::gpu_types::{GpuBatch, LayerRefs, LlamaShape};
+use crate::{DType, KernelError, Matrix};
 
 /// A weight matrix on the device: bf16, `[rows, cols]` row-major.
 struct DevMatrix {
@@ -77,23 +31,6 @@ struct DevLayer {
     w_gate: DevMatrix,
     w_up: DevMatrix,
     w_down: DevMatrix,
-}
-
-/// One step's batch: every token with its position and cache slot, and for each token its
-/// sequence's row in `block_tables` (`[n_seqs, max_blocks]`).
-pub struct GpuBatch<'a> {
-    /// Token ids.
-    pub tokens: &'a [u32],
-    /// Their positions.
-    pub positions: &'a [u32],
-    /// Their cache slots (block × block_size + offset).
-    pub slots: &'a [u32],
-    /// Their sequence's index into `block_tables`.
-    pub seq: &'a [u32],
-    /// Block tables, `max_blocks` entries a sequence.
-    pub block_tables: &'a [u32],
-    /// Entries per block table.
-    pub max_blocks: usize,
 }
 
 /// A Llama model resident on one GPU, with its KV pool.
