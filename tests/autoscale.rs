@@ -5,8 +5,10 @@
 //! The loads are chosen well away from the capacity boundaries so the outcome does not hinge
 //! on timing: a prefill replica computes ~1000 prompt tokens/s (1 ms a token); the baseline
 //! prompt load is half of that, the step triples it to 1.5x one replica's capacity; a decode
-//! step costs 2 ms plus 2 ms per sequence, so the decode-heavy load (128-token answers at 6/s)
-//! cannot stay under a 40 ms ITL on one replica but can on two.
+//! step costs 2 ms plus 4 ms per sequence, so the prompt-heavy loads keep decode steps near
+//! 10 ms — far under the 250 ms ITL target, so that workers starting on a busy 2-core machine
+//! cannot push the decode pool over it — while the decode-heavy load (128-token answers at
+//! 8/s, more than one replica can finish) piles up sequences until its steps pass 250 ms.
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
@@ -47,9 +49,9 @@ kv_blocks = 4096
 max_batch_tokens = 256
 [decode.mock]
 step_us = 2000
-decode_token_us = 2000
+decode_token_us = 4000
 [decode.slo]
-itl_p90_ms = 40
+itl_p90_ms = 250
 [decode.autoscale]
 min = 1
 max = 3
@@ -220,9 +222,9 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
         &dir,
         &[
             "--rate",
-            "6",
+            "8",
             "--requests",
-            "60",
+            "96",
             "--prompt-tokens",
             "16",
             "--output-tokens",
