@@ -93,6 +93,35 @@ fn bench(http: SocketAddr, dir: &std::path::Path, args: &[&str]) -> Value {
     serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap()
 }
 
+/// Poisson load at `rate` requests/s: `requests` prompts of `prompt` tokens, `output` tokens
+/// each.
+fn load(
+    http: SocketAddr,
+    dir: &std::path::Path,
+    rate: u32,
+    requests: u32,
+    prompt: u32,
+    output: u32,
+) -> Value {
+    let (rate, requests, prompt, output) = (
+        rate.to_string(),
+        requests.to_string(),
+        prompt.to_string(),
+        output.to_string(),
+    );
+    let args = [
+        "--rate",
+        &rate,
+        "--requests",
+        &requests,
+        "--prompt-tokens",
+        &prompt,
+        "--output-tokens",
+        &output,
+    ];
+    bench(http, dir, &args)
+}
+
 /// A series of the router's `/metrics`, 0 when absent.
 fn metric(http: SocketAddr, series: &str) -> f64 {
     let (_, text) = get(http, "/metrics").unwrap();
@@ -156,56 +185,17 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     std::thread::spawn(move || for _ in lines {});
 
     // Baseline: half a prefill replica's capacity. Nothing scales.
-    let r = bench(
-        http,
-        &dir,
-        &[
-            "--rate",
-            "4",
-            "--requests",
-            "24",
-            "--prompt-tokens",
-            "128",
-            "--output-tokens",
-            "16",
-        ],
-    );
+    let r = load(http, &dir, 4, 24, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
     assert_eq!(ups(http, "prefill"), 0.0);
 
     // The prompt load triples: the prefill pool grows; the decode pool has no reason to.
-    let r = bench(
-        http,
-        &dir,
-        &[
-            "--rate",
-            "12",
-            "--requests",
-            "100",
-            "--prompt-tokens",
-            "128",
-            "--output-tokens",
-            "16",
-        ],
-    );
+    let r = load(http, &dir, 12, 100, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
     assert!(ups(http, "prefill") >= 1.0, "the prefill pool did not grow");
     // Within a bounded number of ticks (the first phase is ~8 s = 32 ticks), p90 TTFT is back
     // under the 800 ms target for the same load.
-    let r = bench(
-        http,
-        &dir,
-        &[
-            "--rate",
-            "12",
-            "--requests",
-            "100",
-            "--prompt-tokens",
-            "128",
-            "--output-tokens",
-            "16",
-        ],
-    );
+    let r = load(http, &dir, 12, 100, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
     let p90 = r["ttft_ms"]["p90"].as_f64().unwrap();
     assert!(p90 < 800.0, "p90 TTFT {p90} ms after scaling: {r}");
@@ -217,20 +207,7 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     assert!(live_workers(http, "prefill").len() >= 2);
 
     // A decode-heavy load: the decode pool grows on ITL.
-    let r = bench(
-        http,
-        &dir,
-        &[
-            "--rate",
-            "8",
-            "--requests",
-            "96",
-            "--prompt-tokens",
-            "16",
-            "--output-tokens",
-            "128",
-        ],
-    );
+    let r = load(http, &dir, 8, 96, 16, 128);
     assert_eq!(r["errors"], 0, "{r}");
     assert!(
         ups(http, "decode") >= 1.0,

@@ -180,11 +180,6 @@ impl Model {
         self
     }
 
-    /// Whether this is the mock engine.
-    pub fn is_mock(&self) -> bool {
-        self.mock.is_some()
-    }
-
     /// The backend's name.
     pub fn device_name(&self) -> String {
         match (&self.mock, self.device.gpu()) {

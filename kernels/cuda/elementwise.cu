@@ -50,12 +50,6 @@ extern "C" __global__ void silu_mul(float* gate, const float* up, unsigned long 
     }
 }
 
-// out = a + b, elementwise (residual adds).
-extern "C" __global__ void add(float* out, const float* a, const float* b, unsigned long long n) {
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) out[i] = a[i] + b[i];
-}
-
 // f32 activations to bf16 (for cuBLAS bf16 GEMMs with f32 accumulation).
 extern "C" __global__ void f32_to_bf16_rows(const float* x, bf16_t* out, unsigned long long n) {
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -40,7 +40,6 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
             "rms_norm",
             "rope",
             "silu_mul",
-            "add",
             "add_into",
             "f32_to_bf16_rows",
         ],
@@ -312,6 +311,21 @@ impl Gpu {
         launched(unsafe { b.launch(cfg) })
     }
 
+    /// Launches the elementwise kernel `name` over `n` values with one thread per value; `args`
+    /// pushes its buffers, then `n` follows.
+    fn elementwise<'a>(
+        &'a self,
+        name: &str,
+        n: &'a u64,
+        args: impl FnOnce(&mut cudarc::driver::LaunchArgs<'a>),
+    ) -> Result<(), KernelError> {
+        let mut b = self.stream.launch_builder(self.f(name));
+        args(&mut b);
+        b.arg(n);
+        // SAFETY: every buffer the callers push holds (at least) n values.
+        launched(unsafe { b.launch(grid(*n as u32, 256)) })
+    }
+
     /// `x += y` over `n` values.
     pub fn add_into(
         &self,
@@ -319,11 +333,9 @@ impl Gpu {
         y: &CudaSlice<f32>,
         n: usize,
     ) -> Result<(), KernelError> {
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(self.f("add_into"));
-        b.arg(x).arg(y).arg(&n64);
-        // SAFETY: both hold n values.
-        launched(unsafe { b.launch(grid(n as u32, 256)) })
+        self.elementwise("add_into", &(n as u64), |b| {
+            b.arg(x).arg(y);
+        })
     }
 
     /// `n` f32 values to bf16.
@@ -333,11 +345,9 @@ impl Gpu {
         out: &mut CudaSlice<u16>,
         n: usize,
     ) -> Result<(), KernelError> {
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(self.f("f32_to_bf16_rows"));
-        b.arg(x).arg(out).arg(&n64);
-        // SAFETY: x and out hold n values.
-        launched(unsafe { b.launch(grid(n as u32, 256)) })
+        self.elementwise("f32_to_bf16_rows", &(n as u64), |b| {
+            b.arg(x).arg(out);
+        })
     }
 
     /// `gate = silu(gate) * up` over `n` values.
@@ -347,11 +357,9 @@ impl Gpu {
         up: &CudaSlice<f32>,
         n: usize,
     ) -> Result<(), KernelError> {
-        let n64 = n as u64;
-        let mut b = self.stream.launch_builder(self.f("silu_mul"));
-        b.arg(gate).arg(up).arg(&n64);
-        // SAFETY: both hold n values.
-        launched(unsafe { b.launch(grid(n as u32, 256)) })
+        self.elementwise("silu_mul", &(n as u64), |b| {
+            b.arg(gate).arg(up);
+        })
     }
 
     /// A GGUF tensor in Q4_0, Q4_1 or Q8_0 blocks, dequantised to bf16 on the device.

@@ -459,11 +459,6 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
         self.transmit().await;
         Ok(())
     }
-
-    /// The earliest deadline of the connection (the running transfer's), if any.
-    pub fn deadline(&self) -> Option<Instant> {
-        self.core.poll_timeout()
-    }
 }
 
 /// A request's KV to send: all layers at hand, or layers arriving one by one as the prefill

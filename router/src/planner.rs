@@ -85,8 +85,6 @@ pub struct Signals {
     pub admission: Mutex<Window>,
     /// Prompt tokens sent to the prefill pool and not yet done.
     pub prefill_pending_tokens: AtomicU64,
-    /// Prompt tokens the prefill pool has finished, since start.
-    pub prefill_done_tokens: AtomicU64,
     /// Requests waiting right now for a decode worker with room.
     pub decode_waiting: AtomicUsize,
 }
@@ -99,7 +97,6 @@ impl Signals {
             itl: Mutex::new(Window::new(window)),
             admission: Mutex::new(Window::new(window)),
             prefill_pending_tokens: AtomicU64::new(0),
-            prefill_done_tokens: AtomicU64::new(0),
             decode_waiting: AtomicUsize::new(0),
         }
     }
@@ -112,7 +109,7 @@ impl Signals {
     }
 }
 
-/// A prompt in the prefill pool; finished (or given up) when dropped.
+/// A prompt in the prefill pool, counted as pending until dropped (finished or given up).
 pub struct PendingPrefill(Arc<Signals>, u64);
 
 impl Drop for PendingPrefill {
@@ -120,9 +117,6 @@ impl Drop for PendingPrefill {
         self.0
             .prefill_pending_tokens
             .fetch_sub(self.1, Ordering::SeqCst);
-        self.0
-            .prefill_done_tokens
-            .fetch_add(self.1, Ordering::SeqCst);
     }
 }
 

@@ -112,11 +112,6 @@ impl Client {
         matches!(self.state, State::Closed)
     }
 
-    /// Transfers begun and not yet delivered or failed.
-    pub fn in_flight(&self) -> usize {
-        self.transfers.len()
-    }
-
     /// Starts sending the KV of `n_tokens` tokens of `request_id`, due by `now` plus the
     /// transfer timeout.
     pub fn begin(

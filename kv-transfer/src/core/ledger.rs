@@ -116,11 +116,6 @@ impl Ledger {
         Some(e.state)
     }
 
-    /// The state of a request's blocks.
-    pub fn state(&self, request_id: u64) -> Option<Holding> {
-        self.entries.get(&request_id).map(|e| e.state)
-    }
-
     /// Requests whose lease has passed by `now` without their KV being committed.
     pub fn expired(&self, now: Instant) -> Vec<u64> {
         let mut ids: Vec<u64> = self

@@ -139,14 +139,6 @@ impl Server {
         matches!(self.state, State::Closed)
     }
 
-    /// Layers expected for a transfer that began, if any: (layer count, bytes per layer). The
-    /// driver reads each `Layer` frame into a buffer of this size.
-    pub fn expected(&self, request_id: u64) -> Option<(u32, u64)> {
-        self.transfers
-            .get(&request_id)
-            .map(|t| (t.n_layers, t.layer_bytes))
-    }
-
     fn refuse(&mut self, why: String) {
         self.out.push_back(Frame::Refuse(why.clone()));
         self.close(TransferError::Refused(why));
