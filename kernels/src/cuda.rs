@@ -18,6 +18,7 @@ use cudarc::nvrtc::{CompileOptions, Ptx};
 
 use crate::KernelError;
 
+pub mod emu;
 pub mod llama;
 
 const COMMON: &str = include_str!("../cuda/common.cuh");

@@ -284,3 +284,18 @@ fn kv_pack_unpack_store_and_sampling_are_exact() {
     );
     assert_eq!(g.sample(&dl, &u, 2, vocab, 40, 0.7, 0.9).unwrap()[1], 777);
 }
+
+/// The suite above on the CPU CUDA emulator (`kernels/emu`, a test double, not a GPU): every
+/// kernel's arithmetic, launch shape and arguments checked on machines without a GPU. On a GPU
+/// (`TANDEM_GPU` set) the suite itself runs instead.
+#[test]
+fn the_gpu_suite_passes_on_the_cuda_emulator() {
+    if std::env::var_os("TANDEM_GPU").is_some() {
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let out = kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator")
+        .unwrap_or_else(|out| panic!("the GPU suite failed on the emulator:\n{out}"));
+    let passed = out.lines().filter(|l| l.ends_with("... ok")).count();
+    assert_eq!(passed, 4, "the four GPU kernel tests ran and passed:\n{out}");
+}

@@ -131,3 +131,18 @@ fn the_engine_on_cuda_generates_what_it_generates_on_the_cpu() {
         assert_eq!(a[..n], b[..n], "{:?}: the first {n} tokens", c.text);
     }
 }
+
+/// Both tests above on the CPU CUDA emulator (`kernels/emu`, a test double, not a GPU): the GPU
+/// forward and the engine on `cuda:0` checked against the CPU engine on machines without a GPU.
+/// On a GPU (`TANDEM_GPU` set) the tests themselves run instead.
+#[test]
+fn the_gpu_model_tests_pass_on_the_cuda_emulator() {
+    if std::env::var_os("TANDEM_GPU").is_some() {
+        return;
+    }
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+    let out = kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator")
+        .unwrap_or_else(|out| panic!("the GPU model tests failed on the emulator:\n{out}"));
+    let passed = out.lines().filter(|l| l.ends_with("... ok")).count();
+    assert_eq!(passed, 2, "both GPU model tests ran and passed:\n{out}");
+}

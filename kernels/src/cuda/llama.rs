@@ -8,7 +8,7 @@
 use std::sync::Arc;
 
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, PinnedHostSlice};
 
 use super::{err, AttentionShape, Gpu};
 pub use crate::gpu_types::{GpuBatch, LayerRefs, LlamaShape};
@@ -33,6 +33,38 @@ struct DevLayer {
     w_down: DevMatrix,
 }
 
+/// A page-locked host buffer that grows to the largest copy seen. Each layer's new keys and
+/// values leave the device through these (for the host mirror and the KV transfer), at full bus
+/// speed where pageable memory would be staged a second time by the driver. Not write-combined:
+/// the host reads them.
+#[derive(Default)]
+struct Pinned {
+    host: Option<PinnedHostSlice<f32>>,
+}
+
+impl Pinned {
+    /// Copies `dev` (all of it) into this buffer and returns the copy.
+    fn download<'a>(&'a mut self, gpu: &Gpu, dev: &CudaSlice<f32>) -> Result<&'a [f32], KernelError> {
+        let n = dev.len();
+        if self.host.as_ref().is_none_or(|h| h.len() < n) {
+            // SAFETY: the buffer is written by the copy below before any of it is read.
+            let h = unsafe { gpu.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
+                .map_err(|e| err("pinned host buffer", e))?;
+            self.host = Some(h);
+        }
+        let host = (self.host.as_mut().expect("allocated above"))
+            .as_mut_slice()
+            .map_err(|e| err("pinned host buffer", e))?;
+        // Exactly n values: a copy into the whole (larger) buffer would read past `dev`. The
+        // copy into page-locked memory is asynchronous, hence the wait.
+        let s = gpu.stream();
+        s.memcpy_dtoh(dev, &mut host[..n])
+            .and_then(|()| s.synchronize())
+            .map_err(|e| err("download to pinned memory", e))?;
+        Ok(&host[..n])
+    }
+}
+
 /// A Llama model resident on one GPU, with its KV pool.
 pub struct GpuLlama {
     gpu: Arc<Gpu>,
@@ -45,6 +77,7 @@ pub struct GpuLlama {
     k: Vec<CudaSlice<u16>>,
     v: Vec<CudaSlice<u16>>,
     block_size: usize,
+    staging: (Pinned, Pinned),
 }
 
 fn to_bf16(x: f32) -> u16 {
@@ -101,6 +134,7 @@ impl GpuLlama {
             blas,
             shape,
             block_size,
+            staging: Default::default(),
         })
     }
 
@@ -237,7 +271,8 @@ impl GpuLlama {
             let (kc, vc) = (&mut self.k[l], &mut self.v[l]);
             g.store_kv(kc, vc, &slots, &k, &v, t, kvw)?;
             if let Some(f) = on_layer.as_deref_mut() {
-                f(l, &g.download(&k)?, &g.download(&v)?);
+                let (sk, sv) = &mut self.staging;
+                f(l, sk.download(&g, &k)?, sv.download(&g, &v)?);
             }
             g.paged_attention(
                 &q, &mut att, &self.k[l], &self.v[l], &tables, &seq, &pos, t, shape,
