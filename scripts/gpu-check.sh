@@ -26,12 +26,12 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m.get("executable"):
         print(m["target"]["name"], m["executable"])'
-  for args in "test -p kernels --test cuda" "test -p tandem-tests --test gpu_model" \
-    "bench -p tandem-tests --bench gpu" "build --bin tandem"; do
-    # shellcheck disable=SC2086
-    cargo $args --release --features cuda --no-run --message-format=json 2>/dev/null |
-      python3 -c "$json"
-  done
+  {
+    cargo test --release --features cuda --no-run --message-format=json -p kernels --test cuda
+    cargo test --release --features cuda --no-run --message-format=json -p tandem-tests --test gpu_model
+    cargo bench --features cuda --no-run --message-format=json -p tandem-tests --bench gpu
+    cargo build --release --features cuda --message-format=json --bin tandem
+  } 2>/dev/null | python3 -c "$json"
 }
 
 # Copies them into $1.
@@ -128,9 +128,10 @@ $model"
 # `run` on the CUDA emulator (kernels/emu, a test double): checks this script end to end where
 # no GPU is. Builds the emulator through its test, then runs with its libraries first.
 rehearse() {
-  cargo test --release -p kernels --features cuda --test cuda on_the_cuda_emulator >/dev/null 2>&1
   local emu
-  emu=$(ls -dt target/tmp/cuda-emu-* | grep -v '[.][0-9]*$' | head -1)
+  emu=$(cargo test --release -p kernels --features cuda --test cuda on_the_cuda_emulator \
+    -- --nocapture 2>&1 | sed -n 's/^CUDA emulator: //p' | head -1)
+  [ -d "$emu" ] || { echo "the emulator did not build: cargo test -p kernels --features cuda"; exit 2; }
   echo "rehearsing on the CUDA emulator in $emu (a test double, not a GPU)"
   export TANDEM_CUDA_EMU=1 LD_LIBRARY_PATH="$emu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   run

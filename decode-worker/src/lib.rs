@@ -435,7 +435,17 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         let side = bind("KV listener (rdma side channel)").await?;
         // SAFETY: the engine owning the pool lives in its thread until the process ends and
         // is never dropped (see `engine_loop`), so the registered memory stays valid.
-        Some(unsafe { kv_transfer::rdma::RdmaKvReceiver::bind(side, &regions) }?)
+        let r = unsafe { kv_transfer::rdma::RdmaKvReceiver::bind(side, &regions) }?;
+        if cfg.device.starts_with("cuda") {
+            // Said once, where operators look: RDMA writes land in host memory here.
+            tracing::warn!(
+                "RDMA into {}: prefill workers write KV into this worker's host KV mirror \
+                 (pinned by its registration), uploaded to the GPU at admission; GPUDirect \
+                 RDMA into device memory is not implemented",
+                cfg.device
+            );
+        }
+        Some(r)
     } else {
         None
     };

@@ -297,5 +297,8 @@ fn the_gpu_suite_passes_on_the_cuda_emulator() {
     let out = kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator")
         .unwrap_or_else(|out| panic!("the GPU suite failed on the emulator:\n{out}"));
     let passed = out.lines().filter(|l| l.ends_with("... ok")).count();
-    assert_eq!(passed, 4, "the four GPU kernel tests ran and passed:\n{out}");
+    assert_eq!(
+        passed, 4,
+        "the four GPU kernel tests ran and passed:\n{out}"
+    );
 }

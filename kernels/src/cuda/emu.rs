@@ -90,7 +90,14 @@ pub fn build(dir: &Path) -> Result<PathBuf, KernelError> {
         &tmp,
         &[
             &common[..],
-            &["-O3", "-march=native", "-fopenmp", "cublas.cpp", "-o", "libcublas.so"],
+            &[
+                "-O3",
+                "-march=native",
+                "-fopenmp",
+                "cublas.cpp",
+                "-o",
+                "libcublas.so",
+            ],
         ]
         .concat(),
     )?;
@@ -107,6 +114,7 @@ pub fn build(dir: &Path) -> Result<PathBuf, KernelError> {
 /// caller). Returns the child's output; `Err` with it when a test failed.
 pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
     let lib = build(build_dir).map_err(|e| e.to_string())?;
+    eprintln!("CUDA emulator: {}", lib.display());
     let mut path = vec![lib.display().to_string()];
     if let Some(home) = std::env::var_os("HOME") {
         let nvrtc = PathBuf::from(home).join(".cache/tandem/nvrtc/lib");

@@ -44,12 +44,19 @@ struct Pinned {
 
 impl Pinned {
     /// Copies `dev` (all of it) into this buffer and returns the copy.
-    fn download<'a>(&'a mut self, gpu: &Gpu, dev: &CudaSlice<f32>) -> Result<&'a [f32], KernelError> {
+    fn download<'a>(
+        &'a mut self,
+        gpu: &Gpu,
+        dev: &CudaSlice<f32>,
+    ) -> Result<&'a [f32], KernelError> {
         let n = dev.len();
         if self.host.as_ref().is_none_or(|h| h.len() < n) {
             // SAFETY: the buffer is written by the copy below before any of it is read.
-            let h = unsafe { gpu.context().alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0) }
-                .map_err(|e| err("pinned host buffer", e))?;
+            let h = unsafe {
+                gpu.context()
+                    .alloc_pinned_with_flags::<f32>(n.next_power_of_two(), 0)
+            }
+            .map_err(|e| err("pinned host buffer", e))?;
             self.host = Some(h);
         }
         let host = (self.host.as_mut().expect("allocated above"))
