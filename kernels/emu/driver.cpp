@@ -13,6 +13,7 @@
 // at a guard page and start filled with 0xff bytes (NaN in f32, f16 and bf16), so reads past
 // the end fault and reads of unwritten memory show.
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -23,6 +24,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -414,6 +416,21 @@ CUresult bad(const char* what, CUresult code) {
     return code;
 }
 
+// With TANDEM_CUDA_EMU_LOG set, the first launch of each kernel in each process appends
+// "<pid> <kernel>" to that file, so a test can see which processes ran on the emulator.
+void log_launch(const char* kernel) {
+    static std::mutex m;
+    static std::set<std::string> seen;
+    const char* path = std::getenv("TANDEM_CUDA_EMU_LOG");
+    if (!path) return;
+    std::lock_guard<std::mutex> g(m);
+    if (!seen.insert(kernel).second) return;
+    if (FILE* f = std::fopen(path, "a")) {
+        std::fprintf(f, "%d %s\n", (int)getpid(), kernel);
+        std::fclose(f);
+    }
+}
+
 CUresult copy_checked(void* dst, const void* src, size_t n, bool dst_dev, bool src_dev) {
     if (dst_dev && !tandem_emu::device_range((uintptr_t)dst, n))
         return bad("copy: destination range is not inside one allocation",
@@ -591,6 +608,7 @@ API CUresult cuLaunchKernel(void* f, unsigned int gx, unsigned int gy, unsigned 
         return bad("launch: more than 1024 threads in a block", CUDA_ERROR_INVALID_VALUE);
     if (smem > 227 * 1024) return bad("launch: too much shared memory", 701);
     if (!k->check(params, k->name)) return CUDA_ERROR_ILLEGAL_ADDRESS;
+    log_launch(k->name);
     tandem_emu::Launch l;
     l.kernel = k;
     l.params = params;

@@ -20,6 +20,7 @@ pub struct Cluster {
     pub control: String,
     router: Child,
     workers: Vec<(String, Child)>,
+    env: Vec<(String, String)>,
 }
 
 /// Writes a cluster.toml for tests: ports 0, the default model, small pools.
@@ -45,16 +46,31 @@ pub fn write_config_kv(
     decode_blocks: u32,
     kv: &str,
 ) -> PathBuf {
+    write_config_pools(dir, prefill, block_size, decode_blocks, kv, "")
+}
+
+/// [`write_config_kv`] plus `pool` lines in both pools' sections (e.g. `device = "cuda:0"`).
+pub fn write_config_pools(
+    dir: &Path,
+    prefill: bool,
+    block_size: u32,
+    decode_blocks: u32,
+    kv: &str,
+    pool: &str,
+) -> PathBuf {
     let model = crate::model_path();
     let prefill = if prefill {
-        "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n"
+        format!("[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n{pool}\n")
     } else {
-        ""
+        String::new()
     };
     let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n\n[kv_transfer]\n{kv}\n"
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{pool}\n\n[kv_transfer]\n{kv}\n"
     );
-    let tag: String = kv.chars().filter(|c| c.is_ascii_alphanumeric()).collect();
+    let tag: String = format!("{kv}{pool}")
+        .chars()
+        .filter(|c| c.is_ascii_alphanumeric())
+        .collect();
     let path = dir.join(format!(
         "cluster-{block_size}-{decode_blocks}{tag}-{}.toml",
         if prefill.is_empty() {
@@ -87,11 +103,26 @@ impl Cluster {
         decode_blocks: u32,
         kv: &str,
     ) -> Cluster {
+        Cluster::start_pools(exe, prefill, decode, decode_blocks, kv, "", &[])
+    }
+
+    /// [`Cluster::start_kv`] with `pool` lines in both pools' sections and `env` set for every
+    /// process of the cluster.
+    pub fn start_pools(
+        exe: &Path,
+        prefill: usize,
+        decode: usize,
+        decode_blocks: u32,
+        kv: &str,
+        pool: &str,
+        env: &[(String, String)],
+    ) -> Cluster {
         let dir =
             std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = write_config_kv(&dir, prefill > 0, 16, decode_blocks, kv);
+        let cfg = write_config_pools(&dir, prefill > 0, 16, decode_blocks, kv, pool);
         let mut router = Command::new(exe)
+            .envs(env.iter().cloned())
             .args(["router", "--config"])
             .arg(&cfg)
             .stdin(Stdio::null())
@@ -118,6 +149,7 @@ impl Cluster {
             control,
             router,
             workers: Vec::new(),
+            env: env.to_vec(),
         };
         for i in 0..prefill {
             c.add_worker("prefill", &format!("prefill-{i}"), &cfg);
@@ -159,6 +191,7 @@ impl Cluster {
         extra: &[&str],
     ) -> Child {
         Command::new(&self.exe)
+            .envs(self.env.iter().cloned())
             .args([role, "--router", &self.control, "--name", name])
             .args(extra)
             .arg("--config")

@@ -108,13 +108,11 @@ pub fn build(dir: &Path) -> Result<PathBuf, KernelError> {
     Ok(out)
 }
 
-/// Runs the calling test binary's ignored GPU tests again in a child process on the emulator
-/// (`TANDEM_GPU=1 TANDEM_CUDA_EMU=1`, the emulator first on `LD_LIBRARY_PATH`, libnvrtc from
-/// `~/.cache/tandem/nvrtc/lib` or the path), skipping tests whose names contain `skip` (the
-/// caller). Returns the child's output; `Err` with it when a test failed.
-pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
-    let lib = build(build_dir).map_err(|e| e.to_string())?;
-    eprintln!("CUDA emulator: {}", lib.display());
+/// The environment of a process that should find the emulator built in `lib` (by [`build`])
+/// instead of a driver: the emulator first on `LD_LIBRARY_PATH`, then libnvrtc from
+/// `~/.cache/tandem/nvrtc/lib` (where `.ci/run` puts it) and the inherited path;
+/// `TANDEM_CUDA_EMU=1` so programs can say they run on it.
+pub fn environment(lib: &Path) -> Vec<(String, String)> {
     let mut path = vec![lib.display().to_string()];
     if let Some(home) = std::env::var_os("HOME") {
         let nvrtc = PathBuf::from(home).join(".cache/tandem/nvrtc/lib");
@@ -125,12 +123,24 @@ pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
     if let Ok(p) = std::env::var("LD_LIBRARY_PATH") {
         path.push(p);
     }
+    vec![
+        ("LD_LIBRARY_PATH".into(), path.join(":")),
+        ("TANDEM_CUDA_EMU".into(), "1".into()),
+    ]
+}
+
+/// Runs the calling test binary's ignored GPU tests again in a child process on the emulator
+/// (`TANDEM_GPU=1 TANDEM_CUDA_EMU=1`, the emulator first on `LD_LIBRARY_PATH`, libnvrtc from
+/// `~/.cache/tandem/nvrtc/lib` or the path), skipping tests whose names contain `skip` (the
+/// caller). Returns the child's output; `Err` with it when a test failed.
+pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
+    let lib = build(build_dir).map_err(|e| e.to_string())?;
+    eprintln!("CUDA emulator: {}", lib.display());
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
     let out = Command::new(exe)
         .args(["--include-ignored", "--test-threads=1", "--skip", skip])
         .env("TANDEM_GPU", "1")
-        .env("TANDEM_CUDA_EMU", "1")
-        .env("LD_LIBRARY_PATH", path.join(":"))
+        .envs(environment(&lib))
         .output()
         .map_err(|e| e.to_string())?;
     let text = format!(
