@@ -743,46 +743,42 @@ fn every_process_serves_metrics_that_promtool_accepts() {
     );
 }
 
-/// Both pools on `device = "cuda:0"`, on the CPU CUDA emulator (`kernels/emu`, a test double,
-/// not a GPU): the prefill worker's KV leaves its device layer by layer through pinned staging,
-/// crosses TCP and is uploaded into the decode worker's device pool, and the answer is Berlin.
-/// The emulator's launch log shows both workers ran the GPU kernels.
+/// Pools on `device = "cuda:0"`, on the CPU CUDA emulator (`kernels/emu`, a test double, not a
+/// GPU): both on the GPU, and each mixed with a CPU pool (a CPU worker's KV and a GPU worker's
+/// are the same on the wire). A GPU prefill's KV leaves its device layer by layer through pinned
+/// staging and crosses TCP; a GPU decode worker uploads it into its device pool. The answer is
+/// Berlin each time, the ledger balances, and the emulator's launch log shows which workers ran
+/// attention on the GPU.
 #[cfg(feature = "cuda")]
 #[test]
-fn a_cluster_on_cuda_answers_berlin_on_the_cuda_emulator() {
+fn clusters_with_cuda_pools_answer_berlin_on_the_cuda_emulator() {
     let lib = kernels::cuda::emu::build(env!("CARGO_TARGET_TMPDIR").as_ref()).unwrap();
-    let log = std::env::temp_dir().join(format!("tandem-emu-{}.log", std::process::id()));
-    let _ = std::fs::remove_file(&log);
-    let mut env = kernels::cuda::emu::environment(&lib);
-    env.push(("TANDEM_CUDA_EMU_LOG".into(), log.display().to_string()));
-    let c = Cluster::start_pools(
-        EXE.as_ref(),
-        1,
-        1,
-        64,
-        "prefer = [\"tcp\"]",
-        "device = \"cuda:0\"",
-        &env,
-    );
-    let (text, finish, _) = stream_chat(
-        &c,
-        json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}],
-               "stream": true, "temperature": 0, "max_tokens": 12}),
-    );
-    assert!(text.contains("Berlin"), "{text}");
-    assert!(finish == "stop" || finish == "length", "{finish}");
-    c.wait_transfers("tcp", 1);
-    c.wait_all_free(Duration::from_secs(5));
-    let launches = std::fs::read_to_string(&log).unwrap_or_default();
-    let pids: std::collections::BTreeSet<&str> = launches
-        .lines()
-        .filter(|l| l.ends_with(" paged_attention"))
-        .filter_map(|l| l.split(' ').next())
-        .collect();
-    assert_eq!(
-        pids.len(),
-        2,
-        "prefill and decode both ran attention on cuda:0:\n{launches}"
-    );
-    let _ = std::fs::remove_file(&log);
+    let gpu = "device = \"cuda:0\"";
+    for (pools, on_gpu) in [([gpu, gpu], 2), (["", gpu], 1), ([gpu, ""], 1)] {
+        let log = std::env::temp_dir().join(format!("tandem-emu-{}.log", std::process::id()));
+        let _ = std::fs::remove_file(&log);
+        let mut env = kernels::cuda::emu::environment(&lib);
+        env.push(("TANDEM_CUDA_EMU_LOG".into(), log.display().to_string()));
+        let c = Cluster::start_pools(EXE.as_ref(), 1, 1, 64, "prefer = [\"tcp\"]", pools, &env);
+        let (text, _, _) = stream_chat(
+            &c,
+            json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}],
+                   "stream": true, "temperature": 0, "max_tokens": 12}),
+        );
+        assert!(text.contains("Berlin"), "{pools:?}: {text}");
+        c.wait_transfers("tcp", 1);
+        c.wait_all_free(Duration::from_secs(5));
+        let launches = std::fs::read_to_string(&log).unwrap_or_default();
+        let pids: std::collections::BTreeSet<&str> = launches
+            .lines()
+            .filter(|l| l.ends_with(" paged_attention"))
+            .filter_map(|l| l.split(' ').next())
+            .collect();
+        assert_eq!(
+            pids.len(),
+            on_gpu,
+            "{pools:?}: workers that ran attention on cuda:0:\n{launches}"
+        );
+        let _ = std::fs::remove_file(&log);
+    }
 }

@@ -6,7 +6,8 @@
 // model; scripts/gpu-check.sh on a real GPU does.
 //
 // Execution: each thread block runs on one host thread, its CUDA threads as fibers switched at
-// __syncthreads and warp shuffles; blocks spread over a few host threads. Checks a GPU would not
+// __syncthreads and warp shuffles (in thread order and reverse order by turns); blocks spread
+// over a few host threads. Checks a GPU would not
 // make: a barrier that cannot complete (divergent __syncthreads), a full-mask shuffle with a
 // lane that is not live, a pointer argument outside every allocation, a copy that runs past
 // one, a block over 1024 threads, a kernel missing from the loaded PTX. Device allocations end
@@ -238,8 +239,11 @@ void run_block(const Launch& l, uint64_t b) {
         f.sp = initial_sp(r.stacks[i]);
     }
     current_block = &r.info;
-    for (;;) {
-        for (int i = 0; i < n; i++) {
+    // Between two barriers the threads run one after another, in thread order and in reverse
+    // order by turns, so a missing barrier shows whichever side of it the reader is on.
+    for (bool reverse = false;; reverse = !reverse) {
+        for (int j = 0; j < n; j++) {
+            int i = reverse ? n - 1 - j : j;
             if (r.fibers[i].state != State::Ready) continue;
             r.cur = i;
             current_thread = &r.fibers[i].tid;

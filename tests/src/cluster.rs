@@ -46,28 +46,31 @@ pub fn write_config_kv(
     decode_blocks: u32,
     kv: &str,
 ) -> PathBuf {
-    write_config_pools(dir, prefill, block_size, decode_blocks, kv, "")
+    write_config_pools(dir, prefill, block_size, decode_blocks, kv, ["", ""])
 }
 
-/// [`write_config_kv`] plus `pool` lines in both pools' sections (e.g. `device = "cuda:0"`).
+/// [`write_config_kv`] plus lines for the prefill and the decode pool's sections (e.g.
+/// `device = "cuda:0"`).
 pub fn write_config_pools(
     dir: &Path,
     prefill: bool,
     block_size: u32,
     decode_blocks: u32,
     kv: &str,
-    pool: &str,
+    [prefill_lines, decode_lines]: [&str; 2],
 ) -> PathBuf {
     let model = crate::model_path();
     let prefill = if prefill {
-        format!("[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n{pool}\n")
+        format!(
+            "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n{prefill_lines}\n"
+        )
     } else {
         String::new()
     };
     let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{pool}\n\n[kv_transfer]\n{kv}\n"
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
     );
-    let tag: String = format!("{kv}{pool}")
+    let tag: String = format!("{kv}{prefill_lines}-{decode_lines}")
         .chars()
         .filter(|c| c.is_ascii_alphanumeric())
         .collect();
@@ -103,24 +106,24 @@ impl Cluster {
         decode_blocks: u32,
         kv: &str,
     ) -> Cluster {
-        Cluster::start_pools(exe, prefill, decode, decode_blocks, kv, "", &[])
+        Cluster::start_pools(exe, prefill, decode, decode_blocks, kv, ["", ""], &[])
     }
 
-    /// [`Cluster::start_kv`] with `pool` lines in both pools' sections and `env` set for every
-    /// process of the cluster.
+    /// [`Cluster::start_kv`] with lines for the prefill and the decode pool's sections, and
+    /// `env` set for every process of the cluster.
     pub fn start_pools(
         exe: &Path,
         prefill: usize,
         decode: usize,
         decode_blocks: u32,
         kv: &str,
-        pool: &str,
+        pools: [&str; 2],
         env: &[(String, String)],
     ) -> Cluster {
         let dir =
             std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
         std::fs::create_dir_all(&dir).unwrap();
-        let cfg = write_config_pools(&dir, prefill > 0, 16, decode_blocks, kv, pool);
+        let cfg = write_config_pools(&dir, prefill > 0, 16, decode_blocks, kv, pools);
         let mut router = Command::new(exe)
             .envs(env.iter().cloned())
             .args(["router", "--config"])
