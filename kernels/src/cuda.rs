@@ -194,6 +194,10 @@ impl Gpu {
                 functions.insert(*f, func);
             }
         }
+        // One stream does all of this GPU's work, so cudarc's cross-stream event tracking (two
+        // events a buffer) buys nothing.
+        // SAFETY: every buffer of this Gpu is used on its one stream only.
+        unsafe { ctx.disable_event_tracking() };
         let stream = ctx.default_stream();
         Ok(Gpu {
             ordinal,
@@ -237,6 +241,18 @@ impl Gpu {
         dev: &CudaSlice<T>,
     ) -> Result<Vec<T>, KernelError> {
         self.stream.clone_dtoh(dev).map_err(|e| err("download", e))
+    }
+
+    /// A device buffer of `n` values left as the allocator gives it: for buffers the caller
+    /// writes whole before reading (any bits are a valid `T`, so reading early gives garbage
+    /// numbers, never undefined behaviour).
+    pub fn uninit<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        &self,
+        n: usize,
+    ) -> Result<CudaSlice<T>, KernelError> {
+        // SAFETY: device memory is not Rust memory; `T` is a plain number type for which any
+        // bits are a value (ValidAsZeroBits), and the callers write it before reading.
+        unsafe { self.stream.alloc(n) }.map_err(|e| err("alloc", e))
     }
 
     /// A zeroed device buffer.

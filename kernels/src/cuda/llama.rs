@@ -145,16 +145,15 @@ impl GpuLlama {
         })
     }
 
-    /// `y[m, rows] = x[m, cols] · W[rows, cols]^T` (x converted to bf16 first, f32 out).
+    /// `y[m, rows] = xb[m, cols] · W[rows, cols]^T`: `xb` is the input already in bf16 (one
+    /// conversion serves every matrix that reads the same input), `y` f32.
     fn linear(
         &self,
-        x: &CudaSlice<f32>,
+        xb: &CudaSlice<u16>,
         m: usize,
         w: &DevMatrix,
         y: &mut CudaSlice<f32>,
     ) -> Result<(), KernelError> {
-        let mut xb = self.gpu.zeros::<u16>(m * w.cols)?;
-        self.gpu.to_bf16(x, &mut xb, m * w.cols)?;
         let stream = self.gpu.stream();
         let (alpha, beta) = (1f32, 0f32);
         let (a, _ra) = w.w.device_ptr(stream);
@@ -162,7 +161,7 @@ impl GpuLlama {
         let (c, _rc) = y.device_ptr_mut(stream);
         // Row-major y = x W^T is column-major y^T = W x^T: op(A) = W^T (A = W col-major
         // [cols, rows]), B = x^T (col-major [cols, m]).
-        // SAFETY: W holds rows × cols, xb m × cols, y m × rows, all on this stream.
+        // SAFETY: W holds rows × cols, xb at least m × cols, y m × rows, all on this stream.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
@@ -232,17 +231,23 @@ impl GpuLlama {
         let slots = g.upload(b.slots)?;
         let seq = g.upload(b.seq)?;
         let tables = g.upload(b.block_tables)?;
-        let mut x = g.zeros::<f32>(t * s.dim)?;
+        // Every buffer below is written whole before it is read (the CUDA emulator's NaN-filled
+        // allocations check that), so none is zeroed first.
+        let mut x = g.uninit::<f32>(t * s.dim)?;
         g.embedding(&self.embed, &ids, t, s.dim, &mut x)?;
-        let mut h = g.zeros::<f32>(t * s.dim)?;
+        let mut h = g.uninit::<f32>(t * s.dim)?;
         let (mut q, mut k, mut v) = (
-            g.zeros::<f32>(t * qd)?,
-            g.zeros::<f32>(t * kvw)?,
-            g.zeros::<f32>(t * kvw)?,
+            g.uninit::<f32>(t * qd)?,
+            g.uninit::<f32>(t * kvw)?,
+            g.uninit::<f32>(t * kvw)?,
         );
-        let mut att = g.zeros::<f32>(t * qd)?;
-        let mut o = g.zeros::<f32>(t * s.dim)?;
-        let (mut gate, mut up) = (g.zeros::<f32>(t * s.hidden)?, g.zeros::<f32>(t * s.hidden)?);
+        let mut att = g.uninit::<f32>(t * qd)?;
+        let mut o = g.uninit::<f32>(t * s.dim)?;
+        let (mut gate, mut up) = (
+            g.uninit::<f32>(t * s.hidden)?,
+            g.uninit::<f32>(t * s.hidden)?,
+        );
+        let mut xb = g.uninit::<u16>(t * s.dim.max(qd).max(s.hidden))?;
         let shape = AttentionShape {
             n_heads: s.n_heads,
             n_kv_heads: s.n_kv_heads,
@@ -254,9 +259,10 @@ impl GpuLlama {
         for l in 0..s.n_layers {
             let w = &self.layers[l];
             g.rms_norm(&x, &w.attn_norm, t, s.dim, s.eps, &mut h)?;
-            self.linear(&h, t, &w.wq, &mut q)?;
-            self.linear(&h, t, &w.wk, &mut k)?;
-            self.linear(&h, t, &w.wv, &mut v)?;
+            g.to_bf16(&h, &mut xb, t * s.dim)?;
+            self.linear(&xb, t, &w.wq, &mut q)?;
+            self.linear(&xb, t, &w.wk, &mut k)?;
+            self.linear(&xb, t, &w.wv, &mut v)?;
             g.rope(
                 &mut q,
                 &pos,
@@ -284,18 +290,22 @@ impl GpuLlama {
             g.paged_attention(
                 &q, &mut att, &self.k[l], &self.v[l], &tables, &seq, &pos, t, shape,
             )?;
-            self.linear(&att, t, &w.wo, &mut o)?;
+            g.to_bf16(&att, &mut xb, t * qd)?;
+            self.linear(&xb, t, &w.wo, &mut o)?;
             g.add_into(&mut x, &o, t * s.dim)?;
             g.rms_norm(&x, &w.ffn_norm, t, s.dim, s.eps, &mut h)?;
-            self.linear(&h, t, &w.w_gate, &mut gate)?;
-            self.linear(&h, t, &w.w_up, &mut up)?;
+            g.to_bf16(&h, &mut xb, t * s.dim)?;
+            self.linear(&xb, t, &w.w_gate, &mut gate)?;
+            self.linear(&xb, t, &w.w_up, &mut up)?;
             g.silu_mul(&mut gate, &up, t * s.hidden)?;
-            self.linear(&gate, t, &w.w_down, &mut o)?;
+            g.to_bf16(&gate, &mut xb, t * s.hidden)?;
+            self.linear(&xb, t, &w.w_down, &mut o)?;
             g.add_into(&mut x, &o, t * s.dim)?;
         }
         g.rms_norm(&x, &self.norm, t, s.dim, s.eps, &mut h)?;
-        let mut logits = g.zeros::<f32>(t * s.vocab)?;
-        self.linear(&h, t, &self.output, &mut logits)?;
+        let mut logits = g.uninit::<f32>(t * s.vocab)?;
+        g.to_bf16(&h, &mut xb, t * s.dim)?;
+        self.linear(&xb, t, &self.output, &mut logits)?;
         g.download(&logits)
     }
 }
