@@ -613,6 +613,9 @@ API CUresult cuLaunchKernel(void* f, unsigned int gx, unsigned int gy, unsigned 
     if (smem > 227 * 1024) return bad("launch: too much shared memory", 701);
     if (!k->check(params, k->name)) return CUDA_ERROR_ILLEGAL_ADDRESS;
     log_launch(k->name);
+    // One launch at a time, as one stream runs them (and the block pool serves one launch).
+    static std::mutex launching;
+    std::lock_guard<std::mutex> one_at_a_time(launching);
     tandem_emu::Launch l;
     l.kernel = k;
     l.params = params;

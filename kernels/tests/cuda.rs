@@ -290,15 +290,9 @@ fn kv_pack_unpack_store_and_sampling_are_exact() {
 /// (`TANDEM_GPU` set) the suite itself runs instead.
 #[test]
 fn the_gpu_suite_passes_on_the_cuda_emulator() {
-    if std::env::var_os("TANDEM_GPU").is_some() {
-        return;
+    if std::env::var_os("TANDEM_GPU").is_none() {
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+        kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator", 4)
+            .unwrap_or_else(|out| panic!("{out}"));
     }
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let out = kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator")
-        .unwrap_or_else(|out| panic!("the GPU suite failed on the emulator:\n{out}"));
-    let passed = out.lines().filter(|l| l.ends_with("... ok")).count();
-    assert_eq!(
-        passed, 4,
-        "the four GPU kernel tests ran and passed:\n{out}"
-    );
 }

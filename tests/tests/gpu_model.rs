@@ -137,12 +137,9 @@ fn the_engine_on_cuda_generates_what_it_generates_on_the_cpu() {
 /// On a GPU (`TANDEM_GPU` set) the tests themselves run instead.
 #[test]
 fn the_gpu_model_tests_pass_on_the_cuda_emulator() {
-    if std::env::var_os("TANDEM_GPU").is_some() {
-        return;
+    if std::env::var_os("TANDEM_GPU").is_none() {
+        let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
+        kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator", 2)
+            .unwrap_or_else(|out| panic!("{out}"));
     }
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-    let out = kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator")
-        .unwrap_or_else(|out| panic!("the GPU model tests failed on the emulator:\n{out}"));
-    let passed = out.lines().filter(|l| l.ends_with("... ok")).count();
-    assert_eq!(passed, 2, "both GPU model tests ran and passed:\n{out}");
 }

@@ -132,8 +132,9 @@ pub fn environment(lib: &Path) -> Vec<(String, String)> {
 /// Runs the calling test binary's ignored GPU tests again in a child process on the emulator
 /// (`TANDEM_GPU=1 TANDEM_CUDA_EMU=1`, the emulator first on `LD_LIBRARY_PATH`, libnvrtc from
 /// `~/.cache/tandem/nvrtc/lib` or the path), skipping tests whose names contain `skip` (the
-/// caller). Returns the child's output; `Err` with it when a test failed.
-pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
+/// caller). Returns the child's output; `Err` with it when a test failed or fewer or more than
+/// `expected` tests passed.
+pub fn run_gpu_tests(build_dir: &Path, skip: &str, expected: usize) -> Result<String, String> {
     let lib = build(build_dir).map_err(|e| e.to_string())?;
     eprintln!("CUDA emulator: {}", lib.display());
     let exe = std::env::current_exe().map_err(|e| e.to_string())?;
@@ -148,9 +149,16 @@ pub fn run_gpu_tests(build_dir: &Path, skip: &str) -> Result<String, String> {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-    if out.status.success() {
-        Ok(text)
+    let passed = text.lines().filter(|l| l.ends_with("... ok")).count();
+    if !out.status.success() {
+        Err(format!(
+            "the GPU tests failed on the CUDA emulator:\n{text}"
+        ))
+    } else if passed != expected {
+        Err(format!(
+            "{passed} GPU tests passed on the CUDA emulator, not {expected}:\n{text}"
+        ))
     } else {
-        Err(text)
+        Ok(text)
     }
 }
