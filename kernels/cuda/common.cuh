@@ -21,26 +21,23 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
-// The CPU emulator of the GPU suite (kernels/emu) has no PTX: it converts on the host.
-__device__ __forceinline__ float f16_to_f32(f16_t h) {
 #ifdef TANDEM_CUDA_EMU
-    return tandem_emu::f16_to_f32(h);
+// The CPU emulator of the GPU suite (kernels/emu) has no PTX: it converts on the host.
+__device__ __forceinline__ float f16_to_f32(f16_t h) { return tandem_emu::f16_to_f32(h); }
+__device__ __forceinline__ f16_t f32_to_f16(float f) { return tandem_emu::f32_to_f16(f); }
 #else
+__device__ __forceinline__ float f16_to_f32(f16_t h) {
     float f;
     asm("{ .reg .f16 t; mov.b16 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "h"(h));
     return f;
-#endif
 }
 
 __device__ __forceinline__ f16_t f32_to_f16(float f) {
-#ifdef TANDEM_CUDA_EMU
-    return tandem_emu::f32_to_f16(f);
-#else
     f16_t h;
     asm("{ .reg .f16 t; cvt.rn.f16.f32 t, %1; mov.b16 %0, t; }" : "=h"(h) : "f"(f));
     return h;
-#endif
 }
+#endif
 
 // Sum over a warp.
 __device__ __forceinline__ float warp_sum(float v) {
