@@ -17,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-run}
 carry=.gpu
-part=48M   # model parts per device call, beside the packed binaries
+part=44M   # the model's first part rides with the packed binaries, the rest alone
 
 # The four executables the check runs, built here (--features cuda), as "name path" lines.
 executables() {
@@ -48,7 +48,7 @@ prepare() {
   grep -qx "/$carry/" .git/info/exclude 2>/dev/null || echo "/$carry/" >>.git/info/exclude
   collect "$carry/bin"
   strip "$carry"/bin/*
-  tar -C "$carry" -cJf "$carry/1/bin.tar.xz" bin
+  tar -C "$carry" -czf "$carry/1/bin.tar.gz" bin
   rm -rf "$carry/bin"
   model=$(cargo run --release --quiet -- model path 2>/dev/null || true)
   [ -f "$model" ] || model="$HOME/.cache/tandem/models/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -81,8 +81,8 @@ libpaths() {
 
 run() {
   local bin=$carry/bin
-  if [ -f "$carry/1/bin.tar.xz" ]; then
-    tar -C "$carry" -xJf "$carry/1/bin.tar.xz"
+  if [ -f "$carry/1/bin.tar.gz" ]; then
+    tar -C "$carry" -xzf "$carry/1/bin.tar.gz"
     if [ ! -f "$carry/2/model.part-01" ]; then
       echo "missing $carry/2: make the second device call while the first one's machine is warm"
       exit 2
