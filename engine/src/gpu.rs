@@ -1,10 +1,12 @@
 //! The model's forward on a GPU (`device = "cuda:N"`), through `kernels::cuda::llama`.
 //!
 //! The device KV pool uses the same block numbering as the host [`KvCache`], and the host
-//! cache stays the one the rest of the engine reads and writes (prefill-worker exports, KV
-//! transfers, admissions): each step's new keys and values come back to the host cache layer
-//! by layer (so layer-wise streaming works unchanged), and KV written on the host — a remote
-//! prefill's — is uploaded to the device before its sequence runs. Without the `cuda` feature
+//! cache is the one KV crosses workers through (prefill-worker exports, KV transfers,
+//! admissions): in a step with KV that leaves the worker (prefill-only requests), the new keys
+//! and values come back to the host cache layer by layer (so layer-wise streaming works
+//! unchanged); other steps keep theirs on the device ([`crate::Model::forward_local`]); and KV
+//! written on the host — a remote prefill's — is uploaded to the device before its sequence
+//! runs. Without the `cuda` feature
 //! the types are uninhabited and none of this can be reached.
 
 use std::sync::{Arc, Mutex};
@@ -87,13 +89,14 @@ impl GpuModel {
         self.0.lock().expect("gpu lock").is_some()
     }
 
-    /// One step on the GPU; the host `kv` receives the step's keys and values.
+    /// One step on the GPU. With `on_layer`, the host `kv` receives the step's keys and values
+    /// layer by layer (each layer's copy waits for the device); without, they stay on the device.
     pub(crate) fn forward(
         &self,
         model: &Model,
         kv: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: &mut (dyn FnMut(usize, &KvCache) + Send),
+        on_layer: Option<&mut (dyn FnMut(usize, &KvCache) + Send)>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let c = &model.config;
         let max_blocks = batch
@@ -135,19 +138,21 @@ impl GpuModel {
         }
         let host_slots: Vec<usize> = slots.iter().map(|&s| s as usize).collect();
         let width = c.kv_width();
-        let mut mirror = |l: usize, k: &[f32], v: &[f32]| {
-            let layer = kv.layer_mut(l);
-            kernels::Backend::store_kv(
-                &kernels::CpuBackend,
-                &mut layer.k,
-                &mut layer.v,
-                &host_slots,
-                k,
-                v,
-                width,
-            );
-            on_layer(l, kv);
-        };
+        let mirror = on_layer.map(|on_layer| {
+            move |l: usize, k: &[f32], v: &[f32]| {
+                let layer = kv.layer_mut(l);
+                kernels::Backend::store_kv(
+                    &kernels::CpuBackend,
+                    &mut layer.k,
+                    &mut layer.v,
+                    &host_slots,
+                    k,
+                    v,
+                    width,
+                );
+                on_layer(l, kv);
+            }
+        });
         let b = GpuBatch {
             tokens: &tokens,
             positions: &positions,
@@ -161,7 +166,10 @@ impl GpuModel {
             let g = g
                 .as_mut()
                 .ok_or_else(|| EngineError::InvalidRequest("the GPU pool is not set up".into()))?;
-            g.forward_streaming(&b, Some(&mut mirror))?
+            match mirror {
+                Some(mut m) => g.forward_streaming(&b, Some(&mut m))?,
+                None => g.forward_streaming(&b, None)?,
+            }
         };
         let vocab = c.vocab_size;
         Ok(last_rows

@@ -220,6 +220,21 @@ impl Model {
         self.forward_layers(kv, batch, &mut |_, _| {})
     }
 
+    /// [`Model::forward`] for a batch whose KV never leaves this worker (nothing is exported or
+    /// streamed from it): on a GPU the step's keys and values stay in the device pool and the
+    /// host cache is not updated (no copy back and no wait for it, layer by layer); on the CPU
+    /// the same as [`Model::forward`].
+    pub fn forward_local(
+        &self,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        if self.mock.is_none() && self.gpu.active() {
+            return self.gpu.forward(self, kv, batch, None);
+        }
+        self.forward(kv, batch)
+    }
+
     /// [`Model::forward`], calling `on_layer(l, kv)` as soon as layer `l`'s keys and values of
     /// the whole batch are in the cache (before the layer's attention runs), so that a caller
     /// can ship them while the remaining layers compute.
@@ -233,7 +248,7 @@ impl Model {
             return self.forward_mock(timing, kv, batch, on_layer);
         }
         if self.gpu.active() {
-            return self.gpu.forward(self, kv, batch, on_layer);
+            return self.gpu.forward(self, kv, batch, Some(on_layer));
         }
         let mut result = None;
         self.device

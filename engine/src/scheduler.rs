@@ -481,9 +481,15 @@ impl Engine {
                 }
             }
         };
-        let logits = self
-            .model
-            .forward_layers(&mut self.kv, &chunks, &mut on_layer)?;
+        // Only prefill-only requests' KV leaves this worker (exported or streamed); without
+        // them a GPU keeps the step's KV on the device.
+        let exports = plan.iter().any(|&(i, _, _)| self.running[i].prefill_only);
+        let logits = if exports {
+            self.model
+                .forward_layers(&mut self.kv, &chunks, &mut on_layer)?
+        } else {
+            self.model.forward_local(&mut self.kv, &chunks)?
+        };
         let mut events = Vec::new();
         let mut finished = Vec::new();
         for (&(i, _, n), l) in plan.iter().zip(logits) {
