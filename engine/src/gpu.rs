@@ -153,6 +153,11 @@ impl GpuModel {
                 on_layer(l, kv);
             }
         });
+        let logit_rows: Vec<u32> = last_rows
+            .iter()
+            .filter(|&&(want, _)| want)
+            .map(|&(_, r)| r as u32)
+            .collect();
         let b = GpuBatch {
             tokens: &tokens,
             positions: &positions,
@@ -160,6 +165,7 @@ impl GpuModel {
             seq: &seq,
             block_tables: &tables,
             max_blocks,
+            logit_rows: &logit_rows,
         };
         let logits = {
             let mut g = self.0.lock().expect("gpu lock");
@@ -171,10 +177,10 @@ impl GpuModel {
                 None => g.forward_streaming(&b, None)?,
             }
         };
-        let vocab = c.vocab_size;
+        let mut rows = logits.chunks_exact(c.vocab_size);
         Ok(last_rows
             .into_iter()
-            .map(|(want, r)| want.then(|| logits[r * vocab..(r + 1) * vocab].to_vec()))
+            .map(|(want, _)| want.then(|| rows.next().unwrap_or_default().to_vec()))
             .collect())
     }
 

@@ -56,6 +56,14 @@ extern "C" __global__ void f32_to_bf16_rows(const float* x, bf16_t* out, unsigne
     if (i < n) out[i] = f32_to_bf16(x[i]);
 }
 
+// out[i, :] = x[rows[i], :]: the rows the LM head runs on. Grid: one block per gathered row.
+extern "C" __global__ void gather_rows(const float* x, const unsigned int* rows, float* out,
+                                       int dim) {
+    const float* src = x + (size_t)rows[blockIdx.x] * dim;
+    float* o = out + (size_t)blockIdx.x * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) o[i] = src[i];
+}
+
 // x += y, elementwise (residual connections).
 extern "C" __global__ void add_into(float* x, const float* y, unsigned long long n) {
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;

@@ -43,6 +43,7 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
             "silu_mul",
             "add_into",
             "f32_to_bf16_rows",
+            "gather_rows",
         ],
     ),
     ("dequant", &["dequant_q4_0", "dequant_q4_1", "dequant_q8_0"]),
@@ -296,6 +297,21 @@ impl Gpu {
         b.arg(x).arg(weight).arg(out).arg(&dim).arg(&eps);
         // SAFETY: x and out hold rows × dim, weight dim.
         launched(unsafe { b.launch(cfg) })
+    }
+
+    /// Rows `rows` of `x` (`[_, dim]` f32) into `out` (`[rows, dim]`), in that order.
+    pub fn gather_rows(
+        &self,
+        x: &CudaSlice<f32>,
+        rows: &CudaSlice<u32>,
+        dim: usize,
+        out: &mut CudaSlice<f32>,
+    ) -> Result<(), KernelError> {
+        let d = dim as i32;
+        let mut b = self.stream.launch_builder(self.f("gather_rows"));
+        b.arg(x).arg(rows).arg(out).arg(&d);
+        // SAFETY: every row index lies in x; out holds rows.len() × dim.
+        launched(unsafe { b.launch(per_row(rows.len(), 256)) })
     }
 
     /// In-place RoPE of `[tokens, n_heads, head_dim]` at `positions`.

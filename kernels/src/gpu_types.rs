@@ -65,4 +65,7 @@ pub struct GpuBatch<'a> {
     pub block_tables: &'a [u32],
     /// Entries per block table.
     pub max_blocks: usize,
+    /// The tokens (indices into `tokens`) whose logits the step returns, in this order: the
+    /// last token of each sequence that samples one (the LM head runs on these rows alone).
+    pub logit_rows: &'a [u32],
 }

@@ -89,6 +89,23 @@ fn elementwise_kernels_match_the_cpu() {
     let (mut dg, du) = (g.upload(&gate).unwrap(), g.upload(&up).unwrap());
     g.silu_mul(&mut dg, &du, gate.len()).unwrap();
     close("silu_mul", &g.download(&dg).unwrap(), &want, 1e-5, 1e-4);
+
+    // Rows gathered for the LM head, in the order asked, a row twice: exact.
+    let x = r.vec(4 * dim);
+    let rows = [3u32, 0, 3];
+    let mut out = g.zeros::<f32>(rows.len() * dim).unwrap();
+    g.gather_rows(
+        &g.upload(&x).unwrap(),
+        &g.upload(&rows).unwrap(),
+        dim,
+        &mut out,
+    )
+    .unwrap();
+    let want: Vec<f32> = rows
+        .iter()
+        .flat_map(|&i| x[i as usize * dim..(i as usize + 1) * dim].to_vec())
+        .collect();
+    assert_eq!(g.download(&out).unwrap(), want, "gather_rows");
 }
 
 #[test]

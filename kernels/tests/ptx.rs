@@ -13,6 +13,7 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
         for f in [
             "embedding_bf16",
             "rms_norm",
+            "gather_rows",
             "rope",
             "silu_mul",
             "dequant_q4_0",
@@ -30,16 +31,5 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
                 "{arch}: no kernel {f}"
             );
         }
-    }
-}
-
-#[test]
-fn without_a_driver_selecting_cuda_is_a_clear_error_not_a_panic() {
-    if std::env::var_os("TANDEM_GPU").is_some() {
-        return; // a GPU machine: the GPU suite covers this path
-    }
-    match kernels::cuda::Gpu::new(0) {
-        Ok(_) => {}
-        Err(e) => assert!(e.to_string().contains("CUDA"), "{e}"),
     }
 }

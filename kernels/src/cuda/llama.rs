@@ -188,7 +188,7 @@ impl GpuLlama {
         .map_err(|e| err("cublasGemmEx", format!("{e:?}")))
     }
 
-    /// Runs one step and returns the logits of every token of the batch (`[tokens, vocab]`).
+    /// Runs one step and returns the logits of the batch's `logit_rows` (`[rows, vocab]`).
     pub fn forward(&mut self, b: &GpuBatch<'_>) -> Result<Vec<f32>, KernelError> {
         self.forward_streaming(b, None)
     }
@@ -302,10 +302,18 @@ impl GpuLlama {
             self.linear(&xb, t, &w.w_down, &mut o)?;
             g.add_into(&mut x, &o, t * s.dim)?;
         }
-        g.rms_norm(&x, &self.norm, t, s.dim, s.eps, &mut h)?;
-        let mut logits = g.uninit::<f32>(t * s.vocab)?;
-        g.to_bf16(&h, &mut xb, t * s.dim)?;
-        self.linear(&xb, t, &self.output, &mut logits)?;
+        // The LM head on the rows that sample alone (a prompt's last token, not all of it).
+        let r = b.logit_rows.len();
+        if r == 0 {
+            return Ok(Vec::new());
+        }
+        let rows = g.upload(b.logit_rows)?;
+        let mut last = g.uninit::<f32>(r * s.dim)?;
+        g.gather_rows(&x, &rows, s.dim, &mut last)?;
+        g.rms_norm(&last, &self.norm, r, s.dim, s.eps, &mut h)?;
+        g.to_bf16(&h, &mut xb, r * s.dim)?;
+        let mut logits = g.uninit::<f32>(r * s.vocab)?;
+        self.linear(&xb, r, &self.output, &mut logits)?;
         g.download(&logits)
     }
 }
