@@ -45,7 +45,6 @@ collect() {
 prepare() {
   set -e
   rm -rf "$carry" && mkdir -p "$carry/bin" "$carry/1" "$carry/2"
-  grep -qx "/$carry/" .git/info/exclude 2>/dev/null || echo "/$carry/" >>.git/info/exclude
   collect "$carry/bin"
   strip "$carry"/bin/*
   tar -C "$carry" -czf "$carry/1/bin.tar.gz" bin

@@ -6,8 +6,7 @@
 //! and values come back to the host cache layer by layer (so layer-wise streaming works
 //! unchanged); other steps keep theirs on the device ([`crate::Model::forward_local`]); and KV
 //! written on the host — a remote prefill's — is uploaded to the device before its sequence
-//! runs. Without the `cuda` feature
-//! the types are uninhabited and none of this can be reached.
+//! runs. Without the `cuda` feature the types are uninhabited and none of this can be reached.
 
 use std::sync::{Arc, Mutex};
 
@@ -177,10 +176,18 @@ impl GpuModel {
                 None => g.forward_streaming(&b, None)?,
             }
         };
+        if logits.len() != logit_rows.len() * c.vocab_size {
+            return Err(EngineError::Kernel(kernels::KernelError::Shape(format!(
+                "the GPU returned {} logits for {} rows of {}",
+                logits.len(),
+                logit_rows.len(),
+                c.vocab_size
+            ))));
+        }
         let mut rows = logits.chunks_exact(c.vocab_size);
         Ok(last_rows
             .into_iter()
-            .map(|(want, _)| want.then(|| rows.next().unwrap_or_default().to_vec()))
+            .map(|(want, _)| want.then(|| rows.next().expect("counted above").to_vec()))
             .collect())
     }
 

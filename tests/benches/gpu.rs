@@ -136,7 +136,7 @@ fn main() {
                 seq: &seq,
                 block_tables: &tables,
                 max_blocks: per_seq,
-                logit_rows: &seq,
+                logit_rows: &seq, // one token a sequence: row i is sequence i
             })
             .unwrap();
             step_ms.push(t0.elapsed().as_secs_f64() * 1e3);
