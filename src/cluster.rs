@@ -71,13 +71,41 @@ fn secret(cfg: &ClusterConfig) -> Result<Option<std::sync::Arc<Vec<u8>>>> {
     }
 }
 
-fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
-    EngineConfig {
-        block_size: *cfg.model.block_size.get_ref() as usize,
-        num_blocks: *pool.kv_blocks.get_ref() as usize,
-        max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
-        max_running: 64,
-    }
+/// What every worker of `pool` is configured with.
+fn worker_settings(
+    cfg: &ClusterConfig,
+    pool: &PoolSection,
+    model: PathBuf,
+    a: &RoleArgs,
+    role: &str,
+) -> Result<worker::Settings> {
+    Ok(worker::Settings {
+        model,
+        device: pool.device.get_ref().clone(),
+        mock: mock_timing(pool),
+        threads: *pool.threads.get_ref() as usize,
+        engine: EngineConfig {
+            block_size: *cfg.model.block_size.get_ref() as usize,
+            num_blocks: *pool.kv_blocks.get_ref() as usize,
+            max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
+            max_running: *pool.max_running.get_ref() as usize,
+            // A backstop for blocks reserved for KV that never comes, even if the router is
+            // gone too (the router cancels abandoned requests itself).
+            kv_lease: Some(
+                Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref())
+                    + Duration::from_secs(60),
+            ),
+        },
+        host: pool.host.clone(),
+        router: control_endpoint(cfg, a),
+        name: a.name.clone().unwrap_or_else(|| role.into()),
+        require: cfg
+            .kv_transfer
+            .require
+            .as_ref()
+            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
+        secret: secret(cfg)?,
+    })
 }
 
 /// The mock engine's timing for a pool with `engine = "mock"` (a preset, then the fields set).
@@ -189,14 +217,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
         .ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
     let t = &cfg.kv_transfer;
     let pc = prefill_worker::PrefillConfig {
-        model,
-        device: pool.device.get_ref().clone(),
-        mock: mock_timing(pool),
-        threads: *pool.threads.get_ref() as usize,
-        engine: engine_config(&cfg, pool),
-        host: pool.host.clone(),
-        router: control_endpoint(&cfg, &a),
-        name: a.name.clone().unwrap_or_else(|| "prefill".into()),
+        worker: worker_settings(&cfg, pool, model, &a, "prefill")?,
         connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
         transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
         prefer: t
@@ -205,11 +226,6 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
             .iter()
             .filter_map(|n| kv_transfer::Transport::parse(n))
             .collect(),
-        require: t
-            .require
-            .as_ref()
-            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
-        secret: secret(&cfg)?,
         layerwise: t.layerwise,
     };
     runtime()?.block_on(prefill_worker::run(pc))?;
@@ -220,24 +236,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
 pub fn decode(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let dc = decode_worker::DecodeConfig {
-        model,
-        device: cfg.decode.device.get_ref().clone(),
-        mock: mock_timing(&cfg.decode),
-        threads: *cfg.decode.threads.get_ref() as usize,
-        engine: engine_config(&cfg, &cfg.decode),
-        host: cfg.decode.host.clone(),
-        router: control_endpoint(&cfg, &a),
-        name: a.name.clone().unwrap_or_else(|| "decode".into()),
-        // A backstop: the router cancels abandoned requests itself; this frees blocks whose KV
-        // never comes even if the router is gone too.
-        kv_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref())
-            + Duration::from_secs(60),
-        require: cfg
-            .kv_transfer
-            .require
-            .as_ref()
-            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
-        secret: secret(&cfg)?,
+        worker: worker_settings(&cfg, &cfg.decode, model, &a, "decode")?,
         kv_advertise: a.kv_advertise.clone(),
     };
     runtime()?.block_on(decode_worker::run(dc))?;

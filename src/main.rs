@@ -214,7 +214,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             out.write_all(text.as_bytes())?;
             out.flush()?;
             if stopped {
-                engine.abort(0);
+                engine.release(0, engine::Release::Cancelled);
                 break 'run;
             }
         }

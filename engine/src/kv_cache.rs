@@ -4,6 +4,9 @@
 //! A block is owned by at most one [`BlockTable`] at a time; tables are not `Clone`, and
 //! [`KvCache::release`] consumes a table, so every block is freed exactly once.
 
+use std::cell::UnsafeCell;
+use std::sync::Arc;
+
 use half::f16;
 
 use crate::error::{EngineError, Result};
@@ -21,12 +24,53 @@ impl BlockTable {
     }
 }
 
+/// One pool of f16 values whose memory can be handed to a device (an RDMA registration):
+/// the device side holds [`PoolBuf::owner`], so the memory is freed only when the cache and
+/// every registration are gone — whichever goes last.
+pub struct PoolBuf(Arc<PoolMem>);
+
+struct PoolMem(UnsafeCell<Vec<f16>>);
+
+// SAFETY: the values are read and written only through the one `PoolBuf` (not `Clone`), by
+// `&self`/`&mut self` borrows as for a `Vec`; the other holders of the `Arc` (see
+// `PoolBuf::owner`) only keep the allocation alive and never touch its contents from Rust.
+unsafe impl Sync for PoolMem {}
+
+impl PoolBuf {
+    fn zeroed(n: usize) -> PoolBuf {
+        // Zeroed allocation stays lazy: pages are touched only when a block is first written.
+        let v = half::vec::HalfBitsVecExt::reinterpret_into(vec![0u16; n]);
+        PoolBuf(Arc::new(PoolMem(UnsafeCell::new(v))))
+    }
+
+    /// Keeps this pool's memory allocated (and unmoved: it never grows) while held.
+    pub fn owner(&self) -> Arc<dyn Send + Sync> {
+        self.0.clone()
+    }
+}
+
+impl std::ops::Deref for PoolBuf {
+    type Target = [f16];
+    fn deref(&self) -> &[f16] {
+        // SAFETY: see `PoolMem`: this `PoolBuf` is the only way to its contents, and `&self`
+        // excludes a `&mut` from `deref_mut`.
+        unsafe { &*self.0 .0.get() }
+    }
+}
+
+impl std::ops::DerefMut for PoolBuf {
+    fn deref_mut(&mut self) -> &mut [f16] {
+        // SAFETY: as for `deref`; `&mut self` makes this borrow unique.
+        unsafe { &mut *self.0 .0.get() }
+    }
+}
+
 /// One layer's keys and values, `[num_blocks, block_size, n_kv_heads * head_dim]` as f16.
 pub struct LayerKv {
     /// Keys.
-    pub k: Vec<f16>,
+    pub k: PoolBuf,
     /// Values.
-    pub v: Vec<f16>,
+    pub v: PoolBuf,
 }
 
 /// The KV cache of all layers plus its block allocator.
@@ -36,11 +80,6 @@ pub struct KvCache {
     layers: Vec<LayerKv>,
     free: Vec<u32>,
     in_use: Vec<bool>,
-}
-
-fn zeroed_f16(n: usize) -> Vec<f16> {
-    // Zeroed allocation stays lazy: pages are touched only when a block is first written.
-    half::vec::HalfBitsVecExt::reinterpret_into(vec![0u16; n])
 }
 
 impl KvCache {
@@ -60,8 +99,8 @@ impl KvCache {
         let per_layer = num_blocks * block_size * width;
         let layers = (0..n_layers)
             .map(|_| LayerKv {
-                k: zeroed_f16(per_layer),
-                v: zeroed_f16(per_layer),
+                k: PoolBuf::zeroed(per_layer),
+                v: PoolBuf::zeroed(per_layer),
             })
             .collect();
         Ok(KvCache {
@@ -193,8 +232,17 @@ impl KvCache {
         Ok(())
     }
 
+    /// What keeps every pool's memory allocated (hand it to whatever registers the pools).
+    pub fn owners(&self) -> Vec<Arc<dyn Send + Sync>> {
+        self.layers
+            .iter()
+            .flat_map(|l| [l.k.owner(), l.v.owner()])
+            .collect()
+    }
+
     /// The pools as raw memory, for registration with an RDMA device: per layer, (address,
-    /// bytes) of the keys and of the values. The pools never move or reallocate after `new`.
+    /// bytes) of the keys and of the values. The pools never move or reallocate after `new`;
+    /// [`KvCache::owners`] keeps them allocated.
     pub fn raw_regions(&mut self) -> Vec<[(usize, usize); 2]> {
         self.layers
             .iter_mut()

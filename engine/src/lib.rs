@@ -34,13 +34,13 @@ pub use error::{EngineError, Result};
 #[cfg(feature = "runtime")]
 pub use kv_cache::{BlockTable, KvCache};
 #[cfg(feature = "runtime")]
-pub use loader::load;
+pub use loader::{load, load_mock};
 pub use mock::MockTiming;
 #[cfg(feature = "runtime")]
 pub use model::{Model, SeqChunk};
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
-pub use scheduler::{Engine, EngineConfig, FinishReason, TokenEvent};
+pub use scheduler::{Engine, EngineConfig, Release, TokenEvent};
 pub use tokenizer::{ChatMessage, Tokenizer};
 
 /// The identity a worker announces: model name, KV dtype and KV geometry.

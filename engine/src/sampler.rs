@@ -22,6 +22,73 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
 }
 
+/// Why a sequence stopped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence or stop token (or a stop string, found by the router).
+    Stop,
+    /// `max_tokens` reached or the context is full.
+    Length,
+}
+
+impl FinishReason {
+    /// The OpenAI API's name for it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+
+    /// Reads the wire form (`None` while the request goes on, or for a value this build does
+    /// not know).
+    pub fn from_wire(finish: i32) -> Option<FinishReason> {
+        match proto::grpc::Finish::try_from(finish).ok()? {
+            proto::grpc::Finish::None => None,
+            proto::grpc::Finish::Stop => Some(FinishReason::Stop),
+            proto::grpc::Finish::Length => Some(FinishReason::Length),
+        }
+    }
+
+    /// The wire form of a token's finish (`None`: not the last token).
+    pub fn to_wire(finish: Option<FinishReason>) -> proto::grpc::Finish {
+        match finish {
+            None => proto::grpc::Finish::None,
+            Some(FinishReason::Stop) => proto::grpc::Finish::Stop,
+            Some(FinishReason::Length) => proto::grpc::Finish::Length,
+        }
+    }
+}
+
+/// The wire form (0 means unset there: no `max_tokens` limit, `top_p` 1).
+impl From<&SamplingParams> for proto::grpc::SamplingParams {
+    fn from(p: &SamplingParams) -> Self {
+        proto::grpc::SamplingParams {
+            max_tokens: p.max_tokens.map_or(0, |m| m as u32),
+            temperature: p.temperature,
+            top_p: p.top_p,
+            top_k: p.top_k as u32,
+            seed: p.seed,
+            stop_token_ids: p.stop_token_ids.clone(),
+            ignore_eos: p.ignore_eos,
+        }
+    }
+}
+
+impl From<proto::grpc::SamplingParams> for SamplingParams {
+    fn from(p: proto::grpc::SamplingParams) -> Self {
+        SamplingParams {
+            max_tokens: (p.max_tokens > 0).then_some(p.max_tokens as usize),
+            temperature: p.temperature,
+            top_k: p.top_k as usize,
+            top_p: if p.top_p > 0.0 { p.top_p } else { 1.0 },
+            seed: p.seed,
+            stop_token_ids: p.stop_token_ids,
+            ignore_eos: p.ignore_eos,
+        }
+    }
+}
+
 impl Default for SamplingParams {
     fn default() -> Self {
         SamplingParams {

@@ -9,11 +9,14 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use proto::ledger::{Ledger, LedgerCounts};
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{Model, SeqChunk};
-use crate::sampler::{Sampler, SamplingParams};
+use crate::sampler::{FinishReason, Sampler, SamplingParams};
 
 /// Sizes of the scheduler and its cache.
 #[derive(Debug, Clone)]
@@ -26,6 +29,9 @@ pub struct EngineConfig {
     pub max_batch_tokens: usize,
     /// Most sequences running at once.
     pub max_running: usize,
+    /// How long blocks reserved for a prefill worker's KV wait for it (`None`: no limit);
+    /// [`Engine::expired`] names the reservations past it.
+    pub kv_lease: Option<Duration>,
 }
 
 impl Default for EngineConfig {
@@ -35,17 +41,9 @@ impl Default for EngineConfig {
             num_blocks: 1024,
             max_batch_tokens: 512,
             max_running: 64,
+            kv_lease: None,
         }
     }
-}
-
-/// Why a sequence stopped.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FinishReason {
-    /// An end-of-sequence or stop token.
-    Stop,
-    /// `max_tokens` reached or the context is full.
-    Length,
 }
 
 /// A token produced by a step.
@@ -87,6 +85,22 @@ pub struct Engine {
     prefilled: Vec<Seq>,
     /// Tokens in the last step: (prompt tokens, decode tokens).
     last_step: (usize, usize),
+    /// Who holds blocks for KV from a prefill worker: reserved, in flight, committed.
+    ledger: Ledger,
+}
+
+/// Why a request leaves the engine before it finished (logged; the blocks are freed the same
+/// way whatever the reason).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Release {
+    /// The caller cancelled it or went away.
+    Cancelled,
+    /// Its KV transfer broke.
+    TransferFailed,
+    /// Its KV did not arrive within the lease.
+    LeaseExpired,
+    /// A step failed.
+    StepFailed,
 }
 
 impl Engine {
@@ -108,6 +122,7 @@ impl Engine {
             awaiting: Vec::new(),
             prefilled: Vec::new(),
             last_step: (0, 0),
+            ledger: Ledger::new(),
         })
     }
 
@@ -168,6 +183,9 @@ impl Engine {
         let mut seq = self.new_seq(id, prompt, params, false)?;
         self.kv
             .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)?;
+        let lease = self.config.kv_lease.map(|d| Instant::now() + d);
+        self.ledger
+            .reserve(id, seq.table.blocks().len() as u32, lease);
         self.awaiting.push(seq);
         Ok(())
     }
@@ -199,6 +217,7 @@ impl Engine {
             .kv_written(&self.kv, self.awaiting[i].table.blocks(), n)?;
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
+        self.ledger.commit(seq.id);
         self.waiting.push_front(seq);
         Ok(())
     }
@@ -249,10 +268,14 @@ impl Engine {
         self.admit(i, n)
     }
 
-    /// The KV pool as raw memory, for RDMA registration (see [`KvCache::raw_regions`]), and
-    /// the bytes of one block in one pool.
-    pub fn kv_regions(&mut self) -> (Vec<[(usize, usize); 2]>, usize) {
-        (self.kv.raw_regions(), self.kv.block_bytes())
+    /// The KV pool as raw memory for RDMA registration (see [`KvCache::raw_regions`]), with
+    /// what keeps it allocated.
+    pub fn kv_regions(&mut self) -> proto::KvRegions {
+        proto::KvRegions {
+            layers: self.kv.raw_regions(),
+            block_bytes: self.kv.block_bytes(),
+            owners: self.kv.owners(),
+        }
     }
 
     /// Ids of prefill-only requests whose KV is complete and not yet exported.
@@ -277,15 +300,39 @@ impl Engine {
         Some(layers)
     }
 
+    /// The KV of reserved request `id` started to arrive (its lease still runs).
+    pub fn kv_arriving(&mut self, id: u64) -> bool {
+        self.ledger.in_flight(id)
+    }
+
+    /// Reservations whose lease has passed by `now` without their KV (release them).
+    pub fn expired(&self, now: Instant) -> Vec<u64> {
+        self.ledger.expired(now)
+    }
+
+    /// The earliest lease still running.
+    pub fn next_lease(&self) -> Option<Instant> {
+        self.ledger.next_expiry()
+    }
+
+    /// The ledger's blocks per state.
+    pub fn ledger(&self) -> LedgerCounts {
+        self.ledger.counts()
+    }
+
     /// The load figures a worker reports.
-    pub fn load(&self) -> proto::membership::Load {
-        proto::membership::Load {
+    pub fn load(&self) -> proto::grpc::WorkerLoad {
+        let c = self.ledger.counts();
+        proto::grpc::WorkerLoad {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
-            awaiting: self.awaiting.len() as u32,
-            kv_blocks_reserved: self.awaiting_blocks() as u32,
+            pending_transfers: self.awaiting.len() as u32,
             kv_blocks_free: self.free_blocks() as u32,
             kv_blocks_total: self.total_blocks() as u32,
+            kv_blocks_reserved: c.reserved as u32,
+            kv_blocks_in_flight: c.in_flight as u32,
+            kv_blocks_committed: c.committed as u32,
+            kv_requests_freed: c.freed,
             ..Default::default()
         }
     }
@@ -368,8 +415,18 @@ impl Engine {
         })
     }
 
-    /// Drops a request wherever it is and frees its blocks. Returns whether it was found.
-    pub fn abort(&mut self, id: u64) -> bool {
+    /// Drops a request wherever it is, frees its blocks and its ledger entry — the one way a
+    /// request leaves before it finishes. Returns whether it was found.
+    pub fn release(&mut self, id: u64, why: Release) -> bool {
+        let held = self.ledger.free(id).is_some();
+        let found = self.remove(id);
+        if found || held {
+            tracing::debug!(request = id, ?why, "released");
+        }
+        found || held
+    }
+
+    fn remove(&mut self, id: u64) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let s = self.waiting.remove(i).expect("index found");
             self.kv.release(s.table);
@@ -525,6 +582,7 @@ impl Engine {
                 .position(|s| s.id == id)
                 .expect("planned seqs are running");
             let s = self.running.remove(i);
+            self.ledger.free(s.id);
             if s.prefill_only && !streamed {
                 self.prefilled.push(s);
             } else {

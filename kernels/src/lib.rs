@@ -16,7 +16,7 @@ pub mod backend;
 #[cfg(feature = "cuda")]
 pub mod cuda;
 /// CUDA kernels (feature `cuda`; without it, every entry point says so).
-#[cfg(not(feature = "cuda"))]
+#[cfg(all(feature = "compute", not(feature = "cuda")))]
 #[path = "cuda_off.rs"]
 pub mod cuda;
 #[cfg(feature = "compute")]

@@ -153,16 +153,7 @@ pub enum TransferError {
     Timeout(String),
 }
 
-/// A decode worker's paged KV pool as raw memory, for RDMA registration: per layer, the
-/// (address, bytes) of its key pool and of its value pool; `block_bytes` is the stride of one
-/// block in each (block size × KV width × 2 bytes).
-#[derive(Debug, Clone)]
-pub struct KvRegions {
-    /// Per layer: keys, values.
-    pub layers: Vec<[(usize, usize); 2]>,
-    /// Bytes of one block in one pool.
-    pub block_bytes: usize,
-}
+pub use proto::KvRegions;
 
 /// The shape of one KV block as both ends store it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -57,6 +57,8 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
             })
             .collect(),
         block_bytes,
+        // The test's `pool` outlives the receiver (see below).
+        owners: Vec::new(),
     };
     let side = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     // SAFETY: `pool` outlives the receiver's use in this test (the test ends with it).

@@ -6,83 +6,47 @@
 //! out, its blocks freed, and the KV sent straight to the decode worker over `kv-transfer` —
 //! never through the router. The call returns once the decode worker has acknowledged the KV.
 //! A call the router drops is cancelled: the request leaves the engine and its blocks are freed.
+//!
+//! What it shares with the decode worker (engine thread, model load, control plane, metrics,
+//! the `Worker` service) lives in the `worker` crate; this crate is what a prefill does with
+//! finished KV.
 
-use std::collections::HashMap;
-use std::path::PathBuf;
-use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use engine::{Engine, EngineConfig, EngineError};
+use engine::Engine;
 use kv_transfer::{KvSender, Layers, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
-use proto::grpc::{self, PrefillReply, PrefillRequest};
-use proto::membership::Load;
-use tokio::sync::oneshot;
-use tokio_stream::wrappers::TcpListenerStream;
+use proto::grpc::{PrefillReply, PrefillRequest, WorkerLoad};
+use proto::{Cause, Pool};
+use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
+use worker::service::ReleaseOnDrop;
+use worker::{EngineHandle, Settings, WorkerError};
 
 /// How a prefill worker runs.
 #[derive(Debug, Clone)]
 pub struct PrefillConfig {
-    /// Model file or directory.
-    pub model: PathBuf,
-    /// Where the forward pass runs (`cpu`, `cuda:N`).
-    pub device: String,
-    /// Run the mock engine with this timing model instead of the model's kernels.
-    pub mock: Option<engine::MockTiming>,
-    /// Kernel threads.
-    pub threads: usize,
-    /// Engine sizes (KV blocks, chunk budget).
-    pub engine: EngineConfig,
-    /// Host to bind the gRPC listener to (the port is picked by the OS).
-    pub host: String,
-    /// The router's control endpoint, e.g. `http://127.0.0.1:8001`.
-    pub router: String,
-    /// Name shown in logs.
-    pub name: String,
+    /// What every worker is configured with.
+    pub worker: Settings,
     /// Connect and handshake deadline for KV connections.
     pub connect_timeout: Duration,
     /// Deadline for one request's KV transfer.
     pub transfer_timeout: Duration,
     /// Transports in order of preference.
     pub prefer: Vec<Transport>,
-    /// The only transport allowed, if the cluster requires one.
-    pub require: Option<Transport>,
-    /// The cluster secret to prove to decode workers, if the cluster has one.
-    pub secret: Option<Arc<Vec<u8>>>,
     /// Send each layer's KV as soon as it is computed (overlapping the transfer with the rest
     /// of the prefill) rather than all at the end.
     pub layerwise: bool,
 }
 
-/// Why the worker stopped.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    /// The model could not be loaded.
-    #[error(transparent)]
-    Engine(#[from] EngineError),
-    /// A listener could not be bound.
-    #[error("binding {0}: {1}")]
-    Bind(String, std::io::Error),
-    /// The router refused the worker or could not be reached.
-    #[error(transparent)]
-    Join(#[from] proto::membership::JoinError),
-    /// The gRPC server failed.
-    #[error("gRPC server: {0}")]
-    Serve(#[from] tonic::transport::Error),
-    /// The thread-count setting failed.
-    #[error(transparent)]
-    Kernel(#[from] kernels::KernelError),
-    /// A required KV transport is missing.
-    #[error(transparent)]
-    Transfer(#[from] kv_transfer::TransferError),
-}
-
 /// Where a request's KV layers go, in order, as the engine produces them, and when the last
 /// one was computed.
 struct LayerTx {
-    tx: tokio::sync::mpsc::UnboundedSender<kv_transfer::Layer>,
-    done: Arc<std::sync::OnceLock<Instant>>,
+    tx: mpsc::UnboundedSender<kv_transfer::Layer>,
+    done: Arc<OnceLock<Instant>>,
 }
 
 impl LayerTx {
@@ -95,205 +59,157 @@ impl LayerTx {
     }
 }
 
-enum Cmd {
-    Prefill {
-        id: u64,
-        tokens: Vec<u32>,
-        /// Admission verdict.
-        accepted: oneshot::Sender<Result<(), Status>>,
-        layers: LayerTx,
-    },
-    Cancel {
-        id: u64,
-        found: oneshot::Sender<bool>,
-    },
-    Drain,
+/// A prompt to prefill, its admission verdict, and where its layers go.
+struct Cmd {
+    id: u64,
+    tokens: Vec<u32>,
+    accepted: oneshot::Sender<Result<(), Status>>,
+    layers: LayerTx,
 }
 
-/// The engine thread. With `layerwise`, each layer of a completing prompt is handed over as
-/// soon as it is computed; otherwise all layers once the prompt is done.
-fn engine_loop(
-    mut engine: Engine,
-    rx: std_mpsc::Receiver<Cmd>,
-    load: Arc<Mutex<Load>>,
+/// The prefill pool's engine role: computes prompts and hands their KV layers on. With
+/// `layerwise`, each layer of a completing prompt as soon as it is computed; otherwise all
+/// layers once the prompt is done.
+struct Prefiller {
+    engine: Engine,
+    outs: HashMap<u64, LayerTx>,
+    /// Prompt tokens per second of engine time (moving average), reported as capacity.
+    capacity: f64,
     layerwise: bool,
-) {
-    let n_layers = engine.model().config.n_layers;
-    let mut outs: HashMap<u64, LayerTx> = HashMap::new();
-    // Prompt tokens per second of engine time (moving average), reported as capacity.
-    let mut capacity = 0f64;
-    let mut draining = false;
-    loop {
-        let first = if engine.has_work() {
-            rx.try_recv().ok()
-        } else {
-            match rx.recv_timeout(Duration::from_millis(20)) {
-                Ok(c) => Some(c),
-                Err(std_mpsc::RecvTimeoutError::Timeout) => None,
-                Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
-            }
-        };
-        for cmd in first
-            .into_iter()
-            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
-        {
-            match cmd {
-                Cmd::Prefill {
-                    id,
-                    tokens,
-                    accepted,
-                    layers,
-                } => {
-                    let verdict = if draining {
-                        Err(Status::unavailable("this prefill worker is draining"))
-                    } else {
-                        match engine.add_prefill_only(id, tokens) {
-                            Ok(()) => {
-                                outs.insert(id, layers);
-                                Ok(())
-                            }
-                            Err(EngineError::OutOfBlocks(m)) => Err(Status::resource_exhausted(m)),
-                            Err(e) => Err(Status::invalid_argument(e.to_string())),
-                        }
-                    };
-                    let _ = accepted.send(verdict);
+    /// Requests between admission and the decode worker's ack (kept by the service).
+    transfers: Arc<AtomicUsize>,
+}
+
+impl Prefiller {
+    /// Runs one step; the KV of prompts it completes goes to their callers.
+    fn run_step(&mut self) -> engine::Result<()> {
+        let n_layers = self.engine.model().config.n_layers;
+        if self.layerwise {
+            let outs = &mut self.outs;
+            self.engine.step_streaming(&mut |id, l, bytes| {
+                let last = l + 1 == n_layers;
+                if let Some(t) = outs.get(&id) {
+                    t.send(bytes, last);
                 }
-                Cmd::Cancel { id, found } => {
+                if last {
                     outs.remove(&id);
-                    let _ = found.send(engine.abort(id));
                 }
-                Cmd::Drain => draining = true,
+            })?;
+        } else {
+            self.engine.step()?;
+        }
+        for id in self.engine.take_prefilled() {
+            let kv = self.engine.export_kv(id).expect("reported as prefilled");
+            if let Some(t) = self.outs.remove(&id) {
+                let n = kv.len();
+                kv.into_iter()
+                    .enumerate()
+                    .for_each(|(l, bytes)| t.send(bytes, l + 1 == n));
             }
         }
-        // Callers that went away (their channel closed) are aborted and their blocks freed.
-        let gone: Vec<u64> = outs
-            .iter()
-            .filter(|(_, t)| t.tx.is_closed())
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            outs.remove(&id);
-            engine.abort(id);
-        }
-        if engine.has_work() {
-            let t0 = Instant::now();
-            let stepped = if layerwise {
-                engine.step_streaming(&mut |id, l, bytes| {
-                    if let Some(t) = outs.get(&id) {
-                        t.send(bytes, l + 1 == n_layers);
-                    }
-                    if l + 1 == n_layers {
-                        outs.remove(&id);
-                    }
-                })
+        Ok(())
+    }
+
+    fn measure(&mut self, prompt_tokens: usize, secs: f64) {
+        if prompt_tokens > 0 && secs > 0.0 {
+            let rate = prompt_tokens as f64 / secs;
+            self.capacity = if self.capacity > 0.0 {
+                0.8 * self.capacity + 0.2 * rate
             } else {
-                engine.step()
+                rate
             };
-            let (prompt_tokens, _) = engine.last_step();
-            let secs = t0.elapsed().as_secs_f64();
-            if prompt_tokens > 0 && secs > 0.0 {
-                let rate = prompt_tokens as f64 / secs;
-                capacity = if capacity > 0.0 {
-                    0.8 * capacity + 0.2 * rate
-                } else {
-                    rate
-                };
-            }
-            metrics::histogram!("tandem_prefill_step_seconds").record(t0.elapsed().as_secs_f64());
-            metrics::histogram!("tandem_prefill_batch_tokens").record(prompt_tokens as f64);
-            metrics::counter!("tandem_prefill_prompt_tokens_total").increment(prompt_tokens as u64);
-            if let Err(e) = stepped {
-                // Dropping the senders fails every transfer in progress; keep serving.
-                tracing::error!("prefill step failed: {e}");
-                for (id, _) in outs.drain() {
-                    engine.abort(id);
-                }
-            }
-            for id in engine.take_prefilled() {
-                let kv = engine.export_kv(id).expect("reported as prefilled");
-                if let Some(t) = outs.remove(&id) {
-                    let n = kv.len();
-                    kv.into_iter()
-                        .enumerate()
-                        .for_each(|(l, bytes)| t.send(bytes, l + 1 == n));
-                }
+        }
+        metrics::histogram!("tandem_prefill_step_seconds").record(secs);
+        metrics::histogram!("tandem_prefill_batch_tokens").record(prompt_tokens as f64);
+        metrics::counter!("tandem_prefill_prompt_tokens_total").increment(prompt_tokens as u64);
+    }
+}
+
+impl worker::Role for Prefiller {
+    type Cmd = Cmd;
+
+    fn has_work(&self) -> bool {
+        self.engine.has_work()
+    }
+
+    fn command(&mut self, c: Cmd, draining: bool) {
+        let verdict = if draining {
+            Err(Cause::Draining.status("this prefill worker is draining"))
+        } else {
+            self.engine
+                .add_prefill_only(c.id, c.tokens)
+                .map(|()| {
+                    self.outs.insert(c.id, c.layers);
+                })
+                .map_err(worker::status)
+        };
+        let _ = c.accepted.send(verdict);
+    }
+
+    fn release(&mut self, id: u64) -> bool {
+        self.outs.remove(&id);
+        self.engine.release(id, engine::Release::Cancelled)
+    }
+
+    fn step(&mut self) {
+        let t0 = Instant::now();
+        let stepped = self.run_step();
+        self.measure(self.engine.last_step().0, t0.elapsed().as_secs_f64());
+        if let Err(e) = stepped {
+            // Dropping the senders fails every transfer in progress; keep serving.
+            tracing::error!("prefill step failed: {e}");
+            for (id, _) in std::mem::take(&mut self.outs) {
+                self.engine.release(id, engine::Release::StepFailed);
             }
         }
-        let l = proto::membership::Load {
-            prompt_tokens_per_s: capacity as f32,
-            ..engine.load()
+    }
+
+    fn load(&self) -> WorkerLoad {
+        let l = WorkerLoad {
+            prompt_tokens_per_s: self.capacity as f32,
+            transfers_in_flight: self.transfers.load(Ordering::SeqCst) as u32,
+            ..self.engine.load()
         };
         metrics::gauge!("tandem_prefill_queue_depth").set(l.waiting as f64);
         metrics::gauge!("tandem_prefill_running").set(l.running as f64);
-        *load.lock().expect("load lock") = l;
+        l
+    }
+}
+
+/// Counts a transfer in flight until dropped, however the call ends.
+struct Counted(Arc<AtomicUsize>);
+
+impl Counted {
+    fn new(n: &Arc<AtomicUsize>) -> Counted {
+        n.fetch_add(1, Ordering::SeqCst);
+        Counted(n.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 struct Service {
-    cmds: std_mpsc::Sender<Cmd>,
-    load: Arc<Mutex<Load>>,
+    engine: EngineHandle<Cmd>,
     local: kv_transfer::Local,
     width: u32,
+    n_layers: u32,
+    cfg: PrefillConfig,
     /// Idle connections to decode workers, by KV endpoint. A connection is taken out while a
     /// transfer uses it, so a cancelled transfer drops its (possibly half-written) connection.
     conns: Mutex<HashMap<String, Vec<KvSender>>>,
-    connect_timeout: Duration,
-    transfer_timeout: Duration,
-    prefer: Vec<Transport>,
-    require: Option<Transport>,
-    layerwise: bool,
-    n_layers: u32,
     /// Peers whose transport choice has been logged.
-    announced: Mutex<std::collections::HashSet<String>>,
-    /// Requests between admission and the decode worker's ack (reported in heartbeats).
-    inflight: Arc<std::sync::atomic::AtomicUsize>,
+    announced: Mutex<HashSet<String>>,
+    transfers: Arc<AtomicUsize>,
 }
 
 impl Service {
-    fn send(&self, c: Cmd) -> Result<(), Status> {
-        self.cmds
-            .send(c)
-            .map_err(|_| Status::unavailable("the engine thread has stopped"))
-    }
-}
-
-#[tonic::async_trait]
-impl Prefill for Service {
-    async fn prefill(
-        &self,
-        req: Request<PrefillRequest>,
-    ) -> Result<Response<PrefillReply>, Status> {
-        let req = req.into_inner();
-        let n = req.tokens.len() as u32;
-        let t0 = Instant::now();
-        let (accepted, verdict) = oneshot::channel();
-        let (layers_tx, mut layers_rx) = tokio::sync::mpsc::unbounded_channel();
-        let done = Arc::new(std::sync::OnceLock::new());
-        let layers = LayerTx {
-            tx: layers_tx,
-            done: done.clone(),
-        };
-        self.send(Cmd::Prefill {
-            id: req.request_id,
-            tokens: req.tokens,
-            accepted,
-            layers,
-        })?;
-        verdict
-            .await
-            .map_err(|_| Status::unavailable("the engine thread has stopped"))??;
-        // Counted until this call ends, however it ends.
-        struct Counted(Arc<std::sync::atomic::AtomicUsize>);
-        impl Drop for Counted {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-            }
-        }
-        self.inflight
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        let _counted = Counted(self.inflight.clone());
-        let offers: Vec<Offer> = req
-            .offers
+    /// The decode worker's offer to use, and why (logged once per peer).
+    fn choose(&self, offers: &[proto::grpc::KvOffer]) -> Result<(Offer, String), Status> {
+        let offers: Vec<Offer> = offers
             .iter()
             .filter_map(|o| {
                 Some(Offer {
@@ -304,211 +220,166 @@ impl Prefill for Service {
             })
             .collect();
         let (local, _) = kv_transfer::negotiate::local_transports();
-        let (offer, why) =
-            kv_transfer::negotiate::choose(&offers, &local, &self.prefer, self.require)
-                .map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let (offer, why) = kv_transfer::negotiate::choose(
+            &offers,
+            &local,
+            &self.cfg.prefer,
+            self.cfg.worker.require,
+        )
+        .map_err(|e| Cause::KvTransfer.status(e.to_string()))?;
+        let peer = offer.endpoint.clone();
         if self
             .announced
             .lock()
             .expect("announced lock")
-            .insert(offer.endpoint.clone())
+            .insert(peer.clone())
         {
-            tracing::info!(peer = %offer.endpoint, transport = %offer.transport, "KV transport chosen: {why}");
-            eprintln!("tandem prefill: KV to {} over {why}", offer.endpoint);
+            tracing::info!(%peer, transport = %offer.transport, "KV transport chosen: {why}");
+            eprintln!("tandem prefill: KV to {peer} over {why}");
         }
+        Ok((offer, why))
+    }
+
+    /// An idle connection to `offer`'s worker, or a new one.
+    async fn connection(&self, offer: &Offer) -> Result<KvSender, Status> {
         let idle = self
             .conns
             .lock()
             .expect("conns lock")
             .get_mut(&offer.endpoint)
             .and_then(Vec::pop);
-        let mut conn = match idle {
-            Some(c) => c,
-            None => KvSender::connect(&offer, &self.local, self.connect_timeout)
+        match idle {
+            Some(c) => Ok(c),
+            None => KvSender::connect(offer, &self.local, self.cfg.connect_timeout)
                 .await
-                .map_err(|e| Status::unavailable(e.to_string()))?,
-        };
-        // Connected while the prompt computes; now the layers, streamed or whole.
-        let all: Vec<kv_transfer::Layer>;
-        let layers = if self.layerwise {
-            Layers::Stream {
+                .map_err(|e| Cause::KvTransfer.status(e.to_string())),
+        }
+    }
+
+    /// Sends the layers as the engine produces them (streamed) or once all are computed.
+    async fn transfer(
+        &self,
+        conn: &mut KvSender,
+        id: u64,
+        n_tokens: u32,
+        rx: &mut mpsc::UnboundedReceiver<kv_transfer::Layer>,
+    ) -> Result<kv_transfer::TransferStats, kv_transfer::TransferError> {
+        let timeout = self.cfg.transfer_timeout;
+        if self.cfg.layerwise {
+            let layers = Layers::Stream {
                 n_layers: self.n_layers,
-                rx: &mut layers_rx,
+                rx,
+            };
+            return conn.send(id, n_tokens, self.width, layers, timeout).await;
+        }
+        let mut all = Vec::with_capacity(self.n_layers as usize);
+        while all.len() < self.n_layers as usize {
+            match rx.recv().await {
+                Some(l) => all.push(l),
+                None => {
+                    return Err(kv_transfer::TransferError::Protocol(
+                        "the prefill of this request failed".into(),
+                    ))
+                }
             }
-        } else {
-            let mut v = Vec::with_capacity(self.n_layers as usize);
-            while v.len() < self.n_layers as usize {
-                v.push(
-                    layers_rx
-                        .recv()
-                        .await
-                        .ok_or_else(|| Status::internal("the prefill of this request failed"))?,
-                );
-            }
-            all = v;
-            Layers::Ready(&all)
+        }
+        conn.send(id, n_tokens, self.width, Layers::Ready(&all), timeout)
+            .await
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for Service {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
+        let req = req.into_inner();
+        let (id, n) = (req.request_id, req.tokens.len() as u32);
+        let t0 = Instant::now();
+        let (accepted, verdict) = oneshot::channel();
+        let (tx, mut rx) = mpsc::unbounded_channel();
+        let done = Arc::new(OnceLock::new());
+        let layers = LayerTx {
+            tx,
+            done: done.clone(),
         };
+        let tokens = req.tokens;
+        self.engine.send(Cmd {
+            id,
+            tokens,
+            accepted,
+            layers,
+        })?;
+        // From here on, however this call ends, the request leaves the engine.
+        let _release = ReleaseOnDrop::new(&self.engine, id);
+        verdict
+            .await
+            .map_err(|_| Cause::Engine.status("the engine thread has stopped"))??;
+        let _counted = Counted::new(&self.transfers);
+        let (offer, why) = self.choose(&req.offers)?;
+        // Connected while the prompt computes; then the layers, streamed or whole.
+        let mut conn = self.connection(&offer).await?;
         let transport = offer.transport.name();
-        let stats = conn
-            .send(req.request_id, n, self.width, layers, self.transfer_timeout)
+        let stats = self
+            .transfer(&mut conn, id, n, &mut rx)
             .await
             .map_err(|e| {
                 metrics::counter!("tandem_kv_send_failures_total", "transport" => transport)
                     .increment(1);
-                Status::unavailable(e.to_string())
+                Cause::KvTransfer.status(e.to_string())
             })?;
         metrics::counter!("tandem_kv_sent_bytes_total", "transport" => transport)
             .increment(stats.bytes);
         metrics::histogram!("tandem_kv_send_seconds", "transport" => transport)
             .record(stats.elapsed.as_secs_f64());
-        self.conns
-            .lock()
-            .expect("conns lock")
-            .entry(offer.endpoint)
-            .or_default()
-            .push(conn);
+        let mut conns = self.conns.lock().expect("conns lock");
+        conns.entry(offer.endpoint).or_default().push(conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
-            compute_us: done
-                .get()
-                .map_or(0, |d| d.duration_since(t0).as_micros() as u64),
+            compute_us: done.get().map_or(0, |d| (*d - t0).as_micros() as u64),
             transfer_us: done.get().map_or(0, |d| d.elapsed().as_micros() as u64),
             transport: stats.transport.name().into(),
             transport_reason: why,
         }))
     }
-
-    async fn cancel(
-        &self,
-        req: Request<grpc::CancelRequest>,
-    ) -> Result<Response<grpc::CancelReply>, Status> {
-        let (found, rx) = oneshot::channel();
-        self.send(Cmd::Cancel {
-            id: req.into_inner().request_id,
-            found,
-        })?;
-        Ok(Response::new(grpc::CancelReply {
-            found: rx.await.unwrap_or(false),
-        }))
-    }
-
-    async fn drain(
-        &self,
-        _: Request<grpc::DrainRequest>,
-    ) -> Result<Response<grpc::DrainReply>, Status> {
-        self.send(Cmd::Drain)?;
-        Ok(Response::new(grpc::DrainReply {}))
-    }
-
-    async fn stats(
-        &self,
-        _: Request<grpc::StatsRequest>,
-    ) -> Result<Response<grpc::WorkerStats>, Status> {
-        Ok(Response::new(self.load.lock().expect("load lock").stats()))
-    }
 }
 
 /// Loads the model, starts the gRPC service, joins the router and serves until the process ends.
 pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
-    let (local, missing) = kv_transfer::negotiate::local_transports();
-    if let Some(t) = cfg.require.filter(|t| !local.contains(t)) {
-        return Err(kv_transfer::TransferError::Refused(format!(
-            "kv_transfer.require = {t:?} but {}",
-            missing.join("; ")
-        ))
-        .into());
-    }
-    kernels::set_threads(cfg.threads)?;
-    let model_path = cfg.model.clone();
-    let device = cfg.device.clone();
-    let (model, _) = tokio::task::spawn_blocking(move || {
-        engine::load(&model_path, kernels::Device::parse(&device)?)
-    })
-    .await
-    .expect("model loading does not panic")?;
-    let model = Arc::new(match cfg.mock {
-        Some(timing) => model.into_mock(timing),
-        None => model,
-    });
-    let identity = engine::identity(&model, cfg.engine.block_size);
-    let engine = Engine::new(model.clone(), cfg.engine.clone(), Vec::new())?;
-    let load = Arc::new(Mutex::new(engine.load()));
-    let (cmd_tx, cmd_rx) = std_mpsc::channel();
-    let (l2, layerwise) = (load.clone(), cfg.layerwise);
-    std::thread::Builder::new()
-        .name("prefill-engine".into())
-        .spawn(move || engine_loop(engine, cmd_rx, l2, layerwise))
-        .expect("engine thread starts");
-
-    let addr = format!("{}:0", cfg.host);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|e| WorkerError::Bind(addr.clone(), e))?;
-    let grpc_addr = listener
-        .local_addr()
-        .map_err(|e| WorkerError::Bind(addr, e))?;
-    let inflight = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let service = Service {
-        cmds: cmd_tx,
-        load: load.clone(),
-        width: model.config.kv_width() as u32,
-        local: kv_transfer::Local {
-            identity: identity.clone(),
-            secret: cfg.secret.clone(),
-        },
-        conns: Mutex::new(HashMap::new()),
-        inflight: inflight.clone(),
-        connect_timeout: cfg.connect_timeout,
-        transfer_timeout: cfg.transfer_timeout,
-        prefer: cfg.prefer.clone(),
-        require: cfg.require,
+    let loaded = worker::load(&cfg.worker).await?;
+    let model = loaded.model.clone();
+    let engine = Engine::new(model.clone(), cfg.worker.engine.clone(), Vec::new())?;
+    let transfers = Arc::new(AtomicUsize::new(0));
+    let role = Prefiller {
+        engine,
+        outs: HashMap::new(),
+        capacity: 0.0,
         layerwise: cfg.layerwise,
-        n_layers: model.config.n_layers as u32,
-        announced: Mutex::new(Default::default()),
+        transfers: transfers.clone(),
     };
-    let server = tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(PrefillServer::new(service))
-            .serve_with_incoming(TcpListenerStream::new(listener)),
-    );
-    let metrics_at = proto::metrics::start(&cfg.host)
-        .await
-        .map_err(|e| WorkerError::Bind("metrics".into(), e))?;
-    proto::metrics::describe(METRICS);
-    if let Some(a) = metrics_at {
-        eprintln!("tandem prefill {}: metrics on http://{a}/metrics", cfg.name);
-    }
-    let join = grpc::JoinRequest {
-        protocol_version: proto::PROTOCOL_VERSION,
-        role: grpc::Role::Prefill as i32,
-        name: cfg.name.clone(),
-        endpoint: format!("http://{grpc_addr}"),
-        kv_offers: Vec::new(),
-        identity: Some(identity.into()),
-        kv_blocks_total: cfg.engine.num_blocks as u32,
-        metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
-    };
-    let l3 = load.clone();
-    let inflight = inflight.clone();
-    let id = proto::membership::join(
-        cfg.router.clone(),
-        join,
-        Duration::from_secs(60),
-        Duration::from_millis(250),
-        move || {
-            let inflight = inflight.load(std::sync::atomic::Ordering::SeqCst) as u32;
-            l3.lock().expect("load lock").heartbeat(inflight)
+    let handle = worker::engine_thread::spawn("prefill-engine", role);
+    let service = Service {
+        engine: handle.clone(),
+        local: kv_transfer::Local {
+            identity: loaded.identity.clone(),
+            secret: cfg.worker.secret.clone(),
         },
-    )
-    .await?;
-    tracing::info!(worker_id = id, grpc = %grpc_addr, "prefill worker {} joined {}", cfg.name, cfg.router);
-    eprintln!(
-        "tandem prefill {}: serving gRPC on {grpc_addr} ({})",
-        cfg.name,
-        model.device_name()
-    );
-    server.await.expect("server task does not panic")?;
-    Ok(())
+        width: model.config.kv_width() as u32,
+        n_layers: model.config.n_layers as u32,
+        cfg: cfg.clone(),
+        conns: Mutex::new(HashMap::new()),
+        announced: Mutex::new(HashSet::new()),
+        transfers,
+    };
+    let routes = tonic::service::Routes::new(PrefillServer::new(service));
+    let announce = worker::Announce {
+        pool: Pool::Prefill,
+        kv_offers: Vec::new(),
+        detail: String::new(),
+        metrics: METRICS,
+    };
+    worker::serve(&cfg.worker, &loaded, &handle, routes, announce).await
 }
 
 use proto::metrics::Kind::{Counter, Gauge, Histogram};

@@ -100,6 +100,9 @@ pub struct PoolSection {
     /// Most tokens per forward step.
     #[serde(default = "default_batch_tokens")]
     pub max_batch_tokens: Spanned<u32>,
+    /// Most sequences in one worker's running batch.
+    #[serde(default = "default_max_running")]
+    pub max_running: Spanned<u32>,
     /// Host workers bind their services to.
     #[serde(default = "default_host")]
     pub host: String,
@@ -192,6 +195,10 @@ fn one() -> Spanned<u32> {
 fn default_blocks() -> Spanned<u32> {
     Spanned::new(0..0, 1024)
 }
+fn default_max_running() -> Spanned<u32> {
+    Spanned::new(0..0, 64)
+}
+
 fn default_batch_tokens() -> Spanned<u32> {
     Spanned::new(0..0, 512)
 }
@@ -343,6 +350,7 @@ impl ClusterConfig {
             ctx.positive(&pool.threads, &format!("{name}.threads"))?;
             ctx.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
             ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
+            ctx.positive(&pool.max_running, &format!("{name}.max_running"))?;
             let dev = pool.device.get_ref();
             let cuda_ok = dev
                 .strip_prefix("cuda:")

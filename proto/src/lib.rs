@@ -3,10 +3,13 @@
 //! - [`PROTOCOL_VERSION`] and [`ModelIdentity`]: what workers announce when they join, so that
 //!   the router refuses a prefill/decode pair that cannot exchange KV.
 //! - [`config`]: the `cluster.toml` schema and its validation.
+//! - [`ledger`]: who holds which KV blocks on a worker (owned by the engine, driven by transfers).
 //! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`), and
 //!   [`membership`], the worker side of joining.
 
+pub mod cause;
 pub mod config;
+pub mod ledger;
 pub mod membership;
 pub mod metrics;
 
@@ -14,10 +17,71 @@ pub mod metrics;
 #[allow(missing_docs, clippy::all)]
 pub mod grpc {
     tonic::include_proto!("tandem.v1");
+    include!(concat!(env!("OUT_DIR"), "/load_fields.rs"));
+}
+
+pub use cause::Cause;
+
+/// A worker pool, and so a worker's role: one type from cluster.toml through the control plane
+/// to the planner.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Pool {
+    /// Computes prompts' KV and sends it to decode workers; scales on TTFT.
+    Prefill,
+    /// Generates tokens with continuous batching; scales on ITL.
+    Decode,
+}
+
+impl Pool {
+    /// The pool's name in config, logs, metrics labels and the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Pool::Prefill => "prefill",
+            Pool::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl From<Pool> for grpc::Role {
+    fn from(p: Pool) -> grpc::Role {
+        match p {
+            Pool::Prefill => grpc::Role::Prefill,
+            Pool::Decode => grpc::Role::Decode,
+        }
+    }
+}
+
+impl TryFrom<grpc::Role> for Pool {
+    type Error = grpc::Role;
+    fn try_from(r: grpc::Role) -> Result<Pool, grpc::Role> {
+        match r {
+            grpc::Role::Prefill => Ok(Pool::Prefill),
+            grpc::Role::Decode => Ok(Pool::Decode),
+            other => Err(other),
+        }
+    }
+}
+
+/// A decode worker's KV pool as raw memory, for registration with an RDMA device.
+pub struct KvRegions {
+    /// Per layer: (address, bytes) of the keys and of the values.
+    pub layers: Vec<[(usize, usize); 2]>,
+    /// Bytes of one block in one pool.
+    pub block_bytes: usize,
+    /// What keeps that memory allocated and unmoved: a registration holds these as long as it
+    /// lives.
+    pub owners: Vec<std::sync::Arc<dyn Send + Sync>>,
 }
 
 /// Version of tandem's control and KV-transfer protocols; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// What a worker computes with: two workers can exchange KV only if these agree.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use crate::planner::Pool;
 use crate::registry::Registry;
-use proto::grpc::{decode_client::DecodeClient, prefill_client::PrefillClient, DrainRequest};
+use proto::grpc::{worker_client::WorkerClient, DrainRequest};
 
 /// Replicas an actuator has started that have not joined yet, per pool.
 pub type Starting = u32;
@@ -98,7 +98,7 @@ impl Local {
         }
     }
 
-    async fn drain(registry: &Registry, pool: Pool, id: u64) {
+    async fn drain(registry: &Registry, id: u64) {
         registry.set_draining(id);
         let Some(w) = registry.workers().into_iter().find(|w| w.id == id) else {
             return;
@@ -108,17 +108,11 @@ impl Local {
         };
         let call = async {
             let ch = ch.connect_timeout(Duration::from_secs(2)).connect().await?;
-            match pool {
-                Pool::Prefill => PrefillClient::new(ch)
-                    .drain(DrainRequest {})
-                    .await
-                    .map(|_| ()),
-                Pool::Decode => DecodeClient::new(ch)
-                    .drain(DrainRequest {})
-                    .await
-                    .map(|_| ()),
-            }
-            .map_err(|e| e.into())
+            WorkerClient::new(ch)
+                .drain(DrainRequest {})
+                .await
+                .map(|_| ())
+                .map_err(|e| e.into())
         };
         let r: Result<(), Box<dyn std::error::Error + Send + Sync>> = call.await;
         if let Err(e) = r {
@@ -165,7 +159,7 @@ impl Local {
                 let idle = workers
                     .iter()
                     .find(|w| w.id == id)
-                    .is_none_or(|w| w.in_flight == 0 && w.running == 0);
+                    .is_none_or(|w| w.in_flight() == 0 && w.load.running == 0);
                 if idle || since.elapsed() > Duration::from_secs(600) {
                     // SAFETY: signalling our own child process.
                     unsafe { libc::kill(o.process.id() as i32, libc::SIGTERM) };
@@ -174,7 +168,7 @@ impl Local {
         }
         let live = workers
             .iter()
-            .filter(|w| w.role == pool.name() && !w.draining)
+            .filter(|w| w.pool == pool && !w.draining)
             .count() as u32;
         let starting = self
             .owned
@@ -201,7 +195,7 @@ impl Local {
                 tracing::info!(pool = pool.name(), name = %self.owned[i].name, "planner: draining a worker");
                 eprintln!("tandem router: planner draining {}", self.owned[i].name);
                 self.owned[i].phase = Phase::Draining(id, Instant::now());
-                Local::drain(registry, pool, id).await;
+                Local::drain(registry, id).await;
             }
         }
         self.owned

@@ -12,15 +12,16 @@ use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use engine::text::{StopStrings, StreamDecoder};
-use engine::ChatMessage;
+use engine::{ChatMessage, FinishReason, SamplingParams};
 use futures::stream::{self, Stream, StreamExt};
-use proto::grpc::{self, Finish};
+use proto::grpc;
+use proto::Pool;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::openai::{ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop, Usage};
-use crate::pipeline::{self, TokenResult};
+use crate::request::{self, TokenResult};
 use crate::State;
 
 /// Default `max_tokens` when a request gives none (bounded by the context).
@@ -43,7 +44,7 @@ fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, Ap
 /// What a request asks for once validated and tokenised.
 struct Prepared {
     prompt: Vec<u32>,
-    params: grpc::SamplingParams,
+    params: SamplingParams,
     stops: Vec<String>,
     stream: bool,
     include_usage: bool,
@@ -107,11 +108,11 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
         Some(Stop::Many(v)) if v.len() <= 4 => v.clone(),
         Some(Stop::Many(_)) => return Err(ApiError::BadRequest("at most 4 stop sequences".into())),
     };
-    let params = grpc::SamplingParams {
-        max_tokens: max_tokens as u32,
+    let params = SamplingParams {
+        max_tokens: Some(max_tokens),
         temperature: temperature as f32,
         top_p: top_p as f32,
-        top_k: top_k as u32,
+        top_k: top_k as usize,
         seed: c.seed.unwrap_or(0) as u64,
         stop_token_ids: Vec::new(),
         ignore_eos: c.ignore_eos,
@@ -205,6 +206,15 @@ enum Kind {
     Text,
 }
 
+impl Kind {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Text => "cmpl",
+        }
+    }
+}
+
 /// Turns tokens into text pieces: incremental detokenisation, end-of-turn tokens dropped, stop
 /// strings applied.
 struct Texter {
@@ -220,7 +230,7 @@ struct Texter {
 impl Texter {
     /// The text this token adds, and the finish reason if generation ends here; records the
     /// request's latency metrics.
-    fn push(&mut self, tok: u32, finish: Finish) -> (String, Option<&'static str>) {
+    fn push(&mut self, tok: u32, finish: Option<FinishReason>) -> (String, Option<&'static str>) {
         let now = Instant::now();
         match self.last {
             None => metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start),
@@ -235,14 +245,14 @@ impl Texter {
         (text, reason)
     }
 
-    fn push_text(&mut self, tok: u32, finish: Finish) -> (String, Option<&'static str>) {
+    fn push_text(
+        &mut self,
+        tok: u32,
+        finish: Option<FinishReason>,
+    ) -> (String, Option<&'static str>) {
         self.tokens += 1;
-        let end = |f: Finish| match f {
-            Finish::None => None,
-            Finish::Stop => Some("stop"),
-            Finish::Length => Some("length"),
-        };
-        if finish == Finish::Stop && self.state.tokenizer.stop_ids().contains(&tok) {
+        let stop = Some(FinishReason::Stop);
+        if finish == stop && self.state.tokenizer.stop_ids().contains(&tok) {
             return (self.stops.flush(), Some("stop"));
         }
         let piece = self
@@ -253,7 +263,7 @@ impl Texter {
         if stopped {
             return (text, Some("stop"));
         }
-        let f = end(finish);
+        let f = finish.map(FinishReason::as_str);
         if f.is_some() {
             text.push_str(&self.stops.flush());
         }
@@ -273,19 +283,9 @@ async fn respond(
     kind: Kind,
     start: Instant,
 ) -> Result<Response, ApiError> {
-    let prompt_tokens = p.prompt.len();
-    let (first, rx) = pipeline::start(&state, p.prompt, p.params).await?;
-    let first = first?;
-    let id = format!(
-        "{}-{}",
-        if kind == Kind::Chat {
-            "chatcmpl"
-        } else {
-            "cmpl"
-        },
-        uuidish()
-    );
-    let mut tx = Texter {
+    let started = request::start(&state, p.prompt.clone(), &p.params).await;
+    let first = started.first?;
+    let texter = Texter {
         state: state.clone(),
         dec: StreamDecoder::default(),
         stops: StopStrings::new(&p.stops),
@@ -293,49 +293,51 @@ async fn respond(
         start,
         last: None,
     };
-    if !p.stream {
-        let (mut text, mut reason) = tx.push(first.0, first.1);
-        let mut rx = rx;
-        while reason.is_none() {
-            let (t, f) = rx
-                .recv()
-                .await
-                .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
-            let (piece, r) = tx.push(t, f);
-            text.push_str(&piece);
-            reason = r;
-        }
-        let usage = Usage {
-            prompt_tokens,
-            completion_tokens: tx.tokens,
-            total_tokens: prompt_tokens + tx.tokens,
-        };
-        let choice = match kind {
-            Kind::Chat => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": null})
-            }
-            Kind::Text => {
-                json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null})
-            }
-        };
-        let object = if kind == Kind::Chat {
-            "chat.completion"
-        } else {
-            "text_completion"
-        };
-        return Ok(Json(json!({"id": id, "object": object, "created": now(), "model": state.model_id, "choices": [choice], "usage": usage})).into_response());
-    }
-    let stream = sse(
-        state,
-        id,
+    let chunks = Chunks {
+        id: format!("{}-{}", kind.id_prefix(), uuidish()),
         kind,
-        tx,
-        first,
-        rx,
-        prompt_tokens,
-        p.include_usage,
-    );
+        created: now(),
+        model: state.model_id.clone(),
+        prompt_tokens: p.prompt.len(),
+    };
+    if !p.stream {
+        let body = whole(chunks, texter, first, started.rest).await?;
+        return Ok(Json(body).into_response());
+    }
+    let stream = sse(chunks, texter, first, started.rest, p.include_usage);
     Ok(Sse::new(stream).into_response())
+}
+
+/// A non-streamed response: every token, then one body.
+async fn whole(
+    c: Chunks,
+    mut tx: Texter,
+    first: (u32, Option<FinishReason>),
+    mut rest: mpsc::Receiver<TokenResult>,
+) -> Result<Value, ApiError> {
+    let (mut text, mut reason) = tx.push(first.0, first.1);
+    while reason.is_none() {
+        let (t, f) = rest
+            .recv()
+            .await
+            .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
+        let (piece, r) = tx.push(t, f);
+        text.push_str(&piece);
+        reason = r;
+    }
+    let choice = match c.kind {
+        Kind::Chat => {
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": null})
+        }
+        Kind::Text => json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null}),
+    };
+    let object = match c.kind {
+        Kind::Chat => "chat.completion",
+        Kind::Text => "text_completion",
+    };
+    Ok(
+        json!({"id": c.id, "object": object, "created": c.created, "model": c.model, "choices": [choice], "usage": c.usage(tx.tokens)}),
+    )
 }
 
 fn uuidish() -> String {
@@ -350,21 +352,35 @@ fn uuidish() -> String {
     )
 }
 
-#[allow(clippy::too_many_arguments)]
-fn sse(
-    state: Arc<State>,
+/// The pieces of one response: its id, kind and the chunks of a stream.
+struct Chunks {
     id: String,
     kind: Kind,
-    texter: Texter,
-    first: (u32, Finish),
-    rx: mpsc::Receiver<TokenResult>,
+    created: u64,
+    model: String,
     prompt_tokens: usize,
-    include_usage: bool,
-) -> impl Stream<Item = Result<Event, Infallible>> {
-    let created = now();
-    let model = state.model_id.clone();
-    let chunk = move |delta: Value, reason: Option<&str>| -> Event {
-        let choice = match kind {
+}
+
+impl Chunks {
+    fn usage(&self, completion_tokens: usize) -> Usage {
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            completion_tokens,
+            total_tokens: self.prompt_tokens + completion_tokens,
+        }
+    }
+
+    /// The stream's object name: the same for every chunk, usage included.
+    fn object(&self) -> &'static str {
+        match self.kind {
+            Kind::Chat => "chat.completion.chunk",
+            Kind::Text => "text_completion",
+        }
+    }
+
+    /// A chunk carrying `delta` (chat) or its text (completions), and the finish reason.
+    fn chunk(&self, delta: Value, reason: Option<&str>) -> Event {
+        let choice = match self.kind {
             Kind::Chat => {
                 json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": null})
             }
@@ -372,70 +388,79 @@ fn sse(
                 json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": null})
             }
         };
-        let object = if kind == Kind::Chat {
-            "chat.completion.chunk"
-        } else {
-            "text_completion"
-        };
-        Event::default().data(json!({"id": id, "object": object, "created": created, "model": model, "choices": [choice]}).to_string())
-    };
-    let opening =
-        (kind == Kind::Chat).then(|| chunk(json!({"role": "assistant", "content": ""}), None));
-    enum St {
-        First((u32, Finish)),
-        Next,
-        Done,
+        Event::default().data(json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [choice]}).to_string())
     }
-    let usage_event = move |n: usize| {
-        let usage = Usage {
-            prompt_tokens,
-            completion_tokens: n,
-            total_tokens: prompt_tokens + n,
+
+    /// The last chunk before `[DONE]` when the client asked for usage.
+    fn usage_chunk(&self, n: usize) -> Event {
+        Event::default().data(json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [], "usage": self.usage(n)}).to_string())
+    }
+
+    /// The events one token (or the stream's failure) becomes, and whether the stream ends.
+    fn events(
+        &self,
+        tx: &mut Texter,
+        next: TokenResult,
+        include_usage: bool,
+    ) -> (Vec<Event>, bool) {
+        let mut events = Vec::new();
+        let (tok, f) = match next {
+            Ok(t) => t,
+            Err(e) => {
+                tracing::warn!("stream failed: {e}");
+                metrics::counter!("tandem_router_requests_total", "outcome" => "stream_error")
+                    .increment(1);
+                events.push(Event::default().event("error").data(e.body().to_string()));
+                events.push(Event::default().data("[DONE]"));
+                return (events, true);
+            }
         };
-        Event::default().data(json!({"id": "usage", "object": "chat.completion.chunk", "choices": [], "usage": usage}).to_string())
-    };
+        let (text, reason) = tx.push(tok, f);
+        if !text.is_empty() {
+            events.push(self.chunk(json!({"content": text}), None));
+        }
+        let Some(r) = reason else {
+            return (events, false);
+        };
+        events.push(self.chunk(json!({}), Some(r)));
+        if include_usage {
+            events.push(self.usage_chunk(tx.tokens));
+        }
+        events.push(Event::default().data("[DONE]"));
+        (events, true)
+    }
+}
+
+fn sse(
+    c: Chunks,
+    texter: Texter,
+    first: (u32, Option<FinishReason>),
+    rest: mpsc::Receiver<TokenResult>,
+    include_usage: bool,
+) -> impl Stream<Item = Result<Event, Infallible>> {
+    let opening =
+        (c.kind == Kind::Chat).then(|| c.chunk(json!({"role": "assistant", "content": ""}), None));
+    let c = Arc::new(c);
     let body = stream::unfold(
-        (St::First(first), texter, rx, chunk),
-        move |(st, mut tx, mut rx, chunk)| async move {
-            let next = match st {
-                St::Done => return None,
-                St::First(t) => Ok(t),
-                St::Next => rx
-                    .recv()
-                    .await
-                    .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into()))),
-            };
-            let mut events = Vec::new();
-            let st = match next {
-                Ok((tok, f)) => {
-                    let (text, reason) = tx.push(tok, f);
-                    if !text.is_empty() {
-                        events.push(chunk(json!({"content": text}), None));
-                    }
-                    if let Some(r) = reason {
-                        events.push(chunk(json!({}), Some(r)));
-                        if include_usage {
-                            events.push(usage_event(tx.tokens));
-                        }
-                        events.push(Event::default().data("[DONE]"));
-                        St::Done
-                    } else {
-                        St::Next
-                    }
+        (Some(Ok(first)), false, texter, rest),
+        move |(first, done, mut tx, mut rest)| {
+            let c = c.clone();
+            async move {
+                if done {
+                    return None;
                 }
-                Err(e) => {
-                    tracing::warn!("stream failed: {e}");
-                    metrics::counter!("tandem_router_requests_total", "outcome" => "stream_error")
-                        .increment(1);
-                    events.push(Event::default().event("error").data(e.body().to_string()));
-                    events.push(Event::default().data("[DONE]"));
-                    St::Done
-                }
-            };
-            Some((
-                stream::iter(events.into_iter().map(Ok)),
-                (st, tx, rx, chunk),
-            ))
+                let next = match first {
+                    Some(t) => t,
+                    None => rest.recv().await.unwrap_or_else(|| {
+                        Err(ApiError::Internal("token stream ended early".into()))
+                    }),
+                };
+                let (events, done) = c.events(&mut tx, next, include_usage);
+                Some((
+                    stream::iter(events.into_iter().map(Ok)),
+                    (None, done, tx, rest),
+                ))
+            }
         },
     )
     .flatten();
@@ -453,8 +478,8 @@ pub async fn models(AxState(state): AxState<Arc<State>>) -> Json<Value> {
 /// worker) has joined.
 pub async fn health(AxState(state): AxState<Arc<State>>) -> Response {
     let (p, d) = (
-        state.registry.count("prefill"),
-        state.registry.count("decode"),
+        state.registry.count(Pool::Prefill),
+        state.registry.count(Pool::Decode),
     );
     let ok = d > 0 && (!state.disaggregated || p > 0);
     let code = if ok {
@@ -465,36 +490,24 @@ pub async fn health(AxState(state): AxState<Arc<State>>) -> Response {
     (code, Json(json!({"status": if ok { "ok" } else { "waiting for workers" }, "prefill_workers": p, "decode_workers": d}))).into_response()
 }
 
-/// `GET /debug/workers`: every worker with its live `Stats` (asked now, not from heartbeats).
+/// How long `/debug/workers` waits for one worker's live stats.
+const STATS_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `GET /debug/workers`: every worker with its live load (asked now, not from heartbeats).
 pub async fn workers(AxState(state): AxState<Arc<State>>) -> Json<Value> {
     let mut out = Vec::new();
     for w in state.registry.workers() {
         let live = async {
-            let ch = tonic::transport::Endpoint::from_shared(w.endpoint.clone())
-                .ok()?
-                .connect()
-                .await
-                .ok()?;
-            let r = if w.role == "decode" {
-                proto::grpc::decode_client::DecodeClient::new(ch)
-                    .stats(grpc::StatsRequest {})
-                    .await
-            } else {
-                proto::grpc::prefill_client::PrefillClient::new(ch)
-                    .stats(grpc::StatsRequest {})
-                    .await
-            };
+            let ch = state.channel(&w.endpoint).ok()?;
+            let mut client = grpc::worker_client::WorkerClient::new(ch);
+            let call = client.stats(grpc::StatsRequest {});
+            let r = tokio::time::timeout(STATS_WAIT, call).await.ok()?;
             r.ok().map(|r| r.into_inner())
         }
         .await;
         let mut v = serde_json::to_value(&w).unwrap_or(Value::Null);
         if let Some(s) = live {
-            v["stats"] = json!({
-                "running": s.running, "waiting": s.waiting, "kv_blocks_free": s.kv_blocks_free,
-                "kv_blocks_total": s.kv_blocks_total, "pending_transfers": s.pending_transfers,
-                "kv_blocks_reserved": s.kv_blocks_reserved, "kv_blocks_in_flight": s.kv_blocks_in_flight,
-                "kv_blocks_committed": s.kv_blocks_committed, "kv_requests_freed": s.kv_requests_freed,
-            });
+            v["stats"] = serde_json::to_value(s).unwrap_or(Value::Null);
         }
         out.push(v);
     }
@@ -507,24 +520,17 @@ pub async fn not_found(uri: axum::http::Uri) -> Response {
 }
 
 /// `GET /metrics`: Prometheus text — the router's request histograms and counters, KV-transfer
-/// counters by transport, and every joined worker's last reported load.
+/// counters by transport, and every joined worker's last reported load (one gauge per
+/// `WorkerLoad` field).
 pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
     for w in state.registry.workers() {
-        let labels = [("worker", w.name.clone()), ("role", w.role.to_string())];
-        metrics::gauge!("tandem_worker_running", &labels).set(w.running as f64);
-        metrics::gauge!("tandem_worker_waiting", &labels).set(w.waiting as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_free", &labels).set(w.kv_blocks_free as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_capacity", &labels).set(w.kv_blocks_total as f64);
-        metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_reserved", &labels)
-            .set(w.kv_blocks_reserved as f64);
-        metrics::gauge!("tandem_worker_transfers_in_flight", &labels)
-            .set(w.transfers_in_flight as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_in_flight", &labels)
-            .set(w.kv_blocks_in_flight as f64);
-        metrics::gauge!("tandem_worker_kv_blocks_committed", &labels)
-            .set(w.kv_blocks_committed as f64);
-        metrics::gauge!("tandem_worker_kv_requests_freed", &labels).set(w.kv_requests_freed as f64);
+        let labels = [("worker", w.name.clone()), ("role", w.pool.to_string())];
+        metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);
+        let load = serde_json::to_value(&w.load).unwrap_or(Value::Null);
+        for &(field, metric, _) in grpc::LOAD_FIELDS {
+            let v = load[field].as_f64().unwrap_or(0.0);
+            metrics::gauge!(metric, &labels).set(v);
+        }
     }
     match &state.metrics {
         Some(h) => ([("content-type", "text/plain; version=0.0.4")], h.render()).into_response(),

@@ -10,11 +10,12 @@
 pub mod actuator;
 pub mod http;
 pub mod openai;
-pub mod pipeline;
 pub mod planner;
 pub mod registry;
+pub mod request;
 
 use std::collections::HashMap;
+use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -91,6 +92,8 @@ pub struct State {
     pub disaggregated: bool,
     /// What the planner reads.
     pub signals: Arc<planner::Signals>,
+    /// How long a request may wait for a decode worker with room before it is refused.
+    pub admission_wait: Duration,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -98,9 +101,60 @@ pub struct State {
 }
 
 impl State {
+    /// Shared state over `registry` for a model of `config` served as `model_id`.
+    pub fn new(
+        registry: Arc<Registry>,
+        tokenizer: Tokenizer,
+        config: &engine::ModelConfig,
+        model_id: String,
+        disaggregated: bool,
+        window: Duration,
+    ) -> State {
+        State {
+            registry,
+            tokenizer,
+            model_id,
+            context_len: config.context_len,
+            vocab_size: config.vocab_size,
+            disaggregated,
+            signals: Arc::new(planner::Signals::new(window)),
+            admission_wait: Duration::from_secs(30),
+            next_id: AtomicU64::new(first_request_id()),
+            metrics: proto::metrics::install().inspect(|_| describe()),
+            channels: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A request id no other router hands out: a random 32-bit prefix for this router, then a
+    /// counter (workers key requests by id, and several routers share them).
     fn next_request_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::SeqCst)
     }
+
+    /// The gRPC channel to a worker's endpoint (one per endpoint, connected lazily).
+    pub fn channel(&self, endpoint: &str) -> Result<tonic::transport::Channel, tonic::Status> {
+        let mut cache = self.channels.lock().expect("channel cache lock");
+        if let Some(c) = cache.get(endpoint) {
+            return Ok(c.clone());
+        }
+        let c = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+            .map_err(|e| {
+                proto::Cause::Unreachable.status(format!("bad worker endpoint {endpoint}: {e}"))
+            })?
+            .connect_timeout(Duration::from_secs(2))
+            .connect_lazy();
+        cache.insert(endpoint.to_string(), c.clone());
+        Ok(c)
+    }
+}
+
+/// This router's first request id: a random prefix in the high 32 bits (from the standard
+/// library's randomly seeded hasher), the counter from 1.
+fn first_request_id() -> u64 {
+    let random = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    (random << 32) | 1
 }
 
 /// The id clients use for a model at `path`: its file or directory name without `.gguf`.
@@ -109,6 +163,19 @@ pub fn model_id(path: &std::path::Path) -> String {
         .file_name()
         .map_or_else(|| "model".into(), |n| n.to_string_lossy().to_string());
     name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+}
+
+/// The HTTP routes over `state`.
+pub fn app(state: Arc<State>) -> axum::Router {
+    axum::Router::new()
+        .route("/v1/chat/completions", post(http::chat))
+        .route("/v1/completions", post(http::completions))
+        .route("/v1/models", get(http::models))
+        .route("/health", get(http::health))
+        .route("/debug/workers", get(http::workers))
+        .route("/metrics", get(http::metrics))
+        .fallback(http::not_found)
+        .with_state(state)
 }
 
 /// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
@@ -120,24 +187,20 @@ pub async fn run(
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
     let registry = Registry::new(identity);
-    let state = Arc::new(State {
-        registry: registry.clone(),
+    let window = cfg
+        .scaling
+        .iter()
+        .map(|s| s.window)
+        .max()
+        .unwrap_or(Duration::from_secs(5));
+    let state = Arc::new(State::new(
+        registry.clone(),
         tokenizer,
-        model_id: model_id(&cfg.model),
-        context_len: config.context_len,
-        vocab_size: config.vocab_size,
-        disaggregated: cfg.disaggregated,
-        signals: Arc::new(planner::Signals::new(
-            cfg.scaling
-                .iter()
-                .map(|s| s.window)
-                .max()
-                .unwrap_or(Duration::from_secs(5)),
-        )),
-        next_id: AtomicU64::new(1),
-        metrics: proto::metrics::install().inspect(|_| proto::metrics::describe(METRICS)),
-        channels: Mutex::new(HashMap::new()),
-    });
+        &config,
+        model_id(&cfg.model),
+        cfg.disaggregated,
+        window,
+    ));
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
@@ -152,15 +215,7 @@ pub async fn run(
             .local_addr()
             .map_err(|e| RouterError::Bind(cfg.control.clone(), e))?,
     );
-    let app = axum::Router::new()
-        .route("/v1/chat/completions", post(http::chat))
-        .route("/v1/completions", post(http::completions))
-        .route("/v1/models", get(http::models))
-        .route("/health", get(http::health))
-        .route("/debug/workers", get(http::workers))
-        .route("/metrics", get(http::metrics))
-        .fallback(http::not_found)
-        .with_state(state.clone());
+    let app = app(state.clone());
     let control = tonic::transport::Server::builder()
         .add_service(ControlServer::new(ControlService(registry)))
         .serve_with_incoming(TcpListenerStream::new(ctrl_l));
@@ -189,7 +244,8 @@ pub async fn run(
 
 use proto::metrics::Kind::{Counter, Gauge, Histogram};
 
-/// Every metric the router exports, with its help text.
+/// Every metric the router exports, with its help text (beside one gauge per worker load
+/// figure, `tandem_worker_<field>`, described from [`proto::grpc::LOAD_FIELDS`]).
 const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     (
         "tandem_router_requests_total",
@@ -237,55 +293,11 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "From a prompt's last layer computed to the decode worker's ack, by transport.",
     ),
     (
-        "tandem_worker_running",
-        Gauge,
-        "Sequences running on a worker (heartbeat).",
-    ),
-    (
-        "tandem_worker_waiting",
-        Gauge,
-        "Requests queued on a worker (heartbeat).",
-    ),
-    (
-        "tandem_worker_kv_blocks_free",
-        Gauge,
-        "Free KV blocks on a worker.",
-    ),
-    (
-        "tandem_worker_kv_blocks_capacity",
-        Gauge,
-        "KV blocks on a worker.",
-    ),
-    (
-        "tandem_worker_kv_blocks_reserved",
-        Gauge,
-        "Decode ledger: blocks reserved for KV not yet arriving.",
-    ),
-    (
-        "tandem_worker_kv_blocks_in_flight",
-        Gauge,
-        "Decode ledger: blocks whose KV is on the wire.",
-    ),
-    (
-        "tandem_worker_kv_blocks_committed",
-        Gauge,
-        "Decode ledger: blocks of remotely prefilled sequences that run.",
-    ),
-    (
-        "tandem_worker_kv_requests_freed",
-        Gauge,
-        "Decode ledger: requests whose blocks were freed since the worker started.",
-    ),
-    (
-        "tandem_worker_transfers_in_flight",
-        Gauge,
-        "Prefill: requests whose KV is being sent.",
-    ),
-    (
         "tandem_worker_in_flight",
         Gauge,
         "Requests the router has in flight on a worker.",
     ),
+    ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
     ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),
     ("tandem_planner_p90_seconds", Gauge, "The p90 the planner read over its window (prefill: TTFT from decode reservation; decode: ITL)."),
@@ -294,3 +306,10 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
 ];
+
+fn describe() {
+    proto::metrics::describe(METRICS);
+    for &(_, metric, help) in proto::grpc::LOAD_FIELDS {
+        metrics::describe_gauge!(metric, help);
+    }
+}

@@ -120,24 +120,7 @@ impl Drop for PendingPrefill {
     }
 }
 
-/// Which pool, and so which signals.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pool {
-    /// Scales on TTFT.
-    Prefill,
-    /// Scales on ITL.
-    Decode,
-}
-
-impl Pool {
-    /// The pool's role name.
-    pub fn name(self) -> &'static str {
-        match self {
-            Pool::Prefill => "prefill",
-            Pool::Decode => "decode",
-        }
-    }
-}
+pub use proto::Pool;
 
 /// A pool's bounds, target and pace.
 #[derive(Debug, Clone)]
@@ -315,7 +298,7 @@ pub async fn run(
         let live = |pool: Pool| {
             workers
                 .iter()
-                .filter(|w| w.role == pool.name() && !w.draining)
+                .filter(|w| w.pool == pool && !w.draining)
                 .count() as u32
         };
         for plan in &mut plans {
@@ -328,8 +311,8 @@ pub async fn run(
                     let pending = signals.prefill_pending_tokens.load(Ordering::SeqCst);
                     let capacity: f64 = workers
                         .iter()
-                        .filter(|w| w.role == "prefill" && !w.draining)
-                        .map(|w| w.prompt_tokens_per_s as f64)
+                        .filter(|w| w.pool == Pool::Prefill && !w.draining)
+                        .map(|w| w.load.prompt_tokens_per_s as f64)
                         .sum();
                     let predicted = (capacity > 0.0 && pending > 0)
                         .then(|| Duration::from_secs_f64(pending as f64 / capacity));

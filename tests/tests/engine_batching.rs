@@ -155,9 +155,9 @@ fn abort_frees_blocks_at_once() {
     e.add(2, vec![6, 7, 8], SamplingParams::greedy(50)).unwrap();
     e.step().unwrap();
     assert!(e.free_blocks() < 8);
-    assert!(e.abort(1));
-    assert!(e.abort(2));
-    assert!(!e.abort(2));
+    assert!(e.release(1, engine::Release::Cancelled));
+    assert!(e.release(2, engine::Release::Cancelled));
+    assert!(!e.release(2, engine::Release::Cancelled));
     assert_eq!(e.free_blocks(), 8);
     assert!(!e.has_work());
 }
@@ -229,6 +229,6 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
     // A reservation that never gets its KV is freed by abort.
     decode.reserve_remote(99, ps[3].clone(), params(0)).unwrap();
     assert!(decode.free_blocks() < decode.total_blocks());
-    assert!(decode.abort(99));
+    assert!(decode.release(99, engine::Release::Cancelled));
     assert_eq!(decode.free_blocks(), decode.total_blocks());
 }

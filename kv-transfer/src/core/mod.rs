@@ -18,7 +18,6 @@
 //! closes the connection and fails (client) or abandons (server) every transfer on it.
 
 pub mod client;
-pub mod ledger;
 pub mod server;
 #[cfg(test)]
 mod sim;
@@ -26,7 +25,7 @@ mod sim;
 use std::time::Duration;
 
 pub use client::{Client, ClientEvent};
-pub use ledger::{Holding, Ledger, LedgerCounts};
+pub use proto::ledger::{Holding, Ledger, LedgerCounts};
 pub use server::{Received, Server, ServerEvent};
 
 use crate::frame::Frame;

@@ -108,9 +108,12 @@ struct RemotePool {
 struct Registered {
     ctx: Arc<Context>,
     pd: Arc<Pd>,
-    /// Per layer: keys, values.
+    /// Per layer: keys, values. Declared before `_owners`: deregistered before the memory
+    /// may be freed.
     pools: Vec<[Mr; 2]>,
     block_bytes: u64,
+    /// Keep the registered memory allocated while the registration lives.
+    _owners: Vec<Arc<dyn Send + Sync>>,
 }
 
 /// The decode side: a TCP side channel plus the registered KV pool.
@@ -124,8 +127,9 @@ impl RdmaKvReceiver {
     /// side channel's `listener`.
     ///
     /// # Safety
-    /// Every region must stay allocated and unmoved for the life of the process: peers write
-    /// into it whenever a transfer is granted. The engine that owns the pool must not free it.
+    /// Every region must lie inside memory that `regions.owners` keep allocated and unmoved
+    /// (the receiver holds them as long as the registration lives): peers write into it
+    /// whenever a transfer is granted.
     pub unsafe fn bind(
         listener: TcpListener,
         regions: &KvRegions,
@@ -134,7 +138,8 @@ impl RdmaKvReceiver {
         let pd = Pd::new(&ctx).map_err(io)?;
         let mut pools = Vec::with_capacity(regions.layers.len());
         for [(k, kl), (v, vl)] in &regions.layers {
-            // SAFETY: the caller keeps the pool allocated for the process' life.
+            // SAFETY: the caller guarantees `regions.owners` keep this memory allocated, and the
+            // receiver holds them for as long as the registration.
             let k = unsafe { Mr::register(&pd, *k as *mut u8, *kl) }.map_err(io)?;
             // SAFETY: as above.
             let v = unsafe { Mr::register(&pd, *v as *mut u8, *vl) }.map_err(io)?;
@@ -152,6 +157,7 @@ impl RdmaKvReceiver {
                 pd,
                 pools,
                 block_bytes: regions.block_bytes as u64,
+                _owners: regions.owners.clone(),
             }),
         })
     }

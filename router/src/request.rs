@@ -1,0 +1,511 @@
+//! One request's life in the router, as an explicit state machine:
+//!
+//! ```text
+//! Reserving ─► Prefilling ─► Decoding ─► Done
+//!     │            │  prefill or KV lost      ▲
+//!     │            └──────► Recomputing ──────┘
+//!     └─ colocated (no prefill pool) ─► Decoding
+//! any phase ─► Failed (the error goes to the client) | Gone (the client went away)
+//! ```
+//!
+//! Each phase is one small async function returning the next phase. Waiting for a decode worker
+//! with room waits on the registry's change channel (joins, heartbeats, requests done), never
+//! on a timer; every wait has a deadline. Failures are typed ([`proto::Cause`]): a transfer
+//! that broke leads to `Recomputing`, an unreachable worker is dropped from the registry, a
+//! bad request is the client's 400. When the client goes away, or the request is recomputed,
+//! the workers are told to release it (`Worker.Cancel`), besides the dropped calls.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::{FinishReason, SamplingParams};
+use proto::grpc::decode_client::DecodeClient;
+use proto::grpc::prefill_client::PrefillClient;
+use proto::grpc::worker_client::WorkerClient;
+use proto::grpc::{self, generate_event, GenerateEvent, GenerateRequest, PrefillRequest};
+use proto::{Cause, Pool};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tonic::{Status, Streaming};
+
+use crate::openai::ApiError;
+use crate::registry::{InFlight, Worker};
+use crate::State;
+
+/// A generated token and, on the last one, why generation ended.
+pub type TokenResult = Result<(u32, Option<FinishReason>), ApiError>;
+
+/// How long a decode worker may take to accept (and reserve for) a request.
+const OPEN_WAIT: Duration = Duration::from_secs(10);
+/// How long a `Cancel` to a worker may take.
+const CANCEL_WAIT: Duration = Duration::from_secs(2);
+
+/// Where a request is.
+#[derive(Debug)]
+pub enum Phase {
+    /// Finding a decode worker that accepts it (and, for a remote prefill, reserves its KV
+    /// blocks), waiting for room up to [`State::admission_wait`].
+    Reserving,
+    /// A prefill worker computes the prompt and sends its KV to the decode worker.
+    Prefilling,
+    /// The decode worker streams tokens.
+    Decoding,
+    /// The prefill or its KV failed before any token: the decode worker computes the whole
+    /// prompt itself.
+    Recomputing(ApiError),
+    /// The last token went to the client.
+    Done,
+    /// The request failed; the error goes to the client.
+    Failed(ApiError),
+    /// The client went away.
+    Gone,
+}
+
+impl Phase {
+    /// The phase's name (metrics label, traces).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Reserving => "reserving",
+            Phase::Prefilling => "prefilling",
+            Phase::Decoding => "decoding",
+            Phase::Recomputing(_) => "recomputing",
+            Phase::Done => "done",
+            Phase::Failed(_) => "failed",
+            Phase::Gone => "gone",
+        }
+    }
+}
+
+/// A request under way: its first output (a token or the error), the rest of its tokens, and
+/// the phases it goes through (known when it ends).
+pub struct Started {
+    /// The first token, or why there is none.
+    pub first: TokenResult,
+    /// The tokens after the first.
+    pub rest: mpsc::Receiver<TokenResult>,
+    /// The phases the request went through, in order.
+    pub phases: JoinHandle<Vec<&'static str>>,
+}
+
+/// Starts `prompt`; returns once its first token (or error) is known, so that errors before
+/// any output can still become an HTTP status.
+pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams) -> Started {
+    let (tx, mut rest) = mpsc::channel(64);
+    let run = Request {
+        id: state.next_request_id(),
+        disaggregated: prompt.len() >= 2 && state.registry.count(Pool::Prefill) > 0,
+        state: state.clone(),
+        prompt,
+        params: params.into(),
+        tx,
+        arrived: Instant::now(),
+        reserved: None,
+        decode: None,
+        stream: None,
+        prefill: None,
+        recomputed: false,
+        tokens: 0,
+        last_token: None,
+    };
+    let phases = tokio::spawn(run.run());
+    let first = rest.recv().await.unwrap_or_else(|| {
+        Err(ApiError::Internal(
+            "the request ended without output".into(),
+        ))
+    });
+    Started {
+        first,
+        rest,
+        phases,
+    }
+}
+
+/// A running prefill: its worker and the call (its own task, so that it completes and is
+/// counted even when the decode stream runs ahead of its reply).
+struct PrefillCall {
+    worker: Worker,
+    task: JoinHandle<Result<grpc::PrefillReply, Status>>,
+}
+
+struct Request {
+    state: Arc<State>,
+    id: u64,
+    prompt: Vec<u32>,
+    params: grpc::SamplingParams,
+    /// Whether the prompt goes to the prefill pool (unless it must be recomputed).
+    disaggregated: bool,
+    tx: mpsc::Sender<TokenResult>,
+    arrived: Instant,
+    reserved: Option<Instant>,
+    decode: Option<(Worker, InFlight)>,
+    stream: Option<Streaming<GenerateEvent>>,
+    prefill: Option<PrefillCall>,
+    recomputed: bool,
+    tokens: usize,
+    last_token: Option<Instant>,
+}
+
+impl Request {
+    async fn run(mut self) -> Vec<&'static str> {
+        let mut trace = Vec::new();
+        let mut phase = Phase::Reserving;
+        loop {
+            trace.push(phase.name());
+            metrics::counter!("tandem_router_request_phases_total", "phase" => phase.name())
+                .increment(1);
+            phase = match phase {
+                Phase::Reserving => self.reserve().await,
+                Phase::Prefilling => self.prefilling().await,
+                Phase::Decoding => self.decoding().await,
+                Phase::Recomputing(why) => self.recompute(why).await,
+                Phase::Done => break,
+                Phase::Failed(e) => {
+                    let _ = self.tx.send(Err(e)).await;
+                    break;
+                }
+                Phase::Gone => {
+                    self.release_everywhere();
+                    break;
+                }
+            };
+        }
+        tracing::debug!(request = self.id, phases = ?trace, "request ended");
+        trace
+    }
+
+    fn remote(&self) -> bool {
+        self.disaggregated && !self.recomputed
+    }
+
+    fn decode_worker(&self) -> &Worker {
+        &self.decode.as_ref().expect("reserved on a decode worker").0
+    }
+
+    /// Reserving: the least-loaded decode worker that accepts; refusals for room exclude a
+    /// worker until the registry changes, broken workers are dropped.
+    async fn reserve(&mut self) -> Phase {
+        let deadline = tokio::time::Instant::from_std(self.arrived + self.state.admission_wait);
+        let mut changes = self.state.registry.subscribe();
+        let mut full = Vec::new();
+        let mut waiting = None;
+        loop {
+            if let Some((w, guard)) = self.state.registry.pick(Pool::Decode, &full) {
+                match self.open(&w).await {
+                    Ok(stream) => return self.reserved(w, guard, stream),
+                    Err(s) => match Cause::of(&s) {
+                        Cause::BadRequest => {
+                            return Phase::Failed(ApiError::BadRequest(s.message().into()))
+                        }
+                        Cause::Unreachable | Cause::Engine => {
+                            tracing::warn!(worker = w.id, "decode worker failed: {s}");
+                            self.state.registry.remove(w.id);
+                        }
+                        Cause::Full | Cause::Draining | Cause::KvTransfer => full.push(w.id),
+                    },
+                }
+                continue;
+            }
+            // Nobody can take it now: wait for the registry to change (or the deadline).
+            waiting.get_or_insert_with(|| WaitingForRoom::new(&self.state.signals));
+            full.clear();
+            tokio::select! {
+                _ = self.tx.closed() => return Phase::Gone,
+                r = tokio::time::timeout_at(deadline, changes.changed()) => {
+                    if r.is_err() {
+                        return Phase::Failed(self.no_room());
+                    }
+                }
+            }
+        }
+    }
+
+    fn no_room(&self) -> ApiError {
+        ApiError::Unavailable(if self.state.registry.count(Pool::Decode) == 0 {
+            "no decode worker has joined the cluster".into()
+        } else {
+            let wait = self.state.admission_wait;
+            format!("no decode worker had room for the request within {wait:?}")
+        })
+    }
+
+    /// Opens the request's stream on decode worker `w`: with a remote prefill, once the worker
+    /// has reserved the request's blocks.
+    async fn open(&self, w: &Worker) -> Result<Streaming<GenerateEvent>, Status> {
+        let req = GenerateRequest {
+            request_id: self.id,
+            prompt: self.prompt.clone(),
+            params: Some(self.params.clone()),
+            remote_prefill: self.remote(),
+        };
+        let channel = self.state.channel(&w.endpoint)?;
+        let remote = self.remote();
+        let open = async move {
+            let mut s = DecodeClient::new(channel).generate(req).await?.into_inner();
+            if remote {
+                match s.message().await? {
+                    Some(GenerateEvent {
+                        event: Some(generate_event::Event::Reserved(_)),
+                        ..
+                    }) => {}
+                    other => {
+                        let m = format!("expected a reservation, got {other:?}");
+                        return Err(Cause::Engine.status(m));
+                    }
+                }
+            }
+            Ok(s)
+        };
+        tokio::time::timeout(OPEN_WAIT, open)
+            .await
+            .unwrap_or_else(|_| {
+                Err(Cause::Unreachable.status(format!(
+                    "decode worker {} did not accept the request within {OPEN_WAIT:?}",
+                    w.name
+                )))
+            })
+    }
+
+    fn reserved(&mut self, w: Worker, guard: InFlight, stream: Streaming<GenerateEvent>) -> Phase {
+        let now = Instant::now();
+        self.reserved = Some(now);
+        let mut window = self.state.signals.admission.lock().expect("window lock");
+        window.record(now, now - self.arrived);
+        drop(window);
+        self.decode = Some((w, guard));
+        self.stream = Some(stream);
+        if self.remote() {
+            self.start_prefill()
+        } else {
+            Phase::Decoding
+        }
+    }
+
+    /// Sends the prompt (less its last token) to the least-loaded prefill worker, whose KV goes
+    /// straight to the decode worker.
+    fn start_prefill(&mut self) -> Phase {
+        let Some((pw, guard)) = self.state.registry.pick(Pool::Prefill, &[]) else {
+            return Phase::Recomputing(ApiError::Unavailable(
+                "no prefill worker has joined the cluster".into(),
+            ));
+        };
+        let channel = match self.state.channel(&pw.endpoint) {
+            Ok(c) => c,
+            Err(s) => return Phase::Recomputing(ApiError::Internal(s.message().into())),
+        };
+        let req = PrefillRequest {
+            request_id: self.id,
+            tokens: self.prompt[..self.prompt.len() - 1].to_vec(),
+            offers: self.decode_worker().offers.clone(),
+        };
+        let pending = self.state.signals.prefill_started(req.tokens.len() as u64);
+        let (registry, id) = (self.state.registry.clone(), pw.id);
+        let task = tokio::spawn(async move {
+            let (_guard, _pending) = (guard, pending);
+            let reply = PrefillClient::new(channel).prefill(req).await?.into_inner();
+            registry.record_transfer(id, &reply);
+            record_transfer(&reply);
+            Ok(reply)
+        });
+        self.prefill = Some(PrefillCall { worker: pw, task });
+        Phase::Prefilling
+    }
+
+    /// Prefilling: until the prefill answers, a token arrives, or either fails.
+    async fn prefilling(&mut self) -> Phase {
+        let call = self.prefill.as_mut().expect("a prefill runs");
+        let stream = self.stream.as_mut().expect("a decode stream is open");
+        tokio::select! {
+            _ = self.tx.closed() => Phase::Gone,
+            r = &mut call.task => match r {
+                Ok(Ok(reply)) => {
+                    self.prefill = None;
+                    tracing::debug!(request = self.id, kv_bytes = reply.kv_bytes, transport = %reply.transport, "prefill done");
+                    Phase::Decoding
+                }
+                // The call stays recorded: recomputing tells its worker to release it too.
+                Ok(Err(s)) => Phase::Recomputing(self.prefill_failed(s)),
+                Err(e) => Phase::Recomputing(ApiError::Internal(format!("prefill task failed: {e}"))),
+            },
+            m = stream.message() => match self.on_message(m).await {
+                // The KV arrived before the prefill's reply did; the call finishes on its own.
+                Ok(None) => Phase::Decoding,
+                Ok(Some(end)) => end,
+                Err(s) => self.decode_failed(s),
+            },
+        }
+    }
+
+    /// Decoding: relays tokens until the last one.
+    async fn decoding(&mut self) -> Phase {
+        loop {
+            let stream = self.stream.as_mut().expect("a decode stream is open");
+            let m = tokio::select! {
+                _ = self.tx.closed() => return Phase::Gone,
+                m = stream.message() => m,
+            };
+            match self.on_message(m).await {
+                Ok(None) => {}
+                Ok(Some(end)) => return end,
+                Err(s) => return self.decode_failed(s),
+            }
+        }
+    }
+
+    /// A message of the decode stream: a token passed on (`None`: more follow), the end, or a
+    /// failure.
+    async fn on_message(
+        &mut self,
+        m: Result<Option<GenerateEvent>, Status>,
+    ) -> Result<Option<Phase>, Status> {
+        let name = &self.decode_worker().name;
+        let (token, finish) = match m? {
+            Some(GenerateEvent {
+                event: Some(generate_event::Event::Token(t)),
+                finish,
+            }) => (t, FinishReason::from_wire(finish)),
+            Some(other) => {
+                let m = format!("unexpected event from decode worker {name}: {other:?}");
+                return Ok(Some(Phase::Failed(ApiError::Upstream(m))));
+            }
+            None => {
+                let m =
+                    format!("decode worker {name} ended the stream before the request finished");
+                return Ok(Some(Phase::Failed(ApiError::Upstream(m))));
+            }
+        };
+        self.record_token();
+        if self.tx.send(Ok((token, finish))).await.is_err() {
+            return Ok(Some(Phase::Gone));
+        }
+        Ok(finish.map(|_| Phase::Done))
+    }
+
+    /// The planner's signals: the prefill pool's share of TTFT, and token gaps.
+    fn record_token(&mut self) {
+        let now = Instant::now();
+        let signals = &self.state.signals;
+        match (self.last_token, self.reserved) {
+            (None, Some(reserved)) if self.disaggregated => {
+                let mut w = signals.prefill_ttft.lock().expect("window lock");
+                w.record(now, now - reserved);
+            }
+            (None, _) => {}
+            (Some(prev), _) => signals
+                .itl
+                .lock()
+                .expect("window lock")
+                .record(now, now - prev),
+        }
+        self.last_token = Some(now);
+        self.tokens += 1;
+    }
+
+    fn prefill_failed(&self, s: Status) -> ApiError {
+        let pw = &self.prefill.as_ref().expect("a prefill ran").worker;
+        if Cause::of(&s) == Cause::Unreachable {
+            tracing::warn!(worker = pw.id, "prefill worker failed: {s}");
+            self.state.registry.remove(pw.id);
+        }
+        ApiError::Upstream(format!(
+            "prefill on worker {} failed: {}",
+            pw.name,
+            s.message()
+        ))
+    }
+
+    fn decode_failed(&mut self, s: Status) -> Phase {
+        let cause = Cause::of(&s);
+        let (id, name) = (self.decode_worker().id, self.decode_worker().name.clone());
+        if cause == Cause::KvTransfer && self.remote() && self.tokens == 0 {
+            // The decode worker gave up on the KV (the transfer broke or its lease ran out)
+            // before any token: recompute there, whatever the prefill says.
+            return Phase::Recomputing(ApiError::Upstream(s.message().into()));
+        }
+        if matches!(cause, Cause::Unreachable | Cause::Engine) {
+            self.state.registry.remove(id);
+        }
+        Phase::Failed(match cause {
+            Cause::BadRequest => ApiError::BadRequest(s.message().into()),
+            _ => ApiError::Upstream(format!("decode worker {name} failed: {}", s.message())),
+        })
+    }
+
+    /// Recomputing: the whole prompt on the decode worker, under a new id; the old request
+    /// is released on both workers.
+    async fn recompute(&mut self, why: ApiError) -> Phase {
+        let w = self.decode_worker().clone();
+        tracing::warn!("{why}; recomputing the prompt on decode worker {}", w.name);
+        metrics::counter!("tandem_kv_transfer_failures_total").increment(1);
+        self.release_everywhere();
+        self.recomputed = true;
+        self.id = self.state.next_request_id();
+        match self.open(&w).await {
+            Ok(s) => {
+                self.stream = Some(s);
+                Phase::Decoding
+            }
+            Err(s) => Phase::Failed(ApiError::Upstream(format!(
+                "{why}; recomputing on decode worker {} failed too: {}",
+                w.name,
+                s.message()
+            ))),
+        }
+    }
+
+    /// Drops the request's calls and tells its workers to release it.
+    fn release_everywhere(&mut self) {
+        self.stream = None;
+        if let Some(p) = self.prefill.take() {
+            p.task.abort();
+            self.cancel_on(&p.worker);
+        }
+        if let Some((w, _)) = &self.decode {
+            self.cancel_on(w);
+        }
+    }
+
+    fn cancel_on(&self, w: &Worker) {
+        let Ok(channel) = self.state.channel(&w.endpoint) else {
+            return;
+        };
+        let request_id = self.id;
+        tokio::spawn(async move {
+            let mut client = WorkerClient::new(channel);
+            let call = client.cancel(grpc::CancelRequest { request_id });
+            let _ = tokio::time::timeout(CANCEL_WAIT, call).await;
+        });
+    }
+}
+
+fn record_transfer(r: &grpc::PrefillReply) {
+    let t = r.transport.clone();
+    metrics::counter!("tandem_kv_transfers_total", "transport" => t.clone()).increment(1);
+    // The negotiation's reason as a label: a fallback from a preferred transport is visible in
+    // metrics, not only in a worker's log.
+    metrics::counter!("tandem_kv_transport_chosen_total", "transport" => t.clone(), "why" => r.transport_reason.clone())
+        .increment(1);
+    metrics::counter!("tandem_kv_transfer_bytes_total", "transport" => t.clone())
+        .increment(r.kv_bytes);
+    metrics::histogram!("tandem_kv_exposed_wait_seconds", "transport" => t)
+        .record(r.transfer_us as f64 / 1e6);
+}
+
+/// A request waiting for a decode worker with room, counted for the planner while it lives.
+struct WaitingForRoom(Arc<crate::planner::Signals>);
+
+impl WaitingForRoom {
+    fn new(signals: &Arc<crate::planner::Signals>) -> WaitingForRoom {
+        signals
+            .decode_waiting
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        WaitingForRoom(signals.clone())
+    }
+}
+
+impl Drop for WaitingForRoom {
+    fn drop(&mut self) {
+        self.0
+            .decode_waiting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}

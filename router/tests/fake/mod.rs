@@ -1,0 +1,280 @@
+//! A fake worker for the router's tests, named as one: an in-process gRPC server that speaks
+//! the `Decode`, `Prefill` and `Worker` services the way the real workers do (reservation
+//! event, tokens with a finish reason, typed failure causes) but runs no model. What it does
+//! with each request is scripted, and everything it is asked is recorded for the tests to
+//! assert on.
+
+#![allow(dead_code)]
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use proto::grpc::decode_server::{Decode, DecodeServer};
+use proto::grpc::prefill_server::{Prefill, PrefillServer};
+use proto::grpc::worker_server::{Worker, WorkerServer};
+use proto::grpc::{
+    self, generate_event, GenerateEvent, GenerateRequest, PrefillReply, PrefillRequest,
+};
+use proto::Cause;
+use tokio::sync::{mpsc, Notify};
+use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
+use tonic::{Request, Response, Status};
+
+/// What the fake decode worker does with a request.
+#[derive(Debug, Clone)]
+pub enum DecodeScript {
+    /// (Remote prefill: reserves, then waits for the fake prefill's KV.) Streams these tokens,
+    /// the last with finish reason `length`.
+    Tokens(Vec<u32>),
+    /// Refuses for room (`Cause::Full`) this many times, then behaves as `Tokens`.
+    FullThen(u32, Vec<u32>),
+    /// Refuses the request as malformed.
+    BadRequest,
+    /// Reserves, then gives up on the KV (`Cause::KvTransfer`) as a real worker does when the
+    /// transfer breaks; a request without a remote prefill gets `Tokens`.
+    LoseKv(Vec<u32>),
+    /// Streams the tokens one every 50 ms (the client may go away meanwhile).
+    Slow(Vec<u32>),
+}
+
+/// What the fake prefill worker does.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum PrefillScript {
+    /// Delivers the KV to the fake decode worker and answers.
+    Deliver,
+    /// Fails the transfer (`Cause::KvTransfer`).
+    Fail,
+}
+
+/// What a fake worker was asked, for assertions.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// Generate calls: (request id, remote prefill, prompt).
+    pub generate: Vec<(u64, bool, Vec<u32>)>,
+    /// Prefill calls: (request id, tokens).
+    pub prefill: Vec<(u64, Vec<u32>)>,
+    /// Cancel calls: request ids.
+    pub cancel: Vec<u64>,
+    /// Drain calls.
+    pub drains: usize,
+}
+
+/// KV "delivered" by fake prefill workers, by request id, shared by a test's fakes.
+#[derive(Default)]
+pub struct Kv {
+    delivered: Mutex<HashSet<u64>>,
+    arrived: Notify,
+}
+
+impl Kv {
+    fn deliver(&self, id: u64) {
+        self.delivered.lock().unwrap().insert(id);
+        self.arrived.notify_waiters();
+    }
+
+    /// Waits (at most 5 s) until request `id`'s KV was delivered.
+    async fn wait(&self, id: u64) -> bool {
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let notified = self.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.delivered.lock().unwrap().contains(&id) {
+                return true;
+            }
+            if tokio::time::timeout_at(until, notified).await.is_err() {
+                return false;
+            }
+        }
+    }
+}
+
+/// One fake worker (decode or prefill, by which service the test uses).
+#[derive(Clone)]
+pub struct Fake {
+    pub decode: DecodeScript,
+    pub prefill: PrefillScript,
+    pub seen: Arc<Mutex<Seen>>,
+    pub kv: Arc<Kv>,
+    refusals: Arc<AtomicU32>,
+    recorded: Arc<Notify>,
+}
+
+impl Fake {
+    /// A fake with these scripts, sharing `kv` with the test's other fakes.
+    pub fn new(decode: DecodeScript, prefill: PrefillScript, kv: Arc<Kv>) -> Fake {
+        Fake {
+            decode,
+            prefill,
+            seen: Arc::default(),
+            kv,
+            refusals: Arc::default(),
+            recorded: Arc::default(),
+        }
+    }
+
+    fn record(&self, f: impl FnOnce(&mut Seen)) {
+        f(&mut self.seen.lock().unwrap());
+        self.recorded.notify_waiters();
+    }
+
+    /// Waits (at most 5 s) until what the fake saw satisfies `cond`; whether it did.
+    pub async fn wait_until(&self, cond: impl Fn(&Seen) -> bool) -> bool {
+        let until = tokio::time::Instant::now() + Duration::from_secs(5);
+        loop {
+            let notified = self.recorded.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if cond(&self.seen.lock().unwrap()) {
+                return true;
+            }
+            if tokio::time::timeout_at(until, notified).await.is_err() {
+                return cond(&self.seen.lock().unwrap());
+            }
+        }
+    }
+
+    /// Serves the fake on 127.0.0.1 (port chosen by the OS) until the test ends.
+    pub async fn serve(&self) -> SocketAddr {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let server = tonic::transport::Server::builder()
+            .add_service(DecodeServer::new(self.clone()))
+            .add_service(PrefillServer::new(self.clone()))
+            .add_service(WorkerServer::new(self.clone()))
+            .serve_with_incoming(TcpListenerStream::new(l));
+        tokio::spawn(server);
+        addr
+    }
+
+    fn refused_enough(&self, times: u32) -> bool {
+        self.refusals.fetch_add(1, Ordering::SeqCst) >= times
+    }
+}
+
+fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
+    let finish = if last {
+        grpc::Finish::Length
+    } else {
+        grpc::Finish::None
+    };
+    Ok(GenerateEvent {
+        event: Some(generate_event::Event::Token(t)),
+        finish: finish as i32,
+    })
+}
+
+fn reserved() -> Result<GenerateEvent, Status> {
+    Ok(GenerateEvent {
+        event: Some(generate_event::Event::Reserved(true)),
+        finish: 0,
+    })
+}
+
+#[tonic::async_trait]
+impl Decode for Fake {
+    type GenerateStream = ReceiverStream<Result<GenerateEvent, Status>>;
+
+    async fn generate(
+        &self,
+        req: Request<GenerateRequest>,
+    ) -> Result<Response<Self::GenerateStream>, Status> {
+        let r = req.into_inner();
+        let (id, remote) = (r.request_id, r.remote_prefill);
+        self.record(|s| s.generate.push((id, remote, r.prompt.clone())));
+        let (tokens, lose, gap) = match self.decode.clone() {
+            DecodeScript::BadRequest => return Err(Cause::BadRequest.status("scripted: bad")),
+            DecodeScript::FullThen(n, t) => {
+                if !self.refused_enough(n) {
+                    return Err(Cause::Full.status("scripted: full"));
+                }
+                (t, false, 0)
+            }
+            DecodeScript::Tokens(t) => (t, false, 0),
+            DecodeScript::LoseKv(t) => (t, remote, 0),
+            DecodeScript::Slow(t) => (t, false, 50),
+        };
+        let (tx, rx) = mpsc::channel(64);
+        let kv = self.kv.clone();
+        tokio::spawn(async move {
+            if remote {
+                let _ = tx.send(reserved()).await;
+                if lose {
+                    let _ = tx
+                        .send(Err(Cause::KvTransfer.status("scripted: KV lost")))
+                        .await;
+                    return;
+                }
+                if !kv.wait(id).await {
+                    let _ = tx.send(Err(Cause::KvTransfer.status("no KV came"))).await;
+                    return;
+                }
+            }
+            for (i, &t) in tokens.iter().enumerate() {
+                if gap > 0 {
+                    tokio::time::sleep(Duration::from_millis(gap)).await;
+                }
+                if tx.send(token(t, i + 1 == tokens.len())).await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+#[tonic::async_trait]
+impl Prefill for Fake {
+    async fn prefill(
+        &self,
+        req: Request<PrefillRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
+        let r = req.into_inner();
+        self.record(|s| s.prefill.push((r.request_id, r.tokens.clone())));
+        if self.prefill == PrefillScript::Fail {
+            return Err(Cause::KvTransfer.status("scripted: the transfer broke"));
+        }
+        self.kv.deliver(r.request_id);
+        Ok(Response::new(PrefillReply {
+            kv_bytes: r.tokens.len() as u64 * 100,
+            compute_us: 1,
+            transfer_us: 1,
+            transport: "tcp".into(),
+            transport_reason: "tcp (fake)".into(),
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl Worker for Fake {
+    async fn cancel(
+        &self,
+        req: Request<grpc::CancelRequest>,
+    ) -> Result<Response<grpc::CancelReply>, Status> {
+        let id = req.into_inner().request_id;
+        self.record(|s| s.cancel.push(id));
+        Ok(Response::new(grpc::CancelReply { found: true }))
+    }
+
+    async fn drain(
+        &self,
+        _: Request<grpc::DrainRequest>,
+    ) -> Result<Response<grpc::DrainReply>, Status> {
+        self.record(|s| s.drains += 1);
+        Ok(Response::new(grpc::DrainReply {}))
+    }
+
+    async fn stats(
+        &self,
+        _: Request<grpc::StatsRequest>,
+    ) -> Result<Response<grpc::WorkerLoad>, Status> {
+        Ok(Response::new(grpc::WorkerLoad {
+            kv_blocks_total: 64,
+            kv_blocks_free: 64,
+            ..Default::default()
+        }))
+    }
+}

@@ -1,0 +1,559 @@
+//! The router's request state machine, registry and HTTP handlers against fake workers
+//! (in-process gRPC servers, see `fake/`): every transition, asserted by the phases the request
+//! went through and by what the workers were asked.
+
+mod fake;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use engine::SamplingParams;
+use fake::{DecodeScript, Fake, Kv, PrefillScript};
+use http_body_util::BodyExt;
+use proto::grpc::{self, JoinRequest, KvOffer};
+use proto::Pool;
+use router::openai::ApiError;
+use router::registry::Registry;
+use router::request::{self, Started};
+use router::State;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+const PROMPT: [u32; 6] = [1, 2, 3, 4, 5, 6];
+
+/// A router state over the default model's tokenizer, with no worker yet.
+fn state(admission_wait: Duration) -> Arc<State> {
+    let path = engine::fetch::ensure_default_model().expect("the default model");
+    let (config, tokenizer) = engine::inspect(&path).expect("model metadata");
+    let registry = Registry::new(engine::identity_of(&config, 16));
+    let mut s = State::new(
+        registry,
+        tokenizer,
+        &config,
+        "SmolLM2-135M-Instruct.Q4_1".into(),
+        true,
+        Duration::from_secs(5),
+    );
+    s.admission_wait = admission_wait;
+    Arc::new(s)
+}
+
+/// Serves `fake` and joins it to the registry as a worker of `pool`; returns its id.
+async fn join(state: &State, pool: Pool, fake: &Fake) -> u64 {
+    let addr = fake.serve().await;
+    join_at(state, pool, &format!("http://{addr}"))
+}
+
+fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
+    let path = engine::fetch::default_model_path();
+    let (config, _) = engine::inspect(&path).unwrap();
+    let offer = KvOffer {
+        transport: "tcp".into(),
+        endpoint: "127.0.0.1:9".into(),
+        cert_der: Vec::new(),
+    };
+    let req = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::from(pool) as i32,
+        name: format!("{pool}-{endpoint}"),
+        endpoint: endpoint.into(),
+        kv_offers: vec![offer],
+        identity: Some(engine::identity_of(&config, 16).into()),
+        kv_blocks_total: 64,
+        metrics_endpoint: String::new(),
+    };
+    state.registry.join(req).expect("joins")
+}
+
+fn tokens(t: &[u32]) -> DecodeScript {
+    DecodeScript::Tokens(t.to_vec())
+}
+
+/// Every token of a started request, how it ended, and its phases.
+async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str>) {
+    let mut out = Vec::new();
+    let mut end = Ok(());
+    let mut next = Some(s.first);
+    let mut rest = s.rest;
+    while let Some(r) = next {
+        match r {
+            Ok((t, finish)) => {
+                out.push(t);
+                if finish.is_some() {
+                    break;
+                }
+            }
+            Err(e) => {
+                end = Err(e);
+                break;
+            }
+        }
+        next = rest.recv().await;
+    }
+    (out, end, s.phases.await.unwrap())
+}
+
+async fn run(state: &Arc<State>) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str>) {
+    finish(request::start(state, PROMPT.to_vec(), &SamplingParams::greedy(8)).await).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn colocated_reserving_then_decoding() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&[7, 8, 9]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let (out, end, phases) = run(&st).await;
+    assert_eq!(out, [7, 8, 9]);
+    assert!(end.is_ok());
+    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    let seen = d.seen.lock().unwrap();
+    assert_eq!(seen.generate.len(), 1);
+    assert!(
+        !seen.generate[0].1,
+        "no prefill pool: the decode worker prefills"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disaggregated_reserving_prefilling_decoding() {
+    let st = state(Duration::from_secs(5));
+    let kv = Arc::new(Kv::default());
+    let d = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let p = Fake::new(tokens(&[]), PrefillScript::Deliver, kv);
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    let (out, end, phases) = run(&st).await;
+    assert_eq!((out, end.is_ok()), (vec![7, 8], true));
+    assert_eq!(phases, ["reserving", "prefilling", "decoding", "done"]);
+    let (dg, pf) = (d.seen.lock().unwrap(), p.seen.lock().unwrap());
+    assert!(
+        dg.generate[0].1,
+        "the decode worker reserved for a remote prefill"
+    );
+    assert_eq!(pf.prefill.len(), 1);
+    assert_eq!(
+        pf.prefill[0].0, dg.generate[0].0,
+        "one request id on both workers"
+    );
+    assert_eq!(
+        pf.prefill[0].1,
+        PROMPT[..5],
+        "the prompt less its last token"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_prefill_is_recomputed_on_the_decode_worker_and_released_on_both() {
+    let st = state(Duration::from_secs(5));
+    let kv = Arc::new(Kv::default());
+    let d = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let p = Fake::new(tokens(&[]), PrefillScript::Fail, kv);
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    let (out, end, phases) = run(&st).await;
+    assert_eq!((out, end.is_ok()), (vec![7, 8], true));
+    assert_eq!(
+        phases,
+        ["reserving", "prefilling", "recomputing", "decoding", "done"]
+    );
+    let first = d.seen.lock().unwrap().generate[0].0;
+    {
+        let seen = d.seen.lock().unwrap();
+        assert_eq!(seen.generate.len(), 2);
+        let (retry, remote, prompt) = &seen.generate[1];
+        assert!(
+            !remote && prompt == &PROMPT,
+            "the whole prompt, on the decode worker"
+        );
+        assert_ne!(*retry, first, "recomputed under a new id");
+    }
+    assert!(d.wait_until(|s| s.cancel.contains(&first)).await);
+    assert!(p.wait_until(|s| s.cancel.contains(&first)).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_lost_on_the_decode_worker_is_recomputed() {
+    let st = state(Duration::from_secs(5));
+    let kv = Arc::new(Kv::default());
+    let d = Fake::new(
+        DecodeScript::LoseKv(vec![5]),
+        PrefillScript::Deliver,
+        kv.clone(),
+    );
+    let p = Fake::new(tokens(&[]), PrefillScript::Deliver, kv);
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    let (out, end, phases) = run(&st).await;
+    assert_eq!((out, end.is_ok()), (vec![5], true));
+    assert_eq!(phases[..3], ["reserving", "prefilling", "recomputing"]);
+    assert_eq!(phases[3..], ["decoding", "done"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_worker_is_skipped_for_one_with_room() {
+    let st = state(Duration::from_secs(5));
+    let full = Fake::new(
+        DecodeScript::FullThen(u32::MAX, vec![]),
+        PrefillScript::Deliver,
+        Arc::default(),
+    );
+    let room = Fake::new(tokens(&[3]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &full).await;
+    join(&st, Pool::Decode, &room).await;
+    let (out, end, phases) = run(&st).await;
+    assert_eq!((out, end.is_ok()), (vec![3], true));
+    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    assert_eq!(
+        full.seen.lock().unwrap().generate.len(),
+        1,
+        "asked once, then skipped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_waits_for_room_and_is_woken_by_a_heartbeat() {
+    let st = state(Duration::from_secs(20));
+    let d = Fake::new(
+        DecodeScript::FullThen(1, vec![4]),
+        PrefillScript::Deliver,
+        Arc::default(),
+    );
+    let id = join(&st, Pool::Decode, &d).await;
+    let waiting = tokio::spawn({
+        let st = st.clone();
+        async move { run(&st).await }
+    });
+    assert!(
+        d.wait_until(|s| s.generate.len() == 1).await,
+        "refused once"
+    );
+    // Nothing changes in the registry: the request waits, and no timer retries it. (Were it
+    // polling, it would have asked again within this grace period.)
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(d.seen.lock().unwrap().generate.len(), 1);
+    let waiting_now = st
+        .signals
+        .decode_waiting
+        .load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(waiting_now, 1, "counted as waiting for room");
+    let beat = grpc::Heartbeat {
+        worker_id: id,
+        load: Some(grpc::WorkerLoad::default()),
+    };
+    st.registry.beat(beat).unwrap();
+    let (out, end, phases) = waiting.await.unwrap();
+    assert_eq!((out, end.is_ok()), (vec![4], true));
+    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    assert_eq!(
+        d.seen.lock().unwrap().generate.len(),
+        2,
+        "asked again after the heartbeat"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_room_within_the_admission_wait_is_unavailable() {
+    let st = state(Duration::from_millis(300));
+    let (_, end, phases) = run(&st).await;
+    assert!(
+        matches!(end, Err(ApiError::Unavailable(m)) if m.contains("no decode worker has joined"))
+    );
+    assert_eq!(phases, ["reserving", "failed"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bad_request_is_the_clients_fault() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(
+        DecodeScript::BadRequest,
+        PrefillScript::Deliver,
+        Arc::default(),
+    );
+    join(&st, Pool::Decode, &d).await;
+    let (_, end, phases) = run(&st).await;
+    assert!(matches!(end, Err(ApiError::BadRequest(_))));
+    assert_eq!(phases, ["reserving", "failed"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_worker_is_dropped_and_another_serves() {
+    let st = state(Duration::from_secs(5));
+    // Nothing listens there: bind a port, then free it.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let dead_id = join_at(&st, Pool::Decode, &format!("http://{dead}"));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let (out, end, _) = run(&st).await;
+    assert_eq!((out, end.is_ok()), (vec![1], true));
+    let ids: Vec<u64> = st.registry.workers().iter().map(|w| w.id).collect();
+    assert!(
+        !ids.contains(&dead_id),
+        "the unreachable worker is gone: {ids:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_is_released_on_the_worker() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(
+        DecodeScript::Slow((1..40).collect()),
+        PrefillScript::Deliver,
+        Arc::default(),
+    );
+    join(&st, Pool::Decode, &d).await;
+    let s = request::start(&st, PROMPT.to_vec(), &SamplingParams::greedy(64)).await;
+    assert!(s.first.is_ok());
+    drop(s.rest);
+    let phases = s.phases.await.unwrap();
+    assert_eq!(phases, ["reserving", "decoding", "gone"]);
+    let id = d.seen.lock().unwrap().generate[0].0;
+    assert!(
+        d.wait_until(|s| s.cancel.contains(&id)).await,
+        "Cancel sent"
+    );
+    let w = &st.registry.workers()[0];
+    assert_eq!(w.in_flight(), 0, "no longer counted against the worker");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_ids_are_unique_and_carry_a_per_router_prefix() {
+    let (a, b) = (state(Duration::from_secs(1)), state(Duration::from_secs(1)));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&a, Pool::Decode, &d).await;
+    join(&b, Pool::Decode, &d).await;
+    for st in [&a, &a, &b] {
+        run(st).await.1.unwrap();
+    }
+    let ids: Vec<u64> = d
+        .seen
+        .lock()
+        .unwrap()
+        .generate
+        .iter()
+        .map(|g| g.0)
+        .collect();
+    assert_eq!(ids[1], ids[0] + 1);
+    assert_ne!(ids[2] >> 32, ids[0] >> 32, "two routers, two prefixes");
+}
+
+// The registry.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_refuses_other_protocols_and_models_and_picks_the_least_loaded() {
+    let st = state(Duration::from_secs(1));
+    let mut bad = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION + 1,
+        role: grpc::Role::Decode as i32,
+        ..Default::default()
+    };
+    assert!(st.registry.join(bad.clone()).is_err());
+    bad.protocol_version = proto::PROTOCOL_VERSION;
+    let err = st.registry.join(bad).unwrap_err();
+    assert!(err.message().contains("cannot exchange KV"), "{err:?}");
+    let (a, b) = (
+        join_at(&st, Pool::Decode, "http://a"),
+        join_at(&st, Pool::Decode, "http://b"),
+    );
+    let (w1, _g1) = st.registry.pick(Pool::Decode, &[]).unwrap();
+    let (w2, _g2) = st.registry.pick(Pool::Decode, &[]).unwrap();
+    assert_eq!(
+        (w1.id, w2.id),
+        (a, b),
+        "the second pick goes to the idle worker"
+    );
+    assert!(st.registry.pick(Pool::Decode, &[a, b]).is_none());
+    st.registry.set_draining(a);
+    assert_eq!(st.registry.count(Pool::Decode), 1);
+    assert_eq!(st.registry.count(Pool::Prefill), 0);
+    let beat = grpc::Heartbeat {
+        worker_id: 999,
+        load: None,
+    };
+    assert_eq!(
+        st.registry.beat(beat).unwrap_err().code(),
+        tonic::Code::NotFound
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_worker_is_dropped_after_its_timeout() {
+    let path = engine::fetch::ensure_default_model().unwrap();
+    let (config, _) = engine::inspect(&path).unwrap();
+    let identity = engine::identity_of(&config, 16);
+    let reg = Registry::with_timeout(identity.clone(), Duration::from_millis(100));
+    let mut changes = reg.subscribe();
+    let id = reg
+        .join(JoinRequest {
+            protocol_version: proto::PROTOCOL_VERSION,
+            role: grpc::Role::Decode as i32,
+            identity: Some(identity.into()),
+            ..Default::default()
+        })
+        .unwrap();
+    assert!(changes.has_changed().unwrap(), "a join is a change");
+    changes.mark_unchanged();
+    std::thread::sleep(Duration::from_millis(150));
+    assert!(
+        reg.workers().is_empty(),
+        "worker {id} missed its heartbeats"
+    );
+    assert!(
+        changes.has_changed().unwrap(),
+        "and its leaving is a change"
+    );
+}
+
+// The HTTP handlers, driven with `oneshot` over the fakes.
+
+async fn call(
+    st: &Arc<State>,
+    method: &str,
+    uri: &str,
+    body: Option<Value>,
+) -> (StatusCode, String) {
+    let mut req = Request::builder().method(method).uri(uri);
+    let body = match body {
+        Some(b) => {
+            req = req.header("content-type", "application/json");
+            Body::from(b.to_string())
+        }
+        None => Body::empty(),
+    };
+    let resp = router::app(st.clone())
+        .oneshot(req.body(body).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// Token ids the fake decode worker answers with: "Hello world" in this tokenizer.
+fn hello(st: &State) -> Vec<u32> {
+    st.tokenizer.encode("Hello world").unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_completions_answers_with_the_workers_tokens_as_text() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&hello(&st)), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]});
+    let (code, text) = call(&st, "POST", "/v1/chat/completions", Some(body)).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["object"], "chat.completion");
+    assert_eq!(v["choices"][0]["message"]["content"], "Hello world");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], hello(&st).len());
+    let prompt = &d.seen.lock().unwrap().generate[0].2;
+    assert_eq!(
+        v["usage"]["prompt_tokens"],
+        prompt.len(),
+        "the rendered chat template"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streamed_completions_end_with_usage_of_their_own_object_and_done() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&hello(&st)), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let body = json!({"prompt": "Say hello", "max_tokens": 5, "stream": true, "stream_options": {"include_usage": true}});
+    let (code, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = data[..data.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let usage = chunks.last().unwrap();
+    assert_eq!(
+        usage["object"], "text_completion",
+        "the usage chunk is a completion chunk"
+    );
+    assert_eq!(usage["usage"]["completion_tokens"], hello(&st).len());
+    let said: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["text"].as_str())
+        .collect();
+    assert_eq!(said, "Hello world");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let cases = [
+        (
+            json!({"model": "other", "messages": msgs}),
+            StatusCode::NOT_FOUND,
+            "model_not_found",
+        ),
+        (
+            json!({"messages": msgs, "max_tokens": 0}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            json!({"messages": msgs, "temperature": 3}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            json!({"messages": []}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            json!({"messages": msgs, "n": 2}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+    ];
+    for (body, want, code) in cases {
+        let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
+        assert_eq!(got, want, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["code"], code, "{text}");
+    }
+    let (got, _) = call(&st, "GET", "/v1/nothing", None).await;
+    assert_eq!(got, StatusCode::NOT_FOUND);
+    assert!(d.seen.lock().unwrap().generate.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_models_and_debug_workers() {
+    let st = state(Duration::from_secs(5));
+    let (code, _) = call(&st, "GET", "/health", None).await;
+    assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE, "no worker yet");
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    let p = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    let (code, text) = call(&st, "GET", "/health", None).await;
+    assert_eq!(code, StatusCode::OK, "{text}");
+    let (_, text) = call(&st, "GET", "/v1/models", None).await;
+    assert!(text.contains("SmolLM2-135M-Instruct.Q4_1"));
+    let (_, text) = call(&st, "GET", "/debug/workers", None).await;
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let ws = v["workers"].as_array().unwrap();
+    assert_eq!(ws.len(), 2);
+    assert_eq!(ws[0]["role"], "decode");
+    assert_eq!(
+        ws[0]["stats"]["kv_blocks_total"], 64,
+        "live stats from the Worker service"
+    );
+    assert_eq!(ws[0]["kv_offers"][0][0], "tcp");
+}

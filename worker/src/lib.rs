@@ -1,0 +1,211 @@
+//! tandem's worker runtime: everything a prefill worker and a decode worker share.
+//!
+//! - [`Settings`] and [`load`]: the model (or the mock engine over the model's shape), the
+//!   kernel threads, the `kv_transfer.require` check, the worker's KV identity.
+//! - [`engine_thread`]: the one thread that owns an [`engine::Engine`], blocked on its command
+//!   channel (or the role's next deadline) whenever there is nothing to step; the role plugs in
+//!   what differs through [`engine_thread::Role`].
+//! - [`service`]: the `Worker` gRPC service every worker serves (cancel, drain, stats), and
+//!   the guard that releases a request when its caller goes away.
+//! - [`serve`]: gRPC listener, metrics endpoint, joining the router and heartbeating.
+//! - [`WorkerError`] and [`status`]: one error type, and the one place an engine error becomes a
+//!   gRPC status.
+
+pub mod engine_thread;
+pub mod service;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine::{EngineConfig, EngineError, Model, Tokenizer};
+use proto::grpc::{self, KvOffer};
+use proto::{Cause, Pool};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::Status;
+
+pub use engine_thread::{EngineHandle, Role};
+
+/// What every worker is configured with, whatever its pool.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Model file or directory.
+    pub model: PathBuf,
+    /// Where the forward pass runs (`cpu`, `cuda:N`).
+    pub device: String,
+    /// Run the mock engine with this timing model instead of the model's kernels.
+    pub mock: Option<engine::MockTiming>,
+    /// Kernel threads.
+    pub threads: usize,
+    /// Engine sizes (KV blocks, batch budget, running sequences).
+    pub engine: EngineConfig,
+    /// Host to bind listeners to (ports are picked by the OS).
+    pub host: String,
+    /// The router's control endpoint, e.g. `http://127.0.0.1:8001`.
+    pub router: String,
+    /// Name shown in logs.
+    pub name: String,
+    /// The only KV transport allowed, if the cluster requires one.
+    pub require: Option<kv_transfer::Transport>,
+    /// The cluster secret for KV transfers (HMAC), if the cluster has one.
+    pub secret: Option<Arc<Vec<u8>>>,
+}
+
+/// Why a worker stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// A listener could not be bound.
+    #[error("binding {0}: {1}")]
+    Bind(String, std::io::Error),
+    /// The router refused the worker or could not be reached.
+    #[error(transparent)]
+    Join(#[from] proto::membership::JoinError),
+    /// The gRPC server failed.
+    #[error("gRPC server: {0}")]
+    Serve(#[from] tonic::transport::Error),
+    /// The thread-count setting failed.
+    #[error(transparent)]
+    Kernel(#[from] kernels::KernelError),
+    /// The KV transport could not be set up (or a required one is missing).
+    #[error(transparent)]
+    Transfer(#[from] kv_transfer::TransferError),
+}
+
+/// The gRPC status of an engine error — the one place the mapping is made: a request that
+/// could never fit or is malformed is the caller's fault; no room now is [`Cause::Full`] (the
+/// router tries another worker); anything else is the worker's.
+pub fn status(e: EngineError) -> Status {
+    match e {
+        EngineError::OutOfBlocks(m) => Cause::Full.status(m),
+        EngineError::InvalidRequest(m) => Cause::BadRequest.status(m),
+        other => Cause::Engine.status(other.to_string()),
+    }
+}
+
+/// A loaded model and what a worker announces about it.
+pub struct Loaded {
+    /// The model (mock or real).
+    pub model: Arc<Model>,
+    /// Its tokenizer (stop tokens).
+    pub tokenizer: Tokenizer,
+    /// What KV this worker can exchange.
+    pub identity: proto::ModelIdentity,
+}
+
+/// Checks `require`, sets the kernel threads and loads the model — as the mock engine (the
+/// model's shape and tokenizer, no weights) when the pool runs one.
+pub async fn load(s: &Settings) -> Result<Loaded, WorkerError> {
+    let (local, missing) = kv_transfer::negotiate::local_transports();
+    if let Some(t) = s.require.filter(|t| !local.contains(t)) {
+        return Err(kv_transfer::TransferError::Refused(format!(
+            "kv_transfer.require = {t:?} but {}",
+            missing.join("; ")
+        ))
+        .into());
+    }
+    kernels::set_threads(s.threads)?;
+    let (path, device, mock) = (s.model.clone(), s.device.clone(), s.mock);
+    let (model, tokenizer) = tokio::task::spawn_blocking(move || match mock {
+        Some(timing) => engine::load_mock(&path, timing),
+        None => engine::load(&path, kernels::Device::parse(&device)?),
+    })
+    .await
+    .expect("model loading does not panic")?;
+    let identity = engine::identity(&model, s.engine.block_size);
+    Ok(Loaded {
+        model: Arc::new(model),
+        tokenizer,
+        identity,
+    })
+}
+
+/// Binds a TCP listener on `host` with a port the OS picks; `what` names it in errors.
+pub async fn bind(host: &str, what: &str) -> Result<tokio::net::TcpListener, WorkerError> {
+    let addr = format!("{host}:0");
+    tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| WorkerError::Bind(format!("{what} {addr}"), e))
+}
+
+/// How a worker presents itself to the router.
+pub struct Announce<'a> {
+    /// Its pool.
+    pub pool: Pool,
+    /// Where prefill workers may send it KV (decode workers).
+    pub kv_offers: Vec<KvOffer>,
+    /// What it says at start, after "serving gRPC on ADDR" (e.g. its KV endpoints).
+    pub detail: String,
+    /// Its metrics, with help text.
+    pub metrics: &'a [(&'static str, proto::metrics::Kind, &'static str)],
+}
+
+/// Serves `routes` (the pool's own gRPC service) beside the `Worker` service, starts the
+/// metrics endpoint, joins the router with heartbeats of the engine's load, and serves until
+/// the process ends.
+pub async fn serve<C: Send + 'static>(
+    s: &Settings,
+    loaded: &Loaded,
+    engine: &EngineHandle<C>,
+    routes: tonic::service::Routes,
+    announce: Announce<'_>,
+) -> Result<(), WorkerError> {
+    let listener = bind(&s.host, "gRPC").await?;
+    let grpc_addr = listener
+        .local_addr()
+        .map_err(|e| WorkerError::Bind("gRPC".into(), e))?;
+    let routes = routes.add_service(service::server(engine.clone()));
+    let server = tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_routes(routes)
+            .serve_with_incoming(TcpListenerStream::new(listener)),
+    );
+    let metrics_at = start_metrics(s, announce.pool, announce.metrics).await?;
+    let join = grpc::JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::from(announce.pool) as i32,
+        name: s.name.clone(),
+        endpoint: format!("http://{grpc_addr}"),
+        kv_offers: announce.kv_offers,
+        identity: Some(loaded.identity.clone().into()),
+        kv_blocks_total: s.engine.num_blocks as u32,
+        metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
+    };
+    let load = engine.clone();
+    let id = proto::membership::join(
+        s.router.clone(),
+        join,
+        Duration::from_secs(60),
+        Duration::from_millis(250),
+        move || load.load(),
+    )
+    .await?;
+    tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);
+    eprintln!(
+        "tandem {} {}: serving gRPC on {grpc_addr}{} ({})",
+        announce.pool,
+        s.name,
+        announce.detail,
+        loaded.model.device_name()
+    );
+    server.await.expect("server task does not panic")?;
+    Ok(())
+}
+
+async fn start_metrics(
+    s: &Settings,
+    pool: Pool,
+    catalogue: &[(&'static str, proto::metrics::Kind, &'static str)],
+) -> Result<Option<SocketAddr>, WorkerError> {
+    let at = proto::metrics::start(&s.host)
+        .await
+        .map_err(|e| WorkerError::Bind("metrics".into(), e))?;
+    proto::metrics::describe(catalogue);
+    if let Some(a) = at {
+        eprintln!("tandem {pool} {}: metrics on http://{a}/metrics", s.name);
+    }
+    Ok(at)
+}
