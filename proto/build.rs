@@ -29,8 +29,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             if help.is_empty() {
                 return Err(format!("WorkerLoad.{name} has no comment (its help text)").into());
             }
-            let metric = format!("tandem_worker_{name}");
-            writeln!(out, "    ({name:?}, {metric:?}, {help:?}),")?;
+            // A comment may name the gauge (`[metric: NAME]`), e.g. where `_total` would read
+            // as a counter's suffix; otherwise it is `tandem_worker_<field>`.
+            let (text, metric) = match help.split_once("[metric: ") {
+                Some((text, rest)) => (text.trim_end(), rest.trim_end_matches(']').to_string()),
+                None => (help.as_str(), format!("tandem_worker_{name}")),
+            };
+            writeln!(out, "    ({name:?}, {metric:?}, {text:?}),")?;
             help.clear();
         }
     }

@@ -10,6 +10,8 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use engine::EngineConfig;
 use proto::config::{ClusterConfig, PoolSection};
+use std::io::Write;
+
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::{Child, Command};
 
@@ -34,6 +36,10 @@ pub struct RoleArgs {
     /// Decode workers: the TCP KV endpoint to advertise instead of the bound one (NAT, proxies).
     #[arg(long)]
     pub kv_advertise: Option<String>,
+    /// Router: once listening, write `{"http": ADDR, "control": ADDR}` as one line to this
+    /// inherited file descriptor and close it (how `tandem up` learns the addresses).
+    #[arg(long)]
+    pub ready_fd: Option<i32>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -202,8 +208,18 @@ pub fn router(a: RoleArgs) -> Result<()> {
             }
         },
     };
-    runtime()?.block_on(router::run(rc, |http, control| {
+    let ready_fd = a.ready_fd;
+    runtime()?.block_on(router::run(rc, move |http, control| {
         eprintln!("tandem router: listening on http://{http} (control http://{control})");
+        if let Some(fd) = ready_fd {
+            // SAFETY: `fd` was handed to this process for this one line (`--ready-fd`); nothing
+            // else in it uses that descriptor, and the File owns and closes it here.
+            let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+            let line = serde_json::json!({"http": http, "control": control});
+            if let Err(e) = writeln!(f, "{line}") {
+                eprintln!("tandem router: cannot report readiness on fd {fd}: {e}");
+            }
+        }
     }))?;
     Ok(())
 }
@@ -264,22 +280,63 @@ async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
     ))
 }
 
-fn spawn(exe: &Path, args: &[&str], piped: bool) -> Result<Child> {
+/// Starts `exe args` with this process' stderr; `ready` (a pipe's write end) becomes the
+/// child's descriptor 3.
+fn spawn(exe: &Path, args: &[&str], ready: Option<i32>) -> Result<Child> {
     let mut cmd = Command::new(exe);
     cmd.args(args).stdin(Stdio::null()).kill_on_drop(true);
-    if piped {
-        cmd.stderr(Stdio::piped());
-    }
-    // SAFETY: prctl is async-signal-safe; it only asks the kernel to signal this child when the
-    // parent (`tandem up`) dies, so no worker outlives it.
+    // SAFETY: prctl, dup2 and fcntl are async-signal-safe; they ask the kernel to signal this
+    // child when the parent (`tandem up`) dies, so no worker outlives it, and put the readiness
+    // pipe at descriptor 3 without close-on-exec.
     unsafe {
-        cmd.pre_exec(|| {
+        cmd.pre_exec(move || {
             libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            if let Some(fd) = ready {
+                let r = if fd == 3 {
+                    libc::fcntl(3, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(fd, 3)
+                };
+                if r < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
     cmd.spawn()
         .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))
+}
+
+/// Starts the router and waits (up to 120 s) for it to say, on a pipe of its own, where it
+/// listens: its HTTP address and its control endpoint.
+async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, String)> {
+    let mut fds = [0i32; 2];
+    // SAFETY: `fds` has room for the two descriptors pipe2 writes.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
+        return Err(std::io::Error::last_os_error()).context("creating the readiness pipe");
+    }
+    // SAFETY: pipe2 just created these descriptors; each is owned by one File from here on.
+    let (read, write) = unsafe {
+        use std::os::fd::FromRawFd;
+        (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1]))
+    };
+    let args = ["router", "--config", config, "--ready-fd", "3"];
+    let router = spawn(exe, &args, Some(fds[1]))?;
+    drop(write); // the router holds the only write end: EOF if it exits before it is ready
+    let mut line = String::new();
+    let mut reader = BufReader::new(tokio::net::unix::pipe::Receiver::from_file(read)?);
+    tokio::time::timeout(Duration::from_secs(120), reader.read_line(&mut line))
+        .await
+        .map_err(|_| anyhow!("the router was not ready within 120 s"))??;
+    if line.is_empty() {
+        bail!("the router exited before it was ready");
+    }
+    let v: serde_json::Value = serde_json::from_str(&line)
+        .with_context(|| format!("the router's readiness line {line:?}"))?;
+    let http = v["http"].as_str().unwrap_or_default().parse::<SocketAddr>()?;
+    let control = format!("http://{}", v["control"].as_str().unwrap_or_default());
+    Ok((router, http, control))
 }
 
 fn terminate(children: &mut [(String, Child)]) {
@@ -298,26 +355,7 @@ pub fn up(config: PathBuf) -> Result<()> {
     let cfg_s = config.to_string_lossy().to_string();
     runtime()?.block_on(async move {
         let mut children: Vec<(String, Child)> = Vec::new();
-        let mut router = spawn(&exe, &["router", "--config", &cfg_s], true)?;
-        let mut lines = BufReader::new(router.stderr.take().expect("piped")).lines();
-        let ready = tokio::time::timeout(Duration::from_secs(120), async {
-            while let Some(line) = lines.next_line().await? {
-                eprintln!("{line}");
-                if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
-                    let (http, ctrl) = rest.split_once(" (control ").ok_or_else(|| anyhow!("unexpected router output {line:?}"))?;
-                    return Ok::<_, anyhow::Error>((http.parse::<SocketAddr>()?, ctrl.trim_end_matches(')').to_string()));
-                }
-            }
-            bail!("the router exited before it was ready")
-        })
-        .await
-        .map_err(|_| anyhow!("the router was not ready within 120 s"))??;
-        let (http, control) = ready;
-        tokio::spawn(async move {
-            while let Ok(Some(line)) = lines.next_line().await {
-                eprintln!("{line}");
-            }
-        });
+        let (router, http, control) = start_router(&exe, &cfg_s).await?;
         children.push(("router".into(), router));
         let pools = [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))];
         for (role, pool) in pools {
@@ -328,7 +366,7 @@ pub fn up(config: PathBuf) -> Result<()> {
             }
             for i in 0..*pool.replicas.get_ref() {
                 let name = format!("{role}-{i}");
-                let c = spawn(&exe, &[role, "--config", &cfg_s, "--router", &control, "--name", &name], false)?;
+                let c = spawn(&exe, &[role, "--config", &cfg_s, "--router", &control, "--name", &name], None)?;
                 children.push((name, c));
             }
         }

@@ -248,7 +248,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         model.config.name,
         model.device_name()
     );
-    let weight_bytes = model.weights.bytes_per_token() as f64;
+    let weight_bytes = model.weights().map_or(0, |w| w.bytes_per_token()) as f64;
     let bw = read_bandwidth();
     println!(
         "weights read per decoded token: {:.1} MB",

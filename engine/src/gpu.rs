@@ -4,7 +4,7 @@
 //! cache is the one KV crosses workers through (prefill-worker exports, KV transfers,
 //! admissions): in a step with KV that leaves the worker (prefill-only requests), the new keys
 //! and values come back to the host cache layer by layer (so layer-wise streaming works
-//! unchanged); other steps keep theirs on the device ([`crate::Model::forward_local`]); and KV
+//! unchanged); other steps keep theirs on the device (a step without a sink); and KV
 //! written on the host — a remote prefill's — is uploaded to the device before its sequence
 //! runs. Without the `cuda` feature the types are uninhabited and none of this can be reached.
 
@@ -13,9 +13,11 @@ use std::sync::{Arc, Mutex};
 use kernels::cuda::llama::{GpuBatch, GpuLlama, LayerRefs, LlamaShape};
 use kernels::cuda::Gpu;
 
+use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
+use crate::forward::{Forward, LayerSink};
 use crate::kv_cache::KvCache;
-use crate::model::{Model, SeqChunk};
+use crate::model::{Model, SeqChunk, Weights};
 
 /// `model` on `gpu`: its weights uploaded, with a device KV pool of `num_blocks` blocks of
 /// `block_size` tokens.
@@ -25,7 +27,19 @@ pub fn gpu_llama(
     block_size: usize,
     num_blocks: usize,
 ) -> Result<GpuLlama> {
-    let (c, w) = (&model.config, &model.weights);
+    let w = model
+        .weights()
+        .ok_or_else(|| EngineError::InvalidRequest("the mock engine has no weights".into()))?;
+    llama(&model.config, w, gpu, block_size, num_blocks)
+}
+
+fn llama(
+    c: &ModelConfig,
+    w: &Weights,
+    gpu: &Arc<Gpu>,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<GpuLlama> {
     let layers: Vec<LayerRefs<'_>> = w
         .layers
         .iter()
@@ -65,39 +79,63 @@ pub fn gpu_llama(
     )?)
 }
 
-/// The GPU half of a model on a CUDA device, created with its KV pool.
-#[derive(Default)]
-pub(crate) struct GpuModel(Mutex<Option<GpuLlama>>);
+/// The forward on a CUDA device: the weights (uploaded when the KV pool is set up) and the
+/// device pool, created with the cache.
+pub struct GpuForward {
+    weights: Weights,
+    gpu: Arc<Gpu>,
+    pool: Mutex<Option<GpuLlama>>,
+}
 
-impl GpuModel {
-    /// Uploads `model`'s weights and allocates the device pool.
-    pub(crate) fn init(
-        &self,
-        model: &Model,
-        gpu: &Arc<Gpu>,
-        block_size: usize,
-        num_blocks: usize,
-    ) -> Result<()> {
-        let g = gpu_llama(model, gpu, block_size, num_blocks)?;
-        *self.0.lock().expect("gpu lock") = Some(g);
+impl Forward for GpuForward {
+    fn name(&self) -> String {
+        format!("{:?}", self.gpu)
+    }
+
+    fn weights(&self) -> Option<&Weights> {
+        Some(&self.weights)
+    }
+
+    fn prepare_kv(&self, c: &ModelConfig, block_size: usize, num_blocks: usize) -> Result<()> {
+        let g = llama(c, &self.weights, &self.gpu, block_size, num_blocks)?;
+        *self.pool.lock().expect("gpu lock") = Some(g);
         Ok(())
     }
 
-    /// Whether the forward runs here.
-    pub(crate) fn active(&self) -> bool {
-        self.0.lock().expect("gpu lock").is_some()
+    fn kv_written(&self, c: &ModelConfig, kv: &KvCache, table: &[u32], n: usize) -> Result<()> {
+        self.upload(kv, c.n_layers, table, n)
+    }
+
+    fn forward(
+        &self,
+        c: &ModelConfig,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        sink: Option<LayerSink<'_>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        self.step(c, kv, batch, sink)
+    }
+}
+
+impl GpuForward {
+    /// `weights` to run on `gpu`.
+    pub fn new(weights: Weights, gpu: Arc<Gpu>) -> GpuForward {
+        GpuForward {
+            weights,
+            gpu,
+            pool: Mutex::new(None),
+        }
     }
 
     /// One step on the GPU. With `on_layer`, the host `kv` receives the step's keys and values
     /// layer by layer (each layer's copy waits for the device); without, they stay on the device.
-    pub(crate) fn forward(
+    fn step(
         &self,
-        model: &Model,
+        c: &ModelConfig,
         kv: &mut KvCache,
         batch: &[SeqChunk<'_>],
-        on_layer: Option<&mut (dyn FnMut(usize, &KvCache) + Send)>,
+        on_layer: Option<LayerSink<'_>>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
-        let c = &model.config;
         let max_blocks = batch
             .iter()
             .map(|s| s.block_table.len())
@@ -167,7 +205,7 @@ impl GpuModel {
             logit_rows: &logit_rows,
         };
         let logits = {
-            let mut g = self.0.lock().expect("gpu lock");
+            let mut g = self.pool.lock().expect("gpu lock");
             let g = g
                 .as_mut()
                 .ok_or_else(|| EngineError::InvalidRequest("the GPU pool is not set up".into()))?;
@@ -193,14 +231,14 @@ impl GpuModel {
 
     /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
     /// on the host).
-    pub(crate) fn upload(
+    fn upload(
         &self,
         kv: &KvCache,
         n_layers: usize,
         table: &[u32],
         n: usize,
     ) -> Result<()> {
-        let mut g = self.0.lock().expect("gpu lock");
+        let mut g = self.pool.lock().expect("gpu lock");
         let Some(g) = g.as_mut() else { return Ok(()) };
         let mut bytes = Vec::new();
         for l in 0..n_layers {

@@ -3,15 +3,22 @@
 //! - [`gguf`] and [`loader`]: GGUF v2/v3 files and Hugging Face directories, memory-mapped.
 //! - [`tokenizer`] and [`text`]: byte-level BPE, the model's own chat template (minijinja),
 //!   streaming detokenisation and stop strings.
-//! - [`model`]: the Llama forward pass over a paged KV cache ([`kv_cache`]) for a batch of
-//!   sequences at different positions.
+//! - [`model`]: a model's shape and weights, and [`forward`]: one forward interface with three
+//!   implementations chosen at load — the CPU kernels ([`cpu`]), CUDA ([`gpu`]) and the mock
+//!   timing model ([`mock`]) — over a paged KV cache ([`kv_cache`]) for a batch of sequences at
+//!   different positions.
 //! - [`sampler`] and [`scheduler`]: sampling and continuous batching.
 //! - [`fetch`]: the default model's cache.
-//! - [`mock`]: the mock engine (a timing model instead of kernels) for scaling tests.
+//! - [`mock`]: the mock engine (the model's shape, no weights, a timing model instead of
+//!   kernels) for scaling tests.
 
 pub mod config;
+#[cfg(feature = "runtime")]
+pub mod cpu;
 pub mod error;
 pub mod fetch;
+#[cfg(feature = "runtime")]
+pub mod forward;
 pub mod gguf;
 /// The model's forward on a GPU (`device = "cuda:N"`).
 #[cfg(feature = "runtime")]
@@ -37,7 +44,7 @@ pub use kv_cache::{BlockTable, KvCache};
 pub use loader::{load, load_mock};
 pub use mock::MockTiming;
 #[cfg(feature = "runtime")]
-pub use model::{Model, SeqChunk};
+pub use model::{Forward, LayerSink, Model, SeqChunk};
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
 pub use scheduler::{Engine, EngineConfig, Release, TokenEvent};

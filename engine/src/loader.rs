@@ -208,6 +208,6 @@ pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
 /// The model at `path` as the mock engine (see [`crate::mock`]): its shape and tokenizer, and a
 /// timing model instead of kernels.
 pub fn load_mock(path: &Path, timing: crate::MockTiming) -> Result<(Model, Tokenizer)> {
-    let (model, tok) = load(path, Device::parse("cpu")?)?;
-    Ok((model.into_mock(timing), tok))
+    let (config, tok) = crate::inspect(path)?;
+    Ok((Model::mock(config, timing), tok))
 }

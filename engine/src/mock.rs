@@ -1,9 +1,12 @@
-//! The mock engine, named as such: a [`crate::Model`] that runs no kernels but takes the time a
-//! timing model gives for each forward step, writes no KV values (the blocks are allocated and
-//! moved at their real size), and produces deterministic tokens. Scaling tests and planner
-//! benchmarks need it: on a 2-core machine extra real CPU workers add no capacity, mock ones do.
+//! The mock engine, named as such: a [`crate::Model`] with the model's shape and tokenizer but
+//! no weights, whose forward ([`MockForward`]) runs no kernels but takes the time a timing
+//! model gives for each step, writes no KV values (the blocks are allocated and moved at their
+//! real size), and produces deterministic tokens. Scaling tests and planner benchmarks need it:
+//! on a 2-core machine extra real CPU workers add no capacity, mock ones do.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
+#[cfg(feature = "runtime")]
+use std::time::Instant;
 
 /// How long a mock forward step takes:
 /// `step_us + prefill_token_us × prompt tokens + decode_token_us × decode tokens
@@ -76,11 +79,69 @@ pub fn next_token(last: u32, pos: usize, vocab: usize) -> u32 {
 
 /// Sleeps until `t0 + total × (l + 1) / n`: spreads a step's time over its layers without
 /// accumulating the oversleep of many short sleeps.
-#[cfg_attr(not(feature = "runtime"), allow(dead_code))]
-pub(crate) fn wait_layer(t0: Instant, total: Duration, l: usize, n: usize) {
+#[cfg(feature = "runtime")]
+fn wait_layer(t0: Instant, total: Duration, l: usize, n: usize) {
     let due = t0 + total.mul_f64((l + 1) as f64 / n.max(1) as f64);
     let now = Instant::now();
     if due > now {
         std::thread::sleep(due - now);
+    }
+}
+
+/// The mock engine's forward: the timing model's time, spread over the layers (so layer-wise
+/// streaming behaves as with real compute), and one-hot logits.
+#[cfg(feature = "runtime")]
+pub struct MockForward {
+    /// How long each step takes.
+    pub timing: MockTiming,
+}
+
+#[cfg(feature = "runtime")]
+impl crate::forward::Forward for MockForward {
+    fn name(&self) -> String {
+        "mock".into()
+    }
+
+    fn forward(
+        &self,
+        c: &crate::ModelConfig,
+        kv: &mut crate::KvCache,
+        batch: &[crate::SeqChunk<'_>],
+        mut sink: Option<crate::forward::LayerSink<'_>>,
+    ) -> crate::Result<Vec<Option<Vec<f32>>>> {
+        let (mut prefill, mut decode, mut attended) = (0, 0, 0);
+        for s in batch {
+            match s.tokens.len() {
+                1 if s.start_pos > 0 => decode += 1,
+                n => prefill += n,
+            }
+            attended += s.start_pos + s.tokens.len();
+        }
+        let total = self.timing.step_time(prefill, decode, attended);
+        let t0 = Instant::now();
+        // The step's time is spread over four groups of layers (layer-wise streaming still sees
+        // layers arrive over the step) rather than one sleep a layer, whose wake-ups would add
+        // the machine's scheduling latency thirty times.
+        let group = c.n_layers.div_ceil(4).max(1);
+        for l in 0..c.n_layers {
+            if (l + 1) % group == 0 || l + 1 == c.n_layers {
+                wait_layer(t0, total, l, c.n_layers);
+            }
+            if let Some(sink) = sink.as_deref_mut() {
+                sink(l, kv);
+            }
+        }
+        Ok(batch
+            .iter()
+            .map(|s| {
+                s.logits.then(|| {
+                    let end = s.start_pos + s.tokens.len();
+                    let last = s.tokens.last().copied().unwrap_or(0);
+                    let mut l = vec![0f32; c.vocab_size];
+                    l[next_token(last, end, c.vocab_size) as usize] = 1.0;
+                    l
+                })
+            })
+            .collect())
     }
 }

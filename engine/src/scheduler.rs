@@ -529,7 +529,10 @@ impl Engine {
                 .collect(),
             None => Vec::new(),
         };
-        let mut on_layer = |l: usize, kv: &KvCache| {
+        // Only prefill-only requests' KV leaves this worker (exported or streamed): a step with
+        // them hands each layer to the sink; without them a GPU keeps the step's KV on the
+        // device.
+        let mut stream_layers = |l: usize, kv: &KvCache| {
             if let Some(sink) = sink.as_deref_mut() {
                 for (id, table, n) in &completing {
                     let mut buf = Vec::new();
@@ -538,15 +541,9 @@ impl Engine {
                 }
             }
         };
-        // Only prefill-only requests' KV leaves this worker (exported or streamed); without
-        // them a GPU keeps the step's KV on the device.
         let exports = plan.iter().any(|&(i, _, _)| self.running[i].prefill_only);
-        let logits = if exports {
-            self.model
-                .forward_layers(&mut self.kv, &chunks, &mut on_layer)?
-        } else {
-            self.model.forward_local(&mut self.kv, &chunks)?
-        };
+        let layer_sink: Option<crate::LayerSink<'_>> = exports.then_some(&mut stream_layers);
+        let logits = self.model.step(&mut self.kv, &chunks, layer_sink)?;
         let mut events = Vec::new();
         let mut finished = Vec::new();
         for (&(i, _, n), l) in plan.iter().zip(logits) {

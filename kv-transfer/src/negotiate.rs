@@ -15,6 +15,17 @@ pub struct Offer {
     pub cert_der: Vec<u8>,
 }
 
+impl Offer {
+    /// The offer a decode worker announced (`None` for a transport this build does not know).
+    pub fn from_wire(o: &proto::grpc::KvOffer) -> Option<Offer> {
+        Some(Offer {
+            transport: Transport::parse(&o.transport)?,
+            endpoint: o.endpoint.clone(),
+            cert_der: o.cert_der.clone(),
+        })
+    }
+}
+
 /// Transports this build and machine can use, and why the others cannot be (RDMA needs the
 /// `rdma` feature and a device). Probed once per process.
 pub fn local_transports() -> (Vec<Transport>, Vec<String>) {

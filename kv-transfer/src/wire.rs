@@ -670,6 +670,8 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     if let (Some(side), Some(crcs)) = (in_place.as_deref_mut(), &crcs) {
                         // The `Written` frames came over the side channel; the writes' own
                         // completions (their immediates) must be here too before admission.
+                        // Polled, not awaited on a completion channel: see
+                        // `rdma::RdmaKvSender::await_completion` for why.
                         let n_layers = crcs.len() as u32;
                         let until = Instant::now() + timeouts.transfer;
                         let landed = loop {

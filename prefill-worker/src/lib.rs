@@ -209,16 +209,7 @@ struct Service {
 impl Service {
     /// The decode worker's offer to use, and why (logged once per peer).
     fn choose(&self, offers: &[proto::grpc::KvOffer]) -> Result<(Offer, String), Status> {
-        let offers: Vec<Offer> = offers
-            .iter()
-            .filter_map(|o| {
-                Some(Offer {
-                    transport: Transport::parse(&o.transport)?,
-                    endpoint: o.endpoint.clone(),
-                    cert_der: o.cert_der.clone(),
-                })
-            })
-            .collect();
+        let offers: Vec<Offer> = offers.iter().filter_map(Offer::from_wire).collect();
         let (local, _) = kv_transfer::negotiate::local_transports();
         let (offer, why) = kv_transfer::negotiate::choose(
             &offers,

@@ -405,6 +405,14 @@ impl RdmaKvSender {
         Ok(())
     }
 
+    /// Waits for write `id`'s completion by polling the send CQ, yielding to the runtime between
+    /// polls. Why polling, not a completion channel: one layer's writes complete in
+    /// microseconds, and a channel (`ibv_req_notify_cq` + an event fd woken through the
+    /// runtime) would add a syscall and a wake-up per layer on the transfer's critical path;
+    /// the wait is bounded by `until`. The receiver's check of the immediates
+    /// (`wire::serve_stream`, `try_writes`) polls for the same reason: they are almost always
+    /// there when the `Written` frame arrives, since the sender sends it only after its own
+    /// completion.
     async fn await_completion(&mut self, id: u64, until: Instant) -> Result<(), TransferError> {
         let mut wcs = [ibverbs_sys::ibv_wc::default(); 16];
         let cq = self.qp.cq().clone();

@@ -1,0 +1,191 @@
+//! The forward on the CPU kernels ([`kernels::Backend`]): every token of the batch goes
+//! through each matrix multiplication together; attention is per token over its own sequence's
+//! cache. Every kernel computes a row the same way whatever else is in the batch, so a
+//! sequence's logits are bitwise identical however it is batched or chunked.
+
+use kernels::{Device, PagedKv, Query};
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::forward::{Forward, LayerSink};
+use crate::kv_cache::KvCache;
+use crate::model::{LayerWeights, SeqChunk, Weights};
+
+/// The CPU forward: the weights and the device whose kernels run them.
+pub struct CpuForward {
+    /// The model's weights.
+    pub weights: Weights,
+    /// The CPU device (its backend picks AVX2/AVX-512/portable kernels at run time).
+    pub device: Device,
+}
+
+/// Where each token of a batch sits: its position, its cache slot, its attention query.
+struct Rows<'a> {
+    positions: Vec<usize>,
+    slots: Vec<usize>,
+    queries: Vec<Query<'a>>,
+}
+
+fn rows<'a>(kv: &KvCache, batch: &[SeqChunk<'a>]) -> Rows<'a> {
+    let mut r = Rows {
+        positions: Vec::new(),
+        slots: Vec::new(),
+        queries: Vec::new(),
+    };
+    for s in batch {
+        for p in s.start_pos..s.start_pos + s.tokens.len() {
+            r.positions.push(p);
+            r.slots.push(kv.slot(s.block_table, p).expect("checked by Model::step"));
+            r.queries.push(Query {
+                pos: p,
+                block_table: s.block_table,
+            });
+        }
+    }
+    r
+}
+
+/// One step's activations, `t` tokens.
+struct Scratch {
+    h: Vec<f32>,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    att: Vec<f32>,
+    o: Vec<f32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(c: &ModelConfig, t: usize) -> Scratch {
+        let (qd, kvw) = (c.n_heads * c.head_dim, c.kv_width());
+        Scratch {
+            h: vec![0f32; t * c.dim],
+            q: vec![0f32; t * qd],
+            k: vec![0f32; t * kvw],
+            v: vec![0f32; t * kvw],
+            att: vec![0f32; t * qd],
+            o: vec![0f32; t * c.dim],
+            gate: vec![0f32; t * c.ffn_dim],
+            up: vec![0f32; t * c.ffn_dim],
+        }
+    }
+}
+
+impl CpuForward {
+    /// One transformer block over the batch's residual stream `x`: its K/V stored in `kv`
+    /// (then handed to `sink`) before its attention reads the cache.
+    #[allow(clippy::too_many_arguments)]
+    fn layer(
+        &self,
+        c: &ModelConfig,
+        l: usize,
+        w: &LayerWeights,
+        x: &mut [f32],
+        s: &mut Scratch,
+        r: &Rows<'_>,
+        kv: &mut KvCache,
+        sink: &mut Option<LayerSink<'_>>,
+    ) -> Result<()> {
+        let be = self.device.backend();
+        let (t, hd, kvw) = (r.positions.len(), c.head_dim, c.kv_width());
+        be.rms_norm(x, &w.attn_norm, c.rms_eps, &mut s.h);
+        be.matmul_many(&s.h, t, &mut [(&w.wq, &mut s.q), (&w.wk, &mut s.k), (&w.wv, &mut s.v)])?;
+        be.rope(&mut s.q, &r.positions, c.n_heads, hd, c.rope_base, c.rope_style);
+        be.rope(&mut s.k, &r.positions, c.n_kv_heads, hd, c.rope_base, c.rope_style);
+        let layer = kv.layer_mut(l);
+        be.store_kv(&mut layer.k, &mut layer.v, &r.slots, &s.k, &s.v, kvw);
+        if let Some(sink) = sink.as_deref_mut() {
+            sink(l, kv);
+        }
+        let layer = kv.layer(l);
+        let paged = PagedKv {
+            k: &layer.k,
+            v: &layer.v,
+            block_size: kv.block_size(),
+            n_kv_heads: c.n_kv_heads,
+            head_dim: hd,
+        };
+        let scale = 1.0 / (hd as f32).sqrt();
+        be.attention(&s.q, &r.queries, paged, c.n_heads, scale, &mut s.att);
+        be.matmul(&w.wo, &s.att, t, &mut s.o)?;
+        kernels::ops::add_assign(x, &s.o);
+        be.rms_norm(x, &w.ffn_norm, c.rms_eps, &mut s.h);
+        be.matmul_many(&s.h, t, &mut [(&w.w_gate, &mut s.gate), (&w.w_up, &mut s.up)])?;
+        be.silu_mul(&mut s.gate, &s.up);
+        be.matmul(&w.w_down, &s.gate, t, &mut s.o)?;
+        kernels::ops::add_assign(x, &s.o);
+        Ok(())
+    }
+
+    /// Logits for the last token of the chunks that want them.
+    fn logits(&self, c: &ModelConfig, x: &[f32], batch: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+        let (be, d) = (self.device.backend(), c.dim);
+        let mut rows = Vec::new();
+        let mut end = 0;
+        for s in batch {
+            end += s.tokens.len();
+            if s.logits && !s.tokens.is_empty() {
+                rows.extend_from_slice(&x[(end - 1) * d..end * d]);
+            }
+        }
+        let n = rows.len() / d;
+        let mut normed = vec![0f32; rows.len()];
+        be.rms_norm(&rows, &self.weights.norm, c.rms_eps, &mut normed);
+        let mut logits = vec![0f32; n * c.vocab_size];
+        be.matmul(&self.weights.output, &normed, n, &mut logits)?;
+        let mut it = logits.chunks(c.vocab_size);
+        Ok(batch
+            .iter()
+            .map(|s| {
+                (s.logits && !s.tokens.is_empty())
+                    .then(|| it.next().expect("one row per chunk").to_vec())
+            })
+            .collect())
+    }
+
+    fn run(
+        &self,
+        c: &ModelConfig,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        mut sink: Option<LayerSink<'_>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let r = rows(kv, batch);
+        let t = r.positions.len();
+        let mut x = vec![0f32; t * c.dim];
+        for (row, &tok) in x.chunks_mut(c.dim).zip(batch.iter().flat_map(|s| s.tokens)) {
+            self.weights.embed.dequantize_row(tok as usize, row);
+        }
+        let mut s = Scratch::new(c, t);
+        for (l, w) in self.weights.layers.iter().enumerate() {
+            self.layer(c, l, w, &mut x, &mut s, &r, kv, &mut sink)?;
+        }
+        self.logits(c, &x, batch)
+    }
+}
+
+impl Forward for CpuForward {
+    fn name(&self) -> String {
+        self.device.backend().name()
+    }
+
+    fn weights(&self) -> Option<&Weights> {
+        Some(&self.weights)
+    }
+
+    fn forward(
+        &self,
+        c: &ModelConfig,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        mut sink: Option<LayerSink<'_>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
+        let mut result = None;
+        self.device
+            .backend()
+            .run(&mut || result = Some(self.run(c, kv, batch, sink.take())));
+        result.expect("the backend ran the step")
+    }
+}

@@ -1,0 +1,44 @@
+//! One forward interface, three implementations chosen once when a model loads: the CPU
+//! kernels ([`crate::cpu::CpuForward`]), CUDA ([`crate::gpu::GpuForward`]) and the mock timing
+//! model ([`crate::mock::MockForward`]). The scheduler calls [`crate::Model::step`], which checks
+//! the batch and calls the one implementation; none of them knows the others exist.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::kv_cache::KvCache;
+use crate::model::{SeqChunk, Weights};
+
+/// Where a step's KV goes when it must leave the worker: called with each layer's index as
+/// soon as that layer's keys and values of the whole batch are in the host cache.
+pub type LayerSink<'a> = &'a mut (dyn FnMut(usize, &KvCache) + Send);
+
+/// A model's forward pass on one kind of device.
+pub trait Forward: Send + Sync {
+    /// The backend and device, for logs.
+    fn name(&self) -> String;
+
+    /// The weights, where this forward has them (the mock engine has none).
+    fn weights(&self) -> Option<&Weights> {
+        None
+    }
+
+    /// Prepares what a KV cache of this geometry needs beside the host cache (a GPU's device
+    /// pool).
+    fn prepare_kv(&self, _c: &ModelConfig, _block_size: usize, _num_blocks: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// Tokens `0..n` of `table` were written into `kv` on the host (KV from a prefill worker).
+    fn kv_written(&self, _c: &ModelConfig, _kv: &KvCache, _table: &[u32], _n: usize) -> Result<()> {
+        Ok(())
+    }
+
+    /// One step over a checked batch (see [`crate::Model::step`]).
+    fn forward(
+        &self,
+        c: &ModelConfig,
+        kv: &mut KvCache,
+        batch: &[SeqChunk<'_>],
+        sink: Option<LayerSink<'_>>,
+    ) -> Result<Vec<Option<Vec<f32>>>>;
+}
