@@ -12,7 +12,7 @@ use engine::EngineConfig;
 use proto::config::{ClusterConfig, PoolSection};
 use std::io::Write;
 
-use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 /// Arguments shared by the role commands.
@@ -259,25 +259,18 @@ pub fn decode(a: RoleArgs) -> Result<()> {
     Ok(())
 }
 
-/// A plain HTTP GET (enough for `/health`), returning the status code and body.
-async fn http_get(addr: SocketAddr, path: &str) -> Result<(u16, String)> {
-    let mut s = tokio::net::TcpStream::connect(addr).await?;
-    s.write_all(
-        format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
-    )
-    .await?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp).await?;
-    let code = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .ok_or_else(|| anyhow!("bad HTTP response"))?;
-    Ok((
-        code,
-        resp.split_once("\r\n\r\n")
-            .map_or(String::new(), |(_, b)| b.to_string()),
-    ))
+/// The router's `/health` answer, when it answers 200 within 2 s.
+async fn health(http: &reqwest::Client, addr: SocketAddr) -> Option<serde_json::Value> {
+    let r = http
+        .get(format!("http://{addr}/health"))
+        .timeout(Duration::from_secs(2))
+        .send()
+        .await
+        .ok()?;
+    if r.status() != reqwest::StatusCode::OK {
+        return None;
+    }
+    r.json().await.ok()
 }
 
 /// Starts `exe args` with this process' stderr; `ready` (a pipe's write end) becomes the
@@ -319,7 +312,10 @@ async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, St
     // SAFETY: pipe2 just created these descriptors; each is owned by one File from here on.
     let (read, write) = unsafe {
         use std::os::fd::FromRawFd;
-        (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1]))
+        (
+            std::fs::File::from_raw_fd(fds[0]),
+            std::fs::File::from_raw_fd(fds[1]),
+        )
     };
     let args = ["router", "--config", config, "--ready-fd", "3"];
     let router = spawn(exe, &args, Some(fds[1]))?;
@@ -334,7 +330,10 @@ async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, St
     }
     let v: serde_json::Value = serde_json::from_str(&line)
         .with_context(|| format!("the router's readiness line {line:?}"))?;
-    let http = v["http"].as_str().unwrap_or_default().parse::<SocketAddr>()?;
+    let http = v["http"]
+        .as_str()
+        .unwrap_or_default()
+        .parse::<SocketAddr>()?;
     let control = format!("http://{}", v["control"].as_str().unwrap_or_default());
     Ok((router, http, control))
 }
@@ -377,13 +376,13 @@ pub fn up(config: PathBuf) -> Result<()> {
         };
         let want_p = cfg.prefill.as_ref().map_or(0, want);
         let want_d = want(&cfg.decode);
+        let client = reqwest::Client::new();
         let t0 = Instant::now();
         let result = loop {
             if let Some((name, status)) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
                 break Err(anyhow!("{name} exited ({status}) before the cluster was up"));
             }
-            if let Ok((200, body)) = http_get(http, "/health").await {
-                let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+            if let Some(v) = health(&client, http).await {
                 if v["prefill_workers"].as_u64() == Some(want_p) && v["decode_workers"].as_u64() == Some(want_d) {
                     break Ok(());
                 }

@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// Arguments of `tandem bench load`.
 #[derive(Args, Debug)]
@@ -150,30 +149,60 @@ fn plan(a: &LoadArgs) -> Result<Vec<Planned>> {
     Ok(out)
 }
 
-async fn one(addr: SocketAddr, model: &str, p: &Planned, sent: Instant) -> Outcome {
+/// The lines of a streamed body, as they arrive.
+struct Lines<S> {
+    body: S,
+    buf: Vec<u8>,
+}
+
+impl<S: futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin> Lines<S> {
+    async fn next(&mut self) -> Result<Option<String>> {
+        use futures::StreamExt;
+        loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=i).collect();
+                let line = String::from_utf8_lossy(&line);
+                return Ok(Some(line.trim_end_matches(['\r', '\n']).to_string()));
+            }
+            match self.body.next().await {
+                Some(chunk) => self.buf.extend_from_slice(&chunk?),
+                None if self.buf.is_empty() => return Ok(None),
+                None => {
+                    return Ok(Some(
+                        String::from_utf8_lossy(&std::mem::take(&mut self.buf)).into(),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+async fn one(
+    http: &reqwest::Client,
+    addr: SocketAddr,
+    model: &str,
+    p: &Planned,
+    sent: Instant,
+) -> Outcome {
     let mut o = Outcome::default();
     let body = serde_json::json!({"model": model, "prompt": p.prompt, "max_tokens": p.output, "ignore_eos": true,
-                                  "temperature": 0, "stream": true})
-    .to_string();
+                                  "temperature": 0, "stream": true});
     let run = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        s.write_all(format!("POST /v1/completions HTTP/1.0\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).as_bytes()).await?;
-        let mut lines = BufReader::new(s).lines();
-        let status = lines.next_line().await?.unwrap_or_default();
-        if !status.contains(" 200 ") {
-            let mut rest = String::new();
-            while let Some(l) = lines.next_line().await? {
-                rest += &l;
-            }
-            return Err(anyhow!("{status} {rest}"));
+        let url = format!("http://{addr}/v1/completions");
+        let r = http.post(url).json(&body).send().await?;
+        let status = r.status();
+        if status != reqwest::StatusCode::OK {
+            return Err(anyhow!("{status} {}", r.text().await.unwrap_or_default()));
         }
+        let mut lines = Lines {
+            body: Box::pin(r.bytes_stream()),
+            buf: Vec::new(),
+        };
         let mut last = None::<Instant>;
-        while let Some(l) = lines.next_line().await? {
+        while let Some(l) = lines.next().await? {
             if l.starts_with("event: error") {
-                return Err(anyhow!(
-                    "error event: {}",
-                    lines.next_line().await?.unwrap_or_default()
-                ));
+                let data = lines.next().await?.unwrap_or_default();
+                return Err(anyhow!("error event: {data}"));
             }
             let Some(data) = l.strip_prefix("data: ") else {
                 continue;
@@ -234,11 +263,12 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let (outcomes, elapsed) = rt.block_on(async {
         let t0 = Instant::now();
         let mut tasks = Vec::new();
+        let http = reqwest::Client::new();
         for p in planned {
-            let model = a.model.clone();
+            let (model, http) = (a.model.clone(), http.clone());
             tasks.push(tokio::spawn(async move {
                 tokio::time::sleep_until((t0 + p.at).into()).await;
-                one(addr, &model, &p, Instant::now()).await
+                one(&http, addr, &model, &p, Instant::now()).await
             }));
         }
         let mut out = Vec::new();

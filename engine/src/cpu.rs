@@ -35,7 +35,8 @@ fn rows<'a>(kv: &KvCache, batch: &[SeqChunk<'a>]) -> Rows<'a> {
     for s in batch {
         for p in s.start_pos..s.start_pos + s.tokens.len() {
             r.positions.push(p);
-            r.slots.push(kv.slot(s.block_table, p).expect("checked by Model::step"));
+            r.slots
+                .push(kv.slot(s.block_table, p).expect("checked by Model::step"));
             r.queries.push(Query {
                 pos: p,
                 block_table: s.block_table,
@@ -91,9 +92,27 @@ impl CpuForward {
         let be = self.device.backend();
         let (t, hd, kvw) = (r.positions.len(), c.head_dim, c.kv_width());
         be.rms_norm(x, &w.attn_norm, c.rms_eps, &mut s.h);
-        be.matmul_many(&s.h, t, &mut [(&w.wq, &mut s.q), (&w.wk, &mut s.k), (&w.wv, &mut s.v)])?;
-        be.rope(&mut s.q, &r.positions, c.n_heads, hd, c.rope_base, c.rope_style);
-        be.rope(&mut s.k, &r.positions, c.n_kv_heads, hd, c.rope_base, c.rope_style);
+        be.matmul_many(
+            &s.h,
+            t,
+            &mut [(&w.wq, &mut s.q), (&w.wk, &mut s.k), (&w.wv, &mut s.v)],
+        )?;
+        be.rope(
+            &mut s.q,
+            &r.positions,
+            c.n_heads,
+            hd,
+            c.rope_base,
+            c.rope_style,
+        );
+        be.rope(
+            &mut s.k,
+            &r.positions,
+            c.n_kv_heads,
+            hd,
+            c.rope_base,
+            c.rope_style,
+        );
         let layer = kv.layer_mut(l);
         be.store_kv(&mut layer.k, &mut layer.v, &r.slots, &s.k, &s.v, kvw);
         if let Some(sink) = sink.as_deref_mut() {
@@ -112,7 +131,11 @@ impl CpuForward {
         be.matmul(&w.wo, &s.att, t, &mut s.o)?;
         kernels::ops::add_assign(x, &s.o);
         be.rms_norm(x, &w.ffn_norm, c.rms_eps, &mut s.h);
-        be.matmul_many(&s.h, t, &mut [(&w.w_gate, &mut s.gate), (&w.w_up, &mut s.up)])?;
+        be.matmul_many(
+            &s.h,
+            t,
+            &mut [(&w.w_gate, &mut s.gate), (&w.w_up, &mut s.up)],
+        )?;
         be.silu_mul(&mut s.gate, &s.up);
         be.matmul(&w.w_down, &s.gate, t, &mut s.o)?;
         kernels::ops::add_assign(x, &s.o);
@@ -120,7 +143,12 @@ impl CpuForward {
     }
 
     /// Logits for the last token of the chunks that want them.
-    fn logits(&self, c: &ModelConfig, x: &[f32], batch: &[SeqChunk<'_>]) -> Result<Vec<Option<Vec<f32>>>> {
+    fn logits(
+        &self,
+        c: &ModelConfig,
+        x: &[f32],
+        batch: &[SeqChunk<'_>],
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let (be, d) = (self.device.backend(), c.dim);
         let mut rows = Vec::new();
         let mut end = 0;

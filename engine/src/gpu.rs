@@ -231,13 +231,7 @@ impl GpuForward {
 
     /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
     /// on the host).
-    fn upload(
-        &self,
-        kv: &KvCache,
-        n_layers: usize,
-        table: &[u32],
-        n: usize,
-    ) -> Result<()> {
+    fn upload(&self, kv: &KvCache, n_layers: usize, table: &[u32], n: usize) -> Result<()> {
         let mut g = self.pool.lock().expect("gpu lock");
         let Some(g) = g.as_mut() else { return Ok(()) };
         let mut bytes = Vec::new();

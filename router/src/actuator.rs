@@ -123,31 +123,36 @@ impl Local {
         }
     }
 
-    async fn step(&mut self, pool: Pool, desired: u32, registry: &Arc<Registry>) -> Starting {
-        let workers = registry.workers();
-        // Processes that ended: drained ones are done; others crashed and will be replaced.
+    /// Forgets this router's processes of `pool` that ended: drained ones are done; others
+    /// crashed and will be replaced.
+    fn reap(&mut self, pool: Pool, registry: &Registry) {
         let mut i = 0;
         while i < self.owned.len() {
             let o = &mut self.owned[i];
-            if o.pool == pool {
-                if let Ok(Some(status)) = o.process.try_wait() {
-                    let o = self.owned.swap_remove(i);
-                    match o.phase {
-                        Phase::Draining(id, _) => registry.remove(id),
-                        Phase::Serving(id) => {
-                            tracing::warn!(name = %o.name, "planner: {} exited ({status}); it will be replaced", o.name);
-                            eprintln!("tandem router: {} exited ({status}); replacing it", o.name);
-                            registry.remove(id);
-                        }
-                        Phase::Starting => {
-                            tracing::warn!(name = %o.name, "planner: {} exited before joining ({status})", o.name)
-                        }
-                    }
+            let status = match o.process.try_wait() {
+                Ok(Some(status)) if o.pool == pool => status,
+                _ => {
+                    i += 1;
                     continue;
                 }
+            };
+            let o = self.owned.swap_remove(i);
+            match o.phase {
+                Phase::Draining(id, _) => registry.remove(id),
+                Phase::Serving(id) => {
+                    tracing::warn!(name = %o.name, "planner: {} exited ({status}); it will be replaced", o.name);
+                    eprintln!("tandem router: {} exited ({status}); replacing it", o.name);
+                    registry.remove(id);
+                }
+                Phase::Starting => {
+                    tracing::warn!(name = %o.name, "planner: {} exited before joining ({status})", o.name)
+                }
             }
-            i += 1;
         }
+    }
+
+    /// Starting processes that joined now serve; drained ones with nothing in flight stop.
+    fn advance(&mut self, pool: Pool, workers: &[crate::registry::Worker]) {
         for o in self.owned.iter_mut().filter(|o| o.pool == pool) {
             if let Phase::Starting = o.phase {
                 if let Some(w) = workers.iter().find(|w| w.name == o.name) {
@@ -166,6 +171,12 @@ impl Local {
                 }
             }
         }
+    }
+
+    async fn step(&mut self, pool: Pool, desired: u32, registry: &Arc<Registry>) -> Starting {
+        self.reap(pool, registry);
+        let workers = registry.workers();
+        self.advance(pool, &workers);
         let live = workers
             .iter()
             .filter(|w| w.pool == pool && !w.draining)

@@ -277,8 +277,86 @@ impl PoolPlan {
     }
 }
 
-/// Runs the planner for `plans` forever, one decision per pool per tick, handing each desired
-/// count to `actuator`.
+/// One tick's inputs of `pool` with `live` replicas (`starting` more on their way), read from
+/// the router's signals and the workers' heartbeats — each pool from its own signals only.
+fn inputs(
+    pool: Pool,
+    signals: &Signals,
+    workers: &[crate::registry::Worker],
+    live: u32,
+    starting: u32,
+    now: Instant,
+) -> Inputs {
+    let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
+    match pool {
+        Pool::Prefill => {
+            // The queue's prediction: prompt tokens not yet prefilled over what the live
+            // replicas measure they compute per second of engine time.
+            let pending = signals.prefill_pending_tokens.load(Ordering::SeqCst);
+            let capacity: f64 = workers
+                .iter()
+                .filter(|w| w.pool == Pool::Prefill && !w.draining)
+                .map(|w| w.load.prompt_tokens_per_s as f64)
+                .sum();
+            let predicted = (capacity > 0.0 && pending > 0)
+                .then(|| Duration::from_secs_f64(pending as f64 / capacity));
+            Inputs {
+                live,
+                starting,
+                p90: p90(&signals.prefill_ttft),
+                predicted,
+                queued: pending,
+            }
+        }
+        Pool::Decode => {
+            let waiting = signals.decode_waiting.load(Ordering::SeqCst) as u64;
+            Inputs {
+                live,
+                starting,
+                p90: p90(&signals.itl),
+                // Requests queued for room now will have waited at least this long.
+                predicted: p90(&signals.admission).filter(|_| waiting > 0),
+                queued: waiting,
+            }
+        }
+    }
+}
+
+/// Exports a tick's decision for `pool` and its inputs, and says it when it is not a hold.
+fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
+    let name = pool.name();
+    let n = inputs.live;
+    metrics::gauge!("tandem_planner_desired_replicas", "pool" => name).set(d.desired as f64);
+    metrics::gauge!("tandem_planner_live_replicas", "pool" => name).set(n as f64);
+    // Worker-seconds spent, for cost comparisons (live replicas integrated over ticks).
+    metrics::gauge!("tandem_planner_replica_seconds", "pool" => name)
+        .increment(n as f64 * tick.as_secs_f64());
+    metrics::gauge!("tandem_planner_p90_seconds", "pool" => name)
+        .set(inputs.p90.map_or(0.0, |d| d.as_secs_f64()));
+    metrics::gauge!("tandem_planner_predicted_seconds", "pool" => name)
+        .set(inputs.predicted.map_or(0.0, |d| d.as_secs_f64()));
+    metrics::gauge!("tandem_planner_queued", "pool" => name).set(inputs.queued as f64);
+    metrics::counter!("tandem_planner_decisions_total", "pool" => name, "action" => d.action)
+        .increment(1);
+    if d.action == "hold" {
+        tracing::debug!(pool = name, desired = d.desired, "planner: hold: {}", d.why);
+        return;
+    }
+    tracing::info!(
+        pool = name,
+        desired = d.desired,
+        action = d.action,
+        "planner: {}",
+        d.why
+    );
+    eprintln!(
+        "tandem router: planner {name} {} to {}: {}",
+        d.action, d.desired, d.why
+    );
+}
+
+/// Runs the planner: every tick, each pool's decision from its own inputs, exported and handed
+/// to the actuator.
 pub async fn run(
     state: Arc<crate::State>,
     mut plans: Vec<PoolPlan>,
@@ -289,103 +367,26 @@ pub async fn run(
         .map(|p| p.scaling.tick)
         .min()
         .unwrap_or(Duration::from_secs(1));
-    let signals = state.signals.clone();
     let registry = state.registry.clone();
-    let mut starting: std::collections::HashMap<&'static str, u32> = Default::default();
+    let mut starting: std::collections::HashMap<Pool, u32> = Default::default();
+    let mut ticks = tokio::time::interval(tick);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
+        ticks.tick().await;
         let now = Instant::now();
         let workers = registry.workers();
-        let live = |pool: Pool| {
-            workers
-                .iter()
-                .filter(|w| w.pool == pool && !w.draining)
-                .count() as u32
-        };
         for plan in &mut plans {
             let pool = plan.scaling.pool;
-            let n = live(pool);
-            let inputs = match pool {
-                Pool::Prefill => {
-                    // The queue's prediction: prompt tokens not yet prefilled over what the live
-                    // replicas measure they compute per second of engine time.
-                    let pending = signals.prefill_pending_tokens.load(Ordering::SeqCst);
-                    let capacity: f64 = workers
-                        .iter()
-                        .filter(|w| w.pool == Pool::Prefill && !w.draining)
-                        .map(|w| w.load.prompt_tokens_per_s as f64)
-                        .sum();
-                    let predicted = (capacity > 0.0 && pending > 0)
-                        .then(|| Duration::from_secs_f64(pending as f64 / capacity));
-                    Inputs {
-                        live: n,
-                        starting: starting.get(pool.name()).copied().unwrap_or(0),
-                        p90: signals
-                            .prefill_ttft
-                            .lock()
-                            .expect("window lock")
-                            .quantile(now, 0.9)
-                            .0,
-                        predicted,
-                        queued: pending,
-                    }
-                }
-                Pool::Decode => {
-                    let waiting = signals.decode_waiting.load(Ordering::SeqCst) as u64;
-                    let admission = signals
-                        .admission
-                        .lock()
-                        .expect("window lock")
-                        .quantile(now, 0.9)
-                        .0;
-                    Inputs {
-                        live: n,
-                        starting: starting.get(pool.name()).copied().unwrap_or(0),
-                        p90: signals
-                            .itl
-                            .lock()
-                            .expect("window lock")
-                            .quantile(now, 0.9)
-                            .0,
-                        // Requests queued for room now will have waited at least this long.
-                        predicted: admission.filter(|_| waiting > 0),
-                        queued: waiting,
-                    }
-                }
-            };
+            let live = workers
+                .iter()
+                .filter(|w| w.pool == pool && !w.draining)
+                .count() as u32;
+            let on_way = starting.get(&pool).copied().unwrap_or(0);
+            let inputs = inputs(pool, &state.signals, &workers, live, on_way, now);
             let d = plan.decide(now, inputs);
-            let name = pool.name();
-            metrics::gauge!("tandem_planner_desired_replicas", "pool" => name)
-                .set(d.desired as f64);
-            metrics::gauge!("tandem_planner_live_replicas", "pool" => name).set(n as f64);
-            // Worker-seconds spent, for cost comparisons (live replicas integrated over ticks).
-            metrics::gauge!("tandem_planner_replica_seconds", "pool" => name)
-                .increment(n as f64 * tick.as_secs_f64());
-            metrics::gauge!("tandem_planner_p90_seconds", "pool" => name)
-                .set(inputs.p90.map_or(0.0, |d| d.as_secs_f64()));
-            metrics::gauge!("tandem_planner_predicted_seconds", "pool" => name)
-                .set(inputs.predicted.map_or(0.0, |d| d.as_secs_f64()));
-            metrics::gauge!("tandem_planner_queued", "pool" => name).set(inputs.queued as f64);
-            metrics::counter!("tandem_planner_decisions_total", "pool" => name, "action" => d.action)
-                .increment(1);
-            if d.action == "hold" {
-                tracing::debug!(pool = name, desired = d.desired, "planner: hold: {}", d.why);
-            } else {
-                tracing::info!(
-                    pool = name,
-                    desired = d.desired,
-                    action = d.action,
-                    "planner: {}",
-                    d.why
-                );
-                eprintln!(
-                    "tandem router: planner {name} {} to {}: {}",
-                    d.action, d.desired, d.why
-                );
-            }
-            let s = actuator.reconcile(pool, d.desired, &registry).await;
-            starting.insert(name, s);
+            report(pool, &inputs, &d, tick);
+            starting.insert(pool, actuator.reconcile(pool, d.desired, &registry).await);
         }
-        tokio::time::sleep(tick).await;
     }
 }
 

@@ -60,6 +60,11 @@ impl Worker {
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::SeqCst)
     }
+
+    /// When its last heartbeat (or its join) arrived.
+    pub fn last_beat(&self) -> Instant {
+        self.last_beat
+    }
 }
 
 /// Counts a request against a worker's load while alive. (Its end wakes nobody: room on a

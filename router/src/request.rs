@@ -15,6 +15,7 @@
 //! bad request is the client's 400. When the client goes away, or the request is recomputed,
 //! the workers are told to release it (`Worker.Cancel`), besides the dropped calls.
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -181,15 +182,23 @@ impl Request {
         &self.decode.as_ref().expect("reserved on a decode worker").0
     }
 
-    /// Reserving: the least-loaded decode worker that accepts; refusals for room exclude a
-    /// worker until the registry changes, broken workers are dropped.
+    /// Reserving: the least-loaded decode worker that accepts. A worker that refused for room
+    /// is asked again only once it has sent a heartbeat since (news of its load); one that is
+    /// unreachable is dropped from the registry. With nobody to ask, the request waits for the
+    /// registry to change, up to the admission deadline.
     async fn reserve(&mut self) -> Phase {
         let deadline = tokio::time::Instant::from_std(self.arrived + self.state.admission_wait);
         let mut changes = self.state.registry.subscribe();
-        let mut full = Vec::new();
+        let mut refused: HashMap<u64, Instant> = HashMap::new();
         let mut waiting = None;
         loop {
-            if let Some((w, guard)) = self.state.registry.pick(Pool::Decode, &full) {
+            let workers = self.state.registry.workers();
+            let stale: Vec<u64> = workers
+                .iter()
+                .filter(|w| refused.get(&w.id).is_some_and(|&at| w.last_beat() <= at))
+                .map(|w| w.id)
+                .collect();
+            if let Some((w, guard)) = self.state.registry.pick(Pool::Decode, &stale) {
                 match self.open(&w).await {
                     Ok(stream) => return self.reserved(w, guard, stream),
                     Err(s) => match Cause::of(&s) {
@@ -200,14 +209,14 @@ impl Request {
                             tracing::warn!(worker = w.id, "decode worker failed: {s}");
                             self.state.registry.remove(w.id);
                         }
-                        Cause::Full | Cause::Draining | Cause::KvTransfer => full.push(w.id),
+                        Cause::Full | Cause::Draining | Cause::KvTransfer => {
+                            refused.insert(w.id, Instant::now());
+                        }
                     },
                 }
                 continue;
             }
-            // Nobody can take it now: wait for the registry to change (or the deadline).
             waiting.get_or_insert_with(|| WaitingForRoom::new(&self.state.signals));
-            full.clear();
             tokio::select! {
                 _ = self.tx.closed() => return Phase::Gone,
                 r = tokio::time::timeout_at(deadline, changes.changed()) => {

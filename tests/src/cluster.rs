@@ -1,9 +1,9 @@
 //! A real cluster for tests: the `tandem` binary started as router and worker processes on
-//! loopback ports chosen by the OS, and a minimal HTTP/1.0 client (responses end at EOF, so a
-//! server-sent event stream can be read line by line and dropped mid-way).
+//! loopback ports chosen by the OS, and HTTP through reqwest's blocking client (a server-sent
+//! event stream can be read event by event and dropped mid-way).
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::io::{BufRead, BufReader, Read};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -322,9 +322,9 @@ fn unique() -> u64 {
 pub struct Response {
     /// Status code.
     pub status: u16,
-    /// Header lines.
+    /// Header lines (`name: value`).
     pub headers: Vec<String>,
-    reader: BufReader<TcpStream>,
+    reader: BufReader<reqwest::blocking::Response>,
 }
 
 impl Response {
@@ -359,6 +359,18 @@ impl Response {
     }
 }
 
+/// The tests' HTTP client: one connection pool, generous deadlines (a stream may run long).
+fn client() -> &'static reqwest::blocking::Client {
+    static CLIENT: std::sync::OnceLock<reqwest::blocking::Client> = std::sync::OnceLock::new();
+    CLIENT.get_or_init(|| {
+        reqwest::blocking::Client::builder()
+            .connect_timeout(Duration::from_secs(10))
+            .timeout(Duration::from_secs(300))
+            .build()
+            .expect("an HTTP client")
+    })
+}
+
 /// Sends a request; returns once the status line and headers are read.
 pub fn request(
     addr: SocketAddr,
@@ -367,31 +379,22 @@ pub fn request(
     content_type: &str,
     body: &str,
 ) -> std::io::Result<Response> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(120)))?;
-    write!(s, "{method} {path} HTTP/1.0\r\nHost: {addr}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\n\r\n{body}", body.len())?;
-    let mut reader = BufReader::new(s);
-    let mut status_line = String::new();
-    reader.read_line(&mut status_line)?;
-    let status = status_line
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(0);
-    let mut headers = Vec::new();
-    loop {
-        let mut h = String::new();
-        reader.read_line(&mut h)?;
-        let h = h.trim_end().to_string();
-        if h.is_empty() {
-            break;
-        }
-        headers.push(h);
-    }
+    let method = reqwest::Method::from_bytes(method.as_bytes()).map_err(std::io::Error::other)?;
+    let r = client()
+        .request(method, format!("http://{addr}{path}"))
+        .header("content-type", content_type)
+        .body(body.to_string())
+        .send()
+        .map_err(std::io::Error::other)?;
+    let headers = r
+        .headers()
+        .iter()
+        .map(|(k, v)| format!("{k}: {}", v.to_str().unwrap_or_default()))
+        .collect();
     Ok(Response {
-        status,
+        status: r.status().as_u16(),
         headers,
-        reader,
+        reader: BufReader::new(r),
     })
 }
 

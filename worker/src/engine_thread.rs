@@ -149,3 +149,112 @@ fn run<R: Role>(mut role: R, rx: mpsc::Receiver<Command<R::Cmd>>, load: Arc<Mute
         *load.lock().expect("load lock") = role.load();
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc as std_mpsc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// A role that records what the thread asks of it (a test double, named as one): work
+    /// is a count of steps still to run; a lease expires at `deadline`.
+    struct MockRole {
+        work: usize,
+        deadline: Option<Instant>,
+        held: Vec<u64>,
+        seen: std_mpsc::Sender<String>,
+    }
+
+    impl Role for MockRole {
+        type Cmd = (u64, usize);
+        fn has_work(&self) -> bool {
+            self.work > 0
+        }
+        fn command(&mut self, (id, steps): (u64, usize), draining: bool) {
+            if !draining {
+                self.held.push(id);
+                self.work += steps;
+            }
+            let _ = self.seen.send(format!("cmd {id} draining={draining}"));
+        }
+        fn release(&mut self, id: u64) -> bool {
+            let held = self.held.contains(&id);
+            self.held.retain(|&h| h != id);
+            held
+        }
+        fn step(&mut self) {
+            self.work -= 1;
+            let _ = self.seen.send(format!("step, {} left", self.work));
+        }
+        fn deadline(&self) -> Option<Instant> {
+            self.deadline
+        }
+        fn expire(&mut self, now: Instant) {
+            if self.deadline.is_some_and(|d| d <= now) {
+                self.deadline = None;
+                let _ = self.seen.send("expired".into());
+            }
+        }
+        fn load(&self) -> WorkerLoad {
+            WorkerLoad {
+                running: self.held.len() as u32,
+                ..Default::default()
+            }
+        }
+    }
+
+    fn start(
+        deadline: Option<Instant>,
+    ) -> (EngineHandle<(u64, usize)>, std_mpsc::Receiver<String>) {
+        let (seen, rx) = std_mpsc::channel();
+        let role = MockRole {
+            work: 0,
+            deadline,
+            held: Vec::new(),
+            seen,
+        };
+        (spawn("test-engine", role), rx)
+    }
+
+    fn next(rx: &std_mpsc::Receiver<String>) -> String {
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("the thread acts")
+    }
+
+    #[tokio::test]
+    async fn commands_step_until_idle_release_answers_and_drain_admits_nothing() {
+        let (h, rx) = start(None);
+        h.send((7, 2)).unwrap();
+        assert_eq!(next(&rx), "cmd 7 draining=false");
+        assert_eq!(next(&rx), "step, 1 left");
+        assert_eq!(next(&rx), "step, 0 left");
+        assert!(h.cancel(7).await.unwrap(), "held, now released");
+        assert!(!h.cancel(7).await.unwrap(), "released once");
+        h.drain().unwrap();
+        h.send((8, 1)).unwrap();
+        assert_eq!(next(&rx), "cmd 8 draining=true");
+        assert_eq!(h.load().running, 0);
+        assert!(
+            rx.recv_timeout(Duration::from_millis(100)).is_err(),
+            "idle: no step"
+        );
+    }
+
+    #[test]
+    fn an_idle_thread_wakes_for_the_roles_deadline_without_a_command() {
+        let (_h, rx) = start(Some(Instant::now() + Duration::from_millis(50)));
+        assert_eq!(next(&rx), "expired");
+    }
+
+    #[test]
+    fn the_thread_ends_when_every_handle_is_gone() {
+        let (h, rx) = start(None);
+        drop(h);
+        // The role (and its sender) is dropped with the thread.
+        assert!(matches!(
+            rx.recv_timeout(Duration::from_secs(5)),
+            Err(std_mpsc::RecvTimeoutError::Disconnected)
+        ));
+    }
+}
