@@ -189,9 +189,12 @@ impl worker::Role for Decoder {
                 .streams
                 .get(&ev.id)
                 .is_some_and(|tx| tx.send(Ok(token_event(ev.token, ev.finish))).is_ok());
-            if ev.finish.is_some() || !sent {
-                // Finished (the engine freed it) or its caller is gone (free it now).
+            if !sent {
+                // Its caller is gone: free it now.
                 self.end(ev.id, Release::Cancelled, None);
+            } else if ev.finish.is_some() {
+                // Finished: the engine freed its blocks and ledger entry in the step.
+                self.streams.remove(&ev.id);
             }
         }
     }

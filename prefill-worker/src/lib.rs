@@ -76,8 +76,6 @@ struct Prefiller {
     /// Prompt tokens per second of engine time (moving average), reported as capacity.
     capacity: f64,
     layerwise: bool,
-    /// Requests between admission and the decode worker's ack (kept by the service).
-    transfers: Arc<AtomicUsize>,
 }
 
 impl Prefiller {
@@ -167,7 +165,6 @@ impl worker::Role for Prefiller {
     fn load(&self) -> WorkerLoad {
         let l = WorkerLoad {
             prompt_tokens_per_s: self.capacity as f32,
-            transfers_in_flight: self.transfers.load(Ordering::SeqCst) as u32,
             ..self.engine.load()
         };
         metrics::gauge!("tandem_prefill_queue_depth").set(l.waiting as f64);
@@ -341,15 +338,17 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let loaded = worker::load(&cfg.worker).await?;
     let model = loaded.model.clone();
     let engine = Engine::new(model.clone(), cfg.worker.engine.clone(), Vec::new())?;
-    let transfers = Arc::new(AtomicUsize::new(0));
     let role = Prefiller {
         engine,
         outs: HashMap::new(),
         capacity: 0.0,
         layerwise: cfg.layerwise,
-        transfers: transfers.clone(),
     };
-    let handle = worker::engine_thread::spawn("prefill-engine", role);
+    // Requests between admission and the decode worker's ack, counted by the service.
+    let transfers = Arc::new(AtomicUsize::new(0));
+    let counted = transfers.clone();
+    let handle = worker::engine_thread::spawn("prefill-engine", role)
+        .with_live(move |l| l.transfers_in_flight = counted.load(Ordering::SeqCst) as u32);
     let service = Service {
         engine: handle.clone(),
         local: kv_transfer::Local {

@@ -44,10 +44,14 @@ enum Command<C> {
     Drain,
 }
 
+/// Figures a worker keeps outside its engine thread, filled into each load it reports.
+type Live = Arc<dyn Fn(&mut WorkerLoad) + Send + Sync>;
+
 /// The way into an engine thread, shared by the gRPC services of its worker.
 pub struct EngineHandle<C> {
     tx: mpsc::Sender<Command<C>>,
     load: Arc<Mutex<WorkerLoad>>,
+    live: Option<Live>,
 }
 
 impl<C> Clone for EngineHandle<C> {
@@ -55,6 +59,7 @@ impl<C> Clone for EngineHandle<C> {
         EngineHandle {
             tx: self.tx.clone(),
             load: self.load.clone(),
+            live: self.live.clone(),
         }
     }
 }
@@ -89,9 +94,21 @@ impl<C: Send + 'static> EngineHandle<C> {
         self.tx.send(Command::Drain).map_err(|_| stopped())
     }
 
-    /// The load after the engine's last step or command.
+    /// The load after the engine's last step or command, with the live figures kept outside
+    /// the engine thread read now.
     pub fn load(&self) -> WorkerLoad {
-        self.load.lock().expect("load lock").clone()
+        let mut l = self.load.lock().expect("load lock").clone();
+        if let Some(live) = &self.live {
+            live(&mut l);
+        }
+        l
+    }
+
+    /// This handle, filling figures kept outside the engine thread (e.g. a prefill worker's
+    /// transfers in flight) into every load it reports.
+    pub fn with_live(mut self, live: impl Fn(&mut WorkerLoad) + Send + Sync + 'static) -> Self {
+        self.live = Some(Arc::new(live));
+        self
     }
 }
 
@@ -104,7 +121,11 @@ pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
         .name(name.into())
         .spawn(move || run(role, rx, l))
         .expect("engine thread starts");
-    EngineHandle { tx, load }
+    EngineHandle {
+        tx,
+        load,
+        live: None,
+    }
 }
 
 /// The next command: at once when the role has work, else blocking until one comes or the
