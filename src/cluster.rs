@@ -95,6 +95,7 @@ fn worker_settings(
             num_blocks: *pool.kv_blocks.get_ref() as usize,
             max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
             max_running: *pool.max_running.get_ref() as usize,
+            prefix_cache: pool.prefix_cache,
             // A backstop for blocks reserved for KV that never comes, even if the router is
             // gone too (the router cancels abandoned requests itself).
             kv_lease: Some(

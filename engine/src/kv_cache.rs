@@ -10,6 +10,7 @@ use std::sync::Arc;
 use half::f16;
 
 use crate::error::{EngineError, Result};
+use crate::prefix::{BlockPool, PoolCounts};
 
 /// The blocks one sequence holds, in token order: token `j` lives in `blocks[j / block_size]`.
 #[derive(Debug, Default)]
@@ -73,13 +74,13 @@ pub struct LayerKv {
     pub v: PoolBuf,
 }
 
-/// The KV cache of all layers plus its block allocator.
+/// The KV cache of all layers plus its block pool (with the prefix cache, see
+/// [`crate::prefix`]).
 pub struct KvCache {
     block_size: usize,
     width: usize,
     layers: Vec<LayerKv>,
-    free: Vec<u32>,
-    in_use: Vec<bool>,
+    pool: BlockPool,
 }
 
 impl KvCache {
@@ -107,9 +108,7 @@ impl KvCache {
             block_size,
             width,
             layers,
-            // Pop from the end: hand out low ids first.
-            free: (0..num_blocks as u32).rev().collect(),
-            in_use: vec![false; num_blocks],
+            pool: BlockPool::new(num_blocks),
         })
     }
 
@@ -123,11 +122,15 @@ impl KvCache {
     }
     /// Blocks in the pool.
     pub fn total_blocks(&self) -> usize {
-        self.in_use.len()
+        self.pool.total()
     }
-    /// Blocks not held by any table.
+    /// Blocks not held by any table: free, or cached and evictable.
     pub fn free_blocks(&self) -> usize {
-        self.free.len()
+        self.pool.available()
+    }
+    /// Blocks by state (held, cached and unreferenced, free).
+    pub fn block_counts(&self) -> PoolCounts {
+        self.pool.counts()
     }
     /// Blocks needed to hold `tokens` tokens.
     pub fn blocks_for(&self, tokens: usize) -> usize {
@@ -145,28 +148,65 @@ impl KvCache {
     /// Grows `table` to cover `tokens` tokens. All or nothing: on failure the table is unchanged.
     pub fn reserve(&mut self, table: &mut BlockTable, tokens: usize) -> Result<()> {
         let need = self.blocks_for(tokens).saturating_sub(table.blocks.len());
-        if need > self.free.len() {
+        if need > self.pool.available() {
             return Err(EngineError::OutOfBlocks(format!(
                 "{need} more blocks needed for {tokens} tokens, {} free of {}",
-                self.free.len(),
+                self.pool.available(),
                 self.total_blocks()
             )));
         }
         for _ in 0..need {
-            let b = self.free.pop().expect("counted above");
-            debug_assert!(!self.in_use[b as usize]);
-            self.in_use[b as usize] = true;
-            table.blocks.push(b);
+            table.blocks.push(self.pool.alloc().expect("counted above"));
         }
         Ok(())
     }
 
-    /// Returns every block of `table` to the pool.
+    /// Returns every block of `table` to the pool (a block holding a known prefix stays cached
+    /// until its space is needed).
     pub fn release(&mut self, table: BlockTable) {
         for b in table.blocks {
-            assert!(self.in_use[b as usize], "KV block {b} freed twice");
-            self.in_use[b as usize] = false;
-            self.free.push(b);
+            self.pool.release(b);
+        }
+    }
+
+    /// Starts an empty `table` with the cached blocks holding the longest prefix of `tokens`
+    /// in whole blocks (shared, not copied); returns how many tokens they cover and the last
+    /// block's hash (where registration continues).
+    pub fn share_prefix(
+        &mut self,
+        seed: u64,
+        table: &mut BlockTable,
+        tokens: &[u32],
+    ) -> (usize, u64) {
+        debug_assert!(table.blocks.is_empty());
+        let (found, last) = self.pool.lookup(seed, self.block_size, tokens);
+        for &b in &found {
+            self.pool.retain(b);
+        }
+        table.blocks = found;
+        (table.blocks.len() * self.block_size, last)
+    }
+
+    /// Registers the blocks of `table` that `computed` tokens of `tokens` fill, from block
+    /// `chain.0` on, whose parent hash is `chain.1`; advances `chain`.
+    pub fn register(
+        &mut self,
+        seed: u64,
+        table: &BlockTable,
+        tokens: &[u32],
+        computed: usize,
+        chain: &mut (usize, u64),
+    ) {
+        let bs = self.block_size;
+        while (chain.0 + 1) * bs <= computed.min(tokens.len()) {
+            let i = chain.0;
+            let hash = self.pool.register(
+                seed,
+                table.blocks[i],
+                chain.1,
+                &tokens[i * bs..(i + 1) * bs],
+            );
+            *chain = (i + 1, hash);
         }
     }
 

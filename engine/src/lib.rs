@@ -30,6 +30,8 @@ pub mod loader;
 pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod model;
+#[cfg(feature = "runtime")]
+pub mod prefix;
 pub mod sampler;
 #[cfg(feature = "runtime")]
 pub mod scheduler;

@@ -32,6 +32,9 @@ pub struct EngineConfig {
     /// How long blocks reserved for a prefill worker's KV wait for it (`None`: no limit);
     /// [`Engine::expired`] names the reservations past it.
     pub kv_lease: Option<Duration>,
+    /// Keep computed full blocks as a prefix cache shared by later sequences (see
+    /// [`crate::prefix`]).
+    pub prefix_cache: bool,
 }
 
 impl Default for EngineConfig {
@@ -42,6 +45,7 @@ impl Default for EngineConfig {
             max_batch_tokens: 512,
             max_running: 64,
             kv_lease: None,
+            prefix_cache: true,
         }
     }
 }
@@ -69,6 +73,8 @@ struct Seq {
     stop_ids: Vec<u32>,
     /// Compute the prompt's KV and stop: no logits, no tokens (a prefill worker's requests).
     prefill_only: bool,
+    /// Blocks registered in the prefix cache so far, and the last one's hash.
+    chain: (usize, u64),
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -87,6 +93,11 @@ pub struct Engine {
     last_step: (usize, usize),
     /// Who holds blocks for KV from a prefill worker: reserved, in flight, committed.
     ledger: Ledger,
+    /// The prefix cache's hash seed (the model's identity), when the cache is on.
+    prefix_seed: Option<u64>,
+    /// Prompt tokens admitted, and those found in the prefix cache (not computed), since start.
+    prompt_tokens: u64,
+    prefix_hit_tokens: u64,
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -112,6 +123,9 @@ impl Engine {
             ));
         }
         let kv = model.new_kv_cache(config.block_size, config.num_blocks)?;
+        // Seeded by the model's KV identity: blocks of two models or layouts never match.
+        let identity = format!("{:?}", crate::identity_of(&model.config, config.block_size));
+        let prefix_seed = config.prefix_cache.then(|| crate::prefix::seed(&identity));
         Ok(Engine {
             model,
             kv,
@@ -123,6 +137,9 @@ impl Engine {
             prefilled: Vec::new(),
             last_step: (0, 0),
             ledger: Ledger::new(),
+            prefix_seed,
+            prompt_tokens: 0,
+            prefix_hit_tokens: 0,
         })
     }
 
@@ -217,6 +234,10 @@ impl Engine {
             .kv_written(&self.kv, self.awaiting[i].table.blocks(), n)?;
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
+        if let Some(seed) = self.prefix_seed {
+            self.kv
+                .register(seed, &seq.table, &seq.tokens, n, &mut seq.chain);
+        }
         self.ledger.commit(seq.id);
         self.waiting.push_front(seq);
         Ok(())
@@ -333,6 +354,9 @@ impl Engine {
             kv_blocks_in_flight: c.in_flight as u32,
             kv_blocks_committed: c.committed as u32,
             kv_requests_freed: c.freed,
+            kv_blocks_cached: self.kv.block_counts().cached as u32,
+            prompt_tokens: self.prompt_tokens,
+            prefix_hit_tokens: self.prefix_hit_tokens,
             ..Default::default()
         }
     }
@@ -412,6 +436,7 @@ impl Engine {
             sampler: Sampler::new(params),
             stop_ids,
             prefill_only,
+            chain: (0, crate::prefix::ROOT),
         })
     }
 
@@ -458,21 +483,48 @@ impl Engine {
         self.step_inner(Some(sink))
     }
 
+    /// Moves the first waiting request to the running batch if its reservation fits: first
+    /// the cached blocks of its prompt's longest cached prefix (all but the last prompt token,
+    /// which must be computed), then fresh blocks for the rest of prompt plus `max_tokens`.
+    fn admit_front(&mut self) -> bool {
+        let Some(front) = self.waiting.front_mut() else {
+            return false;
+        };
+        let fresh = front.table.blocks().is_empty() && front.computed == 0;
+        if let (Some(seed), true) = (self.prefix_seed, fresh) {
+            let prompt = &front.tokens[..front.prompt_len - 1];
+            let (shared, last) = self.kv.share_prefix(seed, &mut front.table, prompt);
+            front.computed = shared;
+            front.chain = (front.table.blocks().len(), last);
+        }
+        let need = front.prompt_len + front.max_tokens;
+        if self.kv.reserve(&mut front.table, need).is_err() {
+            if fresh {
+                // Wait without holding shared blocks; the lookup runs again next time.
+                self.kv.release(std::mem::take(&mut front.table));
+                front.computed = 0;
+                front.chain = (0, crate::prefix::ROOT);
+            }
+            return false;
+        }
+        if fresh {
+            self.prompt_tokens += front.prompt_len as u64;
+            self.prefix_hit_tokens += front.computed as u64;
+        }
+        self.running
+            .push(self.waiting.pop_front().expect("front exists"));
+        true
+    }
+
     fn step_inner(
         &mut self,
         mut sink: Option<&mut (dyn FnMut(u64, usize, Vec<u8>) + Send)>,
     ) -> Result<Vec<TokenEvent>> {
         // Admit waiting requests, in order, while their full reservation fits.
         while self.running.len() < self.config.max_running {
-            let Some(front) = self.waiting.front_mut() else {
-                break;
-            };
-            let need = front.prompt_len + front.max_tokens;
-            if self.kv.reserve(&mut front.table, need).is_err() {
+            if !self.admit_front() {
                 break;
             }
-            self.running
-                .push(self.waiting.pop_front().expect("front exists"));
         }
         // Decode tokens first (one each), then prompt chunks under the remaining budget.
         let mut budget = self.config.max_batch_tokens;
@@ -549,6 +601,10 @@ impl Engine {
         for (&(i, _, n), l) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
             s.computed += n;
+            if let Some(seed) = self.prefix_seed {
+                self.kv
+                    .register(seed, &s.table, &s.tokens, s.computed, &mut s.chain);
+            }
             if s.prefill_only && s.computed == s.prompt_len {
                 finished.push(s.id);
             }

@@ -103,6 +103,9 @@ pub struct PoolSection {
     /// Most sequences in one worker's running batch.
     #[serde(default = "default_max_running")]
     pub max_running: Spanned<u32>,
+    /// Keep computed KV blocks as a prefix cache that later requests share.
+    #[serde(default = "default_true")]
+    pub prefix_cache: bool,
     /// Host workers bind their services to.
     #[serde(default = "default_host")]
     pub host: String,
@@ -195,6 +198,10 @@ fn one() -> Spanned<u32> {
 fn default_blocks() -> Spanned<u32> {
     Spanned::new(0..0, 1024)
 }
+fn default_true() -> bool {
+    true
+}
+
 fn default_max_running() -> Spanned<u32> {
     Spanned::new(0..0, 64)
 }

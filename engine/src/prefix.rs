@@ -1,0 +1,253 @@
+//! The KV block pool with a prefix cache: which blocks are free, which are held (and by how
+//! many sequences), and which hold a known prefix.
+//!
+//! A full block whose KV is computed can be *registered* under a hash chained over its
+//! parent block's hash and its own tokens (seeded by the model identity, so two models never
+//! share): a later sequence whose prompt starts with the same tokens takes the same blocks
+//! (reference counted) instead of computing them. A block nobody references any more stays
+//! cached until its space is needed; allocation then evicts the least recently used cached
+//! block. Free space reported to the router counts those evictable blocks: a full cache never
+//! refuses work it could evict for. A lookup compares the block's tokens too, so a hash
+//! collision can never hand out the wrong KV.
+
+use std::collections::{BTreeMap, HashMap};
+
+/// The hash chain's value before the first block.
+pub const ROOT: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The hash of a block with these `tokens` after a block hashed `parent`, for a model whose
+/// identity hashes to `seed`. Stable across processes and machines (FNV-1a, then a mixer), so
+/// that every worker and the router agree.
+pub fn chain(seed: u64, parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = ROOT ^ seed;
+    for word in [parent as u32, (parent >> 32) as u32]
+        .into_iter()
+        .chain(tokens.iter().copied())
+    {
+        for b in word.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    // splitmix64's finaliser: spreads the low bits FNV leaves weak.
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The seed of a model's chain: a hash of its identity's text.
+pub fn seed(identity: &str) -> u64 {
+    let tokens: Vec<u32> = identity.bytes().map(u32::from).collect();
+    chain(0, 0, &tokens)
+}
+
+#[derive(Debug)]
+struct Cached {
+    hash: u64,
+    tokens: Box<[u32]>,
+}
+
+/// Counts of the pool's blocks by state.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PoolCounts {
+    /// Held by at least one sequence.
+    pub held: usize,
+    /// Unreferenced and holding a known prefix: reusable, evictable.
+    pub cached: usize,
+    /// Unreferenced and empty.
+    pub free: usize,
+}
+
+/// The block pool.
+#[derive(Debug)]
+pub struct BlockPool {
+    refs: Vec<u32>,
+    free: Vec<u32>,
+    by_hash: HashMap<u64, u32>,
+    meta: Vec<Option<Cached>>,
+    /// Unreferenced cached blocks by the tick they were last released at (oldest first).
+    lru: BTreeMap<u64, u32>,
+    released_at: Vec<u64>,
+    tick: u64,
+}
+
+impl BlockPool {
+    /// A pool of `n` free blocks.
+    pub fn new(n: usize) -> BlockPool {
+        BlockPool {
+            refs: vec![0; n],
+            // Pop from the end: hand out low ids first.
+            free: (0..n as u32).rev().collect(),
+            by_hash: HashMap::new(),
+            meta: (0..n).map(|_| None).collect(),
+            lru: BTreeMap::new(),
+            released_at: vec![0; n],
+            tick: 0,
+        }
+    }
+
+    /// Blocks in all.
+    pub fn total(&self) -> usize {
+        self.refs.len()
+    }
+
+    /// Blocks an allocation can take: free ones and evictable cached ones.
+    pub fn available(&self) -> usize {
+        self.free.len() + self.lru.len()
+    }
+
+    /// Blocks by state.
+    pub fn counts(&self) -> PoolCounts {
+        let (free, cached) = (self.free.len(), self.lru.len());
+        PoolCounts {
+            held: self.total() - free - cached,
+            cached,
+            free,
+        }
+    }
+
+    /// A block for a new owner: a free one, else the least recently used cached one (its
+    /// prefix forgotten). `None` when every block is held.
+    pub fn alloc(&mut self) -> Option<u32> {
+        let b = match self.free.pop() {
+            Some(b) => b,
+            None => {
+                let (_, b) = self.lru.pop_first()?;
+                let old = self.meta[b as usize]
+                    .take()
+                    .expect("an LRU block is cached");
+                self.by_hash.remove(&old.hash);
+                b
+            }
+        };
+        debug_assert_eq!(self.refs[b as usize], 0);
+        self.refs[b as usize] = 1;
+        Some(b)
+    }
+
+    /// One more owner of block `b` (a sequence sharing a cached prefix).
+    pub fn retain(&mut self, b: u32) {
+        let i = b as usize;
+        if self.refs[i] == 0 {
+            self.lru.remove(&self.released_at[i]);
+        }
+        self.refs[i] += 1;
+    }
+
+    /// One owner fewer; at none, a cached block waits in the LRU, another is free.
+    pub fn release(&mut self, b: u32) {
+        let i = b as usize;
+        assert!(self.refs[i] > 0, "KV block {b} freed twice");
+        self.refs[i] -= 1;
+        if self.refs[i] > 0 {
+            return;
+        }
+        if self.meta[i].is_some() {
+            self.tick += 1;
+            self.released_at[i] = self.tick;
+            self.lru.insert(self.tick, b);
+        } else {
+            self.free.push(b);
+        }
+    }
+
+    /// Records that held block `b` holds `tokens` after the prefix hashed `parent`; returns the
+    /// block's hash. When another block already holds that prefix, `b` stays unregistered
+    /// (and is freed, not cached, when released).
+    pub fn register(&mut self, seed: u64, b: u32, parent: u64, tokens: &[u32]) -> u64 {
+        let hash = chain(seed, parent, tokens);
+        if self.meta[b as usize].is_none() && !self.by_hash.contains_key(&hash) {
+            self.by_hash.insert(hash, b);
+            self.meta[b as usize] = Some(Cached {
+                hash,
+                tokens: tokens.into(),
+            });
+        }
+        hash
+    }
+
+    /// The cached blocks holding the longest prefix of `tokens` in whole blocks of
+    /// `block_size`, in order (not yet retained), and the last one's hash ([`ROOT`] for none).
+    pub fn lookup(&self, seed: u64, block_size: usize, tokens: &[u32]) -> (Vec<u32>, u64) {
+        let mut parent = ROOT;
+        let mut out = Vec::new();
+        for block in tokens.chunks_exact(block_size) {
+            let hash = chain(seed, parent, block);
+            let Some(&b) = self.by_hash.get(&hash) else {
+                break;
+            };
+            let same = self.meta[b as usize]
+                .as_ref()
+                .is_some_and(|c| &*c.tokens == block);
+            if !same {
+                break;
+            }
+            out.push(b);
+            parent = hash;
+        }
+        (out, parent)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shared_blocks_are_counted_cached_when_unreferenced_and_evicted_oldest_first() {
+        let mut p = BlockPool::new(3);
+        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
+        let ha = p.register(7, a, ROOT, &[1, 2]);
+        p.register(7, b, ha, &[3, 4]);
+        assert_eq!(p.lookup(7, 2, &[1, 2, 3, 4, 5]).0, vec![a, b]);
+        assert!(
+            p.lookup(8, 2, &[1, 2]).0.is_empty(),
+            "another model's seed shares nothing"
+        );
+        assert!(p.lookup(7, 2, &[1, 9]).0.is_empty());
+        p.retain(a); // a second sequence shares block a
+        p.release(a);
+        p.release(a);
+        p.release(b);
+        assert_eq!(
+            p.counts(),
+            PoolCounts {
+                held: 0,
+                cached: 2,
+                free: 1
+            }
+        );
+        assert_eq!(p.available(), 3, "cached blocks are reclaimable");
+        assert_eq!(p.lookup(7, 2, &[1, 2, 3, 4]).0, vec![a, b], "still cached");
+        p.retain(b); // reuse takes b out of the LRU
+        let (c, d) = (p.alloc().unwrap(), p.alloc().unwrap());
+        assert_eq!(c, 2, "free blocks go first");
+        assert_eq!(d, a, "then the least recently released cached block");
+        assert!(
+            p.lookup(7, 2, &[1, 2]).0.is_empty(),
+            "a's prefix is forgotten"
+        );
+        assert!(p.alloc().is_none(), "b is held, c and d too");
+    }
+
+    #[test]
+    fn a_duplicate_prefix_stays_unregistered_and_is_freed() {
+        let mut p = BlockPool::new(2);
+        let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
+        p.register(1, a, ROOT, &[5]);
+        p.register(1, b, ROOT, &[5]);
+        p.release(b);
+        assert_eq!(p.counts().free, 1, "the duplicate is not cached");
+        assert_eq!(p.lookup(1, 1, &[5]).0, vec![a]);
+    }
+
+    #[test]
+    #[should_panic(expected = "freed twice")]
+    fn a_block_is_freed_once() {
+        let mut p = BlockPool::new(1);
+        let a = p.alloc().unwrap();
+        p.release(a);
+        p.release(a);
+    }
+}
