@@ -191,6 +191,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
         model,
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
+        local_prefill_max_tokens: cfg.router.local_prefill_max_tokens,
         scaling: scaling(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.

@@ -20,7 +20,9 @@ use std::time::{Duration, Instant};
 use engine::{Engine, Release, SamplingParams};
 use kv_transfer::KvEvent;
 use proto::grpc::decode_server::{Decode, DecodeServer};
-use proto::grpc::{generate_event, GenerateEvent, GenerateRequest, KvOffer, WorkerLoad};
+use proto::grpc::{
+    generate_event, GenerateEvent, GenerateRequest, KvOffer, Reservation, WorkerLoad,
+};
 use proto::{Cause, Pool};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
@@ -81,19 +83,20 @@ impl Decoder {
         let id = req.request_id;
         let params = SamplingParams::from(req.params.unwrap_or_default());
         let added = if req.remote_prefill {
-            self.engine.reserve_remote(id, req.prompt, params)
+            let n = req.prompt.len();
+            let local_max = req.local_prefill_max_tokens as usize;
+            self.reserve(id, req.prompt, params, local_max).map(|r| {
+                let event = generate_event::Event::Reserved(r.clone());
+                let _ = events.send(Ok(GenerateEvent {
+                    event: Some(event),
+                    finish: 0,
+                }));
+                tracing::debug!(request = id, prompt = n, ?r, "reserved");
+            })
         } else {
             self.engine.add(id, req.prompt, params)
         };
         match added {
-            Ok(()) if req.remote_prefill => {
-                let reserved = GenerateEvent {
-                    event: Some(generate_event::Event::Reserved(true)),
-                    finish: 0,
-                };
-                let _ = events.send(Ok(reserved));
-                self.streams.insert(id, events);
-            }
             Ok(()) => {
                 self.streams.insert(id, events);
             }
@@ -101,6 +104,27 @@ impl Decoder {
                 let _ = events.send(Err(worker::status(e)));
             }
         }
+    }
+
+    /// Reserves for a remote prefill, sharing the prompt's cached prefix; computes the rest
+    /// here when it is at most `local_max` tokens.
+    fn reserve(
+        &mut self,
+        id: u64,
+        prompt: Vec<u32>,
+        params: SamplingParams,
+        local_max: usize,
+    ) -> engine::Result<Reservation> {
+        let rest = prompt.len() - 1;
+        let cached = self.engine.reserve_remote(id, prompt, params)?;
+        let local = rest - cached <= local_max;
+        if local {
+            self.engine.prefill_here(id)?;
+        }
+        Ok(Reservation {
+            cached_tokens: cached as u32,
+            local,
+        })
     }
 
     fn kv(&mut self, ev: KvEvent) {

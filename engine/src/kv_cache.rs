@@ -213,19 +213,40 @@ impl KvCache {
     /// Appends tokens `0..n` of a sequence's layer `layer` to `out` as little-endian f16: all
     /// keys (`n * width` values) followed by all values. This is the wire layout of KV transfer.
     pub fn read_tokens(&self, table: &[u32], layer: usize, n: usize, out: &mut Vec<u8>) {
+        self.read_range(table, layer, 0..n, out)
+    }
+
+    /// [`KvCache::read_tokens`] for the tokens in `range` only (a delta transfer: the receiver
+    /// holds the tokens before it).
+    pub fn read_range(
+        &self,
+        table: &[u32],
+        layer: usize,
+        range: std::ops::Range<usize>,
+        out: &mut Vec<u8>,
+    ) {
         let w = self.width;
         let lk = &self.layers[layer];
-        out.reserve(4 * n * w);
+        out.reserve(4 * range.len() * w);
         for src in [&lk.k, &lk.v] {
-            // Whole blocks at a time: a block's tokens are contiguous in the pool.
-            let mut p = 0;
-            while p < n {
-                let slot = self.slot(table, p).expect("table covers the tokens");
-                let run = (self.block_size - p % self.block_size).min(n - p);
+            for (slot, run) in self.runs(table, range.clone()) {
                 extend_le(out, &src[slot * w..(slot + run) * w]);
-                p += run;
             }
         }
+    }
+
+    /// The cache slots of `range`'s tokens as (first slot, tokens) runs: a block's tokens are
+    /// contiguous in the pool.
+    fn runs(&self, table: &[u32], range: std::ops::Range<usize>) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut p = range.start;
+        while p < range.end {
+            let slot = self.slot(table, p).expect("table covers the tokens");
+            let run = (self.block_size - p % self.block_size).min(range.end - p);
+            out.push((slot, run));
+            p += run;
+        }
+        out
     }
 
     /// Writes tokens `0..n` of layer `layer` from `data` (the layout of [`KvCache::read_tokens`]).
@@ -236,37 +257,41 @@ impl KvCache {
         n: usize,
         data: &[u8],
     ) -> Result<()> {
-        let w = self.width;
-        if data.len() != 2 * n * w * 2 {
+        self.write_range(table, layer, 0..n, data)
+    }
+
+    /// [`KvCache::write_tokens`] for the tokens in `range` (the layout of
+    /// [`KvCache::read_range`]).
+    pub fn write_range(
+        &mut self,
+        table: &[u32],
+        layer: usize,
+        range: std::ops::Range<usize>,
+        data: &[u8],
+    ) -> Result<()> {
+        let (w, n) = (self.width, range.len());
+        if data.len() != 4 * n * w {
             return Err(EngineError::InvalidRequest(format!(
                 "layer {layer}: {} bytes of KV for {n} tokens, expected {}",
                 data.len(),
                 4 * n * w
             )));
         }
-        if self.blocks_for(n) > table.len() {
+        if self.blocks_for(range.end) > table.len() {
             return Err(EngineError::InvalidRequest(format!(
-                "{n} tokens do not fit in {} blocks",
+                "tokens up to {} do not fit in {} blocks",
+                range.end,
                 table.len()
             )));
         }
-        let bs = self.block_size;
-        // Whole blocks at a time: a block's tokens are contiguous in the pool.
-        let runs: Vec<(usize, usize, usize)> = (0..n)
-            .step_by(bs)
-            .map(|p| {
-                let slot = self.slot(table, p).expect("checked");
-                (p, slot, bs.min(n - p))
-            })
-            .collect();
+        let runs = self.runs(table, range);
         let lk = &mut self.layers[layer];
         for (half, dst) in [&mut lk.k, &mut lk.v].into_iter().enumerate() {
-            let src = &data[half * n * w * 2..(half + 1) * n * w * 2];
-            for &(p, slot, run) in &runs {
-                copy_le(
-                    &mut dst[slot * w..(slot + run) * w],
-                    &src[p * w * 2..(p + run) * w * 2],
-                );
+            let mut src = &data[half * n * w * 2..(half + 1) * n * w * 2];
+            for &(slot, run) in &runs {
+                let (now, rest) = src.split_at(run * w * 2);
+                copy_le(&mut dst[slot * w..(slot + run) * w], now);
+                src = rest;
             }
         }
         Ok(())

@@ -8,6 +8,7 @@
 //! blocks and admissions simply wait.
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,8 @@ struct Seq {
     prefill_only: bool,
     /// Blocks registered in the prefix cache so far, and the last one's hash.
     chain: (usize, u64),
+    /// Prefill-only: the tokens before this one are not exported (the receiver holds them).
+    send_from: usize,
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -172,44 +175,80 @@ impl Engine {
     }
 
     /// Queues a prefill-only request: its KV is computed (chunked, batched with others) and then
-    /// held until [`Engine::export_kv`]; no token is sampled.
-    pub fn add_prefill_only(&mut self, id: u64, tokens: Vec<u32>) -> Result<()> {
+    /// held until [`Engine::export_kv`] (or streamed); no token is sampled. The KV of the
+    /// tokens before `send_from` is not exported: the receiver holds it (a delta transfer).
+    pub fn add_prefill_only(&mut self, id: u64, tokens: Vec<u32>, send_from: usize) -> Result<()> {
+        if send_from >= tokens.len() {
+            return Err(EngineError::InvalidRequest(format!(
+                "nothing to send: the receiver holds {send_from} of {} tokens",
+                tokens.len()
+            )));
+        }
         let params = SamplingParams {
             max_tokens: Some(1),
             ..Default::default()
         };
         let mut seq = self.new_seq(id, tokens, params, true)?;
         seq.max_tokens = 0;
+        seq.send_from = send_from;
         self.waiting.push_back(seq);
         Ok(())
     }
 
     /// Reserves blocks for a request whose prompt KV (all but the last prompt token) will come
-    /// from a prefill worker. Fails at once with `OutOfBlocks` when the cache has no room now.
+    /// from a prefill worker; returns how many of those tokens this cache already holds (whole
+    /// cached blocks, shared, at most all but one token): the prefill sends only the rest.
+    /// Fails at once with `OutOfBlocks` when the cache has no room now.
     pub fn reserve_remote(
         &mut self,
         id: u64,
         prompt: Vec<u32>,
         params: SamplingParams,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         if prompt.len() < 2 {
             return Err(EngineError::InvalidRequest(
                 "a remote prefill needs a prompt of at least 2 tokens".into(),
             ));
         }
         let mut seq = self.new_seq(id, prompt, params, false)?;
-        self.kv
-            .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)?;
+        if let Some(seed) = self.prefix_seed {
+            let known = &seq.tokens[..seq.prompt_len - 2];
+            let (shared, last) = self.kv.share_prefix(seed, &mut seq.table, known);
+            (seq.computed, seq.chain) = (shared, (seq.table.blocks().len(), last));
+        }
+        if let Err(e) = self
+            .kv
+            .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)
+        {
+            self.kv.release(seq.table);
+            return Err(e);
+        }
         let lease = self.config.kv_lease.map(|d| Instant::now() + d);
         self.ledger
             .reserve(id, seq.table.blocks().len() as u32, lease);
+        let cached = seq.computed;
         self.awaiting.push(seq);
+        Ok(cached)
+    }
+
+    /// A reserved request whose remaining prompt is computed here instead of arriving from a
+    /// prefill worker (conditional disaggregation: a short uncached suffix).
+    pub fn prefill_here(&mut self, id: u64) -> Result<()> {
+        let i = self
+            .awaiting
+            .iter()
+            .position(|s| s.id == id)
+            .ok_or_else(|| EngineError::InvalidRequest(format!("no request {id} is reserved")))?;
+        let seq = self.awaiting.remove(i);
+        self.ledger.commit(id);
+        self.waiting.push_front(seq);
         Ok(())
     }
 
-    /// The position in `awaiting` of reserved request `id` and the tokens its remote KV covers,
-    /// once `layers` (what arrived: one entry per layer) matches the model.
-    fn awaiting_kv(&self, id: u64, layers: usize, what: &str) -> Result<(usize, usize)> {
+    /// The position in `awaiting` of reserved request `id` and the tokens its remote KV covers
+    /// (after the ones this cache held), once `layers` (what arrived: one entry per layer)
+    /// matches the model.
+    fn awaiting_kv(&self, id: u64, layers: usize, what: &str) -> Result<(usize, Range<usize>)> {
         let i = self
             .awaiting
             .iter()
@@ -223,7 +262,8 @@ impl Engine {
                 self.model.config.n_layers
             )));
         }
-        Ok((i, self.awaiting[i].prompt_len - 1))
+        let s = &self.awaiting[i];
+        Ok((i, s.computed..s.prompt_len - 1))
     }
 
     /// Queues awaiting request `i`, whose first `n` tokens are in the cache, to generate from
@@ -244,40 +284,43 @@ impl Engine {
     }
 
     /// Writes the KV that arrived for a reserved request (one buffer per layer, see
-    /// [`KvCache::read_tokens`]) and queues it to generate from its last prompt token.
+    /// [`KvCache::read_range`]: the tokens after those this cache held) and queues it to
+    /// generate from its last prompt token.
     pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
-        let (i, n) = self.awaiting_kv(id, layers.len(), "KV")?;
+        let (i, range) = self.awaiting_kv(id, layers.len(), "KV")?;
         for (l, data) in layers.iter().enumerate() {
-            self.kv
-                .write_tokens(self.awaiting[i].table.blocks(), l, n, data)?;
+            let table = self.awaiting[i].table.blocks();
+            self.kv.write_range(table, l, range.clone(), data)?;
         }
-        self.admit(i, n)
+        self.admit(i, range.end)
     }
 
     /// In-place (RDMA) transfers: the blocks a reserved request's remote KV of `n_tokens`
-    /// tokens is written into, in token order.
+    /// tokens (after the whole blocks this cache held) is written into, in token order.
     pub fn grant(&self, id: u64, n_tokens: usize) -> Result<Vec<u32>> {
         let seq = self.awaiting.iter().find(|s| s.id == id).ok_or_else(|| {
             EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
         })?;
-        if n_tokens + 1 != seq.prompt_len {
+        let from = seq.computed;
+        if from + n_tokens + 1 != seq.prompt_len {
             return Err(EngineError::InvalidRequest(format!(
-                "KV of {n_tokens} tokens offered for a prompt of {}",
+                "KV of {n_tokens} tokens offered for a prompt of {} with {from} held here",
                 seq.prompt_len
             )));
         }
-        Ok(seq.table.blocks()[..self.kv.blocks_for(n_tokens)].to_vec())
+        let blocks = self.kv.blocks_for(from)..self.kv.blocks_for(from + n_tokens);
+        Ok(seq.table.blocks()[blocks].to_vec())
     }
 
     /// In-place transfers: admits a reserved request whose KV was written straight into its
     /// blocks, once every layer's bytes match the CRC32 the sender computed.
     pub fn admit_in_place(&mut self, id: u64, crcs: &[u32]) -> Result<()> {
-        let (i, n) = self.awaiting_kv(id, crcs.len(), "checksums")?;
+        let (i, range) = self.awaiting_kv(id, crcs.len(), "checksums")?;
         let mut buf = Vec::new();
         for (l, &want) in crcs.iter().enumerate() {
             buf.clear();
-            self.kv
-                .read_tokens(self.awaiting[i].table.blocks(), l, n, &mut buf);
+            let table = self.awaiting[i].table.blocks();
+            self.kv.read_range(table, l, range.clone(), &mut buf);
             let got = crc32fast::hash(&buf);
             if got != want {
                 return Err(EngineError::InvalidRequest(format!(
@@ -286,7 +329,7 @@ impl Engine {
                 )));
             }
         }
-        self.admit(i, n)
+        self.admit(i, range.end)
     }
 
     /// The KV pool as raw memory for RDMA registration (see [`KvCache::raw_regions`]), with
@@ -312,8 +355,8 @@ impl Engine {
         let layers = (0..self.model.config.n_layers)
             .map(|l| {
                 let mut buf = Vec::new();
-                self.kv
-                    .read_tokens(seq.table.blocks(), l, seq.prompt_len, &mut buf);
+                let range = seq.send_from..seq.prompt_len;
+                self.kv.read_range(seq.table.blocks(), l, range, &mut buf);
                 buf
             })
             .collect();
@@ -437,6 +480,7 @@ impl Engine {
             stop_ids,
             prefill_only,
             chain: (0, crate::prefix::ROOT),
+            send_from: 0,
         })
     }
 
@@ -565,18 +609,15 @@ impl Engine {
             .collect();
         // Prefill-only requests whose prompt completes in this step stream their layers.
         let streamed = sink.is_some();
-        let completing: Vec<(u64, Vec<u32>, usize)> = match sink {
+        let completing: Vec<(u64, Vec<u32>, Range<usize>)> = match sink {
             Some(_) => plan
                 .iter()
                 .filter(|&&(i, start, n)| {
                     self.running[i].prefill_only && start + n == self.running[i].prompt_len
                 })
                 .map(|&(i, _, _)| {
-                    (
-                        self.running[i].id,
-                        self.running[i].table.blocks().to_vec(),
-                        self.running[i].prompt_len,
-                    )
+                    let s = &self.running[i];
+                    (s.id, s.table.blocks().to_vec(), s.send_from..s.prompt_len)
                 })
                 .collect(),
             None => Vec::new(),
@@ -586,9 +627,9 @@ impl Engine {
         // device.
         let mut stream_layers = |l: usize, kv: &KvCache| {
             if let Some(sink) = sink.as_deref_mut() {
-                for (id, table, n) in &completing {
+                for (id, table, range) in &completing {
                     let mut buf = Vec::new();
-                    kv.read_tokens(table, l, *n, &mut buf);
+                    kv.read_range(table, l, range.clone(), &mut buf);
                     sink(*id, l, buf);
                 }
             }

@@ -59,10 +59,12 @@ impl LayerTx {
     }
 }
 
-/// A prompt to prefill, its admission verdict, and where its layers go.
+/// A prompt to prefill (its KV sent from token `send_from` on), its admission verdict, and
+/// where its layers go.
 struct Cmd {
     id: u64,
     tokens: Vec<u32>,
+    send_from: usize,
     accepted: oneshot::Sender<Result<(), Status>>,
     layers: LayerTx,
 }
@@ -135,7 +137,7 @@ impl worker::Role for Prefiller {
             Err(Cause::Draining.status("this prefill worker is draining"))
         } else {
             self.engine
-                .add_prefill_only(c.id, c.tokens)
+                .add_prefill_only(c.id, c.tokens, c.send_from)
                 .map(|()| {
                     self.outs.insert(c.id, c.layers);
                 })
@@ -283,7 +285,10 @@ impl Prefill for Service {
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillReply>, Status> {
         let req = req.into_inner();
-        let (id, n) = (req.request_id, req.tokens.len() as u32);
+        let id = req.request_id;
+        let send_from = req.skip_tokens as usize;
+        // Tokens whose KV travels: those after what the decode worker holds.
+        let n = req.tokens.len().saturating_sub(send_from) as u32;
         let t0 = Instant::now();
         let (accepted, verdict) = oneshot::channel();
         let (tx, mut rx) = mpsc::unbounded_channel();
@@ -296,6 +301,7 @@ impl Prefill for Service {
         self.engine.send(Cmd {
             id,
             tokens,
+            send_from,
             accepted,
             layers,
         })?;

@@ -66,6 +66,10 @@ pub struct RouterSection {
     /// gRPC control-plane listen address (workers join here).
     #[serde(default = "default_control")]
     pub control: Spanned<String>,
+    /// A prompt whose uncached rest on its decode worker is at most this many tokens is
+    /// prefilled there instead of on the prefill pool (0: only prompts of one token).
+    #[serde(default)]
+    pub local_prefill_max_tokens: u32,
 }
 
 fn default_listen() -> Spanned<String> {
@@ -80,6 +84,7 @@ impl Default for RouterSection {
         RouterSection {
             listen: default_listen(),
             control: default_control(),
+            local_prefill_max_tokens: 0,
         }
     }
 }

@@ -42,6 +42,9 @@ pub struct RouterConfig {
     pub block_size: usize,
     /// Whether the cluster has a prefill pool.
     pub disaggregated: bool,
+    /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
+    /// tokens.
+    pub local_prefill_max_tokens: u32,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
@@ -94,6 +97,9 @@ pub struct State {
     pub signals: Arc<planner::Signals>,
     /// How long a request may wait for a decode worker with room before it is refused.
     pub admission_wait: Duration,
+    /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
+    /// tokens (conditional disaggregation).
+    pub local_prefill_max_tokens: u32,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -119,6 +125,7 @@ impl State {
             disaggregated,
             signals: Arc::new(planner::Signals::new(window)),
             admission_wait: Duration::from_secs(30),
+            local_prefill_max_tokens: 0,
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
@@ -193,14 +200,16 @@ pub async fn run(
         .map(|s| s.window)
         .max()
         .unwrap_or(Duration::from_secs(5));
-    let state = Arc::new(State::new(
+    let mut state = State::new(
         registry.clone(),
         tokenizer,
         &config,
         model_id(&cfg.model),
         cfg.disaggregated,
         window,
-    ));
+    );
+    state.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
+    let state = Arc::new(state);
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
@@ -297,6 +306,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         Gauge,
         "Requests the router has in flight on a worker.",
     ),
+    ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
     ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),

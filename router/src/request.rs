@@ -121,6 +121,9 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams
     }
 }
 
+/// A decode stream just opened, and the worker's reservation for a remote prefill.
+type Opened = (Streaming<GenerateEvent>, Option<grpc::Reservation>);
+
 /// A running prefill: its worker and the call (its own task, so that it completes and is
 /// counted even when the decode stream runs ahead of its reply).
 struct PrefillCall {
@@ -200,7 +203,7 @@ impl Request {
                 .collect();
             if let Some((w, guard)) = self.state.registry.pick(Pool::Decode, &stale) {
                 match self.open(&w).await {
-                    Ok(stream) => return self.reserved(w, guard, stream),
+                    Ok(opened) => return self.reserved(w, guard, opened),
                     Err(s) => match Cause::of(&s) {
                         Cause::BadRequest => {
                             return Phase::Failed(ApiError::BadRequest(s.message().into()))
@@ -238,31 +241,32 @@ impl Request {
     }
 
     /// Opens the request's stream on decode worker `w`: with a remote prefill, once the worker
-    /// has reserved the request's blocks.
-    async fn open(&self, w: &Worker) -> Result<Streaming<GenerateEvent>, Status> {
+    /// has reserved the request's blocks (and said how much of the prompt it holds).
+    async fn open(&self, w: &Worker) -> Result<Opened, Status> {
         let req = GenerateRequest {
             request_id: self.id,
             prompt: self.prompt.clone(),
             params: Some(self.params.clone()),
             remote_prefill: self.remote(),
+            local_prefill_max_tokens: self.state.local_prefill_max_tokens,
         };
         let channel = self.state.channel(&w.endpoint)?;
         let remote = self.remote();
         let open = async move {
             let mut s = DecodeClient::new(channel).generate(req).await?.into_inner();
-            if remote {
-                match s.message().await? {
-                    Some(GenerateEvent {
-                        event: Some(generate_event::Event::Reserved(_)),
-                        ..
-                    }) => {}
-                    other => {
-                        let m = format!("expected a reservation, got {other:?}");
-                        return Err(Cause::Engine.status(m));
-                    }
+            if !remote {
+                return Ok((s, None));
+            }
+            match s.message().await? {
+                Some(GenerateEvent {
+                    event: Some(generate_event::Event::Reserved(r)),
+                    ..
+                }) => Ok((s, Some(r))),
+                other => {
+                    let m = format!("expected a reservation, got {other:?}");
+                    Err(Cause::Engine.status(m))
                 }
             }
-            Ok(s)
         };
         tokio::time::timeout(OPEN_WAIT, open)
             .await
@@ -274,7 +278,7 @@ impl Request {
             })
     }
 
-    fn reserved(&mut self, w: Worker, guard: InFlight, stream: Streaming<GenerateEvent>) -> Phase {
+    fn reserved(&mut self, w: Worker, guard: InFlight, (stream, r): Opened) -> Phase {
         let now = Instant::now();
         self.reserved = Some(now);
         let mut window = self.state.signals.admission.lock().expect("window lock");
@@ -282,16 +286,24 @@ impl Request {
         drop(window);
         self.decode = Some((w, guard));
         self.stream = Some(stream);
-        if self.remote() {
-            self.start_prefill()
-        } else {
-            Phase::Decoding
+        let decision = match &r {
+            Some(r) if r.local => "local: short suffix",
+            Some(_) => "remote",
+            None if !self.state.disaggregated => return Phase::Decoding,
+            None if self.prompt.len() < 2 => "local: short suffix",
+            None => "local: no prefill worker",
+        };
+        metrics::counter!("tandem_router_prefill_decisions_total", "decision" => decision)
+            .increment(1);
+        match r {
+            Some(r) if !r.local => self.start_prefill(r.cached_tokens),
+            _ => Phase::Decoding,
         }
     }
 
     /// Sends the prompt (less its last token) to the least-loaded prefill worker, whose KV goes
-    /// straight to the decode worker.
-    fn start_prefill(&mut self) -> Phase {
+    /// straight to the decode worker — all but the first `skip` tokens, which it holds.
+    fn start_prefill(&mut self, skip: u32) -> Phase {
         let Some((pw, guard)) = self.state.registry.pick(Pool::Prefill, &[]) else {
             return Phase::Recomputing(ApiError::Unavailable(
                 "no prefill worker has joined the cluster".into(),
@@ -305,6 +317,7 @@ impl Request {
             request_id: self.id,
             tokens: self.prompt[..self.prompt.len() - 1].to_vec(),
             offers: self.decode_worker().offers.clone(),
+            skip_tokens: skip,
         };
         let pending = self.state.signals.prefill_started(req.tokens.len() as u64);
         let (registry, id) = (self.state.registry.clone(), pw.id);
@@ -449,7 +462,7 @@ impl Request {
         self.recomputed = true;
         self.id = self.state.next_request_id();
         match self.open(&w).await {
-            Ok(s) => {
+            Ok((s, _)) => {
                 self.stream = Some(s);
                 Phase::Decoding
             }

@@ -23,6 +23,13 @@ pub struct Cluster {
     env: Vec<(String, String)>,
 }
 
+/// A fresh scratch directory for one cluster.
+fn scratch_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
 /// Writes a cluster.toml for tests: ports 0, the default model, small pools.
 pub fn write_config(dir: &Path, prefill: bool, block_size: u32) -> PathBuf {
     write_config_with(dir, prefill, block_size, 512)
@@ -57,7 +64,20 @@ pub fn write_config_pools(
     block_size: u32,
     decode_blocks: u32,
     kv: &str,
+    pools: [&str; 2],
+) -> PathBuf {
+    write_config_all(dir, prefill, block_size, decode_blocks, kv, pools, "")
+}
+
+/// [`write_config_pools`] plus lines for the `[router]` section.
+pub fn write_config_all(
+    dir: &Path,
+    prefill: bool,
+    block_size: u32,
+    decode_blocks: u32,
+    kv: &str,
     [prefill_lines, decode_lines]: [&str; 2],
+    router_lines: &str,
 ) -> PathBuf {
     let model = crate::model_path();
     let prefill = if prefill {
@@ -68,9 +88,9 @@ pub fn write_config_pools(
         String::new()
     };
     let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
+        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n{router_lines}\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
     );
-    let tag: String = format!("{kv}{prefill_lines}-{decode_lines}")
+    let tag: String = format!("{kv}{prefill_lines}-{decode_lines}{router_lines}")
         .chars()
         .filter(|c| c.is_ascii_alphanumeric())
         .collect();
@@ -120,10 +140,27 @@ impl Cluster {
         pools: [&str; 2],
         env: &[(String, String)],
     ) -> Cluster {
-        let dir =
-            std::env::temp_dir().join(format!("tandem-test-{}-{}", std::process::id(), unique()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let dir = scratch_dir();
         let cfg = write_config_pools(&dir, prefill > 0, 16, decode_blocks, kv, pools);
+        Cluster::start_config(exe, dir, cfg, prefill, decode, env)
+    }
+
+    /// A router with `router_lines` in its section (e.g. `local_prefill_max_tokens = 64`) and
+    /// `prefill` + `decode` workers.
+    pub fn start_router(exe: &Path, prefill: usize, decode: usize, router_lines: &str) -> Cluster {
+        let dir = scratch_dir();
+        let cfg = write_config_all(&dir, prefill > 0, 16, 512, "", ["", ""], router_lines);
+        Cluster::start_config(exe, dir, cfg, prefill, decode, &[])
+    }
+
+    fn start_config(
+        exe: &Path,
+        dir: PathBuf,
+        cfg: PathBuf,
+        prefill: usize,
+        decode: usize,
+        env: &[(String, String)],
+    ) -> Cluster {
         let mut router = Command::new(exe)
             .envs(env.iter().cloned())
             .args(["router", "--config"])

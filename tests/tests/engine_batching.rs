@@ -207,7 +207,7 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
             .reserve_remote(i as u64, p.clone(), params(i))
             .unwrap();
         prefill
-            .add_prefill_only(i as u64, p[..p.len() - 1].to_vec())
+            .add_prefill_only(i as u64, p[..p.len() - 1].to_vec(), 0)
             .unwrap();
         while prefill.take_prefilled().is_empty() {
             assert!(

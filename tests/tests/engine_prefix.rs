@@ -89,11 +89,11 @@ fn a_prefill_engine_exports_the_kv_of_a_cold_one_computing_only_the_suffix() {
     let mut warm = Engine::new(model.clone(), cold(true, 64), Vec::new()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let mut off = Engine::new(model.clone(), cold(false, 64), Vec::new()).unwrap();
-        off.add_prefill_only(1, p.clone()).unwrap();
+        off.add_prefill_only(1, p.clone(), 0).unwrap();
         off.run_to_completion().unwrap();
         let want = off.export_kv(1).unwrap();
         let before = warm.load().prefix_hit_tokens;
-        warm.add_prefill_only(i as u64, p.clone()).unwrap();
+        warm.add_prefill_only(i as u64, p.clone(), 0).unwrap();
         warm.run_to_completion().unwrap();
         assert_eq!(
             warm.export_kv(i as u64).unwrap(),
@@ -136,4 +136,39 @@ fn under_pressure_the_least_recently_used_prefix_is_evicted_and_nothing_is_refus
         0,
         "the oldest was evicted for the others"
     );
+}
+
+#[test]
+fn a_delta_transfer_carries_only_the_tokens_the_decode_engine_lacks() {
+    let (model, tok) = load_model();
+    let stops = tok.stop_ids().to_vec();
+    let params = SamplingParams::greedy(8);
+    let per_token = 4 * model.config.kv_width();
+    let mut prefill = Engine::new(model.clone(), cold(true, 64), Vec::new()).unwrap();
+    let mut decode = Engine::new(model.clone(), cold(true, 64), stops.clone()).unwrap();
+    let mut prompt = user_turn(5, 37);
+    for turn in 0..3u64 {
+        let mut single = Engine::new(model.clone(), cold(false, 64), stops.clone()).unwrap();
+        let want = generate(&mut single, 0, &prompt, &params);
+        let held = decode
+            .reserve_remote(turn, prompt.clone(), params.clone())
+            .unwrap();
+        let known = prompt[..prompt.len() - 1].to_vec();
+        prefill.add_prefill_only(turn, known, held).unwrap();
+        prefill.run_to_completion().unwrap();
+        let kv = prefill.export_kv(turn).unwrap();
+        let sent = prompt.len() - 1 - held;
+        assert_eq!(
+            kv[0].len(),
+            sent * per_token,
+            "turn {turn}: only what is missing"
+        );
+        assert_eq!(held > 0, turn > 0, "turn {turn}: {held} tokens held");
+        decode.admit_remote(turn, &kv).unwrap();
+        let got = decode.run_to_completion().unwrap().remove(&turn).unwrap();
+        assert_eq!(got, want, "turn {turn}: bitwise the single engine's tokens");
+        prompt.extend(&got);
+        prompt.extend(user_turn(turn as u32, 11));
+    }
+    assert_eq!(decode.free_blocks(), decode.total_blocks());
 }

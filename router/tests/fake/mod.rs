@@ -169,7 +169,10 @@ fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
 
 fn reserved() -> Result<GenerateEvent, Status> {
     Ok(GenerateEvent {
-        event: Some(generate_event::Event::Reserved(true)),
+        event: Some(generate_event::Event::Reserved(grpc::Reservation {
+            cached_tokens: 0,
+            local: false,
+        })),
         finish: 0,
     })
 }
