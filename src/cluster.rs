@@ -192,6 +192,8 @@ pub fn router(a: RoleArgs) -> Result<()> {
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
         local_prefill_max_tokens: cfg.router.local_prefill_max_tokens,
+        policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
+            .expect("validated with the config"),
         scaling: scaling(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.

@@ -939,3 +939,51 @@ fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_rea
     assert_eq!(decisions(&c, "local: no prefill worker"), 1.0);
     c.wait_all_free(Duration::from_secs(5));
 }
+
+#[test]
+fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
+    let c = Cluster::start(EXE.as_ref(), 0, 2);
+    let mut prompt: Vec<u32> = (0..60).map(|i| 2_000 + i * 13).collect();
+    let stats = |c: &Cluster, key: &str| -> Vec<u64> {
+        let ws = c.workers();
+        ws.iter()
+            .map(|w| w["stats"][key].as_u64().unwrap_or(0))
+            .collect()
+    };
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+        let (status, v) = post_json(c.http, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        // The next turn is routed by what the workers' heartbeats have told the index.
+        let cached: u64 = stats(&c, "kv_blocks_cached").iter().sum();
+        let t0 = Instant::now();
+        while (metric(&c, "tandem_router_kv_index_blocks") as u64) < cached {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "turn {turn}: the index hears of the blocks"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        prompt.extend((0..20).map(|i| 9_000 + turn * 100 + i));
+    }
+    let hits = stats(&c, "prefix_hit_tokens");
+    let prompts = stats(&c, "prompt_tokens");
+    assert!(
+        hits.iter().filter(|&&h| h > 0).count() == 1,
+        "one worker reused the conversation: {hits:?}"
+    );
+    let (busy, idle) = if prompts[0] > prompts[1] {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!(
+        prompts[idle], 0,
+        "every turn went to the same worker: {prompts:?}"
+    );
+    assert!(
+        hits[busy] >= 3 * 64,
+        "turns 1..3 each found the earlier turns cached: {hits:?}"
+    );
+    c.wait_all_free(Duration::from_secs(5));
+}

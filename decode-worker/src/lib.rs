@@ -238,6 +238,10 @@ impl worker::Role for Decoder {
         }
     }
 
+    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+        self.engine.take_kv_events()
+    }
+
     fn load(&self) -> WorkerLoad {
         let l = self.engine.load();
         metrics::gauge!("tandem_decode_running").set(l.running as f64);

@@ -128,6 +128,11 @@ impl KvCache {
     pub fn free_blocks(&self) -> usize {
         self.pool.available()
     }
+    /// Prefixes registered and forgotten since the last call (see [`BlockPool::take_events`]).
+    pub fn take_events(&mut self) -> Vec<(bool, u64)> {
+        self.pool.take_events()
+    }
+
     /// Blocks by state (held, cached and unreferenced, free).
     pub fn block_counts(&self) -> PoolCounts {
         self.pool.counts()

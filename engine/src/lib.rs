@@ -12,6 +12,7 @@
 //! - [`mock`]: the mock engine (the model's shape, no weights, a timing model instead of
 //!   kernels) for scaling tests.
 
+pub mod block_hash;
 pub mod config;
 #[cfg(feature = "runtime")]
 pub mod cpu;

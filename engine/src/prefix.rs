@@ -12,35 +12,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-/// The hash chain's value before the first block.
-pub const ROOT: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// The hash of a block with these `tokens` after a block hashed `parent`, for a model whose
-/// identity hashes to `seed`. Stable across processes and machines (FNV-1a, then a mixer), so
-/// that every worker and the router agree.
-pub fn chain(seed: u64, parent: u64, tokens: &[u32]) -> u64 {
-    let mut h = ROOT ^ seed;
-    for word in [parent as u32, (parent >> 32) as u32]
-        .into_iter()
-        .chain(tokens.iter().copied())
-    {
-        for b in word.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    // splitmix64's finaliser: spreads the low bits FNV leaves weak.
-    h ^= h >> 30;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 27;
-    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
-}
-
-/// The seed of a model's chain: a hash of its identity's text.
-pub fn seed(identity: &str) -> u64 {
-    let tokens: Vec<u32> = identity.bytes().map(u32::from).collect();
-    chain(0, 0, &tokens)
-}
+pub use crate::block_hash::{chain, seed, ROOT};
 
 #[derive(Debug)]
 struct Cached {
@@ -70,6 +42,8 @@ pub struct BlockPool {
     lru: BTreeMap<u64, u32>,
     released_at: Vec<u64>,
     tick: u64,
+    /// Prefixes registered (`true`) and forgotten (`false`) since the last [`BlockPool::take_events`].
+    events: Vec<(bool, u64)>,
 }
 
 impl BlockPool {
@@ -84,6 +58,7 @@ impl BlockPool {
             lru: BTreeMap::new(),
             released_at: vec![0; n],
             tick: 0,
+            events: Vec::new(),
         }
     }
 
@@ -163,8 +138,15 @@ impl BlockPool {
                 hash,
                 tokens: tokens.into(),
             });
+            self.events.push((true, hash));
         }
         hash
+    }
+
+    /// The prefixes registered (`true`) and forgotten (`false`) since the last call, in order:
+    /// what the worker reports to the router's KV index.
+    pub fn take_events(&mut self) -> Vec<(bool, u64)> {
+        std::mem::take(&mut self.events)
     }
 
     /// The cached blocks holding the longest prefix of `tokens` in whole blocks of

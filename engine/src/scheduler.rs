@@ -127,8 +127,8 @@ impl Engine {
         }
         let kv = model.new_kv_cache(config.block_size, config.num_blocks)?;
         // Seeded by the model's KV identity: blocks of two models or layouts never match.
-        let identity = format!("{:?}", crate::identity_of(&model.config, config.block_size));
-        let prefix_seed = config.prefix_cache.then(|| crate::prefix::seed(&identity));
+        let seed = crate::block_hash::identity_seed(&model.config, config.block_size);
+        let prefix_seed = config.prefix_cache.then_some(seed);
         Ok(Engine {
             model,
             kv,
@@ -362,6 +362,12 @@ impl Engine {
             .collect();
         self.kv.release(seq.table);
         Some(layers)
+    }
+
+    /// Prefix-cache blocks registered (`true`) and forgotten (`false`) since the last call, by
+    /// name ([`crate::block_hash`]).
+    pub fn take_kv_events(&mut self) -> Vec<(bool, u64)> {
+        self.kv.take_events()
     }
 
     /// The KV of reserved request `id` started to arrive (its lease still runs).

@@ -164,6 +164,10 @@ impl worker::Role for Prefiller {
         }
     }
 
+    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+        self.engine.take_kv_events()
+    }
+
     fn load(&self) -> WorkerLoad {
         let l = WorkerLoad {
             prompt_tokens_per_s: self.capacity as f32,

@@ -70,6 +70,13 @@ pub struct RouterSection {
     /// prefilled there instead of on the prefill pool (0: only prompts of one token).
     #[serde(default)]
     pub local_prefill_max_tokens: u32,
+    /// How workers are picked: `kv` (cache-aware), `least-loaded` or `round-robin`.
+    #[serde(default = "default_policy")]
+    pub policy: Spanned<String>,
+}
+
+fn default_policy() -> Spanned<String> {
+    Spanned::new(0..0, "kv".into())
 }
 
 fn default_listen() -> Spanned<String> {
@@ -85,6 +92,7 @@ impl Default for RouterSection {
             listen: default_listen(),
             control: default_control(),
             local_prefill_max_tokens: 0,
+            policy: default_policy(),
         }
     }
 }
@@ -353,6 +361,14 @@ impl ClusterConfig {
         ctx.positive(&cfg.model.block_size, "model.block_size")?;
         ctx.addr(&cfg.router.listen, "router.listen")?;
         ctx.addr(&cfg.router.control, "router.control")?;
+        let policy = cfg.router.policy.get_ref();
+        if !["kv", "least-loaded", "round-robin"].contains(&policy.as_str()) {
+            return ctx.err(
+                cfg.router.policy.span(),
+                "router.policy",
+                format!("{policy:?} is not a routing policy (kv, least-loaded, round-robin)"),
+            );
+        }
         for (name, pool) in [
             ("prefill", cfg.prefill.as_ref()),
             ("decode", Some(&cfg.decode)),

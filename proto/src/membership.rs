@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::grpc::control_client::ControlClient;
-use crate::grpc::{Heartbeat, JoinRequest, WorkerLoad};
+use crate::grpc::{Heartbeat, JoinRequest};
 
 /// Why a worker could not join.
 #[derive(Debug, thiserror::Error)]
@@ -17,14 +17,15 @@ pub enum JoinError {
 }
 
 /// Joins the router at `router` (e.g. `http://127.0.0.1:8001`), retrying while it is not up
-/// yet for up to `wait`, then heartbeats every `period` with what `stats` reports, re-joining if
-/// the router forgets the worker. Returns once joined; heartbeats continue in the background.
+/// yet for up to `wait`, then heartbeats every `period` with what `beat(resync)` builds (the
+/// router asked for a KV snapshot when `resync`), re-joining if the router forgets the worker.
+/// Returns once joined; heartbeats continue in the background.
 pub async fn join(
     router: String,
     request: JoinRequest,
     wait: Duration,
     period: Duration,
-    load: impl Fn() -> WorkerLoad + Send + 'static,
+    mut beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
 ) -> Result<u64, JoinError> {
     let deadline = tokio::time::Instant::now() + wait;
     let (mut client, id) = loop {
@@ -50,21 +51,25 @@ pub async fn join(
         }
     };
     tokio::spawn(async move {
-        let mut id = id;
+        let (mut id, mut resync) = (id, false);
+        let mut ticks = tokio::time::interval(period);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            tokio::time::sleep(period).await;
-            let beat = Heartbeat {
+            ticks.tick().await;
+            let b = Heartbeat {
                 worker_id: id,
-                load: Some(load()),
+                ..beat(resync)
             };
-            match client.beat(beat).await {
-                Ok(_) => {}
+            match client.beat(b).await {
+                Ok(r) => resync = r.into_inner().resync,
                 Err(s) if s.code() == tonic::Code::NotFound => {
                     if let Ok(r) = client.join(request.clone()).await {
                         id = r.into_inner().worker_id;
                     }
+                    // A new membership: the router knows nothing of this worker's cache.
+                    resync = true;
                 }
-                Err(_) => {}
+                Err(_) => resync = true,
             }
         }
     });

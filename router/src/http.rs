@@ -523,6 +523,7 @@ pub async fn not_found(uri: axum::http::Uri) -> Response {
 /// counters by transport, and every joined worker's last reported load (one gauge per
 /// `WorkerLoad` field).
 pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
+    metrics::gauge!("tandem_router_kv_index_blocks").set(state.registry.indexed_blocks() as f64);
     for w in state.registry.workers() {
         let labels = [("worker", w.name.clone()), ("role", w.pool.to_string())];
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);

@@ -9,10 +9,12 @@
 
 pub mod actuator;
 pub mod http;
+pub mod kv_index;
 pub mod openai;
 pub mod planner;
 pub mod registry;
 pub mod request;
+pub mod routing;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -45,6 +47,8 @@ pub struct RouterConfig {
     /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
     /// tokens.
     pub local_prefill_max_tokens: u32,
+    /// How workers are picked.
+    pub policy: routing::Policy,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
@@ -97,6 +101,8 @@ pub struct State {
     pub signals: Arc<planner::Signals>,
     /// How long a request may wait for a decode worker with room before it is refused.
     pub admission_wait: Duration,
+    /// The seed of the model's KV block names (for the KV index).
+    pub block_seed: u64,
     /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
     /// tokens (conditional disaggregation).
     pub local_prefill_max_tokens: u32,
@@ -116,6 +122,7 @@ impl State {
         disaggregated: bool,
         window: Duration,
     ) -> State {
+        let block_seed = engine::block_hash::identity_seed(config, registry.block_size());
         State {
             registry,
             tokenizer,
@@ -125,6 +132,7 @@ impl State {
             disaggregated,
             signals: Arc::new(planner::Signals::new(window)),
             admission_wait: Duration::from_secs(30),
+            block_seed,
             local_prefill_max_tokens: 0,
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
@@ -193,7 +201,7 @@ pub async fn run(
 ) -> Result<(), RouterError> {
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
-    let registry = Registry::new(identity);
+    let registry = Registry::configured(identity, Duration::from_secs(2), cfg.policy);
     let window = cfg
         .scaling
         .iter()
@@ -307,6 +315,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "Requests the router has in flight on a worker.",
     ),
     ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
+    ("tandem_router_kv_index_blocks", Gauge, "Blocks in the router's KV index (one entry per block per worker caching it)."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
     ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),

@@ -15,6 +15,9 @@ use serde::{Serialize, Serializer};
 use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
+use crate::kv_index::KvIndex;
+use crate::routing::{self, Candidate, Policy};
+
 /// One joined worker.
 #[derive(Debug, Clone, Serialize)]
 pub struct Worker {
@@ -43,6 +46,9 @@ pub struct Worker {
     /// Requests the router has in flight on it.
     #[serde(serialize_with = "count")]
     pub in_flight: Arc<AtomicUsize>,
+    /// Prefill: prompt tokens the router sent it that are not done yet.
+    #[serde(serialize_with = "count64")]
+    pub queued_tokens: Arc<AtomicU64>,
     #[serde(skip)]
     last_beat: Instant,
 }
@@ -53,6 +59,10 @@ fn offers<S: Serializer>(o: &[KvOffer], s: S) -> Result<S::Ok, S::Error> {
 
 fn count<S: Serializer>(n: &Arc<AtomicUsize>, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_u64(n.load(Ordering::SeqCst) as u64)
+}
+
+fn count64<S: Serializer>(n: &Arc<AtomicU64>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_u64(n.load(Ordering::SeqCst))
 }
 
 impl Worker {
@@ -67,15 +77,40 @@ impl Worker {
     }
 }
 
-/// Counts a request against a worker's load while alive. (Its end wakes nobody: room on a
-/// worker is what its next heartbeat reports, and a refused request dropping its own guard
-/// must not wake itself.)
-pub struct InFlight(Arc<AtomicUsize>);
+/// Counts a request (and, on a prefill worker, its prompt tokens) against a worker's load while
+/// alive. (Its end wakes nobody: room on a worker is what its next heartbeat reports, and a
+/// refused request dropping its own guard must not wake itself.)
+pub struct InFlight {
+    n: Arc<AtomicUsize>,
+    tokens: Arc<AtomicU64>,
+    queued: u64,
+}
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
+        self.n.fetch_sub(1, Ordering::SeqCst);
+        self.tokens.fetch_sub(self.queued, Ordering::SeqCst);
     }
+}
+
+/// What routing a request needs to know of it.
+#[derive(Debug, Clone, Default)]
+pub struct Route {
+    /// The names of the prompt's whole blocks ([`engine::block_hash::prompt_hashes`]) the
+    /// worker could hold; empty when the policy does not look at caches.
+    pub blocks: Vec<u64>,
+    /// Prompt tokens a prefill worker would compute without its cache.
+    pub prompt_tokens: usize,
+}
+
+/// A worker chosen for a request.
+pub struct Picked {
+    /// The worker.
+    pub worker: Worker,
+    /// Counts the request against it until dropped.
+    pub guard: InFlight,
+    /// Prompt tokens it holds in its cache, by the index.
+    pub cached_tokens: usize,
 }
 
 /// All joined workers.
@@ -84,6 +119,10 @@ pub struct Registry {
     next_id: AtomicU64,
     workers: Mutex<HashMap<u64, Worker>>,
     changed: watch::Sender<u64>,
+    index: Mutex<KvIndex>,
+    policy: Policy,
+    /// Round-robin counters: prefill, decode.
+    turns: [AtomicUsize; 2],
     /// A worker that misses heartbeats this long is dropped.
     pub timeout: Duration,
 }
@@ -97,13 +136,36 @@ impl Registry {
 
     /// [`Registry::new`] dropping workers silent for `timeout`.
     pub fn with_timeout(identity: ModelIdentity, timeout: Duration) -> Arc<Registry> {
+        Registry::configured(identity, timeout, Policy::Kv)
+    }
+
+    /// A registry dropping workers silent for `timeout` and routing by `policy`.
+    pub fn configured(identity: ModelIdentity, timeout: Duration, policy: Policy) -> Arc<Registry> {
         Arc::new(Registry {
             identity,
             next_id: AtomicU64::new(1),
             workers: Mutex::new(HashMap::new()),
             changed: watch::Sender::new(0),
+            index: Mutex::new(KvIndex::default()),
+            policy,
+            turns: Default::default(),
             timeout,
         })
+    }
+
+    /// Tokens per KV block in this cluster.
+    pub fn block_size(&self) -> usize {
+        self.identity.block_size as usize
+    }
+
+    /// How this registry routes.
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    /// Block entries in the KV index (one per block per worker holding it).
+    pub fn indexed_blocks(&self) -> usize {
+        self.index.lock().expect("index lock").len()
     }
 
     /// A receiver that sees every change from now on (joins, heartbeats, removals): what a
@@ -137,20 +199,56 @@ impl Registry {
             .count()
     }
 
-    /// The least-loaded live worker of `pool` not in `exclude`, counted as in flight until the
-    /// guard drops.
-    pub fn pick(&self, pool: Pool, exclude: &[u64]) -> Option<(Worker, InFlight)> {
+    /// The live worker of `pool` not in `exclude` that the policy chooses for `route`,
+    /// counted as in flight (with its prompt tokens, on a prefill worker) until the guard drops.
+    pub fn pick(&self, pool: Pool, exclude: &[u64], route: &Route) -> Option<Picked> {
         self.prune();
+        let overlap = if self.policy == Policy::Kv {
+            self.index
+                .lock()
+                .expect("index lock")
+                .overlap(&route.blocks)
+        } else {
+            HashMap::new()
+        };
+        let bs = self.identity.block_size as usize;
         let ws = self.lock();
-        let w = ws
+        let mut cands: Vec<&Worker> = ws
             .values()
             .filter(|w| w.pool == pool && !w.draining && !exclude.contains(&w.id))
-            .min_by_key(|w| {
-                let queued = w.load.waiting + w.load.pending_transfers;
-                (w.in_flight() + queued as usize, w.id)
-            })?;
+            .collect();
+        cands.sort_by_key(|w| w.id);
+        let c: Vec<Candidate> = cands
+            .iter()
+            .map(|w| Candidate {
+                load: w.in_flight() + (w.load.waiting + w.load.pending_transfers) as usize,
+                cached: overlap.get(&w.id).copied().unwrap_or(0) * bs,
+                queued_tokens: w.queued_tokens.load(Ordering::SeqCst),
+                rate: w.load.prompt_tokens_per_s as f64,
+            })
+            .collect();
+        let turn = self.turns[(pool == Pool::Decode) as usize].fetch_add(1, Ordering::SeqCst);
+        let i = match pool {
+            Pool::Decode => routing::decode(self.policy, &c, turn),
+            Pool::Prefill => routing::prefill(self.policy, &c, route.prompt_tokens, turn),
+        }?;
+        let w = cands[i];
+        let queued = match pool {
+            Pool::Prefill => route.prompt_tokens.saturating_sub(c[i].cached) as u64,
+            Pool::Decode => 0,
+        };
         w.in_flight.fetch_add(1, Ordering::SeqCst);
-        Some((w.clone(), InFlight(w.in_flight.clone())))
+        w.queued_tokens.fetch_add(queued, Ordering::SeqCst);
+        let guard = InFlight {
+            n: w.in_flight.clone(),
+            tokens: w.queued_tokens.clone(),
+            queued,
+        };
+        Some(Picked {
+            worker: w.clone(),
+            guard,
+            cached_tokens: c[i].cached,
+        })
     }
 
     /// Counts a KV transfer made by worker `id` and keeps its timings.
@@ -168,9 +266,10 @@ impl Registry {
         }
     }
 
-    /// Forgets a worker at once (e.g. its connection broke).
+    /// Forgets a worker at once (e.g. its connection broke), and its cache.
     pub fn remove(&self, id: u64) {
         if self.lock().remove(&id).is_some() {
+            self.index.lock().expect("index lock").remove_worker(id);
             tracing::warn!(worker = id, "worker removed");
             self.touch();
         }
@@ -180,13 +279,18 @@ impl Registry {
         let mut ws = self.lock();
         let timeout = self.timeout;
         let before = ws.len();
+        let mut gone = Vec::new();
         ws.retain(|id, w| {
             let alive = w.last_beat.elapsed() < timeout;
             if !alive {
                 tracing::warn!(worker = id, name = %w.name, "worker missed its heartbeats; dropped");
+                gone.push(*id);
             }
             alive
         });
+        let mut index = self.index.lock().expect("index lock");
+        gone.into_iter().for_each(|id| index.remove_worker(id));
+        drop(index);
         if ws.len() != before {
             drop(ws);
             self.touch();
@@ -232,6 +336,7 @@ impl Registry {
                 ..Default::default()
             },
             in_flight: Arc::new(AtomicUsize::new(0)),
+            queued_tokens: Arc::new(AtomicU64::new(0)),
             last_beat: Instant::now(),
         };
         tracing::info!(worker = id, %pool, name = %w.name, endpoint = %w.endpoint, "worker joined");
@@ -240,8 +345,9 @@ impl Registry {
         Ok(id)
     }
 
-    /// Records a heartbeat; `NOT_FOUND` for a worker this router does not know (it joins again).
-    pub fn beat(&self, b: Heartbeat) -> Result<(), Status> {
+    /// Records a heartbeat and its KV events; `NOT_FOUND` for a worker this router does not
+    /// know (it joins again). `true` when the KV index wants a snapshot of its cache.
+    pub fn beat(&self, b: Heartbeat) -> Result<bool, Status> {
         let mut ws = self.lock();
         let w = ws
             .get_mut(&b.worker_id)
@@ -249,8 +355,16 @@ impl Registry {
         w.load = b.load.unwrap_or_default();
         w.last_beat = Instant::now();
         drop(ws);
+        let resync = match &b.kv {
+            Some(kv) => self
+                .index
+                .lock()
+                .expect("index lock")
+                .apply(b.worker_id, kv),
+            None => false,
+        };
         self.touch();
-        Ok(())
+        Ok(resync)
     }
 }
 
@@ -265,7 +379,7 @@ impl Control for ControlService {
     }
 
     async fn beat(&self, req: Request<Heartbeat>) -> Result<Response<HeartbeatReply>, Status> {
-        self.0.beat(req.into_inner())?;
-        Ok(Response::new(HeartbeatReply {}))
+        let resync = self.0.beat(req.into_inner())?;
+        Ok(Response::new(HeartbeatReply { resync }))
     }
 }

@@ -30,7 +30,8 @@ use tokio::task::JoinHandle;
 use tonic::{Status, Streaming};
 
 use crate::openai::ApiError;
-use crate::registry::{InFlight, Worker};
+use crate::registry::{InFlight, Picked, Route, Worker};
+use crate::routing::Policy;
 use crate::State;
 
 /// A generated token and, on the last one, why generation ended.
@@ -92,7 +93,9 @@ pub struct Started {
 /// any output can still become an HTTP status.
 pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams) -> Started {
     let (tx, mut rest) = mpsc::channel(64);
+    let route = route(state, &prompt);
     let run = Request {
+        route,
         id: state.next_request_id(),
         disaggregated: prompt.len() >= 2 && state.registry.count(Pool::Prefill) > 0,
         state: state.clone(),
@@ -131,7 +134,25 @@ struct PrefillCall {
     task: JoinHandle<Result<grpc::PrefillReply, Status>>,
 }
 
+/// What the routing policy needs of a prompt: its blocks' names (under the `kv` policy) and
+/// the tokens a prefill would compute.
+fn route(state: &State, prompt: &[u32]) -> Route {
+    let known = &prompt[..prompt.len().saturating_sub(1)];
+    let blocks = match state.registry.policy() {
+        Policy::Kv => {
+            let bs = state.registry.block_size();
+            engine::block_hash::prompt_hashes(state.block_seed, bs, known)
+        }
+        _ => Vec::new(),
+    };
+    Route {
+        blocks,
+        prompt_tokens: known.len(),
+    }
+}
+
 struct Request {
+    route: Route,
     state: Arc<State>,
     id: u64,
     prompt: Vec<u32>,
@@ -201,7 +222,11 @@ impl Request {
                 .filter(|w| refused.get(&w.id).is_some_and(|&at| w.last_beat() <= at))
                 .map(|w| w.id)
                 .collect();
-            if let Some((w, guard)) = self.state.registry.pick(Pool::Decode, &stale) {
+            let picked = self.state.registry.pick(Pool::Decode, &stale, &self.route);
+            if let Some(Picked {
+                worker: w, guard, ..
+            }) = picked
+            {
                 match self.open(&w).await {
                     Ok(opened) => return self.reserved(w, guard, opened),
                     Err(s) => match Cause::of(&s) {
@@ -304,7 +329,11 @@ impl Request {
     /// Sends the prompt (less its last token) to the least-loaded prefill worker, whose KV goes
     /// straight to the decode worker — all but the first `skip` tokens, which it holds.
     fn start_prefill(&mut self, skip: u32) -> Phase {
-        let Some((pw, guard)) = self.state.registry.pick(Pool::Prefill, &[]) else {
+        let picked = self.state.registry.pick(Pool::Prefill, &[], &self.route);
+        let Some(Picked {
+            worker: pw, guard, ..
+        }) = picked
+        else {
             return Phase::Recomputing(ApiError::Unavailable(
                 "no prefill worker has joined the cluster".into(),
             ));

@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use proto::grpc::{self, JoinRequest, KvOffer};
 use proto::Pool;
 use router::openai::ApiError;
-use router::registry::Registry;
+use router::registry::{Registry, Route};
 use router::request::{self, Started};
 use router::State;
 use serde_json::{json, Value};
@@ -241,6 +241,7 @@ async fn a_request_waits_for_room_and_is_woken_by_a_heartbeat() {
     let beat = grpc::Heartbeat {
         worker_id: id,
         load: Some(grpc::WorkerLoad::default()),
+        kv: None,
     };
     st.registry.beat(beat).unwrap();
     let (out, end, phases) = waiting.await.unwrap();
@@ -359,20 +360,20 @@ async fn the_registry_refuses_other_protocols_and_models_and_picks_the_least_loa
         join_at(&st, Pool::Decode, "http://a"),
         join_at(&st, Pool::Decode, "http://b"),
     );
-    let (w1, _g1) = st.registry.pick(Pool::Decode, &[]).unwrap();
-    let (w2, _g2) = st.registry.pick(Pool::Decode, &[]).unwrap();
-    assert_eq!(
-        (w1.id, w2.id),
-        (a, b),
-        "the second pick goes to the idle worker"
-    );
-    assert!(st.registry.pick(Pool::Decode, &[a, b]).is_none());
+    let any = Route::default();
+    let p1 = st.registry.pick(Pool::Decode, &[], &any).unwrap();
+    let p2 = st.registry.pick(Pool::Decode, &[], &any).unwrap();
+    let mut ids = [p1.worker.id, p2.worker.id];
+    ids.sort();
+    assert_eq!(ids, [a, b], "the second pick goes to the idle worker");
+    assert!(st.registry.pick(Pool::Decode, &[a, b], &any).is_none());
     st.registry.set_draining(a);
     assert_eq!(st.registry.count(Pool::Decode), 1);
     assert_eq!(st.registry.count(Pool::Prefill), 0);
     let beat = grpc::Heartbeat {
         worker_id: 999,
         load: None,
+        kv: None,
     };
     assert_eq!(
         st.registry.beat(beat).unwrap_err().code(),
@@ -556,4 +557,73 @@ async fn health_models_and_debug_workers() {
         "live stats from the Worker service"
     );
     assert_eq!(ws[0]["kv_offers"][0][0], "tcp");
+}
+
+// Routing by the KV index.
+
+/// Tells the registry, as worker `id`'s heartbeat would, that its cache holds `prompt`'s blocks.
+fn cached_on(st: &State, id: u64, prompt: &[u32]) {
+    let blocks = engine::block_hash::prompt_hashes(st.block_seed, 16, &prompt[..prompt.len() - 1]);
+    let kv = grpc::KvEvents {
+        first: 0,
+        next: blocks.len() as u64,
+        hashes: blocks,
+        stored: Vec::new(),
+        snapshot: true,
+    };
+    let beat = grpc::Heartbeat {
+        worker_id: id,
+        load: Some(grpc::WorkerLoad::default()),
+        kv: Some(kv),
+    };
+    assert!(
+        !st.registry.beat(beat).unwrap(),
+        "a snapshot needs no resync"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_goes_to_the_decode_worker_caching_its_prefix_unless_it_is_busy() {
+    let st = state(Duration::from_secs(5));
+    let fakes: Vec<Fake> = (0..3)
+        .map(|_| Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default()))
+        .collect();
+    let mut ids = Vec::new();
+    for f in &fakes {
+        ids.push(join(&st, Pool::Decode, f).await);
+    }
+    let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
+    cached_on(&st, ids[1], &prompt);
+    assert_eq!(st.registry.indexed_blocks(), 2);
+    let params = SamplingParams::greedy(1);
+    for _ in 0..3 {
+        finish(request::start(&st, prompt.clone(), &params).await)
+            .await
+            .1
+            .unwrap();
+    }
+    let asked = |f: &Fake| f.seen.lock().unwrap().generate.len();
+    assert_eq!(
+        fakes.iter().map(asked).collect::<Vec<_>>(),
+        [0, 3, 0],
+        "all to the cache"
+    );
+    // Busy beyond the slack: the next request goes to an idle worker.
+    let any = Route::default();
+    let held: Vec<_> = (0..3)
+        .map(|_| {
+            st.registry
+                .pick(Pool::Decode, &[ids[0], ids[2]], &any)
+                .unwrap()
+        })
+        .collect();
+    finish(request::start(&st, prompt.clone(), &params).await)
+        .await
+        .1
+        .unwrap();
+    assert_eq!(asked(&fakes[1]), 3, "not piled onto the busy worker");
+    drop(held);
+    // A worker that leaves takes its index entries with it.
+    st.registry.remove(ids[1]);
+    assert_eq!(st.registry.indexed_blocks(), 0);
 }

@@ -9,6 +9,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use proto::grpc::WorkerLoad;
+
+use crate::kv_log::KvLog;
 use tokio::sync::oneshot;
 use tonic::Status;
 
@@ -33,6 +35,10 @@ pub trait Role: Send + 'static {
     fn expire(&mut self, _now: Instant) {}
     /// The load to report (heartbeats, `Stats`), with the role's gauges updated.
     fn load(&self) -> WorkerLoad;
+    /// Prefix-cache blocks registered (`true`) or forgotten since the last call, by name.
+    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+        Vec::new()
+    }
 }
 
 enum Command<C> {
@@ -52,6 +58,7 @@ pub struct EngineHandle<C> {
     tx: mpsc::Sender<Command<C>>,
     load: Arc<Mutex<WorkerLoad>>,
     live: Option<Live>,
+    kv: Arc<Mutex<KvLog>>,
 }
 
 impl<C> Clone for EngineHandle<C> {
@@ -60,6 +67,7 @@ impl<C> Clone for EngineHandle<C> {
             tx: self.tx.clone(),
             load: self.load.clone(),
             live: self.live.clone(),
+            kv: self.kv.clone(),
         }
     }
 }
@@ -104,6 +112,12 @@ impl<C: Send + 'static> EngineHandle<C> {
         l
     }
 
+    /// What the next heartbeat tells the router's KV index, after it has events before `from`
+    /// (see [`KvLog::since`]).
+    pub fn kv_events(&self, from: u64, resync: bool) -> proto::grpc::KvEvents {
+        self.kv.lock().expect("kv log lock").since(from, resync)
+    }
+
     /// This handle, filling figures kept outside the engine thread (e.g. a prefill worker's
     /// transfers in flight) into every load it reports.
     pub fn with_live(mut self, live: impl Fn(&mut WorkerLoad) + Send + Sync + 'static) -> Self {
@@ -116,15 +130,17 @@ impl<C: Send + 'static> EngineHandle<C> {
 pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(Mutex::new(role.load()));
-    let l = load.clone();
+    let kv = Arc::new(Mutex::new(KvLog::default()));
+    let (l, k) = (load.clone(), kv.clone());
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || run(role, rx, l))
+        .spawn(move || run(role, rx, l, k))
         .expect("engine thread starts");
     EngineHandle {
         tx,
         load,
         live: None,
+        kv,
     }
 }
 
@@ -145,7 +161,12 @@ fn next<C>(rx: &mpsc::Receiver<C>, busy: bool, deadline: Option<Instant>) -> Res
     }
 }
 
-fn run<R: Role>(mut role: R, rx: mpsc::Receiver<Command<R::Cmd>>, load: Arc<Mutex<WorkerLoad>>) {
+fn run<R: Role>(
+    mut role: R,
+    rx: mpsc::Receiver<Command<R::Cmd>>,
+    load: Arc<Mutex<WorkerLoad>>,
+    kv: Arc<Mutex<KvLog>>,
+) {
     let mut draining = false;
     while let Ok(first) = next(&rx, role.has_work(), role.deadline()) {
         for cmd in first
@@ -168,6 +189,10 @@ fn run<R: Role>(mut role: R, rx: mpsc::Receiver<Command<R::Cmd>>, load: Arc<Mute
             role.step();
         }
         *load.lock().expect("load lock") = role.load();
+        let events = role.kv_events();
+        if !events.is_empty() {
+            kv.lock().expect("kv log lock").push(events);
+        }
     }
 }
 

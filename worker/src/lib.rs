@@ -12,6 +12,7 @@
 //!   gRPC status.
 
 pub mod engine_thread;
+pub mod kv_log;
 pub mod service;
 
 use std::net::SocketAddr;
@@ -174,13 +175,25 @@ pub async fn serve<C: Send + 'static>(
         kv_blocks_total: s.engine.num_blocks as u32,
         metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
     };
-    let load = engine.clone();
+    let handle = engine.clone();
+    // The first KV event the router does not have yet.
+    let mut sent = 0;
+    let beat = move |resync: bool| {
+        let kv = handle.kv_events(sent, resync);
+        sent = kv.next;
+        grpc::Heartbeat {
+            worker_id: 0,
+            load: Some(handle.load()),
+            kv: Some(kv),
+        }
+    };
+    let period = Duration::from_millis(250);
     let id = proto::membership::join(
         s.router.clone(),
         join,
         Duration::from_secs(60),
-        Duration::from_millis(250),
-        move || load.load(),
+        period,
+        beat,
     )
     .await?;
     tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);

@@ -1,0 +1,55 @@
+//! The prefix cache's block hashes: a full block of tokens is named by a hash chained over its
+//! parent block's hash and its own tokens, seeded by the model's KV identity. Workers register
+//! their cached blocks under these names and report them; the router computes the same names
+//! for a prompt to know, per worker, how much of it is already cached. Stable across processes
+//! and machines.
+
+use crate::ModelConfig;
+
+/// The hash chain's value before the first block.
+pub const ROOT: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// The hash of a block with these `tokens` after a block hashed `parent`, for a model whose
+/// identity hashes to `seed`. Stable across processes and machines (FNV-1a, then a mixer), so
+/// that every worker and the router agree.
+pub fn chain(seed: u64, parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = ROOT ^ seed;
+    for word in [parent as u32, (parent >> 32) as u32]
+        .into_iter()
+        .chain(tokens.iter().copied())
+    {
+        for b in word.to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    // splitmix64's finaliser: spreads the low bits FNV leaves weak.
+    h ^= h >> 30;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 27;
+    h = h.wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The seed of a model's chain: a hash of its identity's text.
+pub fn seed(identity: &str) -> u64 {
+    let tokens: Vec<u32> = identity.bytes().map(u32::from).collect();
+    chain(0, 0, &tokens)
+}
+
+/// The chain's seed for a model of this shape with KV blocks of `block_size` tokens: blocks of
+/// two models or layouts never share a name.
+pub fn identity_seed(config: &ModelConfig, block_size: usize) -> u64 {
+    seed(&format!("{:?}", crate::identity_of(config, block_size)))
+}
+
+/// The names of the whole blocks of `tokens`, in order.
+pub fn prompt_hashes(seed: u64, block_size: usize, tokens: &[u32]) -> Vec<u64> {
+    let mut parent = ROOT;
+    tokens
+        .chunks_exact(block_size)
+        .map(|b| {
+            parent = chain(seed, parent, b);
+            parent
+        })
+        .collect()
+}

@@ -1,0 +1,177 @@
+//! The cluster-wide KV index: which worker's prefix cache holds which block, by the block's
+//! name (the chained hash of `engine::block_hash`), fed by the workers' numbered events in
+//! their heartbeats. A gap in a worker's numbers (a lost heartbeat) asks it for a snapshot; a
+//! worker that leaves takes its entries with it. Memory is bounded by the blocks actually
+//! cached.
+
+use std::collections::{HashMap, HashSet};
+
+use proto::grpc::KvEvents;
+
+#[derive(Debug, Default)]
+struct Held {
+    /// The next event number expected; `None` until a snapshot arrives.
+    next: Option<u64>,
+    blocks: HashSet<u64>,
+}
+
+/// The index.
+#[derive(Debug, Default)]
+pub struct KvIndex {
+    /// Block name → workers holding it.
+    holders: HashMap<u64, Vec<u64>>,
+    workers: HashMap<u64, Held>,
+}
+
+impl KvIndex {
+    /// Applies worker `w`'s events; `true` when the index missed some and wants a snapshot.
+    pub fn apply(&mut self, w: u64, ev: &KvEvents) -> bool {
+        if ev.snapshot {
+            self.remove_worker(w);
+            for &h in &ev.hashes {
+                self.store(w, h);
+            }
+            self.workers.entry(w).or_default().next = Some(ev.next);
+            return false;
+        }
+        let held = self.workers.entry(w).or_default();
+        if held.next != Some(ev.first) {
+            // Missed events (or none seen yet): what is known of this worker may be stale.
+            return true;
+        }
+        held.next = Some(ev.next);
+        for (&h, &stored) in ev.hashes.iter().zip(&ev.stored) {
+            if stored {
+                self.store(w, h);
+            } else {
+                self.forget(w, h);
+            }
+        }
+        false
+    }
+
+    fn store(&mut self, w: u64, h: u64) {
+        if self.workers.entry(w).or_default().blocks.insert(h) {
+            self.holders.entry(h).or_default().push(w);
+        }
+    }
+
+    fn forget(&mut self, w: u64, h: u64) {
+        let held = self.workers.entry(w).or_default();
+        if !held.blocks.remove(&h) {
+            return;
+        }
+        if let Some(ws) = self.holders.get_mut(&h) {
+            ws.retain(|&x| x != w);
+            if ws.is_empty() {
+                self.holders.remove(&h);
+            }
+        }
+    }
+
+    /// Forgets everything worker `w` held (it left).
+    pub fn remove_worker(&mut self, w: u64) {
+        let Some(held) = self.workers.remove(&w) else {
+            return;
+        };
+        for h in held.blocks {
+            if let Some(ws) = self.holders.get_mut(&h) {
+                ws.retain(|&x| x != w);
+                if ws.is_empty() {
+                    self.holders.remove(&h);
+                }
+            }
+        }
+    }
+
+    /// For each worker holding the first of `blocks` (a prompt's block names, in order), how
+    /// many leading blocks it holds.
+    pub fn overlap(&self, blocks: &[u64]) -> HashMap<u64, usize> {
+        let mut out: HashMap<u64, usize> = HashMap::new();
+        let Some(first) = blocks.first().and_then(|h| self.holders.get(h)) else {
+            return out;
+        };
+        let mut live: Vec<u64> = first.clone();
+        for (i, h) in blocks.iter().enumerate() {
+            let holders = self.holders.get(h);
+            live.retain(|w| {
+                let keep = holders.is_some_and(|hs| hs.contains(w));
+                if !keep {
+                    out.insert(*w, i);
+                }
+                keep
+            });
+            if live.is_empty() {
+                return out;
+            }
+        }
+        for w in live {
+            out.insert(w, blocks.len());
+        }
+        out
+    }
+
+    /// Block entries in all (one per block per worker holding it).
+    pub fn len(&self) -> usize {
+        self.workers.values().map(|h| h.blocks.len()).sum()
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn events(first: u64, ev: &[(bool, u64)]) -> KvEvents {
+        KvEvents {
+            first,
+            hashes: ev.iter().map(|e| e.1).collect(),
+            stored: ev.iter().map(|e| e.0).collect(),
+            snapshot: false,
+            next: first + ev.len() as u64,
+        }
+    }
+
+    fn snapshot(next: u64, hashes: &[u64]) -> KvEvents {
+        KvEvents {
+            first: next,
+            hashes: hashes.to_vec(),
+            stored: Vec::new(),
+            snapshot: true,
+            next,
+        }
+    }
+
+    #[test]
+    fn events_overlap_gaps_and_leaving() {
+        let mut ix = KvIndex::default();
+        assert!(
+            ix.apply(1, &events(0, &[(true, 10)])),
+            "no snapshot yet: resync"
+        );
+        assert!(!ix.apply(1, &snapshot(0, &[])));
+        assert!(!ix.apply(1, &events(0, &[(true, 10), (true, 11), (true, 12)])));
+        assert!(!ix.apply(2, &snapshot(5, &[10, 11])));
+        let o = ix.overlap(&[10, 11, 12, 13]);
+        assert_eq!((o[&1], o[&2]), (3, 2));
+        assert!(!ix.apply(1, &events(3, &[(false, 11)])));
+        assert_eq!(
+            ix.overlap(&[10, 11, 12])[&1],
+            1,
+            "a forgotten block ends the run"
+        );
+        assert!(
+            ix.apply(2, &events(9, &[(true, 12)])),
+            "events 5..9 were missed"
+        );
+        assert_eq!(ix.overlap(&[10, 11])[&2], 2, "nothing applied past the gap");
+        ix.remove_worker(2);
+        assert!(!ix.overlap(&[10]).contains_key(&2));
+        assert_eq!(ix.len(), 2);
+        assert!(ix.overlap(&[99]).is_empty());
+    }
+}

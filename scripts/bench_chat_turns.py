@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""Prefix cache on the real CPU engine (issue 12, acceptance 5): an 8-turn chat through a
+disaggregated cluster (1 prefill + 1 decode worker); each turn's time to first token beside the
+same prompt sent to the same cluster with `prefix_cache = false` (cold), side by side in one run.
+
+Each turn's prompt is the whole conversation so far (the chat template's rendering of every
+earlier message and answer), so turn k repeats turn k-1's prompt and answer: with the cache,
+the prefill worker computes only what it has not seen and the decode worker is sent only the
+blocks it lacks. TTFT is measured by the client, from sending to the first streamed token.
+
+    cargo build --release && python3 scripts/bench_chat_turns.py [--conversations 3]
+"""
+import argparse
+import http.client
+import json
+import os
+import re
+import statistics
+import subprocess
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+EXE = os.path.join(ROOT, "target", "release", "tandem")
+TOPICS = ["rivers", "bridges", "volcanoes", "libraries", "bicycles", "forests", "harbours", "clocks"]
+
+
+def config(cache):
+    pools = f"threads = 1\nkv_blocks = 1024\nmax_batch_tokens = 512\nprefix_cache = {str(cache).lower()}\n"
+    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+            f"[prefill]\nreplicas = 1\n{pools}[decode]\nreplicas = 1\n{pools}"
+            '[kv_transfer]\nprefer = ["tcp"]\n')
+
+
+def start(cache):
+    d = tempfile.mkdtemp(prefix="tandem-chat-")
+    cfg = os.path.join(d, "cluster.toml")
+    open(cfg, "w").write(config(cache))
+    up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+    addr = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
+    return up, addr
+
+
+def chat(addr, messages):
+    """Streams one chat completion; returns (TTFT seconds, answer text)."""
+    host, port = addr.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=300)
+    body = json.dumps({"messages": messages, "temperature": 0, "max_tokens": 48, "stream": True})
+    t0 = time.perf_counter()
+    c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+    r = c.getresponse()
+    assert r.status == 200, r.read()
+    ttft, text = None, ""
+    for line in r:
+        line = line.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        delta = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+        if delta and ttft is None:
+            ttft = time.perf_counter() - t0
+        text += delta
+    c.close()
+    return ttft, text
+
+
+def turn_text(conv, k):
+    topic = TOPICS[(conv + k) % len(TOPICS)]
+    return (f"Turn {k}. Tell me three short facts about {topic}, then one sentence on how "
+            f"{topic} changed between the years 1800 and 1900, and end with a question for me. "
+            "Keep every fact under twenty words and do not repeat earlier answers. " * 2)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--conversations", type=int, default=3)
+    ap.add_argument("--turns", type=int, default=8)
+    a = ap.parse_args()
+    warm_up, warm = start(True)
+    cold_up, cold = start(False)
+    rows = []
+    try:
+        for conv in range(a.conversations):
+            messages, ttfts = [], []
+            for k in range(a.turns):
+                messages.append({"role": "user", "content": turn_text(conv, k)})
+                t, answer = chat(warm, messages)
+                ttfts.append(t)
+                last = list(messages)
+                messages.append({"role": "assistant", "content": answer})
+            cold_t, _ = chat(cold, last)
+            rows.append((ttfts, cold_t))
+            print(f"conversation {conv}: warm TTFT by turn (ms) "
+                  + " ".join(f"{t * 1e3:.0f}" for t in ttfts)
+                  + f"; last prompt cold {cold_t * 1e3:.0f} ms "
+                  + f"= {ttfts[-1] / cold_t:.0%} of cold")
+    finally:
+        for p in (warm_up, cold_up):
+            p.terminate()
+            p.wait()
+    ratios = [r[0][-1] / r[1] for r in rows]
+    print(f"last turn's TTFT over the cold TTFT of the same prompt: median {statistics.median(ratios):.0%}, "
+          f"worst {max(ratios):.0%} ({len(rows)} conversations of {a.turns} turns)")
+
+
+if __name__ == "__main__":
+    main()
