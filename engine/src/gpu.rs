@@ -106,30 +106,9 @@ impl Forward for GpuForward {
         self.upload(kv, c.n_layers, table, n)
     }
 
-    fn forward(
-        &self,
-        c: &ModelConfig,
-        kv: &mut KvCache,
-        batch: &[SeqChunk<'_>],
-        sink: Option<LayerSink<'_>>,
-    ) -> Result<Vec<Option<Vec<f32>>>> {
-        self.step(c, kv, batch, sink)
-    }
-}
-
-impl GpuForward {
-    /// `weights` to run on `gpu`.
-    pub fn new(weights: Weights, gpu: Arc<Gpu>) -> GpuForward {
-        GpuForward {
-            weights,
-            gpu,
-            pool: Mutex::new(None),
-        }
-    }
-
     /// One step on the GPU. With `on_layer`, the host `kv` receives the step's keys and values
     /// layer by layer (each layer's copy waits for the device); without, they stay on the device.
-    fn step(
+    fn forward(
         &self,
         c: &ModelConfig,
         kv: &mut KvCache,
@@ -227,6 +206,17 @@ impl GpuForward {
             .into_iter()
             .map(|(want, _)| want.then(|| rows.next().expect("counted above").to_vec()))
             .collect())
+    }
+}
+
+impl GpuForward {
+    /// `weights` to run on `gpu`.
+    pub fn new(weights: Weights, gpu: Arc<Gpu>) -> GpuForward {
+        GpuForward {
+            weights,
+            gpu,
+            pool: Mutex::new(None),
+        }
     }
 
     /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
