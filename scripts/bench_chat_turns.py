@@ -64,6 +64,17 @@ def chat(addr, messages):
     return ttft, text
 
 
+def prefill_counts(addr):
+    """The prefill worker's (prompt tokens, prefix-cache hit tokens) since it started."""
+    host, port = addr.rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=30)
+    c.request("GET", "/debug/workers")
+    ws = json.loads(c.getresponse().read())["workers"]
+    c.close()
+    p = [w["stats"] for w in ws if w["role"] == "prefill"][0]
+    return p["prompt_tokens"], p["prefix_hit_tokens"]
+
+
 def turn_text(conv, k):
     topic = TOPICS[(conv + k) % len(TOPICS)]
     return (f"Turn {k}. Tell me three short facts about {topic}, then one sentence on how "
@@ -84,16 +95,20 @@ def main():
             messages, ttfts = [], []
             for k in range(a.turns):
                 messages.append({"role": "user", "content": turn_text(conv, k)})
+                before = prefill_counts(warm)
                 t, answer = chat(warm, messages)
+                after = prefill_counts(warm)
                 ttfts.append(t)
                 last = list(messages)
                 messages.append({"role": "assistant", "content": answer})
             cold_t, _ = chat(cold, last)
+            prompt, hit = after[0] - before[0], after[1] - before[1]
             rows.append((ttfts, cold_t))
             print(f"conversation {conv}: warm TTFT by turn (ms) "
                   + " ".join(f"{t * 1e3:.0f}" for t in ttfts)
                   + f"; last prompt cold {cold_t * 1e3:.0f} ms "
-                  + f"= {ttfts[-1] / cold_t:.0%} of cold")
+                  + f"= {ttfts[-1] / cold_t:.0%} of cold; the last turn's prefill computed "
+                  + f"{prompt - hit} of {prompt} prompt tokens ({(prompt - hit) / prompt:.0%})")
     finally:
         for p in (warm_up, cold_up):
             p.terminate()
