@@ -10,19 +10,15 @@ use crate::ModelConfig;
 pub const ROOT: u64 = 0xcbf2_9ce4_8422_2325;
 
 /// The hash of a block with these `tokens` after a block hashed `parent`, for a model whose
-/// identity hashes to `seed`. Stable across processes and machines (FNV-1a, then a mixer), so
-/// that every worker and the router agree.
+/// identity hashes to `seed`. Stable across processes and machines (a word-at-a-time
+/// multiply-rotate, then splitmix64's finaliser), so that every worker and the router agree.
+/// A match is only a routing hint at the router; a worker compares the tokens too.
 pub fn chain(seed: u64, parent: u64, tokens: &[u32]) -> u64 {
     let mut h = ROOT ^ seed;
-    for word in [parent as u32, (parent >> 32) as u32]
-        .into_iter()
-        .chain(tokens.iter().copied())
-    {
-        for b in word.to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    }
-    // splitmix64's finaliser: spreads the low bits FNV leaves weak.
+    let mut mix = |w: u64| h = (h ^ w).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    mix(parent);
+    tokens.iter().for_each(|&t| mix(t as u64));
+    let mut h = h ^ tokens.len() as u64;
     h ^= h >> 30;
     h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
     h ^= h >> 27;
