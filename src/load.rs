@@ -238,6 +238,17 @@ async fn one(
     o
 }
 
+/// Prompt tokens the cluster's engines admitted and of those found in their prefix caches,
+/// summed over the workers (`/debug/workers`); `None` from an endpoint that is not a tandem
+/// router.
+async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<(u64, u64)> {
+    let url = format!("http://{addr}/debug/workers");
+    let v: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
+    let ws = v["workers"].as_array()?;
+    let sum = |k: &str| ws.iter().map(|w| w["stats"][k].as_u64().unwrap_or(0)).sum::<u64>();
+    Some((sum("prompt_tokens"), sum("prefix_hit_tokens")))
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -260,10 +271,12 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
+    let sent_prompt: usize = planned.iter().map(|p| p.prompt.len()).sum();
+    let http = reqwest::Client::new();
+    let before = rt.block_on(cache_counts(&http, addr));
     let (outcomes, elapsed) = rt.block_on(async {
         let t0 = Instant::now();
         let mut tasks = Vec::new();
-        let http = reqwest::Client::new();
         for p in planned {
             let (model, http) = (a.model.clone(), http.clone());
             tasks.push(tokio::spawn(async move {
@@ -277,6 +290,9 @@ pub fn run(a: LoadArgs) -> Result<()> {
         }
         (out, t0.elapsed())
     });
+    let after = rt.block_on(cache_counts(&http, addr));
+    // The engines' prompt tokens and prefix-cache hits over the run (a tandem router only).
+    let cache = before.zip(after).map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();
@@ -294,7 +310,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let secs = elapsed.as_secs_f64();
     // The report's schema is versioned by `format` and documented in README.md.
     let report = serde_json::json!({
-        "format": "tandem-bench-load/1",
+        "format": "tandem-bench-load/2",
         "requests": outcomes.len(), "completed": ok.len(), "errors": outcomes.len() - ok.len(),
         "duration_s": secs, "output_tokens_per_s": tokens as f64 / secs, "requests_per_s": ok.len() as f64 / secs,
         "goodput_requests_per_s": good as f64 / secs,
@@ -304,6 +320,9 @@ pub fn run(a: LoadArgs) -> Result<()> {
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p90": pct(&mut itl, 0.9), "p99": pct(&mut itl, 0.99)},
         "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
+        "prompt_tokens_sent": sent_prompt,
+        "prefix_hit_ratio": cache.map(|(p, h)| if p == 0 { 0.0 } else { h as f64 / p as f64 }),
+        "computed_prompt_ratio": cache.map(|(p, h)| (p - h) as f64 / sent_prompt.max(1) as f64),
     });
     println!(
         "requests {} completed {} errors {} in {secs:.1} s",
@@ -321,6 +340,15 @@ pub fn run(a: LoadArgs) -> Result<()> {
             r["p50"].as_f64().unwrap_or(f64::NAN),
             r["p90"].as_f64().unwrap_or(f64::NAN),
             r["p99"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    if let Some((p, h)) = cache {
+        println!(
+            "prefix cache: {h} of {p} prompt tokens the engines admitted were cached ({:.1}%); \
+             they computed {} of the {sent_prompt} sent ({:.1}%)",
+            100.0 * h as f64 / p.max(1) as f64,
+            p - h,
+            100.0 * (p - h) as f64 / sent_prompt.max(1) as f64
         );
     }
     if let Some(e) = report["first_error"].as_str() {

@@ -241,6 +241,8 @@ impl Engine {
             .ok_or_else(|| EngineError::InvalidRequest(format!("no request {id} is reserved")))?;
         let seq = self.awaiting.remove(i);
         self.ledger.commit(id);
+        self.prompt_tokens += seq.prompt_len as u64;
+        self.prefix_hit_tokens += seq.computed as u64;
         self.waiting.push_front(seq);
         Ok(())
     }

@@ -1,0 +1,80 @@
+#!/usr/bin/env python3
+"""Prefix reuse on the shared Mooncake conversation trace (issue 12, acceptance 2): the mock
+engine with H200-like timings, 2 prefill + 2 decode workers, the same trace slice replayed with
+`policy = "kv"`, `"round-robin"` and with the prefix cache off, beside the floor of computed
+prompt tokens from an ideal cache of the prefill pool's size (scripts/ideal_cache.py).
+
+    cargo build --release && python3 scripts/bench_prefix_trace.py [--requests 400]
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+EXE = os.path.join(ROOT, "target", "release", "tandem")
+TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
+def config(policy, cache, a):
+    pool = (f"replicas = 2\nthreads = 1\nmax_batch_tokens = 2048\n"
+            f'prefix_cache = {str(cache).lower()}\nengine = "mock"\n')
+    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\npolicy = "{policy}"\n'
+            f'[prefill]\n{pool}kv_blocks = {a.prefill_blocks}\n[prefill.mock]\npreset = "h200-llama8b"\n'
+            f'[decode]\n{pool}kv_blocks = {a.decode_blocks}\n[decode.mock]\npreset = "h200-llama8b"\n'
+            '[kv_transfer]\nprefer = ["tcp"]\n')
+
+
+def run(policy, cache, a):
+    d = tempfile.mkdtemp(prefix="tandem-prefix-")
+    cfg = os.path.join(d, "cluster.toml")
+    open(cfg, "w").write(config(policy, cache, a))
+    up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
+                          stderr=subprocess.DEVNULL, text=True)
+    try:
+        http = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
+        out = os.path.join(d, "load.json")
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", a.trace,
+                        "--requests", str(a.requests), "--time-scale", str(a.time_scale),
+                        "--length-scale", str(a.length_scale), "--ttft-slo-ms", "200",
+                        "--itl-slo-ms", "50", "--json", out],
+                       check=True, stdout=subprocess.DEVNULL)
+        return json.load(open(out))
+    finally:
+        up.send_signal(2)
+        try:
+            up.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            up.kill()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--trace", default=TRACE)
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--length-scale", type=float, default=0.05)
+    ap.add_argument("--prefill-blocks", type=int, default=4096, help="KV blocks per prefill worker")
+    ap.add_argument("--decode-blocks", type=int, default=4096, help="KV blocks per decode worker")
+    a = ap.parse_args()
+    floor = json.loads(subprocess.run(
+        ["python3", os.path.join(ROOT, "scripts", "ideal_cache.py"), "--trace", a.trace,
+         "--requests", str(a.requests), "--length-scale", str(a.length_scale),
+         "--capacity-blocks", str(2 * a.prefill_blocks), "--json", "/dev/stdout"],
+        check=True, capture_output=True, text=True).stdout.split("\n", 1)[1])
+    print(f"floor (ideal cache of the prefill pool, {2 * a.prefill_blocks} blocks): computed "
+          f"{floor['floor_computed_ratio']:.1%} of {floor['prompt_tokens_sent']} prompt tokens, "
+          f"hit ratio {floor['floor_prefix_hit_ratio']:.1%}")
+    print("| cluster | prefix-hit ratio | computed / sent | over the floor | goodput req/s | TTFT p90 ms | errors |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for policy, cache in (("kv", True), ("round-robin", True), ("kv", False)):
+        r = run(policy, cache, a)
+        name = f"policy = {policy}" + ("" if cache else ", prefix cache off")
+        computed = r["computed_prompt_ratio"]
+        print(f"| {name} | {r['prefix_hit_ratio']:.1%} | {computed:.1%} | "
+              f"{computed / floor['floor_computed_ratio']:.3f}x | {r['goodput_requests_per_s']:.2f} | "
+              f"{r['ttft_ms']['p90']:.0f} | {r['errors']} |")
+
+
+if __name__ == "__main__":
+    main()
