@@ -245,7 +245,11 @@ async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<(u64, 
     let url = format!("http://{addr}/debug/workers");
     let v: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
     let ws = v["workers"].as_array()?;
-    let sum = |k: &str| ws.iter().map(|w| w["stats"][k].as_u64().unwrap_or(0)).sum::<u64>();
+    let sum = |k: &str| {
+        ws.iter()
+            .map(|w| w["stats"][k].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
     Some((sum("prompt_tokens"), sum("prefix_hit_tokens")))
 }
 
@@ -292,7 +296,9 @@ pub fn run(a: LoadArgs) -> Result<()> {
     });
     let after = rt.block_on(cache_counts(&http, addr));
     // The engines' prompt tokens and prefix-cache hits over the run (a tandem router only).
-    let cache = before.zip(after).map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
+    let cache = before
+        .zip(after)
+        .map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();

@@ -27,7 +27,10 @@ fn main() {
             let tokens: Vec<u32> = system
                 .iter()
                 .copied()
-                .chain((0..12 * BLOCK as u32).map(|i| 10_000 + w as u32 * 10_000_000 + conv * 1_000 + i))
+                .chain(
+                    (0..12 * BLOCK as u32)
+                        .map(|i| 10_000 + w as u32 * 10_000_000 + conv * 1_000 + i),
+                )
                 .collect();
             hashes.extend(engine::block_hash::prompt_hashes(seed, BLOCK, &tokens));
         }
@@ -42,7 +45,11 @@ fn main() {
         };
         index.apply(w, &snapshot);
     }
-    println!("index: {} block entries over {WORKERS} workers, built in {:?}", index.len(), t0.elapsed());
+    println!(
+        "index: {} block entries over {WORKERS} workers, built in {:?}",
+        index.len(),
+        t0.elapsed()
+    );
     // An 8,000-token prompt: worker 7's conversation 3 (16 blocks), then new tokens.
     let prompt: Vec<u32> = system
         .iter()

@@ -203,7 +203,9 @@ async fn a_full_worker_is_skipped_for_one_with_room() {
     let full_id = join(&st, Pool::Decode, &full).await;
     join(&st, Pool::Decode, &room).await;
     // One request already on the worker with room: the idle, full one is asked first.
-    let busy = st.registry.pick(Pool::Decode, &[full_id], &Route::default());
+    let busy = st
+        .registry
+        .pick(Pool::Decode, &[full_id], &Route::default());
     let (out, end, phases) = run(&st).await;
     drop(busy);
     assert_eq!((out, end.is_ok()), (vec![3], true));
@@ -293,7 +295,9 @@ async fn an_unreachable_worker_is_dropped_and_another_serves() {
     let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
     join(&st, Pool::Decode, &d).await;
     // One request already on the live worker: the idle, dead one is tried first.
-    let busy = st.registry.pick(Pool::Decode, &[dead_id], &Route::default());
+    let busy = st
+        .registry
+        .pick(Pool::Decode, &[dead_id], &Route::default());
     let (out, end, _) = run(&st).await;
     drop(busy);
     assert_eq!((out, end.is_ok()), (vec![1], true));
