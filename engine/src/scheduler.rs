@@ -550,7 +550,9 @@ impl Engine {
             front.chain = (front.table.blocks().len(), last);
         }
         let need = front.prompt_len + front.max_tokens;
-        if self.kv.reserve(&mut front.table, need).is_err() {
+        let computing = fresh && self.prefix_seed.is_some() && self.prefix_in_progress();
+        let front = self.waiting.front_mut().expect("checked above");
+        if computing || self.kv.reserve(&mut front.table, need).is_err() {
             if fresh {
                 // Wait without holding shared blocks; the lookup runs again next time.
                 self.kv.release(std::mem::take(&mut front.table));
@@ -566,6 +568,26 @@ impl Engine {
         self.running
             .push(self.waiting.pop_front().expect("front exists"));
         true
+    }
+
+    /// Whether a running sequence is computing the block that follows the first waiting
+    /// request's cached prefix (the same tokens from the start, not registered yet): the
+    /// request waits for it rather than compute the same blocks twice (a hot prefix under
+    /// chunked prefill).
+    fn prefix_in_progress(&self) -> bool {
+        let Some(front) = self.waiting.front() else {
+            return false;
+        };
+        let bs = self.kv.block_size();
+        let k = front.table.blocks().len();
+        let end = (k + 1) * bs;
+        if end >= front.prompt_len {
+            return false;
+        }
+        let want = &front.tokens[..end];
+        self.running
+            .iter()
+            .any(|r| r.chain.0 <= k && r.computed < end && r.tokens.get(..end) == Some(want))
     }
 
     fn step_inner(

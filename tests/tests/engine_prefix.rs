@@ -172,3 +172,29 @@ fn a_delta_transfer_carries_only_the_tokens_the_decode_engine_lacks() {
     }
     assert_eq!(decode.free_blocks(), decode.total_blocks());
 }
+
+#[test]
+fn a_prefix_being_computed_is_waited_for_not_computed_twice() {
+    let (model, tok) = load_model();
+    let stops = tok.stop_ids().to_vec();
+    let params = SamplingParams::greedy(6);
+    let system = user_turn(42, 64);
+    let prompts: Vec<Vec<u32>> = (0..3u32)
+        .map(|k| system.iter().copied().chain(user_turn(k, 10)).collect())
+        .collect();
+    // Steps of 16 tokens: the shared 64 take four steps to compute.
+    let chunked = EngineConfig {
+        max_batch_tokens: 16,
+        ..cold(true, 64)
+    };
+    let mut e = Engine::new(model.clone(), chunked, stops.clone()).unwrap();
+    for (i, p) in prompts.iter().enumerate() {
+        e.add(i as u64, p.clone(), params.clone()).unwrap();
+    }
+    let got = e.run_to_completion().unwrap();
+    assert_eq!(e.load().prefix_hit_tokens, 2 * 64, "the later two found the prefix cached");
+    for (i, p) in prompts.iter().enumerate() {
+        let mut off = Engine::new(model.clone(), cold(false, 64), stops.clone()).unwrap();
+        assert_eq!(got[&(i as u64)], generate(&mut off, 0, p, &params), "request {i}");
+    }
+}
