@@ -192,9 +192,17 @@ fn a_prefix_being_computed_is_waited_for_not_computed_twice() {
         e.add(i as u64, p.clone(), params.clone()).unwrap();
     }
     let got = e.run_to_completion().unwrap();
-    assert_eq!(e.load().prefix_hit_tokens, 2 * 64, "the later two found the prefix cached");
+    assert_eq!(
+        e.load().prefix_hit_tokens,
+        2 * 64,
+        "the later two found the prefix cached"
+    );
     for (i, p) in prompts.iter().enumerate() {
         let mut off = Engine::new(model.clone(), cold(false, 64), stops.clone()).unwrap();
-        assert_eq!(got[&(i as u64)], generate(&mut off, 0, p, &params), "request {i}");
+        assert_eq!(
+            got[&(i as u64)],
+            generate(&mut off, 0, p, &params),
+            "request {i}"
+        );
     }
 }
