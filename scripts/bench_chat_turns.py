@@ -11,17 +11,14 @@ blocks it lacks. TTFT is measured by the client, from sending to the first strea
     cargo build --release && python3 scripts/bench_chat_turns.py [--conversations 3]
 """
 import argparse
+import contextlib
 import http.client
 import json
-import os
-import re
 import statistics
-import subprocess
-import tempfile
 import time
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-EXE = os.path.join(ROOT, "target", "release", "tandem")
+from tandem_cluster import cluster, worker_stats
+
 TOPICS = ["rivers", "bridges", "volcanoes", "libraries", "bicycles", "forests", "harbours", "clocks"]
 
 
@@ -30,16 +27,6 @@ def config(cache):
     return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
             f"[prefill]\nreplicas = 1\n{pools}[decode]\nreplicas = 1\n{pools}"
             '[kv_transfer]\nprefer = ["tcp"]\n')
-
-
-def start(cache):
-    d = tempfile.mkdtemp(prefix="tandem-chat-")
-    cfg = os.path.join(d, "cluster.toml")
-    open(cfg, "w").write(config(cache))
-    up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-    addr = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
-    return up, addr
 
 
 def chat(addr, messages):
@@ -66,13 +53,8 @@ def chat(addr, messages):
 
 def prefill_counts(addr):
     """The prefill worker's (prompt tokens, prefix-cache hit tokens) since it started."""
-    host, port = addr.rsplit(":", 1)
-    c = http.client.HTTPConnection(host, int(port), timeout=30)
-    c.request("GET", "/debug/workers")
-    ws = json.loads(c.getresponse().read())["workers"]
-    c.close()
-    p = [w["stats"] for w in ws if w["role"] == "prefill"][0]
-    return p["prompt_tokens"], p["prefix_hit_tokens"]
+    s = next(s for _, role, s in worker_stats(addr) if role == "prefill")
+    return s["prompt_tokens"], s["prefix_hit_tokens"]
 
 
 def turn_text(conv, k):
@@ -87,10 +69,10 @@ def main():
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=8)
     a = ap.parse_args()
-    warm_up, warm = start(True)
-    cold_up, cold = start(False)
     rows = []
-    try:
+    with contextlib.ExitStack() as stack:
+        warm, _ = stack.enter_context(cluster(config(True), "tandem-chat-"))
+        cold, _ = stack.enter_context(cluster(config(False), "tandem-chat-"))
         for conv in range(a.conversations):
             messages, ttfts = [], []
             for k in range(a.turns):
@@ -109,10 +91,6 @@ def main():
                   + f"; last prompt cold {cold_t * 1e3:.0f} ms "
                   + f"= {ttfts[-1] / cold_t:.0%} of cold; the last turn's prefill computed "
                   + f"{prompt - hit} of {prompt} prompt tokens ({(prompt - hit) / prompt:.0%})")
-    finally:
-        for p in (warm_up, cold_up):
-            p.terminate()
-            p.wait()
     ratios = [r[0][-1] / r[1] for r in rows]
     print(f"last turn's TTFT over the cold TTFT of the same prompt: median {statistics.median(ratios):.0%}, "
           f"worst {max(ratios):.0%} ({len(rows)} conversations of {a.turns} turns)")

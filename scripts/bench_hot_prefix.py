@@ -10,15 +10,13 @@ The requests are a Mooncake-format trace written here (hash ids 0-3 are the syst
     cargo build --release && python3 scripts/bench_hot_prefix.py [--rate 40]
 """
 import argparse
-import http.client
 import json
 import os
-import re
 import subprocess
 import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-EXE = os.path.join(ROOT, "target", "release", "tandem")
+from tandem_cluster import EXE, cluster, worker_stats
+
 SYSTEM = 2048
 
 
@@ -29,42 +27,21 @@ def config(policy, a):
             'engine = "mock"\n[decode.mock]\npreset = "h200-llama8b"\n')
 
 
-def workers(addr):
-    host, port = addr.rsplit(":", 1)
-    c = http.client.HTTPConnection(host, int(port), timeout=30)
-    c.request("GET", "/debug/workers")
-    ws = json.loads(c.getresponse().read())["workers"]
-    c.close()
-    return sorted(((w["name"], w["stats"]) for w in ws), key=lambda x: x[0])
-
-
 def run(policy, a, trace):
-    d = tempfile.mkdtemp(prefix="tandem-hot-")
-    cfg = os.path.join(d, "cluster.toml")
-    open(cfg, "w").write(config(policy, a))
-    up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-    try:
-        addr = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
+    with cluster(config(policy, a), "tandem-hot-") as (addr, d):
+        out = os.path.join(d, "load.json")
         subprocess.run([EXE, "bench", "load", "--addr", addr, "--trace", trace, "--requests",
-                        str(a.requests), "--json", os.path.join(d, "load.json")],
-                       check=True, stdout=subprocess.DEVNULL)
+                        str(a.requests), "--json", out], check=True, stdout=subprocess.DEVNULL)
         prompt = SYSTEM + 64
         rows = []
-        for name, s in workers(addr):
+        for name, _, s in worker_stats(addr):
             requests = s["prompt_tokens"] // prompt
             computed = s["prompt_tokens"] - s["prefix_hit_tokens"]
             # Each request computes its own 64-token question (plus the partial block before
             # it); what exceeds that is the shared prefix computed again.
             prefix_runs = round((computed - requests * 64) / SYSTEM)
             rows.append((name, requests, prefix_runs))
-        return rows, json.load(open(os.path.join(d, "load.json")))
-    finally:
-        up.send_signal(2)
-        try:
-            up.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            up.kill()
+        return rows, json.load(open(out))
 
 
 def main():

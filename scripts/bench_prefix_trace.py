@@ -9,12 +9,10 @@ prompt tokens from an ideal cache of the prefill pool's size (scripts/ideal_cach
 import argparse
 import json
 import os
-import re
 import subprocess
-import tempfile
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-EXE = os.path.join(ROOT, "target", "release", "tandem")
+from tandem_cluster import EXE, ROOT, cluster
+
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 def config(policy, cache, a):
     pool = (f"replicas = 2\nthreads = 1\nmax_batch_tokens = 2048\n"
@@ -26,13 +24,7 @@ def config(policy, cache, a):
 
 
 def run(policy, cache, a):
-    d = tempfile.mkdtemp(prefix="tandem-prefix-")
-    cfg = os.path.join(d, "cluster.toml")
-    open(cfg, "w").write(config(policy, cache, a))
-    up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
-                          stderr=subprocess.DEVNULL, text=True)
-    try:
-        http = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
+    with cluster(config(policy, cache, a), "tandem-prefix-") as (http, d):
         out = os.path.join(d, "load.json")
         subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", a.trace,
                         "--requests", str(a.requests), "--time-scale", str(a.time_scale),
@@ -40,12 +32,6 @@ def run(policy, cache, a):
                         "--itl-slo-ms", "50", "--json", out],
                        check=True, stdout=subprocess.DEVNULL)
         return json.load(open(out))
-    finally:
-        up.send_signal(2)
-        try:
-            up.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            up.kill()
 
 
 def main():
