@@ -192,8 +192,12 @@ pub fn router(a: RoleArgs) -> Result<()> {
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
         local_prefill_max_tokens: cfg.router.local_prefill_max_tokens,
-        policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
-            .expect("validated with the config"),
+        local_prefill_busy_max_tokens: cfg.router.local_prefill_busy_max_tokens,
+        routing: router::routing::Routing {
+            policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
+                .expect("validated with the config"),
+            prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
+        },
         scaling: scaling(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.

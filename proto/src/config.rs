@@ -70,9 +70,22 @@ pub struct RouterSection {
     /// prefilled there instead of on the prefill pool (0: only prompts of one token).
     #[serde(default)]
     pub local_prefill_max_tokens: u32,
+    /// A prompt whose uncached rest on its decode worker is at most this many tokens is also
+    /// prefilled there when that takes less time than the prefill pool's predicted wait (the
+    /// tokens queued on its least-queued worker); 0: never.
+    #[serde(default)]
+    pub local_prefill_busy_max_tokens: u32,
     /// How workers are picked: `kv` (cache-aware), `least-loaded` or `round-robin`.
     #[serde(default = "default_policy")]
     pub policy: Spanned<String>,
+    /// `kv`: a prefill worker caching more of the prompt is preferred while its estimated time
+    /// to first token is within this many milliseconds of the best worker's.
+    #[serde(default = "default_prefill_slack_ms")]
+    pub prefill_slack_ms: u64,
+}
+
+fn default_prefill_slack_ms() -> u64 {
+    50
 }
 
 fn default_policy() -> Spanned<String> {
@@ -92,7 +105,9 @@ impl Default for RouterSection {
             listen: default_listen(),
             control: default_control(),
             local_prefill_max_tokens: 0,
+            local_prefill_busy_max_tokens: 0,
             policy: default_policy(),
+            prefill_slack_ms: default_prefill_slack_ms(),
         }
     }
 }

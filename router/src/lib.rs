@@ -47,8 +47,11 @@ pub struct RouterConfig {
     /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
     /// tokens.
     pub local_prefill_max_tokens: u32,
+    /// Prefill on the decode worker, when the prompt's uncached rest there is at most this many
+    /// tokens, if computing it there takes less than the prefill pool's predicted wait (0: never).
+    pub local_prefill_busy_max_tokens: u32,
     /// How workers are picked.
-    pub policy: routing::Policy,
+    pub routing: routing::Routing,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
@@ -106,6 +109,9 @@ pub struct State {
     /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
     /// tokens (conditional disaggregation).
     pub local_prefill_max_tokens: u32,
+    /// ... and, up to this many uncached tokens, when that is sooner than the prefill pool's
+    /// predicted wait (0: never).
+    pub local_prefill_busy_max_tokens: u32,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -134,6 +140,7 @@ impl State {
             admission_wait: Duration::from_secs(30),
             block_seed,
             local_prefill_max_tokens: 0,
+            local_prefill_busy_max_tokens: 0,
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
@@ -201,7 +208,7 @@ pub async fn run(
 ) -> Result<(), RouterError> {
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
-    let registry = Registry::configured(identity, Duration::from_secs(2), cfg.policy);
+    let registry = Registry::configured(identity, Duration::from_secs(2), cfg.routing);
     let window = cfg
         .scaling
         .iter()
@@ -217,6 +224,7 @@ pub async fn run(
         window,
     );
     state.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
+    state.local_prefill_busy_max_tokens = cfg.local_prefill_busy_max_tokens;
     let state = Arc::new(state);
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 
 use crate::kv_index::KvIndex;
-use crate::routing::{self, Candidate, Policy};
+use crate::routing::{self, Candidate, Policy, Routing};
 
 /// One joined worker.
 #[derive(Debug, Clone, Serialize)]
@@ -120,7 +120,7 @@ pub struct Registry {
     workers: Mutex<HashMap<u64, Worker>>,
     changed: watch::Sender<u64>,
     index: Mutex<KvIndex>,
-    policy: Policy,
+    routing: Routing,
     /// Round-robin counters: prefill, decode.
     turns: [AtomicUsize; 2],
     /// A worker that misses heartbeats this long is dropped.
@@ -136,18 +136,22 @@ impl Registry {
 
     /// [`Registry::new`] dropping workers silent for `timeout`.
     pub fn with_timeout(identity: ModelIdentity, timeout: Duration) -> Arc<Registry> {
-        Registry::configured(identity, timeout, Policy::Kv)
+        Registry::configured(identity, timeout, Routing::default())
     }
 
-    /// A registry dropping workers silent for `timeout` and routing by `policy`.
-    pub fn configured(identity: ModelIdentity, timeout: Duration, policy: Policy) -> Arc<Registry> {
+    /// A registry dropping workers silent for `timeout` and routing by `routing`.
+    pub fn configured(
+        identity: ModelIdentity,
+        timeout: Duration,
+        routing: Routing,
+    ) -> Arc<Registry> {
         Arc::new(Registry {
             identity,
             next_id: AtomicU64::new(1),
             workers: Mutex::new(HashMap::new()),
             changed: watch::Sender::new(0),
             index: Mutex::new(KvIndex::default()),
-            policy,
+            routing,
             turns: Default::default(),
             timeout,
         })
@@ -160,7 +164,7 @@ impl Registry {
 
     /// How this registry routes.
     pub fn policy(&self) -> Policy {
-        self.policy
+        self.routing.policy
     }
 
     /// Block entries in the KV index (one per block per worker holding it).
@@ -199,11 +203,11 @@ impl Registry {
             .count()
     }
 
-    /// The live worker of `pool` not in `exclude` that the policy chooses for `route`,
-    /// counted as in flight (with its prompt tokens, on a prefill worker) until the guard drops.
-    pub fn pick(&self, pool: Pool, exclude: &[u64], route: &Route) -> Option<Picked> {
+    /// The live workers of `pool` not in `exclude` (by id) and what the policy weighs of each
+    /// for `route`.
+    fn candidates(&self, pool: Pool, exclude: &[u64], route: &Route) -> (Vec<u64>, Vec<Candidate>) {
         self.prune();
-        let overlap = if self.policy == Policy::Kv {
+        let overlap = if self.routing.policy == Policy::Kv {
             self.index
                 .lock()
                 .expect("index lock")
@@ -213,12 +217,12 @@ impl Registry {
         };
         let bs = self.identity.block_size as usize;
         let ws = self.lock();
-        let mut cands: Vec<&Worker> = ws
+        let mut ws: Vec<&Worker> = ws
             .values()
             .filter(|w| w.pool == pool && !w.draining && !exclude.contains(&w.id))
             .collect();
-        cands.sort_by_key(|w| w.id);
-        let c: Vec<Candidate> = cands
+        ws.sort_by_key(|w| w.id);
+        let c = ws
             .iter()
             .map(|w| Candidate {
                 load: w.in_flight() + (w.load.waiting + w.load.pending_transfers) as usize,
@@ -227,12 +231,20 @@ impl Registry {
                 rate: w.load.prompt_tokens_per_s as f64,
             })
             .collect();
+        (ws.iter().map(|w| w.id).collect(), c)
+    }
+
+    /// The live worker of `pool` not in `exclude` that the policy chooses for `route`,
+    /// counted against it (in flight, and for a prefill its queued tokens) until the guard is
+    /// dropped.
+    pub fn pick(&self, pool: Pool, exclude: &[u64], route: &Route) -> Option<Picked> {
+        let (ids, c) = self.candidates(pool, exclude, route);
         let turn = self.turns[(pool == Pool::Decode) as usize].fetch_add(1, Ordering::SeqCst);
         let i = match pool {
-            Pool::Decode => routing::decode(self.policy, &c, turn),
-            Pool::Prefill => routing::prefill(self.policy, &c, route.prompt_tokens, turn),
+            Pool::Decode => routing::decode(self.routing.policy, &c, turn),
+            Pool::Prefill => routing::prefill(&self.routing, &c, route.prompt_tokens, turn),
         }?;
-        let w = cands[i];
+        let w = self.lock().get(&ids[i])?.clone();
         let queued = match pool {
             Pool::Prefill => route.prompt_tokens.saturating_sub(c[i].cached) as u64,
             Pool::Decode => 0,
@@ -245,10 +257,20 @@ impl Registry {
             queued,
         };
         Some(Picked {
-            worker: w.clone(),
+            worker: w,
             guard,
             cached_tokens: c[i].cached,
         })
+    }
+
+    /// The prefill pool's predicted wait: the least time any prefill worker needs for the
+    /// tokens already queued on it, with that worker's rate (tokens/s); `None` without one.
+    pub fn prefill_wait(&self) -> Option<(Duration, f64)> {
+        let (_, c) = self.candidates(Pool::Prefill, &[], &Route::default());
+        c.iter()
+            .map(|x| (x.wait_s(), x.rate_or_default()))
+            .min_by(|a, b| a.0.total_cmp(&b.0))
+            .map(|(s, rate)| (Duration::from_secs_f64(s), rate))
     }
 
     /// Counts a KV transfer made by worker `id` and keeps its timings.

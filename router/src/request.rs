@@ -273,7 +273,7 @@ impl Request {
             prompt: self.prompt.clone(),
             params: Some(self.params.clone()),
             remote_prefill: self.remote(),
-            local_prefill_max_tokens: self.state.local_prefill_max_tokens,
+            local_prefill_max_tokens: self.local_max(w),
         };
         let channel = self.state.channel(&w.endpoint)?;
         let remote = self.remote();
@@ -303,6 +303,40 @@ impl Request {
             })
     }
 
+    /// Up to how many uncached prompt tokens decode worker `w` should prefill itself: a short
+    /// suffix always (`local_prefill_max_tokens`); more, up to `local_prefill_busy_max_tokens`,
+    /// while it would compute them sooner than the prefill pool could start on them (at the
+    /// prefill worker's rate, or the decode worker's own where it measured one).
+    fn local_max(&self, w: &Worker) -> u32 {
+        let short = self.state.local_prefill_max_tokens;
+        let cap = self.state.local_prefill_busy_max_tokens;
+        if !self.remote() || cap == 0 {
+            return short;
+        }
+        let Some((wait, prefill_rate)) = self.state.registry.prefill_wait() else {
+            return short;
+        };
+        let rate = match w.load.prompt_tokens_per_s as f64 {
+            r if r > 0.0 => r,
+            _ => prefill_rate,
+        };
+        let sooner = (wait.as_secs_f64() * rate) as u32;
+        short.max(sooner.min(cap))
+    }
+
+    /// Why a remote-capable request is prefilled where it is, from the decode worker's
+    /// reservation.
+    fn decision(&self, r: &grpc::Reservation) -> &'static str {
+        let uncached = (self.prompt.len() - 1).saturating_sub(r.cached_tokens as usize);
+        match r.local {
+            false => "remote",
+            true if uncached <= self.state.local_prefill_max_tokens as usize => {
+                "local: short suffix"
+            }
+            true => "local: prefill pool busy",
+        }
+    }
+
     fn reserved(&mut self, w: Worker, guard: InFlight, (stream, r): Opened) -> Phase {
         let now = Instant::now();
         self.reserved = Some(now);
@@ -312,8 +346,7 @@ impl Request {
         self.decode = Some((w, guard));
         self.stream = Some(stream);
         let decision = match &r {
-            Some(r) if r.local => "local: short suffix",
-            Some(_) => "remote",
+            Some(r) => self.decision(r),
             None if !self.state.disaggregated => return Phase::Decoding,
             None if self.prompt.len() < 2 => "local: short suffix",
             None => "local: no prefill worker",

@@ -10,6 +10,7 @@
 
 use std::collections::hash_map::RandomState;
 use std::hash::{BuildHasher, Hasher};
+use std::time::Duration;
 
 /// How the router picks workers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,12 +35,31 @@ impl Policy {
     }
 }
 
+/// The policy and its one parameter.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Routing {
+    /// How workers are picked.
+    pub policy: Policy,
+    /// `kv`: how much later than the best estimate a prefill worker's estimated time to first
+    /// token may be and still be chosen for its cache.
+    pub prefill_slack: Duration,
+}
+
+impl Default for Routing {
+    fn default() -> Self {
+        Routing {
+            policy: Policy::Kv,
+            prefill_slack: Duration::from_millis(50),
+        }
+    }
+}
+
 /// Requests beyond the least busy candidate's that a worker may carry and still be chosen
 /// for its cache.
 pub const BUSY_SLACK: usize = 2;
 
 /// Prompt tokens per second assumed for a prefill worker that has not measured its rate yet.
-const DEFAULT_RATE: f64 = 1000.0;
+pub const DEFAULT_RATE: f64 = 1000.0;
 
 /// One worker that could take the request.
 #[derive(Debug, Clone, Copy)]
@@ -71,23 +91,42 @@ pub fn decode(policy: Policy, c: &[Candidate], rr: usize) -> Option<usize> {
     }
 }
 
+impl Candidate {
+    /// Prefill: its measured rate, or [`DEFAULT_RATE`] before it has one.
+    pub fn rate_or_default(&self) -> f64 {
+        if self.rate > 0.0 {
+            self.rate
+        } else {
+            DEFAULT_RATE
+        }
+    }
+
+    /// Prefill: seconds until the tokens queued on it are done.
+    pub fn wait_s(&self) -> f64 {
+        self.queued_tokens as f64 / self.rate_or_default()
+    }
+
+    /// Prefill: estimated seconds to compute a prompt of `prompt` tokens here, queue included.
+    pub fn ttft_s(&self, prompt: usize) -> f64 {
+        self.wait_s() + prompt.saturating_sub(self.cached) as f64 / self.rate_or_default()
+    }
+}
+
 /// The index in `c` of the worker to prefill a prompt of `prompt` tokens.
-pub fn prefill(policy: Policy, c: &[Candidate], prompt: usize, rr: usize) -> Option<usize> {
-    if c.is_empty() {
-        return None;
+pub fn prefill(r: &Routing, c: &[Candidate], prompt: usize, rr: usize) -> Option<usize> {
+    if r.policy != Policy::Kv {
+        return decode(r.policy, c, rr);
     }
-    let ttft = |x: &Candidate| {
-        let work = prompt.saturating_sub(x.cached) as f64 + x.queued_tokens as f64;
-        work / if x.rate > 0.0 { x.rate } else { DEFAULT_RATE }
-    };
-    match policy {
-        Policy::Kv => (0..c.len()).min_by(|&a, &b| {
-            ttft(&c[a])
-                .total_cmp(&ttft(&c[b]))
+    let ttft: Vec<f64> = c.iter().map(|x| x.ttft_s(prompt)).collect();
+    let best = ttft.iter().copied().min_by(f64::total_cmp)?;
+    let within = best + r.prefill_slack.as_secs_f64();
+    (0..c.len())
+        .filter(|&i| ttft[i] <= within)
+        .min_by(|&a, &b| {
+            (c[b].cached.cmp(&c[a].cached))
+                .then(ttft[a].total_cmp(&ttft[b]))
                 .then_with(|| coin().cmp(&coin()))
-        }),
-        other => decode(other, c, rr),
-    }
+        })
 }
 
 #[cfg(test)]
@@ -125,13 +164,38 @@ mod tests {
 
     #[test]
     fn a_prefill_worker_is_chosen_by_its_estimated_ttft() {
+        let kv = Routing::default();
         let mut a = cand(0, 1024);
         a.queued_tokens = 4000; // holds most of the prompt, but a long queue
         let mut b = cand(0, 0);
         b.rate = 2000.0;
-        assert_eq!(prefill(Policy::Kv, &[a, b], 1100, 0), Some(1));
+        assert_eq!(prefill(&kv, &[a, b], 1100, 0), Some(1));
         a.queued_tokens = 0;
-        assert_eq!(prefill(Policy::Kv, &[a, b], 1100, 0), Some(0));
-        assert_eq!(prefill(Policy::Kv, &[], 10, 0), None);
+        assert_eq!(prefill(&kv, &[a, b], 1100, 0), Some(0));
+        assert_eq!(prefill(&kv, &[], 10, 0), None);
+    }
+
+    #[test]
+    fn a_prefill_worker_caching_the_prompt_wins_within_the_slack() {
+        let kv = Routing::default(); // 50 ms
+        let mut cached = cand(0, 1024);
+        let idle = cand(0, 0);
+        // Idle: 1.1 s; cached: 76 ms of its own after 60 ms queued.
+        cached.queued_tokens = 60;
+        assert!(cached.ttft_s(1100) < idle.ttft_s(1100));
+        assert_eq!(prefill(&kv, &[idle, cached], 1100, 0), Some(1));
+        // A short prompt: the idle worker's estimate is 20 ms, the cached one's 84 ms (80 ms
+        // queued), beyond the slack: the idle one takes it.
+        let mut busy = cand(0, 16);
+        busy.queued_tokens = 80;
+        assert_eq!(prefill(&kv, &[busy, cand(0, 0)], 20, 0), Some(1));
+        // Within the slack, the one holding more of the prompt wins even if a bit later.
+        busy.queued_tokens = 20;
+        assert_eq!(prefill(&kv, &[busy, cand(0, 0)], 20, 0), Some(0));
+        let none = Routing {
+            prefill_slack: Duration::ZERO,
+            ..kv
+        };
+        assert_eq!(prefill(&none, &[busy, cand(0, 0)], 20, 0), Some(1));
     }
 }

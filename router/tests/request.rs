@@ -25,6 +25,11 @@ const PROMPT: [u32; 6] = [1, 2, 3, 4, 5, 6];
 
 /// A router state over the default model's tokenizer, with no worker yet.
 fn state(admission_wait: Duration) -> Arc<State> {
+    state_with(admission_wait, |_| {})
+}
+
+/// [`state`], with `set` changing its settings first.
+fn state_with(admission_wait: Duration, set: impl FnOnce(&mut State)) -> Arc<State> {
     let path = engine::fetch::ensure_default_model().expect("the default model");
     let (config, tokenizer) = engine::inspect(&path).expect("model metadata");
     let registry = Registry::new(engine::identity_of(&config, 16));
@@ -37,6 +42,7 @@ fn state(admission_wait: Duration) -> Arc<State> {
         Duration::from_secs(5),
     );
     s.admission_wait = admission_wait;
+    set(&mut s);
     Arc::new(s)
 }
 
@@ -141,6 +147,55 @@ async fn disaggregated_reserving_prefilling_decoding() {
         pf.prefill[0].1,
         PROMPT[..5],
         "the prompt less its last token"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_prefill_pool_leaves_the_prompt_to_its_decode_worker() {
+    let st = state_with(Duration::from_secs(5), |s| {
+        s.local_prefill_busy_max_tokens = 1000
+    });
+    let kv = Arc::new(Kv::default());
+    let d = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let p = Fake::new(tokens(&[]), PrefillScript::Deliver, kv);
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    // An idle prefill pool takes the prompt.
+    let (_, end, phases) = run(&st).await;
+    end.unwrap();
+    assert_eq!(phases, ["reserving", "prefilling", "decoding", "done"]);
+    // Its prefill call may answer after the last token: until then its tokens count as queued.
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while st.registry.workers().iter().any(|w| w.in_flight() > 0) {
+        assert!(tokio::time::Instant::now() < until, "the prefill call ends");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // 400 tokens queued on the only prefill worker (no measured rate yet: 1,000 tokens/s), i.e.
+    // 0.4 s before it could start: the decode worker may compute up to 400 tokens itself.
+    let queued = Route {
+        blocks: Vec::new(),
+        prompt_tokens: 400,
+    };
+    let held = st.registry.pick(Pool::Prefill, &[], &queued).unwrap();
+    let (out, end, phases) = run(&st).await;
+    end.unwrap();
+    assert_eq!(out, [7, 8]);
+    assert_eq!(
+        phases,
+        ["reserving", "decoding", "done"],
+        "prefilled locally"
+    );
+    drop(held);
+    let (dg, pf) = (d.seen.lock().unwrap(), p.seen.lock().unwrap());
+    assert_eq!(
+        dg.local_max,
+        [0, 400],
+        "the wait, in tokens the decode worker computes"
+    );
+    assert_eq!(
+        pf.prefill.len(),
+        1,
+        "the second prompt never reached the prefill pool"
     );
 }
 

@@ -54,6 +54,8 @@ pub enum PrefillScript {
 pub struct Seen {
     /// Generate calls: (request id, remote prefill, prompt).
     pub generate: Vec<(u64, bool, Vec<u32>)>,
+    /// Each generate call's `local_prefill_max_tokens`.
+    pub local_max: Vec<u32>,
     /// Prefill calls: (request id, tokens).
     pub prefill: Vec<(u64, Vec<u32>)>,
     /// Cancel calls: request ids.
@@ -167,11 +169,11 @@ fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
     })
 }
 
-fn reserved() -> Result<GenerateEvent, Status> {
+fn reserved(local: bool) -> Result<GenerateEvent, Status> {
     Ok(GenerateEvent {
         event: Some(generate_event::Event::Reserved(grpc::Reservation {
             cached_tokens: 0,
-            local: false,
+            local,
         })),
         finish: 0,
     })
@@ -187,7 +189,12 @@ impl Decode for Fake {
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let r = req.into_inner();
         let (id, remote) = (r.request_id, r.remote_prefill);
-        self.record(|s| s.generate.push((id, remote, r.prompt.clone())));
+        self.record(|s| {
+            s.generate.push((id, remote, r.prompt.clone()));
+            s.local_max.push(r.local_prefill_max_tokens);
+        });
+        // As a real decode worker decides (it caches nothing): the whole rest is short enough.
+        let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;
         let (tokens, lose, gap) = match self.decode.clone() {
             DecodeScript::BadRequest => return Err(Cause::BadRequest.status("scripted: bad")),
             DecodeScript::FullThen(n, t) => {
@@ -204,14 +211,14 @@ impl Decode for Fake {
         let kv = self.kv.clone();
         tokio::spawn(async move {
             if remote {
-                let _ = tx.send(reserved()).await;
+                let _ = tx.send(reserved(local)).await;
                 if lose {
                     let _ = tx
                         .send(Err(Cause::KvTransfer.status("scripted: KV lost")))
                         .await;
                     return;
                 }
-                if !kv.wait(id).await {
+                if !local && !kv.wait(id).await {
                     let _ = tx.send(Err(Cause::KvTransfer.status("no KV came"))).await;
                     return;
                 }
