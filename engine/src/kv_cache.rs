@@ -167,11 +167,18 @@ impl KvCache {
     }
 
     /// Returns every block of `table` to the pool (a block holding a known prefix stays cached
-    /// until its space is needed).
+    /// until its space is needed). Last block first: among a sequence's cached blocks the
+    /// tail is evicted before the head, so no cached block outlives the parent it extends
+    /// (a block whose parent is gone can never be found again).
     pub fn release(&mut self, table: BlockTable) {
-        for b in table.blocks {
+        for b in table.blocks.into_iter().rev() {
             self.pool.release(b);
         }
+    }
+
+    /// Cached blocks evicted for new owners so far.
+    pub fn evicted_blocks(&self) -> u64 {
+        self.pool.evicted()
     }
 
     /// Starts an empty `table` with the cached blocks holding the longest prefix of `tokens`
@@ -382,5 +389,25 @@ mod tests {
         kv.release(a);
         kv.release(b);
         assert_eq!(kv.free_blocks(), 4);
+    }
+
+    #[test]
+    fn a_released_sequences_tail_is_evicted_before_its_head() {
+        let mut kv = KvCache::new(1, 2, 2, 4).unwrap();
+        let (seed, tokens) = (9, [1, 2, 3, 4, 5, 6]);
+        let mut a = BlockTable::default();
+        kv.reserve(&mut a, 6).unwrap();
+        let mut chain = (0, crate::prefix::ROOT);
+        kv.register(seed, &a, &tokens, 6, &mut chain);
+        kv.release(a);
+        assert_eq!(kv.block_counts().cached, 3);
+        // One block is needed: the last of the three goes, the first two still make a prefix.
+        let mut b = BlockTable::default();
+        kv.reserve(&mut b, 4).unwrap();
+        let mut c = BlockTable::default();
+        assert_eq!(kv.share_prefix(seed, &mut c, &tokens).0, 4);
+        assert_eq!(kv.evicted_blocks(), 1);
+        kv.release(b);
+        kv.release(c);
     }
 }

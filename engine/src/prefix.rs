@@ -44,6 +44,8 @@ pub struct BlockPool {
     tick: u64,
     /// Prefixes registered (`true`) and forgotten (`false`) since the last [`BlockPool::take_events`].
     events: Vec<(bool, u64)>,
+    /// Cached blocks evicted for new owners since the pool was made.
+    evicted: u64,
 }
 
 impl BlockPool {
@@ -59,6 +61,7 @@ impl BlockPool {
             released_at: vec![0; n],
             tick: 0,
             events: Vec::new(),
+            evicted: 0,
         }
     }
 
@@ -70,6 +73,11 @@ impl BlockPool {
     /// Blocks an allocation can take: free ones and evictable cached ones.
     pub fn available(&self) -> usize {
         self.free.len() + self.lru.len()
+    }
+
+    /// Cached blocks evicted (their prefix forgotten) for new owners so far.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// Blocks by state.
@@ -93,6 +101,8 @@ impl BlockPool {
                     .take()
                     .expect("an LRU block is cached");
                 self.by_hash.remove(&old.hash);
+                self.events.push((false, old.hash));
+                self.evicted += 1;
                 b
             }
         };
@@ -211,6 +221,13 @@ mod tests {
             "a's prefix is forgotten"
         );
         assert!(p.alloc().is_none(), "b is held, c and d too");
+        let hb = chain(7, ha, &[3, 4]);
+        assert_eq!(
+            p.take_events(),
+            [(true, ha), (true, hb), (false, ha)],
+            "the eviction is reported, for the router's index"
+        );
+        assert_eq!(p.evicted(), 1);
     }
 
     #[test]

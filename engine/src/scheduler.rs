@@ -101,6 +101,8 @@ pub struct Engine {
     /// Prompt tokens admitted, and those found in the prefix cache (not computed), since start.
     prompt_tokens: u64,
     prefix_hit_tokens: u64,
+    /// Reservations refused for lack of room (free or evictable blocks), since start.
+    refusals: u64,
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -143,6 +145,7 @@ impl Engine {
             prefix_seed,
             prompt_tokens: 0,
             prefix_hit_tokens: 0,
+            refusals: 0,
         })
     }
 
@@ -221,6 +224,7 @@ impl Engine {
             .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)
         {
             self.kv.release(seq.table);
+            self.refusals += 1;
             return Err(e);
         }
         let lease = self.config.kv_lease.map(|d| Instant::now() + d);
@@ -408,6 +412,8 @@ impl Engine {
             kv_blocks_cached: self.kv.block_counts().cached as u32,
             prompt_tokens: self.prompt_tokens,
             prefix_hit_tokens: self.prefix_hit_tokens,
+            kv_blocks_evicted: self.kv.evicted_blocks(),
+            kv_refusals: self.refusals,
             ..Default::default()
         }
     }
