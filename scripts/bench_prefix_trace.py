@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Prefix reuse on the shared Mooncake conversation trace (issue 12, acceptance 2): the mock
-engine with H200-like timings, 2 prefill + 2 decode workers, the same trace slice replayed with
-`policy = "kv"`, `"round-robin"` and with the prefix cache off, beside the floor of computed
-prompt tokens from an ideal cache of the prefill pool's size (scripts/ideal_cache.py).
+"""Prefix reuse on the shared Mooncake conversation trace (issue 12, acceptances 2 and 3): the
+mock engine with H200-like timings, 2 prefill + 2 decode workers, the same trace slice replayed
+with `policy = "kv"`, `"round-robin"` and with the prefix cache off, beside the floor of
+computed prompt tokens from an ideal cache of the prefill pool's size (scripts/ideal_cache.py).
+Several time scales (a rate sweep) give one table each and the goodput of kv over cache-off.
 
     cargo build --release && python3 scripts/bench_prefix_trace.py [--requests 400]
+        [--time-scale 0.1,0.05] [--configs kv,round-robin,off]
 """
 import argparse
 import json
@@ -23,11 +25,11 @@ def config(policy, cache, a):
             '[kv_transfer]\nprefer = ["tcp"]\n')
 
 
-def run(policy, cache, a):
+def run(policy, cache, a, time_scale):
     with cluster(config(policy, cache, a), "tandem-prefix-") as (http, d):
         out = os.path.join(d, "load.json")
         subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", a.trace,
-                        "--requests", str(a.requests), "--time-scale", str(a.time_scale),
+                        "--requests", str(a.requests), "--time-scale", str(time_scale),
                         "--length-scale", str(a.length_scale), "--ttft-slo-ms", "200",
                         "--itl-slo-ms", "50", "--json", out],
                        check=True, stdout=subprocess.DEVNULL)
@@ -38,7 +40,9 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--requests", type=int, default=400)
-    ap.add_argument("--time-scale", type=float, default=0.1)
+    ap.add_argument("--time-scale", default="0.1", help="one or more, comma-separated")
+    ap.add_argument("--configs", default="kv,round-robin,off",
+                    help="of kv, round-robin, off (the prefix cache off, policy kv)")
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--prefill-blocks", type=int, default=4096, help="KV blocks per prefill worker")
     ap.add_argument("--decode-blocks", type=int, default=4096, help="KV blocks per decode worker")
@@ -51,15 +55,23 @@ def main():
     print(f"floor (ideal cache of the prefill pool, {2 * a.prefill_blocks} blocks): computed "
           f"{floor['floor_computed_ratio']:.1%} of {floor['prompt_tokens_sent']} prompt tokens, "
           f"hit ratio {floor['floor_prefix_hit_ratio']:.1%}")
-    print("| cluster | prefix-hit ratio | computed / sent | over the floor | goodput req/s | TTFT p90 ms | errors |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for policy, cache in (("kv", True), ("round-robin", True), ("kv", False)):
-        r = run(policy, cache, a)
-        name = f"policy = {policy}" + ("" if cache else ", prefix cache off")
-        computed = r["computed_prompt_ratio"]
-        print(f"| {name} | {r['prefix_hit_ratio']:.1%} | {computed:.1%} | "
-              f"{computed / floor['floor_computed_ratio']:.3f}x | {r['goodput_requests_per_s']:.2f} | "
-              f"{r['ttft_ms']['p90']:.0f} | {r['errors']} |")
+    configs = {"kv": ("kv", True), "round-robin": ("round-robin", True), "off": ("kv", False)}
+    for ts in [float(t) for t in a.time_scale.split(",")]:
+        print(f"\ntime x {ts}:")
+        print("| cluster | prefix-hit ratio | computed / sent | over the floor | goodput req/s | TTFT p90 ms | errors |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        goodput = {}
+        for name in a.configs.split(","):
+            policy, cache = configs[name]
+            r = run(policy, cache, a, ts)
+            goodput[name] = r["goodput_requests_per_s"]
+            label = f"policy = {policy}" + ("" if cache else ", prefix cache off")
+            computed = r["computed_prompt_ratio"]
+            print(f"| {label} | {r['prefix_hit_ratio']:.1%} | {computed:.1%} | "
+                  f"{computed / floor['floor_computed_ratio']:.3f}x | {goodput[name]:.2f} | "
+                  f"{r['ttft_ms']['p90']:.0f} | {r['errors']} |", flush=True)
+        if "kv" in goodput and "off" in goodput and goodput["off"] > 0:
+            print(f"goodput kv / cache off: {goodput['kv'] / goodput['off']:.2f}x")
 
 
 if __name__ == "__main__":
