@@ -1,5 +1,8 @@
-//! Token sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator so a
-//! seed reproduces the same tokens whatever else is being served.
+//! Token sampling: greedy, temperature, top-k, top-p. The random draw for a token is a function
+//! of the request's seed and the token's position in the sequence alone, so a seed reproduces
+//! the same tokens whatever else is being served — and a request resumed elsewhere from its
+//! prompt plus the tokens it already produced (a migration) continues exactly as it would
+//! have.
 
 use crate::error::{EngineError, Result};
 
@@ -131,42 +134,19 @@ impl SamplingParams {
     }
 }
 
-/// xoshiro256** seeded through splitmix64: small, fast, reproducible across platforms.
-#[derive(Debug, Clone)]
-pub struct Rng([u64; 4]);
+/// splitmix64's finaliser: a well-mixed 64-bit function of `z`.
+fn mix(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
 
-impl Rng {
-    /// A generator for `seed`.
-    pub fn new(seed: u64) -> Rng {
-        let mut z = seed;
-        let mut next = || {
-            z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut x = z;
-            x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            x ^ (x >> 31)
-        };
-        Rng([next(), next(), next(), next()])
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        let s = &mut self.0;
-        let out = s[1].wrapping_mul(5).rotate_left(7).wrapping_mul(9);
-        let t = s[1] << 17;
-        s[2] ^= s[0];
-        s[3] ^= s[1];
-        s[1] ^= s[2];
-        s[0] ^= s[3];
-        s[2] ^= t;
-        s[3] = s[3].rotate_left(45);
-        out
-    }
-
-    /// A uniform float in [0, 1).
-    pub fn next_f64(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
+/// The uniform draw in [0, 1) for the token at `pos` of a request seeded with `seed`
+/// (counter-based: no state to carry, the same on every worker and platform).
+pub fn uniform(seed: u64, pos: usize) -> f64 {
+    let z = mix(seed.wrapping_add(0x9e37_79b9_7f4a_7c15))
+        ^ (pos as u64).wrapping_mul(0xd6e8_feb8_6659_fd93);
+    (mix(z.wrapping_add(0x9e37_79b9_7f4a_7c15)) >> 11) as f64 / (1u64 << 53) as f64
 }
 
 /// Index of the largest logit (the lowest index among equals).
@@ -184,18 +164,16 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
-    rng: Rng,
 }
 
 impl Sampler {
-    /// A sampler with its generator seeded from `params.seed`.
+    /// A sampler following `params`.
     pub fn new(params: SamplingParams) -> Sampler {
-        let rng = Rng::new(params.seed);
-        Sampler { params, rng }
+        Sampler { params }
     }
 
-    /// Chooses the next token from `logits`.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Chooses the token at position `pos` of the sequence (prompt included) from `logits`.
+    pub fn sample(&self, logits: &[f32], pos: usize) -> u32 {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k == 1 {
             return argmax(logits);
@@ -231,7 +209,7 @@ impl Sampler {
             let z: f64 = probs.iter().sum();
             probs.iter_mut().for_each(|v| *v /= z);
         }
-        let mut u = self.rng.next_f64();
+        let mut u = uniform(p.seed, pos);
         for (i, v) in probs.iter().enumerate() {
             if u < *v {
                 return idx[i];
@@ -254,21 +232,34 @@ mod tests {
     #[test]
     fn greedy_and_seeded_sampling() {
         let logits = [0.1f32, 2.0, 1.9, -1.0];
-        assert_eq!(Sampler::new(SamplingParams::greedy(1)).sample(&logits), 1);
+        assert_eq!(
+            Sampler::new(SamplingParams::greedy(1)).sample(&logits, 0),
+            1
+        );
         let p = SamplingParams {
             temperature: 1.0,
             seed: 42,
             ..Default::default()
         };
         let a: Vec<u32> = {
-            let mut s = Sampler::new(p.clone());
-            (0..50).map(|_| s.sample(&logits)).collect()
+            let s = Sampler::new(p.clone());
+            (0..50).map(|i| s.sample(&logits, i)).collect()
         };
         let b: Vec<u32> = {
-            let mut s = Sampler::new(p.clone());
-            (0..50).map(|_| s.sample(&logits)).collect()
+            let s = Sampler::new(p.clone());
+            (0..50).map(|i| s.sample(&logits, i)).collect()
         };
         assert_eq!(a, b);
+        // Resuming at position 20 draws what position 20 drew.
+        let s = Sampler::new(p.clone());
+        let resumed: Vec<u32> = (20..50).map(|i| s.sample(&logits, i)).collect();
+        assert_eq!(resumed, a[20..]);
+        let other = Sampler::new(SamplingParams {
+            seed: 43,
+            ..p.clone()
+        });
+        let c: Vec<u32> = (0..50).map(|i| other.sample(&logits, i)).collect();
+        assert_ne!(a, c, "another seed, other draws");
         assert!(
             a.contains(&1) && a.contains(&2),
             "both likely tokens appear: {a:?}"
@@ -277,11 +268,11 @@ mod tests {
             top_k: 2,
             ..p.clone()
         };
-        let mut s = Sampler::new(k2);
-        assert!((0..200).all(|_| matches!(s.sample(&logits), 1 | 2)));
+        let s = Sampler::new(k2);
+        assert!((0..200).all(|i| matches!(s.sample(&logits, i), 1 | 2)));
         let tp = SamplingParams { top_p: 0.4, ..p };
-        let mut s = Sampler::new(tp);
-        assert!((0..200).all(|_| s.sample(&logits) == 1));
+        let s = Sampler::new(tp);
+        assert!((0..200).all(|i| s.sample(&logits, i) == 1));
     }
 
     #[test]

@@ -686,7 +686,7 @@ impl Engine {
                 finished.push(s.id);
             }
             let Some(l) = l else { continue };
-            let tok = s.sampler.sample(&l);
+            let tok = s.sampler.sample(&l, s.tokens.len());
             s.tokens.push(tok);
             let generated = s.tokens.len() - s.prompt_len;
             let finish = if s.stop_ids.contains(&tok) {
