@@ -85,7 +85,7 @@ pub struct RouterSection {
 }
 
 fn default_prefill_slack_ms() -> u64 {
-    50
+    100
 }
 
 fn default_policy() -> Spanned<String> {

@@ -49,7 +49,7 @@ impl Default for Routing {
     fn default() -> Self {
         Routing {
             policy: Policy::Kv,
-            prefill_slack: Duration::from_millis(50),
+            prefill_slack: Duration::from_millis(100),
         }
     }
 }
@@ -177,7 +177,10 @@ mod tests {
 
     #[test]
     fn a_prefill_worker_caching_the_prompt_wins_within_the_slack() {
-        let kv = Routing::default(); // 50 ms
+        let kv = Routing {
+            policy: Policy::Kv,
+            prefill_slack: Duration::from_millis(50),
+        };
         let mut cached = cand(0, 1024);
         let idle = cand(0, 0);
         // Idle: 1.1 s; cached: 76 ms of its own after 60 ms queued.
