@@ -96,12 +96,9 @@ fn worker_settings(
             max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
             max_running: *pool.max_running.get_ref() as usize,
             prefix_cache: pool.prefix_cache,
-            // A backstop for blocks reserved for KV that never comes, even if the router is
-            // gone too (the router cancels abandoned requests itself).
-            kv_lease: Some(
-                Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref())
-                    + Duration::from_secs(60),
-            ),
+            // Blocks reserved for KV that never comes go when their sender stops renewing
+            // them, even if the router is gone too (it cancels abandoned requests itself).
+            kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
         },
         host: pool.host.clone(),
         router: control_endpoint(cfg, a),
@@ -198,6 +195,11 @@ pub fn router(a: RoleArgs) -> Result<()> {
                 .expect("validated with the config"),
             prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
         },
+        liveness: router::registry::Liveness {
+            heartbeat: std::time::Duration::from_millis(*cfg.router.heartbeat_timeout_ms.get_ref()),
+            stall: std::time::Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
+        },
+        migration_limit: cfg.router.migration_limit,
         scaling: scaling(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.
@@ -262,6 +264,7 @@ pub fn decode(a: RoleArgs) -> Result<()> {
     let dc = decode_worker::DecodeConfig {
         worker: worker_settings(&cfg, &cfg.decode, model, &a, "decode")?,
         kv_advertise: a.kv_advertise.clone(),
+        transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
     };
     runtime()?.block_on(decode_worker::run(dc))?;
     Ok(())

@@ -38,6 +38,9 @@ pub struct DecodeConfig {
     pub worker: Settings,
     /// The TCP KV endpoint to advertise instead of the bound address (NAT, proxies).
     pub kv_advertise: Option<String>,
+    /// How long an arriving transfer may go without a frame (its sender renews it every
+    /// second while the prompt computes).
+    pub transfer_timeout: Duration,
 }
 
 type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -131,6 +134,10 @@ impl Decoder {
         match ev {
             KvEvent::Arriving(id) => {
                 self.engine.kv_arriving(id);
+                self.engine.renew_lease(id);
+            }
+            KvEvent::Renewed(id) => {
+                self.engine.renew_lease(id);
             }
             KvEvent::Abandoned { request_id, error } => {
                 metrics::counter!("tandem_kv_receive_failures_total").increment(1);
@@ -345,9 +352,9 @@ async fn kv_endpoints(
         identity: loaded.identity.clone(),
         secret: s.secret.clone(),
     };
-    // A transfer must finish within the reservation's lease.
+    // A transfer ends when its sender goes silent this long (renewals count).
     let timeouts = kv_transfer::Timeouts {
-        transfer: s.engine.kv_lease.unwrap_or(Duration::from_secs(60)),
+        transfer: cfg.transfer_timeout,
         ..Default::default()
     };
     let tcp = worker::bind(&s.host, "KV listener (tcp)").await?;

@@ -103,6 +103,8 @@ pub struct Engine {
     prefix_hit_tokens: u64,
     /// Reservations refused for lack of room (free or evictable blocks), since start.
     refusals: u64,
+    /// Forward steps run, since start.
+    steps: u64,
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -146,6 +148,7 @@ impl Engine {
             prompt_tokens: 0,
             prefix_hit_tokens: 0,
             refusals: 0,
+            steps: 0,
         })
     }
 
@@ -381,6 +384,14 @@ impl Engine {
         self.ledger.in_flight(id)
     }
 
+    /// The sender of reserved request `id`'s KV renewed it: its lease runs from now again.
+    pub fn renew_lease(&mut self, id: u64) -> bool {
+        match self.config.kv_lease {
+            Some(d) => self.ledger.renew(id, Instant::now() + d),
+            None => false,
+        }
+    }
+
     /// Reservations whose lease has passed by `now` without their KV (release them).
     pub fn expired(&self, now: Instant) -> Vec<u64> {
         self.ledger.expired(now)
@@ -414,6 +425,7 @@ impl Engine {
             prefix_hit_tokens: self.prefix_hit_tokens,
             kv_blocks_evicted: self.kv.evicted_blocks(),
             kv_refusals: self.refusals,
+            engine_steps: self.steps,
             ..Default::default()
         }
     }
@@ -631,6 +643,7 @@ impl Engine {
         if plan.is_empty() {
             return Ok(Vec::new());
         }
+        self.steps += 1;
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(i, start, n)| {

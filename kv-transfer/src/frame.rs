@@ -78,6 +78,12 @@ pub enum Frame {
     /// Transport setup after the handshake (RDMA: queue-pair endpoints and memory keys),
     /// opaque to the protocol core.
     Setup(Vec<u8>),
+    /// The sender is alive and still working on a request's KV (queued or computing): the
+    /// receiver extends the lease on the blocks it reserved for it.
+    Renew {
+        /// The request.
+        request_id: u64,
+    },
     /// The receiver's verdict on a whole transfer.
     Ack {
         /// The request.
@@ -147,6 +153,7 @@ impl Frame {
             Frame::Grant { .. } => 9,
             Frame::Written { .. } => 10,
             Frame::Setup(_) => 11,
+            Frame::Renew { .. } => 12,
         }
     }
 
@@ -164,6 +171,7 @@ impl Frame {
             Frame::Grant { .. } => "Grant",
             Frame::Written { .. } => "Written",
             Frame::Setup(_) => "Setup",
+            Frame::Renew { .. } => "Renew",
         }
     }
 
@@ -224,6 +232,7 @@ impl Frame {
                 p.extend(layer.to_le_bytes());
                 p.extend(crc.to_le_bytes());
             }
+            Frame::Renew { request_id } => p.extend(request_id.to_le_bytes()),
             Frame::Ack {
                 request_id,
                 ok,
@@ -331,6 +340,9 @@ impl Frame {
                 request_id: r.u64()?,
                 layer: r.u32()?,
                 crc: r.u32()?,
+            },
+            12 => Frame::Renew {
+                request_id: r.u64()?,
             },
             k => return Err(FrameError(format!("unknown frame kind {k}"))),
         };

@@ -187,6 +187,7 @@ impl QuicKvSender {
                 let timeouts = Timeouts {
                     handshake: timeout,
                     transfer: timeout,
+                    ..Timeouts::default()
                 };
                 let mut stream = Conn::open(recv, send, &self.local, timeouts).await?;
                 let bytes = stream

@@ -245,20 +245,27 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
         }
     }
 
-    /// Awaits `fut` until the core's next deadline; fires the deadline if it comes first.
+    /// Awaits `fut` (the next layer from the engine) until a deadline of the core fires;
+    /// renewals due meanwhile are sent.
     async fn bounded<T>(
         &mut self,
         fut: impl std::future::Future<Output = Result<T, TransferError>>,
     ) -> Option<T> {
-        let out = match self.core.poll_timeout() {
-            Some(d) => match tokio::time::timeout_at(d.into(), fut).await {
-                Ok(r) => r,
+        tokio::pin!(fut);
+        let out = loop {
+            let Some(d) = self.core.poll_timeout() else {
+                break fut.await;
+            };
+            match tokio::time::timeout_at(d.into(), &mut fut).await {
+                Ok(r) => break r,
                 Err(_) => {
                     self.core.handle_timeout(Instant::now());
-                    return None;
+                    self.transmit().await;
+                    if self.core.is_closed() {
+                        return None;
+                    }
                 }
-            },
-            None => fut.await,
+            }
         };
         match out {
             Ok(v) => Some(v),
@@ -286,7 +293,7 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
     }
 
     async fn bounded_read(&mut self) -> Option<Frame> {
-        let deadline = self.core.poll_timeout();
+        let deadline = self.core.poll_deadline();
         let read = read_frame_limited(&mut self.r, None, MAX_CONTROL_FRAME);
         let out = match deadline {
             Some(d) => match tokio::time::timeout_at(d.into(), read).await {
@@ -527,6 +534,8 @@ impl Drop for IncomingKv {
 pub enum KvEvent {
     /// A request's KV started to arrive.
     Arriving(u64),
+    /// The sender of a request's KV is alive and still at it: extend the lease on its blocks.
+    Renewed(u64),
     /// A request's KV is here whole; answer it.
     Complete(IncomingKv),
     /// In-place transfers: the blocks the request's KV of `n_tokens` tokens is to be written
@@ -657,6 +666,9 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 }
                 ServerEvent::Begun { request_id, .. } => {
                     let _ = tx.send(KvEvent::Arriving(request_id)).await;
+                }
+                ServerEvent::Renewed { request_id } => {
+                    let _ = tx.send(KvEvent::Renewed(request_id)).await;
                 }
                 ServerEvent::Received {
                     request_id,

@@ -82,6 +82,30 @@ pub struct RouterSection {
     /// to first token is within this many milliseconds of the best worker's.
     #[serde(default = "default_prefill_slack_ms")]
     pub prefill_slack_ms: u64,
+    /// How many times a request may move to another decode worker when its own dies, freezes
+    /// or stalls mid-stream (0: never; the client gets an error event).
+    #[serde(default = "default_migration_limit")]
+    pub migration_limit: u32,
+    /// A worker holding work whose engine runs no step for this long — or a stream that gets no
+    /// token for this long — is stalled: its requests migrate, and it is not routed to until
+    /// its engine moves again.
+    #[serde(default = "default_stall_timeout_ms")]
+    pub stall_timeout_ms: Spanned<u64>,
+    /// A worker whose heartbeats stop for this long is dropped (and its requests migrate).
+    #[serde(default = "default_heartbeat_timeout_ms")]
+    pub heartbeat_timeout_ms: Spanned<u64>,
+}
+
+fn default_migration_limit() -> u32 {
+    1
+}
+
+fn default_stall_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 10_000)
+}
+
+fn default_heartbeat_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 2_000)
 }
 
 fn default_prefill_slack_ms() -> u64 {
@@ -108,6 +132,9 @@ impl Default for RouterSection {
             local_prefill_busy_max_tokens: 0,
             policy: default_policy(),
             prefill_slack_ms: default_prefill_slack_ms(),
+            migration_limit: default_migration_limit(),
+            stall_timeout_ms: default_stall_timeout_ms(),
+            heartbeat_timeout_ms: default_heartbeat_timeout_ms(),
         }
     }
 }
@@ -276,6 +303,15 @@ pub struct KvTransferSection {
     /// Deadline for one request's whole KV transfer.
     #[serde(default = "default_transfer_ms")]
     pub transfer_timeout_ms: Spanned<u64>,
+    /// Blocks a decode worker reserves for a remote prefill are held this long unless the
+    /// sender renews them (it does every second while the prompt waits or computes): a dead
+    /// or frozen prefill worker's reservations are free this soon.
+    #[serde(default = "default_lease_ms")]
+    pub lease_ms: Spanned<u64>,
+}
+
+fn default_lease_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 3000)
 }
 
 fn yes() -> bool {
@@ -305,6 +341,7 @@ impl Default for KvTransferSection {
             layerwise: true,
             connect_timeout_ms: default_connect_ms(),
             transfer_timeout_ms: default_transfer_ms(),
+            lease_ms: default_lease_ms(),
         }
     }
 }
@@ -341,6 +378,18 @@ impl Ctx<'_> {
     ) -> Result<(), ConfigError> {
         if *v.get_ref() <= T::default() {
             return self.err(v.span(), key, "must be at least 1");
+        }
+        Ok(())
+    }
+    fn at_least(
+        &self,
+        v: &Spanned<u64>,
+        key: &str,
+        min: u64,
+        why: &str,
+    ) -> Result<(), ConfigError> {
+        if *v.get_ref() < min {
+            return self.err(v.span(), key, format!("must be at least {min} ({why})"));
         }
         Ok(())
     }
@@ -504,6 +553,21 @@ impl ClusterConfig {
         }
         ctx.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
         ctx.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
+        ctx.at_least(
+            &t.lease_ms,
+            "kv_transfer.lease_ms",
+            2000,
+            "senders renew every second",
+        )?;
+        let r = &cfg.router;
+        let beats = "workers heartbeat every 250 ms";
+        ctx.at_least(
+            &r.heartbeat_timeout_ms,
+            "router.heartbeat_timeout_ms",
+            1000,
+            beats,
+        )?;
+        ctx.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
         Ok(cfg)
     }
 

@@ -100,6 +100,18 @@ impl Ledger {
         self.advance(request_id, &[Holding::Reserved], Holding::InFlight)
     }
 
+    /// Extends the lease of a request not yet committed to `until` (its sender renewed it);
+    /// `false` if there is no such lease.
+    pub fn renew(&mut self, request_id: u64, until: Instant) -> bool {
+        match self.entries.get_mut(&request_id) {
+            Some(e) if e.lease.is_some() => {
+                e.lease = Some(until);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The request's KV is in the cache of a running sequence (its lease ends).
     pub fn commit(&mut self, request_id: u64) -> bool {
         self.advance(
@@ -186,14 +198,24 @@ mod tests {
             }
         );
         assert_eq!(l.next_expiry(), Some(t0 + Duration::from_secs(1)));
+        assert!(
+            l.renew(2, t0 + Duration::from_secs(3)),
+            "its sender renews it"
+        );
+        assert!(!l.renew(7, t0), "no such request");
         assert!(l.expired(t0).is_empty());
         assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![1]);
         assert_eq!(l.free(1), Some(Holding::Reserved));
+        assert!(
+            l.expired(t0 + Duration::from_secs(2)).is_empty(),
+            "renewed past 2 s"
+        );
         assert!(l.commit(2));
         assert!(
             l.expired(t0 + Duration::from_secs(9)).is_empty(),
             "committed KV has no lease"
         );
+        assert!(!l.renew(2, t0), "nor a renewal");
         assert_eq!(l.free(2), Some(Holding::Committed));
         assert_eq!(l.free(2), None, "freed exactly once");
         assert!(l.is_empty());

@@ -52,6 +52,10 @@ pub struct RouterConfig {
     pub local_prefill_busy_max_tokens: u32,
     /// How workers are picked.
     pub routing: routing::Routing,
+    /// When a worker is given up on (heartbeats, stalls).
+    pub liveness: registry::Liveness,
+    /// How many times a request may move to another decode worker when its own is lost.
+    pub migration_limit: u32,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
@@ -112,6 +116,8 @@ pub struct State {
     /// ... and, up to this many uncached tokens, when that is sooner than the prefill pool's
     /// predicted wait (0: never).
     pub local_prefill_busy_max_tokens: u32,
+    /// How many times a request may move to another decode worker when its own is lost.
+    pub migration_limit: u32,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -141,6 +147,7 @@ impl State {
             block_seed,
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,
+            migration_limit: 1,
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
@@ -208,7 +215,7 @@ pub async fn run(
 ) -> Result<(), RouterError> {
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
-    let registry = Registry::configured(identity, Duration::from_secs(2), cfg.routing);
+    let registry = Registry::configured(identity, cfg.liveness, cfg.routing);
     let window = cfg
         .scaling
         .iter()
@@ -225,6 +232,7 @@ pub async fn run(
     );
     state.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
     state.local_prefill_busy_max_tokens = cfg.local_prefill_busy_max_tokens;
+    state.migration_limit = cfg.migration_limit;
     let state = Arc::new(state);
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await

@@ -49,8 +49,15 @@ pub struct Worker {
     /// Prefill: prompt tokens the router sent it that are not done yet.
     #[serde(serialize_with = "count64")]
     pub queued_tokens: Arc<AtomicU64>,
+    /// Making no progress: it holds work but its engine's step count has stood still for the
+    /// stall timeout (a wedged engine), or a request of it saw no token for that long. Not
+    /// routed to until its steps move again.
+    pub stalled: bool,
     #[serde(skip)]
     last_beat: Instant,
+    /// Its engine's step count and when it last moved.
+    #[serde(skip)]
+    progress: (u64, Instant),
 }
 
 fn offers<S: Serializer>(o: &[KvOffer], s: S) -> Result<S::Ok, S::Error> {
@@ -74,6 +81,29 @@ impl Worker {
     /// When its last heartbeat (or its join) arrived.
     pub fn last_beat(&self) -> Instant {
         self.last_beat
+    }
+
+    /// Whether it can take requests: not draining, not stalled.
+    fn usable(&self) -> bool {
+        !self.draining && !self.stalled
+    }
+}
+
+/// When the registry gives up on a worker.
+#[derive(Debug, Clone, Copy)]
+pub struct Liveness {
+    /// A worker silent this long (no heartbeat) is dropped.
+    pub heartbeat: Duration,
+    /// A worker holding work whose engine made no step this long is stalled.
+    pub stall: Duration,
+}
+
+impl Default for Liveness {
+    fn default() -> Self {
+        Liveness {
+            heartbeat: Duration::from_secs(2),
+            stall: Duration::from_secs(10),
+        }
     }
 }
 
@@ -123,8 +153,8 @@ pub struct Registry {
     routing: Routing,
     /// Round-robin counters: prefill, decode.
     turns: [AtomicUsize; 2],
-    /// A worker that misses heartbeats this long is dropped.
-    pub timeout: Duration,
+    /// When a worker is given up on.
+    pub liveness: Liveness,
 }
 
 impl Registry {
@@ -136,13 +166,17 @@ impl Registry {
 
     /// [`Registry::new`] dropping workers silent for `timeout`.
     pub fn with_timeout(identity: ModelIdentity, timeout: Duration) -> Arc<Registry> {
-        Registry::configured(identity, timeout, Routing::default())
+        let liveness = Liveness {
+            heartbeat: timeout,
+            ..Liveness::default()
+        };
+        Registry::configured(identity, liveness, Routing::default())
     }
 
-    /// A registry dropping workers silent for `timeout` and routing by `routing`.
+    /// A registry giving up on workers by `liveness` and routing by `routing`.
     pub fn configured(
         identity: ModelIdentity,
-        timeout: Duration,
+        liveness: Liveness,
         routing: Routing,
     ) -> Arc<Registry> {
         Arc::new(Registry {
@@ -153,7 +187,7 @@ impl Registry {
             index: Mutex::new(KvIndex::default()),
             routing,
             turns: Default::default(),
-            timeout,
+            liveness,
         })
     }
 
@@ -198,9 +232,7 @@ impl Registry {
     pub fn count(&self, pool: Pool) -> usize {
         self.prune();
         let ws = self.lock();
-        ws.values()
-            .filter(|w| w.pool == pool && !w.draining)
-            .count()
+        ws.values().filter(|w| w.pool == pool && w.usable()).count()
     }
 
     /// The live workers of `pool` not in `exclude` (by id) and what the policy weighs of each
@@ -219,7 +251,7 @@ impl Registry {
         let ws = self.lock();
         let mut ws: Vec<&Worker> = ws
             .values()
-            .filter(|w| w.pool == pool && !w.draining && !exclude.contains(&w.id))
+            .filter(|w| w.pool == pool && w.usable() && !exclude.contains(&w.id))
             .collect();
         ws.sort_by_key(|w| w.id);
         let c = ws
@@ -299,7 +331,7 @@ impl Registry {
 
     fn prune(&self) {
         let mut ws = self.lock();
-        let timeout = self.timeout;
+        let timeout = self.liveness.heartbeat;
         let before = ws.len();
         let mut gone = Vec::new();
         ws.retain(|id, w| {
@@ -316,6 +348,46 @@ impl Registry {
         if ws.len() != before {
             drop(ws);
             self.touch();
+        }
+    }
+
+    /// Whether `w`, whose heartbeat just arrived, is stalled: its engine's steps stood still for
+    /// the stall timeout while it held work — or, marked stalled by a request, have not moved
+    /// since.
+    fn stalled(&self, w: &mut Worker) -> bool {
+        let now = Instant::now();
+        if w.load.engine_steps != w.progress.0 {
+            w.progress = (w.load.engine_steps, now);
+            return false;
+        }
+        let busy = w.load.running + w.load.waiting > 0;
+        w.stalled || (busy && now - w.progress.1 >= self.liveness.stall)
+    }
+
+    /// Marks worker `id` stalled (a request of it saw no token within the stall timeout): it is
+    /// not routed to until its engine's steps move again.
+    pub fn set_stalled(&self, id: u64) {
+        if let Some(w) = self.lock().get_mut(&id) {
+            tracing::warn!(worker = id, name = %w.name, "worker stalled: a request saw no progress");
+            w.stalled = true;
+        }
+        self.touch();
+    }
+
+    /// Resolves when worker `id` can no longer be counted on: removed, silent past the
+    /// heartbeat timeout, or stalled. Sleeps to the moment its heartbeats would have to have
+    /// come, and looks again; never polls.
+    pub async fn lost(&self, id: u64) {
+        loop {
+            let due = match self.lock().get(&id) {
+                Some(w) if !w.stalled => w.last_beat + self.liveness.heartbeat,
+                _ => return,
+            };
+            if Instant::now() >= due {
+                self.prune();
+                return;
+            }
+            tokio::time::sleep_until(due.into()).await;
         }
     }
 
@@ -359,7 +431,9 @@ impl Registry {
             },
             in_flight: Arc::new(AtomicUsize::new(0)),
             queued_tokens: Arc::new(AtomicU64::new(0)),
+            stalled: false,
             last_beat: Instant::now(),
+            progress: (0, Instant::now()),
         };
         tracing::info!(worker = id, %pool, name = %w.name, endpoint = %w.endpoint, "worker joined");
         self.lock().insert(id, w);
@@ -376,6 +450,11 @@ impl Registry {
             .ok_or_else(|| Status::not_found("unknown worker; join again"))?;
         w.load = b.load.unwrap_or_default();
         w.last_beat = Instant::now();
+        let was = w.stalled;
+        w.stalled = self.stalled(w);
+        if w.stalled != was {
+            tracing::warn!(worker = w.id, name = %w.name, stalled = w.stalled, "worker progress");
+        }
         drop(ws);
         let resync = match &b.kv {
             Some(kv) => self

@@ -2,11 +2,17 @@
 //!
 //! ```text
 //! Reserving ─► Prefilling ─► Decoding ─► Done
-//!     │            │  prefill or KV lost      ▲
-//!     │            └──────► Recomputing ──────┘
-//!     └─ colocated (no prefill pool) ─► Decoding
+//!  ▲  │            │  prefill or KV lost      ▲
+//!  │  │            └──────► Recomputing ──────┘
+//!  │  └─ colocated (no prefill pool) ─► Decoding
+//!  └── Migrating ◄── the decode worker died, froze or stalled (Prefilling, Decoding)
 //! any phase ─► Failed (the error goes to the client) | Gone (the client went away)
 //! ```
+//!
+//! A migration resumes the request on another decode worker from its prompt plus the tokens
+//! already streamed (the sampler's draws depend on the seed and the position only, so greedy
+//! and seeded output continue exactly), up to `[router] migration_limit` times; the client sees
+//! one stream.
 //!
 //! Each phase is one small async function returning the next phase. Waiting for a decode worker
 //! with room waits on the registry's change channel (joins, heartbeats, requests done), never
@@ -55,6 +61,8 @@ pub enum Phase {
     /// The prefill or its KV failed before any token: the decode worker computes the whole
     /// prompt itself.
     Recomputing(ApiError),
+    /// The decode worker is lost (died, frozen, stalled): the request goes on elsewhere.
+    Migrating(ApiError),
     /// The last token went to the client.
     Done,
     /// The request failed; the error goes to the client.
@@ -71,6 +79,7 @@ impl Phase {
             Phase::Prefilling => "prefilling",
             Phase::Decoding => "decoding",
             Phase::Recomputing(_) => "recomputing",
+            Phase::Migrating(_) => "migrating",
             Phase::Done => "done",
             Phase::Failed(_) => "failed",
             Phase::Gone => "gone",
@@ -94,15 +103,23 @@ pub struct Started {
 pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams) -> Started {
     let (tx, mut rest) = mpsc::channel(64);
     let route = route(state, &prompt);
+    let now = Instant::now();
     let run = Request {
         route,
         id: state.next_request_id(),
         disaggregated: prompt.len() >= 2 && state.registry.count(Pool::Prefill) > 0,
         state: state.clone(),
+        prompt_len: prompt.len(),
         prompt,
         params: params.into(),
         tx,
-        arrived: Instant::now(),
+        arrived: now,
+        admit_by: now + state.admission_wait,
+        migrations: 0,
+        avoid: Vec::new(),
+        max_tokens: params.max_tokens.map_or(0, |m| m as u32),
+        streamed: Vec::new(),
+        stream_from: 0,
         reserved: None,
         decode: None,
         stream: None,
@@ -155,12 +172,26 @@ struct Request {
     route: Route,
     state: Arc<State>,
     id: u64,
+    /// The prompt, followed (after a migration) by the tokens streamed before it.
     prompt: Vec<u32>,
+    /// The client's prompt's length.
+    prompt_len: usize,
     params: grpc::SamplingParams,
     /// Whether the prompt goes to the prefill pool (unless it must be recomputed).
     disaggregated: bool,
     tx: mpsc::Sender<TokenResult>,
     arrived: Instant,
+    /// The admission deadline (from arrival, or from the last migration).
+    admit_by: Instant,
+    /// Migrations so far, and the decode workers the request left.
+    migrations: u32,
+    avoid: Vec<u64>,
+    /// The client's `max_tokens` (0: none).
+    max_tokens: u32,
+    /// Every token sent to the client, and how many of them came before the current decode
+    /// stream opened.
+    streamed: Vec<u32>,
+    stream_from: usize,
     reserved: Option<Instant>,
     decode: Option<(Worker, InFlight)>,
     stream: Option<Streaming<GenerateEvent>>,
@@ -183,6 +214,7 @@ impl Request {
                 Phase::Prefilling => self.prefilling().await,
                 Phase::Decoding => self.decoding().await,
                 Phase::Recomputing(why) => self.recompute(why).await,
+                Phase::Migrating(why) => self.migrate(why),
                 Phase::Done => break,
                 Phase::Failed(e) => {
                     let _ = self.tx.send(Err(e)).await;
@@ -211,17 +243,18 @@ impl Request {
     /// unreachable is dropped from the registry. With nobody to ask, the request waits for the
     /// registry to change, up to the admission deadline.
     async fn reserve(&mut self) -> Phase {
-        let deadline = tokio::time::Instant::from_std(self.arrived + self.state.admission_wait);
+        let deadline = tokio::time::Instant::from_std(self.admit_by);
         let mut changes = self.state.registry.subscribe();
         let mut refused: HashMap<u64, Instant> = HashMap::new();
         let mut waiting = None;
         loop {
             let workers = self.state.registry.workers();
-            let stale: Vec<u64> = workers
+            let mut stale: Vec<u64> = workers
                 .iter()
                 .filter(|w| refused.get(&w.id).is_some_and(|&at| w.last_beat() <= at))
                 .map(|w| w.id)
                 .collect();
+            stale.extend(&self.avoid);
             let picked = self.state.registry.pick(Pool::Decode, &stale, &self.route);
             if let Some(Picked {
                 worker: w, guard, ..
@@ -345,6 +378,7 @@ impl Request {
         drop(window);
         self.decode = Some((w, guard));
         self.stream = Some(stream);
+        self.stream_from = self.streamed.len();
         let decision = match &r {
             Some(r) => self.decision(r),
             None if !self.state.disaggregated => return Phase::Decoding,
@@ -394,12 +428,16 @@ impl Request {
         Phase::Prefilling
     }
 
-    /// Prefilling: until the prefill answers, a token arrives, or either fails.
+    /// Prefilling: until the prefill answers, a token arrives, either fails, or the decode
+    /// worker is lost.
     async fn prefilling(&mut self) -> Phase {
+        let registry = self.state.registry.clone();
+        let decode_id = self.decode_worker().id;
         let call = self.prefill.as_mut().expect("a prefill runs");
         let stream = self.stream.as_mut().expect("a decode stream is open");
         tokio::select! {
             _ = self.tx.closed() => Phase::Gone,
+            _ = registry.lost(decode_id) => self.lost(),
             r = &mut call.task => match r {
                 Ok(Ok(reply)) => {
                     self.prefill = None;
@@ -419,12 +457,23 @@ impl Request {
         }
     }
 
-    /// Decoding: relays tokens until the last one.
+    /// Decoding: relays tokens until the last one. A decode worker that is lost (silent, or
+    /// stalled), or that lets the stall timeout pass without a token once it has sent one, is
+    /// left: the request migrates.
     async fn decoding(&mut self) -> Phase {
+        let registry = self.state.registry.clone();
+        let lost = registry.lost(self.decode_worker().id);
+        tokio::pin!(lost);
         loop {
+            let stall = self
+                .last_token
+                .filter(|_| self.streamed.len() > self.stream_from)
+                .map(|t| tokio::time::Instant::from_std(t + registry.liveness.stall));
             let stream = self.stream.as_mut().expect("a decode stream is open");
             let m = tokio::select! {
                 _ = self.tx.closed() => return Phase::Gone,
+                _ = &mut lost => return self.lost(),
+                _ = sleep_until(stall) => return self.stalled(),
                 m = stream.message() => m,
             };
             match self.on_message(m).await {
@@ -454,10 +503,11 @@ impl Request {
             None => {
                 let m =
                     format!("decode worker {name} ended the stream before the request finished");
-                return Ok(Some(Phase::Failed(ApiError::Upstream(m))));
+                return Ok(Some(Phase::Migrating(ApiError::Upstream(m))));
             }
         };
         self.record_token();
+        self.streamed.push(token);
         if self.tx.send(Ok((token, finish))).await.is_err() {
             return Ok(Some(Phase::Gone));
         }
@@ -500,18 +550,76 @@ impl Request {
     fn decode_failed(&mut self, s: Status) -> Phase {
         let cause = Cause::of(&s);
         let (id, name) = (self.decode_worker().id, self.decode_worker().name.clone());
-        if cause == Cause::KvTransfer && self.remote() && self.tokens == 0 {
+        if cause == Cause::KvTransfer && self.remote() && self.streamed.len() == self.stream_from {
             // The decode worker gave up on the KV (the transfer broke or its lease ran out)
             // before any token: recompute there, whatever the prefill says.
             return Phase::Recomputing(ApiError::Upstream(s.message().into()));
         }
         if matches!(cause, Cause::Unreachable | Cause::Engine) {
             self.state.registry.remove(id);
+            let why = format!("decode worker {name} failed: {}", s.message());
+            return Phase::Migrating(ApiError::Upstream(why));
         }
         Phase::Failed(match cause {
             Cause::BadRequest => ApiError::BadRequest(s.message().into()),
             _ => ApiError::Upstream(format!("decode worker {name} failed: {}", s.message())),
         })
+    }
+
+    /// The decode worker stopped heartbeating or is stalled.
+    fn lost(&self) -> Phase {
+        let w = self.decode_worker();
+        let wait = self.state.registry.liveness.heartbeat;
+        Phase::Migrating(ApiError::Upstream(format!(
+            "decode worker {} stopped making progress (no heartbeat for {wait:?}, or stalled)",
+            w.name
+        )))
+    }
+
+    /// No token from the decode worker within the stall timeout: it is marked stalled.
+    fn stalled(&self) -> Phase {
+        let w = self.decode_worker();
+        self.state.registry.set_stalled(w.id);
+        let stall = self.state.registry.liveness.stall;
+        Phase::Migrating(ApiError::Upstream(format!(
+            "decode worker {} sent no token for {stall:?}",
+            w.name
+        )))
+    }
+
+    /// Migrating: leaves the decode worker and starts over from Reserving with the prompt plus
+    /// every token streamed, the rest of `max_tokens`, a new id and a new admission deadline —
+    /// unless the request has been migrated `migration_limit` times already.
+    fn migrate(&mut self, why: ApiError) -> Phase {
+        let limit = self.state.migration_limit;
+        if self.migrations >= limit {
+            return Phase::Failed(ApiError::Upstream(format!(
+                "{why}; not migrated again (migration_limit = {limit})"
+            )));
+        }
+        let left = self.decode_worker().id;
+        tracing::warn!(
+            request = self.id,
+            tokens = self.streamed.len(),
+            "{why}; migrating"
+        );
+        metrics::counter!("tandem_router_migrations_total").increment(1);
+        self.release_everywhere();
+        self.decode = None;
+        self.migrations += 1;
+        self.avoid.push(left);
+        self.prompt.truncate(self.prompt_len);
+        self.prompt.extend(&self.streamed);
+        if self.max_tokens > 0 {
+            // Not finished, so fewer tokens than asked for were streamed.
+            self.params.max_tokens = self.max_tokens - self.streamed.len() as u32;
+        }
+        self.route = route(&self.state, &self.prompt);
+        self.recomputed = false;
+        self.disaggregated = self.state.registry.count(Pool::Prefill) > 0;
+        self.id = self.state.next_request_id();
+        self.admit_by = Instant::now() + self.state.admission_wait;
+        Phase::Reserving
     }
 
     /// Recomputing: the whole prompt on the decode worker, under a new id; the old request
@@ -526,6 +634,7 @@ impl Request {
         match self.open(&w).await {
             Ok((s, _)) => {
                 self.stream = Some(s);
+                self.stream_from = self.streamed.len();
                 Phase::Decoding
             }
             Err(s) => Phase::Failed(ApiError::Upstream(format!(
@@ -558,6 +667,14 @@ impl Request {
             let call = client.cancel(grpc::CancelRequest { request_id });
             let _ = tokio::time::timeout(CANCEL_WAIT, call).await;
         });
+    }
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

@@ -54,6 +54,15 @@ struct Outgoing {
     granted: bool,
     bytes: u64,
     deadline: Instant,
+    /// When to tell the receiver again that this transfer is alive (while layers remain).
+    renew_at: Instant,
+}
+
+impl Outgoing {
+    /// Whether layers remain to be sent (the receiver's lease on its blocks must be kept).
+    fn sending(&self) -> bool {
+        self.next < self.n_layers
+    }
 }
 
 /// The client end of one connection: it proves membership if asked, then sends transfers.
@@ -147,6 +156,7 @@ impl Client {
                 granted: false,
                 bytes: 0,
                 deadline: now + self.timeouts.transfer,
+                renew_at: now + self.timeouts.renew,
             },
         );
         self.out.push_back(Frame::Begin {
@@ -294,18 +304,37 @@ impl Client {
             }
             State::Open => {
                 if let Some((&id, _)) = self.transfers.iter().find(|(_, t)| t.deadline <= now) {
-                    self.close(TransferError::Timeout(format!(
+                    return self.close(TransferError::Timeout(format!(
                         "the KV of request {id} was not acknowledged within {:?}",
                         self.timeouts.transfer
                     )));
+                }
+                let renew = self.timeouts.renew;
+                for (&request_id, t) in &mut self.transfers {
+                    if t.sending() && t.renew_at <= now {
+                        self.out.push_back(Frame::Renew { request_id });
+                        t.renew_at = now + renew;
+                    }
                 }
             }
             _ => {}
         }
     }
 
-    /// When [`Client::handle_timeout`] must next be called.
+    /// When [`Client::handle_timeout`] must next be called: a deadline, or a transfer's
+    /// renewal.
     pub fn poll_timeout(&self) -> Option<Instant> {
+        let renew = self.transfers.values().filter(|t| t.sending());
+        let renew = renew.map(|t| t.renew_at).min();
+        match (self.poll_deadline(), renew) {
+            (Some(d), Some(r)) if self.is_open() => Some(d.min(r)),
+            (d, _) => d,
+        }
+    }
+
+    /// The next deadline alone (reads wait for no renewal: a read cut short loses the
+    /// stream's framing).
+    pub fn poll_deadline(&self) -> Option<Instant> {
         match &self.state {
             State::Handshake { deadline, .. } => Some(*deadline),
             State::Open => self.transfers.values().map(|t| t.deadline).min(),

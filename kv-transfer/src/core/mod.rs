@@ -39,6 +39,9 @@ pub struct Timeouts {
     pub handshake: Duration,
     /// From a transfer's `Begin` to its `Ack` (client) or to its last layer (server).
     pub transfer: Duration,
+    /// Client: how often a transfer whose layers are not all sent yet renews the receiver's
+    /// lease on its blocks (`Renew`), while the prompt waits or computes.
+    pub renew: Duration,
 }
 
 impl Default for Timeouts {
@@ -46,6 +49,7 @@ impl Default for Timeouts {
         Timeouts {
             handshake: Duration::from_secs(5),
             transfer: Duration::from_secs(30),
+            renew: Duration::from_secs(1),
         }
     }
 }

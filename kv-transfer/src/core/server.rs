@@ -34,6 +34,12 @@ pub enum ServerEvent {
         /// Tokens it covers.
         n_tokens: u32,
     },
+    /// The sender renewed a transfer: it is alive and still computing or sending (the owner
+    /// extends the lease on the blocks it reserved for the request).
+    Renewed {
+        /// The request.
+        request_id: u64,
+    },
     /// In-place transfers: the owner must answer [`Server::grant`] with the request's blocks.
     GrantNeeded {
         /// The request.
@@ -221,6 +227,14 @@ impl Server {
                     crc,
                 },
             ) => self.layer(request_id, layer, Err(crc)),
+            (State::Open, Frame::Renew { request_id }) => {
+                // A live sender's transfer may take as long as it keeps renewing it.
+                let until = now + self.timeouts.transfer;
+                if let Some(t) = self.transfers.get_mut(&request_id).filter(|t| !t.complete) {
+                    t.deadline = t.deadline.max(until);
+                    self.events.push_back(ServerEvent::Renewed { request_id });
+                }
+            }
             (_, other) => {
                 let what = other.name();
                 self.close(TransferError::Protocol(format!(

@@ -76,15 +76,32 @@ struct Sim {
     server_events: Vec<ServerEvent>,
     client_gone: bool,
     server_gone: bool,
+    /// The client's process is frozen: it sends, receives and times out nothing.
+    client_frozen: bool,
 }
+
+/// How long the server's owner extends a reservation on each renewal.
+const LEASE: Duration = Duration::from_millis(250);
 
 impl Sim {
     fn new(client: &Local, server: &Local, in_place: bool, delay: Duration) -> Sim {
-        let now = Instant::now();
         let t = Timeouts {
             handshake: 100 * MS,
             transfer: 500 * MS,
+            // No renewals but where a test asks for them.
+            renew: Duration::from_secs(3600),
         };
+        Sim::with_timeouts(client, server, in_place, delay, t)
+    }
+
+    fn with_timeouts(
+        client: &Local,
+        server: &Local,
+        in_place: bool,
+        delay: Duration,
+        t: Timeouts,
+    ) -> Sim {
+        let now = Instant::now();
         Sim {
             now,
             client: Client::new(client, t, in_place, now),
@@ -103,6 +120,7 @@ impl Sim {
             server_events: vec![],
             client_gone: false,
             server_gone: false,
+            client_frozen: false,
         }
     }
 
@@ -119,10 +137,11 @@ impl Sim {
         let end = self.now + d;
         loop {
             self.pump();
+            let client = self.client.poll_timeout().filter(|_| !self.client_frozen);
             let next = [
                 self.c2s.next(),
                 self.s2c.next(),
-                self.client.poll_timeout(),
+                client,
                 self.server.poll_timeout(),
             ]
             .into_iter()
@@ -133,7 +152,9 @@ impl Sim {
                 _ => break,
             }
             self.deliver();
-            self.client.handle_timeout(self.now);
+            if !self.client_frozen {
+                self.client.handle_timeout(self.now);
+            }
             self.server.handle_timeout(self.now);
         }
         self.now = end;
@@ -198,6 +219,9 @@ impl Sim {
                 }
                 ServerEvent::Abandoned { request_id, .. } => {
                     assert_eq!(self.ledger.free(*request_id), Some(Holding::InFlight));
+                }
+                ServerEvent::Renewed { request_id } => {
+                    assert!(self.ledger.renew(*request_id, self.now + LEASE));
                 }
                 ServerEvent::Closed(_) | ServerEvent::Accepted { .. } => {}
             }
@@ -394,6 +418,40 @@ fn a_stalled_transfer_ends_at_its_deadline_on_both_sides_and_frees_the_reservati
         .any(|e| matches!(e, ServerEvent::Abandoned { request_id: 9, error } if error.to_string().contains("1 of 4 layers")));
     assert!(abandoned, "{:?}", s.server_events);
     assert!(s.ledger.is_empty(), "the reservation was freed");
+}
+
+#[test]
+fn a_waiting_sender_keeps_the_reservation_and_a_frozen_one_lets_it_lapse() {
+    let l = Local::open(identity());
+    let t = Timeouts {
+        handshake: 100 * MS,
+        transfer: Duration::from_secs(10),
+        renew: 100 * MS,
+    };
+    let mut s = Sim::with_timeouts(&l, &l, false, MS, t);
+    s.run_for(20 * MS);
+    assert!(s.client.is_open());
+    s.begin(1, 20);
+    s.ledger.renew(1, s.now + LEASE);
+    // Two seconds of a prompt queued or computing, no layer yet: renewed all along.
+    s.run_for(Duration::from_secs(2));
+    let renewals = s
+        .server_events
+        .iter()
+        .filter(|e| matches!(e, ServerEvent::Renewed { request_id: 1 }))
+        .count();
+    assert!((19..=21).contains(&renewals), "every 100 ms: {renewals}");
+    assert!(s.ledger.expired(s.now).is_empty(), "the lease is kept");
+    // The sender freezes: the lease lapses 250 ms after the last renewal arrived (at most
+    // 100 ms + the link's 1 ms before), long before the transfer's 10 s deadline.
+    s.client_frozen = true;
+    let frozen = s.now;
+    s.run_for(LEASE + 2 * MS);
+    assert_eq!(s.ledger.expired(s.now), [1]);
+    assert!(
+        s.ledger.expired(frozen + 140 * MS).is_empty(),
+        "not before the lease"
+    );
 }
 
 #[test]

@@ -38,6 +38,22 @@ pub enum DecodeScript {
     LoseKv(Vec<u32>),
     /// Streams the tokens one every 50 ms (the client may go away meanwhile).
     Slow(Vec<u32>),
+    /// Counts on from the prompt's last token (last + 1, last + 2, … up to `max_tokens`), as a
+    /// deterministic model would — so a request resumed elsewhere from its prompt plus the
+    /// tokens streamed continues exactly — after `n` tokens failing as a killed worker's
+    /// stream does (`Die`), or sending nothing more (`Freeze`).
+    Count(Fault),
+}
+
+/// What a [`DecodeScript::Count`] worker does after some tokens.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Fault {
+    /// Nothing: it counts to the end.
+    None,
+    /// After this many tokens the stream fails with a status that names no cause.
+    Die(usize),
+    /// After this many tokens it sends nothing more (and never ends the stream).
+    Freeze(usize),
 }
 
 /// What the fake prefill worker does.
@@ -56,6 +72,8 @@ pub struct Seen {
     pub generate: Vec<(u64, bool, Vec<u32>)>,
     /// Each generate call's `local_prefill_max_tokens`.
     pub local_max: Vec<u32>,
+    /// Each generate call's `max_tokens`.
+    pub max_tokens: Vec<u32>,
     /// Prefill calls: (request id, tokens).
     pub prefill: Vec<(u64, Vec<u32>)>,
     /// Cancel calls: request ids.
@@ -192,9 +210,14 @@ impl Decode for Fake {
         self.record(|s| {
             s.generate.push((id, remote, r.prompt.clone()));
             s.local_max.push(r.local_prefill_max_tokens);
+            s.max_tokens
+                .push(r.params.as_ref().map_or(0, |p| p.max_tokens));
         });
         // As a real decode worker decides (it caches nothing): the whole rest is short enough.
         let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;
+        if let DecodeScript::Count(fault) = self.decode {
+            return Ok(Response::new(count(&r, fault)));
+        }
         let (tokens, lose, gap) = match self.decode.clone() {
             DecodeScript::BadRequest => return Err(Cause::BadRequest.status("scripted: bad")),
             DecodeScript::FullThen(n, t) => {
@@ -206,6 +229,7 @@ impl Decode for Fake {
             DecodeScript::Tokens(t) => (t, false, 0),
             DecodeScript::LoseKv(t) => (t, remote, 0),
             DecodeScript::Slow(t) => (t, false, 50),
+            DecodeScript::Count(_) => unreachable!("answered above"),
         };
         let (tx, rx) = mpsc::channel(64);
         let kv = self.kv.clone();
@@ -234,6 +258,34 @@ impl Decode for Fake {
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+}
+
+/// The stream of a [`DecodeScript::Count`] worker (colocated requests only).
+fn count(r: &GenerateRequest, fault: Fault) -> ReceiverStream<Result<GenerateEvent, Status>> {
+    let (tx, rx) = mpsc::channel(64);
+    let last = r.prompt.last().copied().unwrap_or(0);
+    let n = r.params.as_ref().map_or(8, |p| p.max_tokens) as usize;
+    tokio::spawn(async move {
+        for i in 0..n {
+            match fault {
+                Fault::Die(k) if i == k => {
+                    let _ = tx.send(Err(Status::unavailable("scripted: killed"))).await;
+                    return;
+                }
+                Fault::Freeze(k) if i == k => {
+                    // Held open, silent, until the router drops the stream.
+                    tx.closed().await;
+                    return;
+                }
+                _ => {}
+            }
+            let t = last + 1 + i as u32;
+            if tx.send(token(t, i + 1 == n)).await.is_err() {
+                return;
+            }
+        }
+    });
+    ReceiverStream::new(rx)
 }
 
 #[tonic::async_trait]
