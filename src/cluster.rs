@@ -15,6 +15,8 @@ use std::io::Write;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
+use crate::supervise;
+
 /// Arguments shared by the role commands.
 #[derive(Args, Debug, Clone)]
 pub struct RoleArgs {
@@ -349,24 +351,19 @@ async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, St
     Ok((router, http, control))
 }
 
-fn terminate(children: &mut [(String, Child)]) {
-    for (_, c) in children.iter() {
-        if let Some(pid) = c.id() {
-            // SAFETY: sending SIGTERM to our own child process.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
-    }
-}
-
-/// `tandem up`: the router and every worker of cluster.toml as child processes.
+/// `tandem up`: the router and every worker of cluster.toml as child processes, kept running
+/// (restarted when one exits) until Ctrl-C or SIGTERM.
 pub fn up(config: PathBuf) -> Result<()> {
-    let (cfg, _model) = load(&config)?;
+    let (cfg, model) = load(&config)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     let cfg_s = config.to_string_lossy().to_string();
     runtime()?.block_on(async move {
-        let mut children: Vec<(String, Child)> = Vec::new();
         let (router, http, control) = start_router(&exe, &cfg_s).await?;
-        children.push(("router".into(), router));
+        // Started again on the same addresses, so that its workers find it.
+        let ctrl = control.trim_start_matches("http://").to_string();
+        let router_args = ["router", "--config", &cfg_s, "--listen", &http.to_string(), "--control", &ctrl];
+        let mut procs = vec![supervise::Process { name: "router".into(), args: router_args.map(String::from).to_vec() }];
+        let mut children = vec![router];
         let pools = [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))];
         for (role, pool) in pools {
             let Some(pool) = pool else { continue };
@@ -376,66 +373,69 @@ pub fn up(config: PathBuf) -> Result<()> {
             }
             for i in 0..*pool.replicas.get_ref() {
                 let name = format!("{role}-{i}");
-                let c = spawn(&exe, &[role, "--config", &cfg_s, "--router", &control, "--name", &name], None)?;
-                children.push((name, c));
+                let args = [role, "--config", &cfg_s, "--router", &control, "--name", &name].map(String::from).to_vec();
+                let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+                children.push(spawn(&exe, &refs, None)?);
+                procs.push(supervise::Process { name, args });
             }
         }
-        // Autoscaled pools start at their replicas, within their bounds.
-        let want = |p: &PoolSection| {
-            let r = *p.replicas.get_ref();
-            p.autoscale.as_ref().map_or(r, |a| r.clamp(*a.min.get_ref(), *a.max.get_ref())) as u64
-        };
-        let want_p = cfg.prefill.as_ref().map_or(0, want);
-        let want_d = want(&cfg.decode);
-        let client = reqwest::Client::new();
-        let t0 = Instant::now();
-        let result = loop {
-            if let Some((name, status)) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
-                break Err(anyhow!("{name} exited ({status}) before the cluster was up"));
-            }
-            if let Some(v) = health(&client, http).await {
-                if v["prefill_workers"].as_u64() == Some(want_p) && v["decode_workers"].as_u64() == Some(want_d) {
-                    break Ok(());
-                }
-            }
-            if t0.elapsed() > Duration::from_secs(300) {
-                break Err(anyhow!("the workers did not all join within 300 s"));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        };
-        if let Err(e) = result {
-            terminate(&mut children);
+        if let Err(e) = wait_up(&cfg, http, &procs, &mut children).await {
+            children.iter().filter_map(Child::id).for_each(|pid| {
+                // SAFETY: sending SIGTERM to our own child process.
+                unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+            });
             return Err(e);
         }
-        let model_id = router::model_id(&_model);
-        say(format_args!("tandem is up: {want_p} prefill + {want_d} decode workers behind http://{http}"));
+        let model_id = router::model_id(&model);
+        let (p, d) = wanted(&cfg);
+        say(format_args!("tandem is up: {p} prefill + {d} decode workers behind http://{http}"));
         say(format_args!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'"));
-        say(format_args!("Ctrl-C stops the cluster."));
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).context("watching SIGTERM")?;
-        let exited = loop {
-            tokio::select! {
-                _ = tokio::signal::ctrl_c() => break None,
-                _ = term.recv() => break None,
-                _ = tokio::time::sleep(Duration::from_millis(500)) => {
-                    if let Some(x) = children.iter_mut().find_map(|(n, c)| c.try_wait().ok().flatten().map(|s| (n.clone(), s))) {
-                        break Some(x);
-                    }
-                }
-            }
-        };
-        eprintln!("tandem: stopping the cluster");
-        terminate(&mut children);
-        for (name, c) in children.iter_mut() {
-            if tokio::time::timeout(Duration::from_secs(5), c.wait()).await.is_err() {
-                eprintln!("tandem: {name} did not stop on SIGTERM; killing it");
-                let _ = c.kill().await;
-            }
-        }
-        match exited {
-            Some((name, status)) => Err(anyhow!("{name} exited ({status}); the cluster was stopped")),
-            None => Ok(()),
-        }
+        say(format_args!("Ctrl-C stops the cluster; a process that exits is started again."));
+        supervise::run(&exe, procs, children, |exe, args| spawn(exe, args, None)).await
     })
+}
+
+/// The prefill and decode workers the cluster starts with (autoscaled pools at their
+/// replicas, within their bounds).
+fn wanted(cfg: &ClusterConfig) -> (u64, u64) {
+    let want = |p: &PoolSection| {
+        let r = *p.replicas.get_ref();
+        p.autoscale
+            .as_ref()
+            .map_or(r, |a| r.clamp(*a.min.get_ref(), *a.max.get_ref())) as u64
+    };
+    (cfg.prefill.as_ref().map_or(0, want), want(&cfg.decode))
+}
+
+/// Waits (up to 300 s) until every worker has joined the router at `http`; a process that
+/// exits before then is an error (a bad model or config would only exit again).
+async fn wait_up(
+    cfg: &ClusterConfig,
+    http: SocketAddr,
+    procs: &[supervise::Process],
+    children: &mut [Child],
+) -> Result<()> {
+    let (want_p, want_d) = wanted(cfg);
+    let client = reqwest::Client::new();
+    let t0 = Instant::now();
+    loop {
+        for (p, c) in procs.iter().zip(children.iter_mut()) {
+            if let Some(status) = c.try_wait().ok().flatten() {
+                bail!("{} exited ({status}) before the cluster was up", p.name);
+            }
+        }
+        if let Some(v) = health(&client, http).await {
+            if v["prefill_workers"].as_u64() == Some(want_p)
+                && v["decode_workers"].as_u64() == Some(want_d)
+            {
+                return Ok(());
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(300) {
+            bail!("the workers did not all join within 300 s");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 /// Prints a line to stdout, ignoring a closed pipe (`tandem up | head -1` must not stop the

@@ -4,6 +4,7 @@
 
 mod cluster;
 mod load;
+mod supervise;
 
 use std::io::Write;
 use std::path::PathBuf;

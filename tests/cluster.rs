@@ -301,59 +301,6 @@ fn worker_with_mismatched_kv_layout_is_refused_at_join() {
 }
 
 #[test]
-fn killed_decode_worker_gives_an_error_event_and_the_router_recovers() {
-    let mut c = Cluster::start(EXE.as_ref(), 1, 1);
-    let body = json!({"model": MODEL, "stream": true, "max_tokens": 4000, "ignore_eos": true,
-                      "messages": [{"role": "user", "content": "Tell me a very long story."}]});
-    let mut r = request(
-        c.http,
-        "POST",
-        "/v1/chat/completions",
-        "application/json",
-        &body.to_string(),
-    )
-    .unwrap();
-    for _ in 0..5 {
-        r.next_event().expect("tokens stream");
-    }
-    c.kill_worker("decode-0");
-    let t0 = Instant::now();
-    let mut saw_error = false;
-    while let Some((name, data)) = r.next_event() {
-        if name == "error" {
-            let v: Value = serde_json::from_str(&data).unwrap();
-            assert!(
-                v["error"]["message"]
-                    .as_str()
-                    .unwrap()
-                    .contains("decode worker"),
-                "{v}"
-            );
-            saw_error = true;
-        }
-        if data == "[DONE]" {
-            break;
-        }
-    }
-    assert!(saw_error, "the client got no error event");
-    assert!(t0.elapsed() < Duration::from_secs(30), "the stream hung");
-    // A new decode worker joins; the next request is served.
-    let cfg = c.config(true);
-    c.add_worker("decode", "decode-1", &cfg);
-    c.wait_for(1, 1);
-    let (status, v) = post_json(
-        c.http,
-        "/v1/chat/completions",
-        &json!({"model": MODEL, "temperature": 0, "max_tokens": 12, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}]}),
-    );
-    assert_eq!(status, 200, "{v}");
-    assert!(v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .contains("Berlin"));
-}
-
-#[test]
 fn official_openai_python_client_streams_a_chat_completion() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
     let script = format!(

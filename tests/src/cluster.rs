@@ -270,6 +270,27 @@ impl Cluster {
         c.wait().unwrap();
     }
 
+    /// Sends `signal` (e.g. `libc::SIGSTOP`) to a worker process.
+    pub fn signal_worker(&self, name: &str, signal: i32) {
+        let (_, c) = self
+            .workers
+            .iter()
+            .find(|(n, _)| n == name)
+            .expect("worker exists");
+        // SAFETY: signalling a child process of this test (not yet reaped: it is in `workers`).
+        let r = unsafe { libc::kill(c.id() as i32, signal) };
+        assert_eq!(r, 0, "signal {signal} to {name}");
+    }
+
+    /// The names of the joined decode workers with a sequence running (live stats).
+    pub fn decoding(&self) -> Vec<String> {
+        self.workers()
+            .iter()
+            .filter(|w| w["role"] == "decode" && w["stats"]["running"].as_u64() > Some(0))
+            .map(|w| w["name"].as_str().unwrap_or_default().to_string())
+            .collect()
+    }
+
     /// Waits until exactly this many workers are joined.
     pub fn wait_for(&self, prefill: usize, decode: usize) {
         let t0 = Instant::now();
