@@ -79,6 +79,26 @@ fn secret(cfg: &ClusterConfig) -> Result<Option<std::sync::Arc<Vec<u8>>>> {
     }
 }
 
+/// The router's HTTP limits, with its API keys read.
+fn limits(cfg: &ClusterConfig) -> Result<router::guard::Limits> {
+    let r = &cfg.router;
+    let api_keys = match &r.api_keys_file {
+        Some(p) => {
+            let p = p.get_ref();
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("reading router.api_keys_file {}", p.display()))?;
+            Some(std::sync::Arc::new(router::guard::read_api_keys(&text)))
+        }
+        None => None,
+    };
+    Ok(router::guard::Limits {
+        max_body_bytes: *r.max_body_bytes.get_ref() as usize,
+        max_header_bytes: *r.max_header_bytes.get_ref() as usize,
+        max_connections: *r.max_connections.get_ref() as usize,
+        api_keys,
+    })
+}
+
 /// What every worker of `pool` is configured with.
 fn worker_settings(
     cfg: &ClusterConfig,
@@ -202,6 +222,8 @@ pub fn router(a: RoleArgs) -> Result<()> {
             stall: std::time::Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
         },
         migration_limit: cfg.router.migration_limit,
+        limits: limits(&cfg)?,
+        request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.

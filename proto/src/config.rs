@@ -94,6 +94,39 @@ pub struct RouterSection {
     /// A worker whose heartbeats stop for this long is dropped (and its requests migrate).
     #[serde(default = "default_heartbeat_timeout_ms")]
     pub heartbeat_timeout_ms: Spanned<u64>,
+    /// A request that has not finished this long after it arrived ends with a 504 (or, once
+    /// streaming, an error event), its workers told to release it.
+    #[serde(default = "default_request_timeout_ms")]
+    pub request_timeout_ms: Spanned<u64>,
+    /// The largest request body accepted (413 beyond).
+    #[serde(default = "default_max_body_bytes")]
+    pub max_body_bytes: Spanned<u64>,
+    /// The largest request headers accepted, names and values together (431 beyond).
+    #[serde(default = "default_max_header_bytes")]
+    pub max_header_bytes: Spanned<u64>,
+    /// HTTP connections served at once (the next waits in the kernel's backlog).
+    #[serde(default = "default_max_connections")]
+    pub max_connections: Spanned<u64>,
+    /// A file of API keys, one per line: requests must carry one (`Authorization: Bearer
+    /// KEY`), or get a 401. Unset: no key needed.
+    #[serde(default)]
+    pub api_keys_file: Option<Spanned<PathBuf>>,
+}
+
+fn default_request_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 600_000)
+}
+
+fn default_max_body_bytes() -> Spanned<u64> {
+    Spanned::new(0..0, 8 << 20)
+}
+
+fn default_max_header_bytes() -> Spanned<u64> {
+    Spanned::new(0..0, 32 << 10)
+}
+
+fn default_max_connections() -> Spanned<u64> {
+    Spanned::new(0..0, 1024)
 }
 
 fn default_migration_limit() -> u32 {
@@ -135,6 +168,11 @@ impl Default for RouterSection {
             migration_limit: default_migration_limit(),
             stall_timeout_ms: default_stall_timeout_ms(),
             heartbeat_timeout_ms: default_heartbeat_timeout_ms(),
+            request_timeout_ms: default_request_timeout_ms(),
+            max_body_bytes: default_max_body_bytes(),
+            max_header_bytes: default_max_header_bytes(),
+            max_connections: default_max_connections(),
+            api_keys_file: None,
         }
     }
 }
@@ -568,6 +606,32 @@ impl ClusterConfig {
             beats,
         )?;
         ctx.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
+        ctx.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
+        ctx.at_least(
+            &r.max_body_bytes,
+            "router.max_body_bytes",
+            1024,
+            "a request must fit",
+        )?;
+        ctx.at_least(
+            &r.max_header_bytes,
+            "router.max_header_bytes",
+            1024,
+            "a request must fit",
+        )?;
+        ctx.positive(&r.max_connections, "router.max_connections")?;
+        if let Some(f) = &r.api_keys_file {
+            match std::fs::read_to_string(f.get_ref()) {
+                Ok(t)
+                    if t.lines()
+                        .any(|l| !l.trim().is_empty() && !l.trim().starts_with('#')) => {}
+                Ok(_) => return ctx.err(f.span(), "router.api_keys_file", "the file holds no key"),
+                Err(e) => {
+                    let m = format!("cannot read {}: {e}", f.get_ref().display());
+                    return ctx.err(f.span(), "router.api_keys_file", m);
+                }
+            }
+        }
         Ok(cfg)
     }
 

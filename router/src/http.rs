@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
 use axum::extract::State as AxState;
 use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
@@ -20,7 +21,8 @@ use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::openai::{ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop, Usage};
+use crate::guard;
+use crate::openai::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop, Usage};
 use crate::request::{self, TokenResult};
 use crate::State;
 
@@ -130,11 +132,13 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
 pub async fn chat(
     AxState(state): AxState<Arc<State>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let start = Instant::now();
     let run = async {
+        let body = guard::body(body, state.limits.max_body_bytes)?;
         let req: ChatRequest = parse(&headers, &body)?;
+        openai::refuse_unsupported(&req.extra)?;
         if req.messages.is_empty() {
             return Err(ApiError::BadRequest("messages must not be empty".into()));
         }
@@ -143,7 +147,7 @@ pub async fn chat(
             .iter()
             .map(|m| {
                 Ok(ChatMessage {
-                    role: m.role.clone(),
+                    role: m.template_role()?.into(),
                     content: m.content.text()?,
                 })
             })
@@ -166,11 +170,13 @@ pub async fn chat(
 pub async fn completions(
     AxState(state): AxState<Arc<State>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let start = Instant::now();
     let run = async {
+        let body = guard::body(body, state.limits.max_body_bytes)?;
         let req: CompletionRequest = parse(&headers, &body)?;
+        openai::refuse_unsupported(&req.extra)?;
         let ids = match &req.prompt {
             Prompt::Text(t) => state
                 .tokenizer

@@ -8,6 +8,7 @@
 //! place ([`openai::ApiError`]).
 
 pub mod actuator;
+pub mod guard;
 pub mod http;
 pub mod kv_index;
 pub mod openai;
@@ -56,6 +57,10 @@ pub struct RouterConfig {
     pub liveness: registry::Liveness,
     /// How many times a request may move to another decode worker when its own is lost.
     pub migration_limit: u32,
+    /// The HTTP surface's limits (API keys, sizes, connections).
+    pub limits: guard::Limits,
+    /// How long a request may take from arrival to its last token.
+    pub request_timeout: Duration,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
@@ -118,6 +123,10 @@ pub struct State {
     pub local_prefill_busy_max_tokens: u32,
     /// How many times a request may move to another decode worker when its own is lost.
     pub migration_limit: u32,
+    /// The HTTP surface's limits.
+    pub limits: guard::Limits,
+    /// How long a request may take from arrival to its last token.
+    pub request_timeout: Duration,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -148,6 +157,8 @@ impl State {
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,
             migration_limit: 1,
+            limits: guard::Limits::default(),
+            request_timeout: Duration::from_secs(600),
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
@@ -194,8 +205,9 @@ pub fn model_id(path: &std::path::Path) -> String {
     name.strip_suffix(".gguf").unwrap_or(&name).to_string()
 }
 
-/// The HTTP routes over `state`.
+/// The HTTP routes over `state`, behind its limits.
 pub fn app(state: Arc<State>) -> axum::Router {
+    let max_body = state.limits.max_body_bytes;
     axum::Router::new()
         .route("/v1/chat/completions", post(http::chat))
         .route("/v1/completions", post(http::completions))
@@ -204,6 +216,11 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/debug/workers", get(http::workers))
         .route("/metrics", get(http::metrics))
         .fallback(http::not_found)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            guard::check,
+        ))
+        .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .with_state(state)
 }
 
@@ -233,6 +250,8 @@ pub async fn run(
     state.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
     state.local_prefill_busy_max_tokens = cfg.local_prefill_busy_max_tokens;
     state.migration_limit = cfg.migration_limit;
+    state.limits = cfg.limits.clone();
+    state.request_timeout = cfg.request_timeout;
     let state = Arc::new(state);
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await
@@ -270,7 +289,7 @@ pub async fn run(
         tokio::spawn(planner::run(state.clone(), plans, actuator));
     }
     tokio::select! {
-        r = axum::serve(http_l, app) => r.map_err(|e| RouterError::Serve(e.to_string())),
+        r = axum::serve(guard::Limited::new(http_l, cfg.limits.max_connections), app) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
     }
 }

@@ -12,6 +12,15 @@ pub enum ApiError {
     /// Malformed or invalid request (400).
     #[error("{0}")]
     BadRequest(String),
+    /// No API key, or one this router does not know (401).
+    #[error("{0}")]
+    Unauthorized(String),
+    /// The body is larger than `[router] max_body_bytes` (413).
+    #[error("{0}")]
+    PayloadTooLarge(String),
+    /// The headers are larger than `[router] max_header_bytes` (431).
+    #[error("{0}")]
+    HeadersTooLarge(String),
     /// The request body is not JSON (415).
     #[error("{0}")]
     UnsupportedMediaType(String),
@@ -27,6 +36,9 @@ pub enum ApiError {
     /// A worker failed mid-request (502).
     #[error("{0}")]
     Upstream(String),
+    /// The request ran past `[router] request_timeout_ms` (504).
+    #[error("{0}")]
+    Timeout(String),
     /// A bug or an unexpected failure (500).
     #[error("{0}")]
     Internal(String),
@@ -40,6 +52,21 @@ impl ApiError {
                 StatusCode::BAD_REQUEST,
                 "invalid_request_error",
                 "invalid_request",
+            ),
+            ApiError::Unauthorized(_) => (
+                StatusCode::UNAUTHORIZED,
+                "invalid_request_error",
+                "invalid_api_key",
+            ),
+            ApiError::PayloadTooLarge(_) => (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "invalid_request_error",
+                "payload_too_large",
+            ),
+            ApiError::HeadersTooLarge(_) => (
+                StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                "invalid_request_error",
+                "headers_too_large",
             ),
             ApiError::UnsupportedMediaType(_) => (
                 StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -58,6 +85,7 @@ impl ApiError {
                 "unavailable",
             ),
             ApiError::Upstream(_) => (StatusCode::BAD_GATEWAY, "server_error", "upstream_error"),
+            ApiError::Timeout(_) => (StatusCode::GATEWAY_TIMEOUT, "server_error", "timeout"),
             ApiError::Internal(_) => (
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
@@ -132,10 +160,24 @@ impl Content {
 /// A chat message in a request.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
-    /// "system", "user", "assistant".
+    /// "system", "user", "assistant" ("developer" is read as "system").
     pub role: String,
     /// The content.
     pub content: Content,
+}
+
+impl Message {
+    /// The role the chat template sees, or why the role is refused.
+    pub fn template_role(&self) -> Result<&'static str, ApiError> {
+        match self.role.as_str() {
+            "system" | "developer" => Ok("system"),
+            "user" => Ok("user"),
+            "assistant" => Ok("assistant"),
+            other => Err(ApiError::BadRequest(format!(
+                "message role {other:?} is not supported (system, user, assistant, developer)"
+            ))),
+        }
+    }
 }
 
 /// `stop`: one string or several.
@@ -195,6 +237,9 @@ pub struct ChatRequest {
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
+    /// Every other field, refused unless harmless ([`refuse_unsupported`]).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 /// `prompt`: a string, or token ids.
@@ -217,6 +262,62 @@ pub struct CompletionRequest {
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
+    /// Every other field, refused unless harmless ([`refuse_unsupported`]).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// OpenAI parameters this server does not implement, with the value each may take that asks
+/// for nothing (a client sending its default is served; any other value is a 400, never
+/// silently ignored).
+const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
+    ("logprobs", |v| v == &json!(false)),
+    ("top_logprobs", |v| v == &json!(0)),
+    ("echo", |v| v == &json!(false)),
+    ("best_of", |v| v == &json!(1)),
+    ("suffix", |v| v == &json!("")),
+    ("presence_penalty", |v| v.as_f64() == Some(0.0)),
+    ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
+    ("repetition_penalty", |v| v.as_f64() == Some(1.0)),
+    ("logit_bias", |v| {
+        v.as_object().is_some_and(|m| m.is_empty())
+    }),
+    ("tools", |v| v.as_array().is_some_and(|a| a.is_empty())),
+    ("tool_choice", |v| v == &json!("none")),
+    ("parallel_tool_calls", |_| true),
+    ("functions", |v| v.as_array().is_some_and(|a| a.is_empty())),
+    ("function_call", |v| v == &json!("none")),
+    ("response_format", |v| v == &json!({"type": "text"})),
+    ("min_p", |v| v.as_f64() == Some(0.0)),
+    ("min_tokens", |v| v == &json!(0)),
+    ("stop_token_ids", |v| {
+        v.as_array().is_some_and(|a| a.is_empty())
+    }),
+];
+
+/// Fields that carry no instruction to the model: accepted and not used.
+const METADATA: &[&str] = &["user", "metadata", "store", "service_tier"];
+
+/// Refuses a request with a parameter this server does not implement (unless it asks for
+/// nothing, or is null) or does not know.
+pub fn refuse_unsupported(
+    extra: &serde_json::Map<String, serde_json::Value>,
+) -> Result<(), ApiError> {
+    for (key, value) in extra {
+        if value.is_null() || METADATA.contains(&key.as_str()) {
+            continue;
+        }
+        match UNSUPPORTED.iter().find(|(k, _)| k == key) {
+            Some((_, neutral)) if neutral(value) => {}
+            Some(_) => {
+                return Err(ApiError::BadRequest(format!(
+                    "the parameter {key:?} is not supported by this server (value {value})"
+                )))
+            }
+            None => return Err(ApiError::BadRequest(format!("unknown parameter {key:?}"))),
+        }
+    }
+    Ok(())
 }
 
 /// Token counts.

@@ -205,16 +205,12 @@ impl Request {
     async fn run(mut self) -> Vec<&'static str> {
         let mut trace = Vec::new();
         let mut phase = Phase::Reserving;
+        let deadline = tokio::time::Instant::from_std(self.arrived + self.state.request_timeout);
         loop {
             trace.push(phase.name());
             metrics::counter!("tandem_router_request_phases_total", "phase" => phase.name())
                 .increment(1);
             phase = match phase {
-                Phase::Reserving => self.reserve().await,
-                Phase::Prefilling => self.prefilling().await,
-                Phase::Decoding => self.decoding().await,
-                Phase::Recomputing(why) => self.recompute(why).await,
-                Phase::Migrating(why) => self.migrate(why),
                 Phase::Done => break,
                 Phase::Failed(e) => {
                     let _ = self.tx.send(Err(e)).await;
@@ -224,10 +220,32 @@ impl Request {
                     self.release_everywhere();
                     break;
                 }
+                p => match tokio::time::timeout_at(deadline, self.advance(p)).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        self.release_everywhere();
+                        let t = self.state.request_timeout;
+                        Phase::Failed(ApiError::Timeout(format!(
+                            "the request did not finish within {t:?} (request_timeout_ms)"
+                        )))
+                    }
+                },
             };
         }
         tracing::debug!(request = self.id, phases = ?trace, "request ended");
         trace
+    }
+
+    /// Runs one phase to the next.
+    async fn advance(&mut self, phase: Phase) -> Phase {
+        match phase {
+            Phase::Reserving => self.reserve().await,
+            Phase::Prefilling => self.prefilling().await,
+            Phase::Decoding => self.decoding().await,
+            Phase::Recomputing(why) => self.recompute(why).await,
+            Phase::Migrating(why) => self.migrate(why),
+            end @ (Phase::Done | Phase::Failed(_) | Phase::Gone) => end,
+        }
     }
 
     fn remote(&self) -> bool {

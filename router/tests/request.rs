@@ -610,6 +610,137 @@ async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let with = |k: &str, v: Value| {
+        let mut b = json!({"messages": msgs, "max_tokens": 1});
+        b[k] = v;
+        b
+    };
+    let refused = [
+        with("logprobs", json!(true)),
+        with("top_logprobs", json!(3)),
+        with(
+            "tools",
+            json!([{"type": "function", "function": {"name": "f"}}]),
+        ),
+        with("response_format", json!({"type": "json_object"})),
+        with("presence_penalty", json!(0.5)),
+        with("logit_bias", json!({"50256": -100})),
+        with("temprature", json!(0.5)),
+        json!({"messages": [{"role": "banana", "content": "hi"}], "max_tokens": 1}),
+    ];
+    for body in refused {
+        let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
+        assert_eq!(got, StatusCode::BAD_REQUEST, "{body}: {text}");
+        let v: Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["error"]["type"], "invalid_request_error", "{text}");
+    }
+    assert!(
+        d.seen.lock().unwrap().generate.is_empty(),
+        "none reached a worker"
+    );
+    // Defaults that ask for nothing, metadata and the developer role are served.
+    let served = [
+        with("logprobs", json!(false)),
+        with("presence_penalty", json!(0)),
+        with("tools", json!([])),
+        with("response_format", json!({"type": "text"})),
+        with("user", json!("someone")),
+        with("logprobs", Value::Null),
+        json!({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ];
+    for body in served {
+        let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
+        assert_eq!(got, StatusCode::OK, "{body}: {text}");
+    }
+    let body = json!({"prompt": "hi", "max_tokens": 1, "echo": true});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::BAD_REQUEST, "{text}");
+    assert!(text.contains("echo"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_and_headers_get_openai_errors() {
+    let st = state_with(Duration::from_secs(5), |s| {
+        s.limits.max_body_bytes = 2048;
+        s.limits.max_header_bytes = 1024;
+    });
+    let big = json!({"prompt": "x".repeat(4096), "max_tokens": 1});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(big)).await;
+    assert_eq!(got, StatusCode::PAYLOAD_TOO_LARGE, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "payload_too_large");
+    let req = Request::builder()
+        .method("GET")
+        .uri("/health")
+        .header("x-padding", "y".repeat(2000))
+        .body(Body::empty())
+        .unwrap();
+    let resp = router::app(st.clone()).oneshot(req).await.unwrap();
+    assert_eq!(resp.status(), StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE);
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    let v: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(v["error"]["code"], "headers_too_large");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_api_keys_a_request_needs_a_known_one() {
+    let keys: std::collections::HashSet<String> = ["sk-good".to_string()].into();
+    let st = state_with(Duration::from_secs(5), |s| {
+        s.limits.api_keys = Some(Arc::new(keys))
+    });
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let ask = |key: Option<&str>| {
+        let mut req = Request::builder()
+            .method("POST")
+            .uri("/v1/completions")
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            req = req.header("authorization", format!("Bearer {k}"));
+        }
+        let body = json!({"prompt": "hi", "max_tokens": 1}).to_string();
+        req.body(Body::from(body)).unwrap()
+    };
+    for (key, want) in [
+        (None, StatusCode::UNAUTHORIZED),
+        (Some("sk-bad"), StatusCode::UNAUTHORIZED),
+        (Some("sk-good"), StatusCode::OK),
+    ] {
+        let resp = router::app(st.clone()).oneshot(ask(key)).await.unwrap();
+        assert_eq!(resp.status(), want, "{key:?}");
+    }
+    let (got, _) = call(&st, "GET", "/health", None).await;
+    assert_ne!(got, StatusCode::UNAUTHORIZED, "probes need no key");
+    let (got, _) = call(&st, "GET", "/debug/workers", None).await;
+    assert_eq!(got, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_past_its_deadline_gets_a_504_and_is_released_on_its_worker() {
+    let st = state_with(Duration::from_secs(5), |s| {
+        s.request_timeout = Duration::from_millis(300)
+    });
+    let d = Fake::new(
+        DecodeScript::Slow(vec![1; 20]),
+        PrefillScript::Deliver,
+        Arc::default(),
+    );
+    join(&st, Pool::Decode, &d).await;
+    let body = json!({"prompt": "hi", "max_tokens": 20});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::GATEWAY_TIMEOUT, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["code"], "timeout");
+    let id = d.seen.lock().unwrap().generate[0].0;
+    assert!(d.wait_until(|s| s.cancel.contains(&id)).await, "released");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_models_and_debug_workers() {
     let st = state(Duration::from_secs(5));
     let (code, _) = call(&st, "GET", "/health", None).await;
