@@ -525,6 +525,12 @@ pub async fn not_found(uri: axum::http::Uri) -> Response {
     ApiError::NotFound(format!("no endpoint {}", uri.path())).into_response()
 }
 
+/// A path served, with another method.
+pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let m = format!("{} does not take {method}", uri.path());
+    ApiError::MethodNotAllowed(m).into_response()
+}
+
 /// `GET /metrics`: Prometheus text — the router's request histograms and counters, KV-transfer
 /// counters by transport, and every joined worker's last reported load (one gauge per
 /// `WorkerLoad` field).

@@ -216,6 +216,7 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/debug/workers", get(http::workers))
         .route("/metrics", get(http::metrics))
         .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             guard::check,

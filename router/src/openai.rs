@@ -27,6 +27,9 @@ pub enum ApiError {
     /// No such endpoint (404).
     #[error("{0}")]
     NotFound(String),
+    /// The endpoint exists, not for this method (405).
+    #[error("{0}")]
+    MethodNotAllowed(String),
     /// The named model is not served here (404).
     #[error("{0}")]
     ModelNotFound(String),
@@ -74,6 +77,11 @@ impl ApiError {
                 "unsupported_media_type",
             ),
             ApiError::NotFound(_) => (StatusCode::NOT_FOUND, "invalid_request_error", "not_found"),
+            ApiError::MethodNotAllowed(_) => (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "invalid_request_error",
+                "method_not_allowed",
+            ),
             ApiError::ModelNotFound(_) => (
                 StatusCode::NOT_FOUND,
                 "invalid_request_error",

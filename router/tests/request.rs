@@ -10,7 +10,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use engine::SamplingParams;
-use fake::{DecodeScript, Fake, Fault, Kv, PrefillScript};
+use fake::{join, join_at, keep_beating, state_on, DecodeScript, Fake, Fault, Kv, PrefillScript};
 use http_body_util::BodyExt;
 use proto::grpc::{self, JoinRequest, KvOffer};
 use proto::Pool;
@@ -31,56 +31,6 @@ fn state(admission_wait: Duration) -> Arc<State> {
 /// [`state`], with `set` changing its settings first.
 fn state_with(admission_wait: Duration, set: impl FnOnce(&mut State)) -> Arc<State> {
     state_on(Liveness::default(), admission_wait, set)
-}
-
-/// [`state_with`] over a registry giving up on workers by `liveness`.
-fn state_on(
-    liveness: Liveness,
-    admission_wait: Duration,
-    set: impl FnOnce(&mut State),
-) -> Arc<State> {
-    let path = engine::fetch::ensure_default_model().expect("the default model");
-    let (config, tokenizer) = engine::inspect(&path).expect("model metadata");
-    let identity = engine::identity_of(&config, 16);
-    let registry = Registry::configured(identity, liveness, Default::default());
-    let mut s = State::new(
-        registry,
-        tokenizer,
-        &config,
-        "SmolLM2-135M-Instruct.Q4_1".into(),
-        true,
-        Duration::from_secs(5),
-    );
-    s.admission_wait = admission_wait;
-    set(&mut s);
-    Arc::new(s)
-}
-
-/// Serves `fake` and joins it to the registry as a worker of `pool`; returns its id.
-async fn join(state: &State, pool: Pool, fake: &Fake) -> u64 {
-    let addr = fake.serve().await;
-    join_at(state, pool, &format!("http://{addr}"))
-}
-
-fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
-    let path = engine::fetch::default_model_path();
-    let (config, _) = engine::inspect(&path).unwrap();
-    let offer = KvOffer {
-        transport: "tcp".into(),
-        endpoint: "127.0.0.1:9".into(),
-        cert_der: Vec::new(),
-    };
-    let req = JoinRequest {
-        protocol_version: proto::PROTOCOL_VERSION,
-        role: grpc::Role::from(pool) as i32,
-        name: format!("{pool}-{endpoint}"),
-        endpoint: endpoint.into(),
-        kv_offers: vec![offer],
-        identity: Some(engine::identity_of(&config, 16).into()),
-        kv_blocks_total: 64,
-        metrics_endpoint: String::new(),
-    };
-    state.registry.join(req).expect("joins")
 }
 
 fn tokens(t: &[u32]) -> DecodeScript {
@@ -842,30 +792,6 @@ fn cached_prompt(st: &State, id: u64) -> Vec<u32> {
     let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
     cached_on(st, id, &prompt);
     prompt
-}
-
-/// Heartbeats for worker `id` every 50 ms, its engine steps standing at `steps` (or moving, if
-/// `None`), until the test ends.
-fn keep_beating(st: &Arc<State>, id: u64, steps: Option<u64>) {
-    let st = st.clone();
-    tokio::spawn(async move {
-        for n in 1.. {
-            let load = grpc::WorkerLoad {
-                engine_steps: steps.unwrap_or(n),
-                running: 1,
-                ..Default::default()
-            };
-            let beat = grpc::Heartbeat {
-                worker_id: id,
-                load: Some(load),
-                kv: None,
-            };
-            if st.registry.beat(beat).is_err() {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    });
 }
 
 fn counting(fault: Fault) -> Fake {

@@ -18,10 +18,89 @@ use proto::grpc::worker_server::{Worker, WorkerServer};
 use proto::grpc::{
     self, generate_event, GenerateEvent, GenerateRequest, PrefillReply, PrefillRequest,
 };
-use proto::Cause;
+use proto::grpc::{JoinRequest, KvOffer};
+use proto::{Cause, Pool};
+use router::registry::{Liveness, Registry};
+use router::State;
 use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
+
+// The router under test, and fakes joined to it.
+
+/// [`state_with`] over a registry giving up on workers by `liveness`.
+pub fn state_on(
+    liveness: Liveness,
+    admission_wait: Duration,
+    set: impl FnOnce(&mut State),
+) -> Arc<State> {
+    let path = engine::fetch::ensure_default_model().expect("the default model");
+    let (config, tokenizer) = engine::inspect(&path).expect("model metadata");
+    let identity = engine::identity_of(&config, 16);
+    let registry = Registry::configured(identity, liveness, Default::default());
+    let mut s = State::new(
+        registry,
+        tokenizer,
+        &config,
+        "SmolLM2-135M-Instruct.Q4_1".into(),
+        true,
+        Duration::from_secs(5),
+    );
+    s.admission_wait = admission_wait;
+    set(&mut s);
+    Arc::new(s)
+}
+
+/// Serves `fake` and joins it to the registry as a worker of `pool`; returns its id.
+pub async fn join(state: &State, pool: Pool, fake: &Fake) -> u64 {
+    let addr = fake.serve().await;
+    join_at(state, pool, &format!("http://{addr}"))
+}
+
+pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
+    let path = engine::fetch::default_model_path();
+    let (config, _) = engine::inspect(&path).unwrap();
+    let offer = KvOffer {
+        transport: "tcp".into(),
+        endpoint: "127.0.0.1:9".into(),
+        cert_der: Vec::new(),
+    };
+    let req = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::from(pool) as i32,
+        name: format!("{pool}-{endpoint}"),
+        endpoint: endpoint.into(),
+        kv_offers: vec![offer],
+        identity: Some(engine::identity_of(&config, 16).into()),
+        kv_blocks_total: 64,
+        metrics_endpoint: String::new(),
+    };
+    state.registry.join(req).expect("joins")
+}
+
+/// Heartbeats for worker `id` every 50 ms, its engine steps standing at `steps` (or moving, if
+/// `None`), until the test ends.
+pub fn keep_beating(st: &Arc<State>, id: u64, steps: Option<u64>) {
+    let st = st.clone();
+    tokio::spawn(async move {
+        for n in 1.. {
+            let load = grpc::WorkerLoad {
+                engine_steps: steps.unwrap_or(n),
+                running: 1,
+                ..Default::default()
+            };
+            let beat = grpc::Heartbeat {
+                worker_id: id,
+                load: Some(load),
+                kv: None,
+            };
+            if st.registry.beat(beat).is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+}
 
 /// What the fake decode worker does with a request.
 #[derive(Debug, Clone)]
