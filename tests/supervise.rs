@@ -4,15 +4,14 @@
 //! completes (migrated or recomputed) and the clients never see an error from a worker's death.
 //! Mock-engine workers (real processes and KV transfers, a timing model instead of kernels).
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use tandem_tests::cluster::{get, request};
+use tandem_tests::up::Up;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -38,50 +37,6 @@ max_batch_tokens = 256
 preset = "cpu-smollm2"
 "#;
 
-/// `tandem up`, stopped with SIGINT (SIGKILL after 10 s) when dropped.
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child; `tandem up` stops everything it started.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// The pid of the process whose command line has `config` and names `who` (`--name decode-0`,
-/// or `router`).
-fn pid_of(config: &str, who: &str) -> Option<i32> {
-    let wanted: Vec<&str> = match who {
-        "router" => vec!["router"],
-        name => vec!["--name", name],
-    };
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-        let args: Vec<String> = cmd
-            .split(|&b| b == 0)
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let has = |w: &[&str]| {
-            args.windows(w.len())
-                .any(|x| x.iter().zip(w).all(|(a, b)| a == b))
-        };
-        (args.iter().any(|a| a == config)
-            && has(&wanted)
-            && args.get(1).map(String::as_str) != Some("up"))
-        .then_some(pid)
-    })
-}
-
 /// Workers joined, by role, from `/health`.
 fn joined(http: SocketAddr) -> (u64, u64) {
     let Ok((_, body)) = get(http, "/health") else {
@@ -92,24 +47,11 @@ fn joined(http: SocketAddr) -> (u64, u64) {
     (n("prefill_workers"), n("decode_workers"))
 }
 
-/// The router's ids of the joined workers named `name`.
-fn ids_of(http: SocketAddr, name: &str) -> Vec<u64> {
-    let Ok((_, body)) = get(http, "/debug/workers") else {
-        return Vec::new();
-    };
-    let v: Value = serde_json::from_str(&body).unwrap_or_default();
-    let ws = v["workers"].as_array().cloned().unwrap_or_default();
-    ws.iter()
-        .filter(|w| w["name"] == name)
-        .filter_map(|w| w["id"].as_u64())
-        .collect()
-}
-
 /// Waits until worker `name` has joined again under a new id and its old id `old` is gone.
-fn wait_rejoined(http: SocketAddr, name: &str, old: &[u64]) -> Duration {
+fn wait_rejoined(up: &Up, name: &str, old: &[u64]) -> Duration {
     let t0 = Instant::now();
     loop {
-        let ids = ids_of(http, name);
+        let ids = up.ids_of(name);
         if !ids.is_empty() && ids.iter().all(|id| !old.contains(id)) {
             return t0.elapsed();
         }
@@ -165,34 +107,8 @@ fn stream_once(http: SocketAddr, k: u64) -> Result<(), String> {
 
 #[test]
 fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
-    let dir = std::env::temp_dir().join(format!("tandem-supervise-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("cluster.toml");
-    std::fs::write(&cfg, CONFIG).unwrap();
-    let cfg_s = cfg.to_string_lossy().to_string();
-    let mut child = Command::new(EXE)
-        .args(["up", "--config", &cfg_s])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let (stdout, stderr) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
-    let up = Up(child);
-    let mut lines = BufReader::new(stdout).lines();
-    let http: SocketAddr = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find_map(|l| l.split("behind http://").nth(1)?.trim().parse().ok())
-        .expect("tandem up prints its address");
-    std::thread::spawn(move || for _ in lines {});
-    let log = Arc::new(Mutex::new(String::new()));
-    let sink = log.clone();
-    std::thread::spawn(move || {
-        for l in BufReader::new(stderr).lines().map_while(Result::ok) {
-            sink.lock().unwrap().push_str(&(l + "\n"));
-        }
-    });
-
+    let up = Up::start(EXE.as_ref(), CONFIG);
+    let http = up.http;
     // Four clients stream requests back to back until told to stop.
     let stop = Arc::new(AtomicBool::new(false));
     let clients: Vec<_> = (0..4u64)
@@ -215,15 +131,13 @@ fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
         .collect();
     std::thread::sleep(Duration::from_secs(2));
     for who in ["prefill-0", "decode-0", "decode-1"] {
-        let pid = pid_of(&cfg_s, who).unwrap_or_else(|| panic!("{who} runs"));
-        let old = ids_of(http, who);
+        let old = up.ids_of(who);
         assert_eq!(old.len(), 1, "{who} joined once");
-        // SAFETY: SIGKILL to a worker of the cluster this test started.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-        let back = wait_rejoined(http, who, &old);
+        let pid = up.signal(who, libc::SIGKILL);
+        let back = wait_rejoined(&up, who, &old);
         eprintln!("{who} killed; joined again {back:?} later");
         wait_joined(http, (1, 2), who);
-        assert_ne!(pid_of(&cfg_s, who), Some(pid), "{who} is a new process");
+        assert_ne!(up.pid_of(who), Some(pid), "{who} is a new process");
         std::thread::sleep(Duration::from_secs(2));
     }
     stop.store(true, Ordering::SeqCst);
@@ -252,19 +166,15 @@ fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
     assert!(migrated >= 1.0, "a decode worker's streams moved");
 
     // The router too: started again on the same addresses, rejoined by every worker.
-    let pid = pid_of(&cfg_s, "router").expect("the router runs");
-    // SAFETY: SIGKILL to the router of the cluster this test started.
-    unsafe { libc::kill(pid, libc::SIGKILL) };
+    up.signal("router", libc::SIGKILL);
     std::thread::sleep(Duration::from_millis(500));
     wait_joined(http, (1, 2), "router");
     stream_once(http, 7).expect("served after the router's restart");
-    let log = log.lock().unwrap().clone();
+    let log = up.log();
     for who in ["prefill-0", "decode-0", "decode-1", "router"] {
         assert!(
             log.contains(&format!("tandem: {who} exited")),
             "a log line for {who}:\n{log}"
         );
     }
-    drop(up);
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -28,6 +28,16 @@ impl StreamDecoder {
         }
         Ok(String::new())
     }
+
+    /// The text still held back when generation ends: the tokens' decode beyond what was
+    /// returned (an incomplete character comes out as U+FFFD, as in a decode of all the tokens
+    /// at once).
+    pub fn finish(&mut self, tok: &Tokenizer) -> Result<String> {
+        let before = tok.decode(&self.ids[self.prefix..self.read], true)?;
+        let now = tok.decode(&self.ids[self.prefix..], true)?;
+        (self.prefix, self.read) = (self.ids.len(), self.ids.len());
+        Ok(now.get(before.len()..).unwrap_or_default().to_string())
+    }
 }
 
 /// Watches generated text for stop strings.

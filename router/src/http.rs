@@ -257,14 +257,16 @@ impl Texter {
         finish: Option<FinishReason>,
     ) -> (String, Option<&'static str>) {
         self.tokens += 1;
+        let tokenizer = &self.state.tokenizer;
         let stop = Some(FinishReason::Stop);
-        if finish == stop && self.state.tokenizer.stop_ids().contains(&tok) {
-            return (self.stops.flush(), Some("stop"));
+        let eos = finish == stop && tokenizer.stop_ids().contains(&tok);
+        let mut piece = match eos {
+            true => String::new(),
+            false => self.dec.push(tokenizer, tok).unwrap_or_default(),
+        };
+        if finish.is_some() {
+            piece.push_str(&self.dec.finish(tokenizer).unwrap_or_default());
         }
-        let piece = self
-            .dec
-            .push(&self.state.tokenizer, tok)
-            .unwrap_or_default();
         let (mut text, stopped) = self.stops.push(&piece);
         if stopped {
             return (text, Some("stop"));

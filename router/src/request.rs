@@ -655,11 +655,20 @@ impl Request {
                 self.stream_from = self.streamed.len();
                 Phase::Decoding
             }
-            Err(s) => Phase::Failed(ApiError::Upstream(format!(
-                "{why}; recomputing on decode worker {} failed too: {}",
-                w.name,
-                s.message()
-            ))),
+            Err(s) => {
+                let failed = format!(
+                    "{why}; recomputing on decode worker {} ({}) failed too: {}",
+                    w.name,
+                    w.endpoint,
+                    s.message()
+                );
+                if !matches!(Cause::of(&s), Cause::Unreachable | Cause::Engine) {
+                    return Phase::Failed(ApiError::Upstream(failed));
+                }
+                // The decode worker is gone as well: elsewhere, as a migration.
+                self.state.registry.remove(w.id);
+                Phase::Migrating(ApiError::Upstream(failed))
+            }
         }
     }
 
