@@ -8,8 +8,8 @@
 //!   hangs past its deadline; every answer is exactly the mock's greedy continuation;
 //! - at least 99% complete;
 //! - at the end every KV block is free or cached and every ledger balanced;
-//! - the RSS of each process alive over the second half grows less than 10% across it (the
-//!   pools are small, 512 blocks, so the load has touched every page of them well before).
+//! - the RSS of every process life that ran long enough grows less than 10% after its first
+//!   20 s (workers claim their KV pool's memory when they start).
 //!
 //! The mock engine's next token is a function of the previous token and the position
 //! (`engine::mock::next_token`), so the expected text of any greedy request is known here.
@@ -267,11 +267,14 @@ fn age(pid: i32) -> f64 {
     up - start / ticks
 }
 
-/// Each of the cluster's processes by name, now: (pid, RSS in KiB, seconds running).
-fn rss(up: &Up) -> BTreeMap<String, (i32, u64, f64)> {
+/// Each of the cluster's processes (those of config file `config`) by name, now: (pid, RSS in
+/// KiB, seconds running).
+fn rss(config: &str) -> BTreeMap<String, (i32, u64, f64)> {
     let mut out = BTreeMap::new();
     for who in ["router", "prefill-0", "prefill-1", "decode-0", "decode-1"] {
-        let Some(pid) = up.pid_of(who) else { continue };
+        let Some(pid) = tandem_tests::up::pid_of(config, who) else {
+            continue;
+        };
         let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
         let kb = status.lines().find_map(|l| {
             l.strip_prefix("VmRSS:")?
@@ -290,6 +293,37 @@ fn rss(up: &Up) -> BTreeMap<String, (i32, u64, f64)> {
 
 /// A process this long into its life has warmed up: the load has touched its KV pool.
 const WARM_SECS: f64 = 20.0;
+/// A life judged for leaks runs at least this long after warming up.
+const JUDGED_SECS: f64 = 30.0;
+
+/// Every process life (a name and a pid) that ran long enough after warming up keeps its RSS
+/// within 10% of where it was warm: nothing grows with the requests served.
+fn rss_flat(samples: &[BTreeMap<String, (i32, u64, f64)>]) {
+    let mut lives: BTreeMap<(String, i32), Vec<(f64, u64)>> = BTreeMap::new();
+    for s in samples {
+        for (who, &(pid, kb, age)) in s {
+            if age >= WARM_SECS {
+                lives.entry((who.clone(), pid)).or_default().push((age, kb));
+            }
+        }
+    }
+    let mut judged = 0;
+    for ((who, pid), v) in &lives {
+        let ((a0, first), (a1, last)) = (v[0], v[v.len() - 1]);
+        if a1 - a0 < JUDGED_SECS {
+            continue;
+        }
+        judged += 1;
+        let growth = last as f64 / first as f64 - 1.0;
+        let pct = growth * 100.0;
+        eprintln!(
+            "  RSS {who} (pid {pid}): {first} -> {last} KiB over {:.0} s ({pct:+.1}%)",
+            a1 - a0
+        );
+        assert!(growth < 0.10, "{who} (pid {pid}): RSS grew {pct:.1}%");
+    }
+    assert!(judged > 0, "no process lived long enough to be judged");
+}
 
 #[test]
 fn under_a_fault_every_few_seconds_every_request_ends_well_and_nothing_leaks() {
@@ -323,36 +357,32 @@ fn under_a_fault_every_few_seconds_every_request_ends_well_and_nothing_leaks() {
         })
         .collect();
     let t0 = Instant::now();
-    let (mut faults, mut rss_mid) = (Vec::new(), None);
+    let samples = Arc::new(Mutex::new(Vec::new()));
+    let sampler = {
+        let (up_cfg, samples, stop) = (up.config.clone(), samples.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::SeqCst) {
+                samples.lock().unwrap().push(rss(&up_cfg));
+                std::thread::sleep(Duration::from_secs(2));
+            }
+        })
+    };
+    let mut faults = Vec::new();
     while t0.elapsed() + every < total {
         std::thread::sleep(every);
-        if rss_mid.is_none() && t0.elapsed() >= total / 2 {
-            rss_mid = Some(rss(&up));
-        }
         let f = strike(&up, &nft, faults.len());
         eprintln!("{:>5.1} s: {f}", t0.elapsed().as_secs_f64());
         faults.push(f);
     }
     std::thread::sleep(total.saturating_sub(t0.elapsed()));
-    let rss_end = rss(&up);
     stop.store(true, Ordering::SeqCst);
     clients.into_iter().for_each(|c| c.join().unwrap());
-    report(
-        &up,
-        &outcomes.lock().unwrap(),
-        &faults,
-        rss_mid.unwrap_or_default(),
-        rss_end,
-    );
+    sampler.join().unwrap();
+    report(&up, &outcomes.lock().unwrap(), &faults);
+    rss_flat(&samples.lock().unwrap());
 }
 
-fn report(
-    up: &Up,
-    outcomes: &[Outcome],
-    faults: &[String],
-    mid: BTreeMap<String, (i32, u64, f64)>,
-    end: BTreeMap<String, (i32, u64, f64)>,
-) {
+fn report(up: &Up, outcomes: &[Outcome], faults: &[String]) {
     let count = |f: fn(&Outcome) -> bool| outcomes.iter().filter(|o| f(o)).count();
     let answered = count(|o| *o == Outcome::Answered);
     let cancelled = count(|o| *o == Outcome::Cancelled);
@@ -405,24 +435,5 @@ fn report(
             "blocks left behind: {ws:?}"
         );
         std::thread::sleep(Duration::from_millis(100));
-    }
-    for (who, (pid, kb, _)) in &end {
-        match mid.get(who) {
-            Some((p, before, age)) if p == pid && *age >= WARM_SECS => {
-                let growth = *kb as f64 / *before as f64 - 1.0;
-                let pct = growth * 100.0;
-                eprintln!("  RSS {who}: {before} -> {kb} KiB ({pct:+.1}%)");
-                assert!(
-                    growth < 0.10,
-                    "{who}'s RSS grew {pct:.1}% over the second half"
-                );
-            }
-            Some((p, _, age)) if p == pid => {
-                eprintln!(
-                    "  RSS {who}: {kb} KiB (started {age:.0} s before the midpoint: warming up)"
-                )
-            }
-            _ => eprintln!("  RSS {who}: {kb} KiB (started again in the second half)"),
-        }
     }
 }

@@ -86,6 +86,7 @@ fn disaggregated_stream_equals_engine_greedy_and_seeded() {
     );
     assert_eq!(text, engine_text("Write a haiku about the sea.", params).0);
     c.wait_all_free(Duration::from_secs(5));
+    c.wait_transfers("tcp", 2);
 }
 
 #[test]
@@ -145,6 +146,7 @@ fn sixteen_concurrent_requests_match_single_process_and_free_their_blocks() {
         .map(|w| w["stats"]["kv_requests_freed"].as_u64().unwrap())
         .sum();
     assert_eq!(freed, 16, "{:?}", c.workers());
+    c.wait_transfers("tcp", 16);
 }
 
 #[test]
@@ -172,6 +174,37 @@ fn client_disconnect_frees_kv_on_both_workers_within_a_second() {
     drop(r);
     let took = c.wait_all_free(Duration::from_secs(1));
     println!("blocks freed on both workers {took:?} after the disconnect");
+    c.wait_transfers("tcp", 1);
+}
+
+#[test]
+fn a_client_gone_during_the_prefill_frees_the_prefill_workers_blocks_too() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    // A long prompt: its prefill takes seconds here.
+    let prompt: Vec<u32> = (0..1200).map(|i| 300 + (i * 7919) % 40_000).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true});
+    let r = request(
+        c.http,
+        "POST",
+        "/v1/completions",
+        "application/json",
+        &body.to_string(),
+    );
+    let computing = |c: &Cluster| {
+        c.workers().iter().any(|w| {
+            let s = &w["stats"];
+            w["role"] == "prefill" && s["kv_blocks_free"].as_u64() < s["kv_blocks_total"].as_u64()
+        })
+    };
+    let t0 = Instant::now();
+    let r = r.unwrap();
+    while !computing(&c) {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the prefill starts");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(r);
+    let took = c.wait_all_free(Duration::from_secs(2));
+    println!("blocks freed on both workers {took:?} after the client left mid-prefill");
 }
 
 #[test]
@@ -324,6 +357,7 @@ print("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(stdout.contains("Berlin"), "{stdout}");
+    c.wait_transfers("tcp", 1);
 }
 
 #[test]
@@ -355,6 +389,7 @@ fn a_full_decode_worker_makes_requests_wait_not_fail() {
         assert_eq!(v["usage"]["completion_tokens"], 64);
     }
     c.wait_all_free(Duration::from_secs(5));
+    c.wait_transfers("tcp", 4);
 }
 
 #[test]
@@ -453,6 +488,7 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
         v["choices"][0]["text"].as_str().unwrap().contains("Paris"),
         "{v}"
     );
+    c.wait_transfers("tcp", 1);
     drop(c);
     // A decode worker with the secret, and an outsider prefill worker without it: the outsider's
     // KV is refused at the handshake, before the decode worker reads any of it; the router
@@ -474,6 +510,14 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
         json!({}),
         "the outsider wrote no KV: {p}"
     );
+    // It was tried: the prompt went to it, its KV was refused, the decode worker recomputed.
+    let phase = |name: &str| {
+        metric(
+            &c,
+            &format!("tandem_router_request_phases_total{{phase=\"{name}\"}}"),
+        )
+    };
+    assert_eq!((phase("prefilling"), phase("recomputing")), (1.0, 1.0));
     c.wait_all_free(Duration::from_secs(5));
     drop(outsider);
     let _ = std::fs::remove_dir_all(&dir);
@@ -530,6 +574,22 @@ fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_ev
             .contains("Berlin"),
         "{v}"
     );
+    // Through the prefill pool: the router counted the KV it moved (the counter comes when the
+    // prefill call returns, possibly just after the answer).
+    let at: std::net::SocketAddr = addr.parse().unwrap();
+    let t0 = Instant::now();
+    loop {
+        let (_, m) = tandem_tests::cluster::get(at, "/metrics").unwrap();
+        let bytes = m
+            .lines()
+            .find_map(|l| l.strip_prefix("tandem_kv_transfer_bytes_total{transport=\"tcp\"} "))
+            .and_then(|v| v.trim().parse::<f64>().ok());
+        if bytes.is_some_and(|b| b > 0.0) {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "no KV moved: {m}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     // Ctrl-C: tandem up stops every child and exits.
     // SAFETY: signalling our own child process.
     unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
@@ -647,6 +707,7 @@ fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
     let tokens = r["output_tokens_per_s"].as_f64().unwrap() * r["duration_s"].as_f64().unwrap();
     assert!((tokens - 18.0).abs() < 0.5, "{r}");
     c.wait_all_free(Duration::from_secs(5));
+    c.wait_transfers("tcp", 3);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -660,6 +721,7 @@ fn every_process_serves_metrics_that_promtool_accepts() {
     );
     assert_eq!(status, 200);
     c.wait_all_free(Duration::from_secs(5));
+    c.wait_transfers("tcp", 1);
     let mut texts = vec![(
         "router".to_string(),
         tandem_tests::cluster::get(c.http, "/metrics").unwrap().1,

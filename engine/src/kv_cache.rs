@@ -39,8 +39,15 @@ unsafe impl Sync for PoolMem {}
 
 impl PoolBuf {
     fn zeroed(n: usize) -> PoolBuf {
-        // Zeroed allocation stays lazy: pages are touched only when a block is first written.
-        let v = half::vec::HalfBitsVecExt::reinterpret_into(vec![0u16; n]);
+        let mut bits = vec![0u16; n];
+        // The pool's memory is claimed now, one write a page, not page by page as blocks are
+        // first written: a worker's footprint is fixed from its start (a machine without the
+        // memory fails it at once, not under load later), and its RSS stays flat thereafter.
+        let page = 4096 / std::mem::size_of::<u16>();
+        for i in (0..n).step_by(page) {
+            bits[i] = std::hint::black_box(0);
+        }
+        let v = half::vec::HalfBitsVecExt::reinterpret_into(bits);
         PoolBuf(Arc::new(PoolMem(UnsafeCell::new(v))))
     }
 

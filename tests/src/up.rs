@@ -75,25 +75,7 @@ impl Up {
 
     /// The pid of the cluster's process `who`: `router`, or a worker's name (`decode-0`).
     pub fn pid_of(&self, who: &str) -> Option<i32> {
-        let wanted: Vec<&str> = match who {
-            "router" => vec!["router"],
-            name => vec!["--name", name],
-        };
-        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
-            let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
-            let args: Vec<String> = cmd
-                .split(|&b| b == 0)
-                .map(|a| String::from_utf8_lossy(a).into_owned())
-                .collect();
-            let has = |w: &[&str]| {
-                args.windows(w.len())
-                    .any(|x| x.iter().zip(w).all(|(a, b)| a == b))
-            };
-            let ours = args.iter().any(|a| *a == self.config);
-            let up = args.get(1).map(String::as_str) == Some("up");
-            (ours && !up && has(&wanted)).then_some(pid)
-        })
+        pid_of(&self.config, who)
     }
 
     /// Sends `signal` to the cluster's process `who`; its pid.
@@ -145,6 +127,30 @@ impl Up {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// The pid of process `who` (`router`, or a worker's name) of the cluster `tandem up` runs from
+/// config file `config`.
+pub fn pid_of(config: &str, who: &str) -> Option<i32> {
+    let wanted: Vec<&str> = match who {
+        "router" => vec!["router"],
+        name => vec!["--name", name],
+    };
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+        let cmd = std::fs::read(e.path().join("cmdline")).ok()?;
+        let args: Vec<String> = cmd
+            .split(|&b| b == 0)
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let has = |w: &[&str]| {
+            args.windows(w.len())
+                .any(|x| x.iter().zip(w).all(|(a, b)| a == b))
+        };
+        let ours = args.iter().any(|a| a == config);
+        let up = args.get(1).map(String::as_str) == Some("up");
+        (ours && !up && has(&wanted)).then_some(pid)
+    })
 }
 
 impl Drop for Up {
