@@ -25,8 +25,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<Frame, Transf
 pub struct BufferPool(std::sync::Arc<std::sync::Mutex<Vec<Vec<u8>>>>);
 
 impl BufferPool {
-    /// Most buffers kept.
-    const KEEP: usize = 256;
+    /// Most bytes kept: a burst of transfers (a decode worker thawed with many on its sockets)
+    /// must not leave the worker holding its peak in buffers for ever.
+    const KEEP_BYTES: usize = 32 << 20;
 
     /// An empty buffer with room for `n` bytes: the smallest kept one that fits, else a new one
     /// (its bytes are written by the socket read, never zeroed first).
@@ -48,7 +49,8 @@ impl BufferPool {
 
     fn give(&self, buf: Vec<u8>) {
         let mut pool = self.0.lock().expect("pool lock");
-        if pool.len() < Self::KEEP {
+        let kept: usize = pool.iter().map(Vec::capacity).sum();
+        if kept + buf.capacity() <= Self::KEEP_BYTES {
             pool.push(buf);
         }
     }

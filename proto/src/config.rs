@@ -650,6 +650,41 @@ mod tests {
     }
 
     #[test]
+    fn fault_and_http_limits_are_checked_with_file_line_and_key() {
+        let c = parse("[decode]\n").unwrap();
+        assert_eq!(*c.router.heartbeat_timeout_ms.get_ref(), 2000);
+        assert_eq!(*c.kv_transfer.lease_ms.get_ref(), 3000);
+        let e = parse("[router]\nheartbeat_timeout_ms = 300\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "cluster.toml:2: router.heartbeat_timeout_ms: must be at least 1000 (workers heartbeat every 250 ms)"
+        );
+        let e = parse("[kv_transfer]\nlease_ms = 500\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: kv_transfer.lease_ms: must be at least 2000"),
+            "{e}"
+        );
+        let e = parse("[router]\n\napi_keys_file = \"/nonexistent/keys\"\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:3: router.api_keys_file: cannot read /nonexistent/keys"),
+            "{e}"
+        );
+        let e = parse("[router]\nmax_body_bytes = 10\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: router.max_body_bytes: must be at least 1024"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn defaults_and_errors_name_file_line_and_key() {
         let c = parse("[decode]\n").unwrap();
         assert!(!c.disaggregated());
