@@ -428,25 +428,5 @@ fn report(up: &Up, outcomes: &[Outcome], faults: &[String]) {
     );
     // Every worker back and idle: every block free or cached, every ledger balanced.
     up.wait_joined(2, 2, Duration::from_secs(30));
-    let t0 = Instant::now();
-    loop {
-        let ws = up.workers();
-        let idle = ws.iter().all(|w| {
-            let s = &w["stats"];
-            s["kv_blocks_free"] == s["kv_blocks_total"]
-                && s["running"] == 0
-                && s["waiting"] == 0
-                && s["kv_blocks_reserved"] == 0
-                && s["kv_blocks_in_flight"] == 0
-                && s["kv_blocks_committed"] == 0
-        });
-        if idle {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "blocks left behind: {ws:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    tandem_tests::cluster::wait_idle(Duration::from_secs(20), || up.workers());
 }

@@ -3,29 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
+use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
 use tandem_tests::cluster::{post_json, request, Cluster};
-use tandem_tests::load_model;
+use tandem_tests::{engine_chat as engine_text, load_model};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
-
-/// What the engine alone, in this process, generates for a chat message.
-fn engine_text(message: &str, params: SamplingParams) -> (String, usize) {
-    let (model, tok) = load_model();
-    let text = tok
-        .apply_chat_template(&[ChatMessage::user(message)], true)
-        .unwrap();
-    let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
-    e.add(0, tok.encode(&text).unwrap(), params).unwrap();
-    let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
-    let n = out.len();
-    if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
-        out.pop();
-    }
-    (tok.decode(&out, true).unwrap(), n)
-}
 
 /// Streams a chat completion; returns the concatenated text, the finish reason and the usage.
 fn stream_chat(c: &Cluster, body: Value) -> (String, String, Value) {

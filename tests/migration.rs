@@ -6,7 +6,7 @@
 
 use std::time::{Duration, Instant};
 
-use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
+use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
 use tandem_tests::cluster::{get, request, Cluster, Response};
 use tandem_tests::load_model;
@@ -16,17 +16,7 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
 /// What the engine alone generates for a chat message (the unfailed run), as text.
 fn engine_text(message: &str, params: SamplingParams) -> String {
-    let (model, tok) = load_model();
-    let text = tok
-        .apply_chat_template(&[ChatMessage::user(message)], true)
-        .unwrap();
-    let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
-    e.add(0, tok.encode(&text).unwrap(), params).unwrap();
-    let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
-    if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
-        out.pop();
-    }
-    tok.decode(&out, true).unwrap()
+    tandem_tests::engine_chat(message, params).0
 }
 
 /// Router counter or gauge `series` (0 when absent).

@@ -306,30 +306,13 @@ fn prefill_and_decode_in_separate_network_namespaces() {
         }
     }
     // The ledger balances: nothing reserved, running or pending anywhere.
-    let t = Instant::now();
-    loop {
+    let workers = || {
         let (_, body) = get(http, "/debug/workers").unwrap();
         let ws: Value = serde_json::from_str(&body).unwrap();
-        let ws = ws["workers"].as_array().cloned().unwrap_or_default();
-        let idle = ws.len() == 2
-            && ws.iter().all(|w| {
-                let s = &w["stats"];
-                s["kv_blocks_free"] == s["kv_blocks_total"]
-                    && s["running"] == 0
-                    && s["pending_transfers"] == 0
-                    && s["kv_blocks_reserved"] == 0
-                    && s["kv_blocks_in_flight"] == 0
-                    && s["kv_blocks_committed"] == 0
-            });
-        if idle {
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "KV still held after the requests: {ws:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+        ws["workers"].as_array().cloned().unwrap_or_default()
+    };
+    assert_eq!(workers().len(), 2);
+    tandem_tests::cluster::wait_idle(Duration::from_secs(30), workers);
     drop(procs);
     let _ = std::fs::remove_dir_all(&dir);
 }

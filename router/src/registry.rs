@@ -356,12 +356,13 @@ impl Registry {
     /// since.
     fn stalled(&self, w: &mut Worker) -> bool {
         let now = Instant::now();
-        if w.load.engine_steps != w.progress.0 {
+        let busy = w.load.running + w.load.waiting > 0;
+        if w.load.engine_steps != w.progress.0 || !busy {
+            // Moving, or idle and answering (its load is fresh): the stall clock starts over.
             w.progress = (w.load.engine_steps, now);
             return false;
         }
-        let busy = w.load.running + w.load.waiting > 0;
-        w.stalled || (busy && now - w.progress.1 >= self.liveness.stall)
+        w.stalled || now - w.progress.1 >= self.liveness.stall
     }
 
     /// Marks worker `id` stalled (a request of it saw no token within the stall timeout): it is

@@ -926,23 +926,26 @@ async fn a_worker_holding_work_whose_engine_stands_still_is_stalled() {
         kv: None,
     };
     let any = Route::default();
-    st.registry.beat(beat(5, 1)).unwrap();
+    let usable = |st: &State| st.registry.pick(Pool::Decode, &[], &any).is_some();
+    // Idle for longer than the stall timeout, then given work: not stalled for having idled.
+    st.registry.beat(beat(5, 0)).unwrap();
     tokio::time::sleep(Duration::from_millis(150)).await;
     st.registry.beat(beat(5, 0)).unwrap();
-    assert!(
-        st.registry.pick(Pool::Decode, &[], &any).is_some(),
-        "idle is not stalled"
-    );
     st.registry.beat(beat(5, 1)).unwrap();
-    assert!(
-        st.registry.pick(Pool::Decode, &[], &any).is_none(),
-        "holding work, no step"
-    );
+    assert!(usable(&st), "work just came");
+    // Holding work, no step for longer than the stall timeout.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    st.registry.beat(beat(5, 1)).unwrap();
+    assert!(!usable(&st), "holding work, no step");
+    // Idle again (its load is fresh: it answers), or moving: usable.
+    st.registry.beat(beat(5, 0)).unwrap();
+    assert!(usable(&st), "idle is not stalled");
+    st.registry.beat(beat(5, 1)).unwrap();
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    st.registry.beat(beat(5, 1)).unwrap();
+    assert!(!usable(&st));
     st.registry.beat(beat(6, 1)).unwrap();
-    assert!(
-        st.registry.pick(Pool::Decode, &[], &any).is_some(),
-        "moving again"
-    );
+    assert!(usable(&st), "moving again");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

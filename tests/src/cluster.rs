@@ -342,30 +342,39 @@ impl Cluster {
     /// Polls until every worker reports all KV blocks free and nothing running; returns how
     /// long that took, or panics after `limit`.
     pub fn wait_all_free(&self, limit: Duration) -> Duration {
-        let t0 = Instant::now();
-        loop {
-            let ws = self.workers();
-            let idle = !ws.is_empty()
-                && ws.iter().all(|w| {
-                    let s = &w["stats"];
-                    s["kv_blocks_free"] == s["kv_blocks_total"]
-                        && s["running"] == 0
-                        && s["waiting"] == 0
-                        && s["pending_transfers"] == 0
-                        // The ownership ledger balances: no request holds blocks in any state.
-                        && s["kv_blocks_reserved"] == 0
-                        && s["kv_blocks_in_flight"] == 0
-                        && s["kv_blocks_committed"] == 0
-                });
-            if idle {
-                return t0.elapsed();
-            }
-            assert!(
-                t0.elapsed() < limit,
-                "KV blocks not all free after {limit:?}: {ws:?}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
+        wait_idle(limit, || self.workers())
+    }
+}
+
+/// Whether every worker of `/debug/workers` is idle: every KV block free (or cached), nothing
+/// running, waiting or pending, and its ownership ledger balanced.
+pub fn all_idle(workers: &[Value]) -> bool {
+    !workers.is_empty()
+        && workers.iter().all(|w| {
+            let s = &w["stats"];
+            s["kv_blocks_free"] == s["kv_blocks_total"]
+                && s["running"] == 0
+                && s["waiting"] == 0
+                && s["pending_transfers"] == 0
+                && s["kv_blocks_reserved"] == 0
+                && s["kv_blocks_in_flight"] == 0
+                && s["kv_blocks_committed"] == 0
+        })
+}
+
+/// Polls `workers` until [`all_idle`]; how long that took, or a panic after `limit`.
+pub fn wait_idle(limit: Duration, workers: impl Fn() -> Vec<Value>) -> Duration {
+    let t0 = Instant::now();
+    loop {
+        let ws = workers();
+        if all_idle(&ws) {
+            return t0.elapsed();
         }
+        assert!(
+            t0.elapsed() < limit,
+            "KV blocks not all free after {limit:?}: {ws:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 

@@ -22,6 +22,24 @@ pub fn load_model() -> (Arc<engine::Model>, engine::Tokenizer) {
     (Arc::new(m), t)
 }
 
+/// What the engine alone, in this process, generates for one chat message: the text and the
+/// number of tokens (an end-of-turn token included in the count, not in the text).
+pub fn engine_chat(message: &str, params: engine::SamplingParams) -> (String, usize) {
+    let (model, tok) = load_model();
+    let text = tok
+        .apply_chat_template(&[engine::ChatMessage::user(message)], true)
+        .unwrap();
+    let config = engine::EngineConfig::default();
+    let mut e = engine::Engine::new(model, config, tok.stop_ids().to_vec()).unwrap();
+    e.add(0, tok.encode(&text).unwrap(), params).unwrap();
+    let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
+    let n = out.len();
+    if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
+        out.pop();
+    }
+    (tok.decode(&out, true).unwrap(), n)
+}
+
 /// One golden prompt as llama.cpp ran it.
 #[derive(Debug, Deserialize)]
 pub struct GoldenCase {
