@@ -179,6 +179,18 @@ impl worker::Role for Prefiller {
     }
 }
 
+/// How long a KV connection may sit idle before it is closed.
+const IDLE_CONNECTION: Duration = Duration::from_secs(60);
+
+/// Closes the connections idle for longer than [`IDLE_CONNECTION`], and forgets endpoints left
+/// without one.
+fn close_idle(conns: &mut HashMap<String, Vec<(KvSender, Instant)>>) {
+    for idle in conns.values_mut() {
+        idle.retain(|(_, since)| since.elapsed() < IDLE_CONNECTION);
+    }
+    conns.retain(|_, idle| !idle.is_empty());
+}
+
 /// Counts a transfer in flight until dropped, however the call ends.
 struct Counted(Arc<AtomicUsize>);
 
@@ -201,9 +213,11 @@ struct Service {
     width: u32,
     n_layers: u32,
     cfg: PrefillConfig,
-    /// Idle connections to decode workers, by KV endpoint. A connection is taken out while a
-    /// transfer uses it, so a cancelled transfer drops its (possibly half-written) connection.
-    conns: Mutex<HashMap<String, Vec<KvSender>>>,
+    /// Idle connections to decode workers, by KV endpoint, with when each went idle. A
+    /// connection is taken out while a transfer uses it, so a cancelled transfer drops its
+    /// (possibly half-written) connection; one idle longer than [`IDLE_CONNECTION`] is closed
+    /// (a decode worker that went away, or restarted elsewhere, leaves no socket behind here).
+    conns: Mutex<HashMap<String, Vec<(KvSender, Instant)>>>,
     /// Peers whose transport choice has been logged.
     announced: Mutex<HashSet<String>>,
     transfers: Arc<AtomicUsize>,
@@ -236,12 +250,14 @@ impl Service {
 
     /// An idle connection to `offer`'s worker, or a new one.
     async fn connection(&self, offer: &Offer) -> Result<KvSender, Status> {
-        let idle = self
-            .conns
-            .lock()
-            .expect("conns lock")
-            .get_mut(&offer.endpoint)
-            .and_then(Vec::pop);
+        let idle = {
+            let mut conns = self.conns.lock().expect("conns lock");
+            close_idle(&mut conns);
+            conns
+                .get_mut(&offer.endpoint)
+                .and_then(Vec::pop)
+                .map(|(c, _)| c)
+        };
         match idle {
             Some(c) => Ok(c),
             None => KvSender::connect(offer, &self.local, self.cfg.connect_timeout)
@@ -332,7 +348,11 @@ impl Prefill for Service {
         metrics::histogram!("tandem_kv_send_seconds", "transport" => transport)
             .record(stats.elapsed.as_secs_f64());
         let mut conns = self.conns.lock().expect("conns lock");
-        conns.entry(offer.endpoint).or_default().push(conn);
+        conns
+            .entry(offer.endpoint)
+            .or_default()
+            .push((conn, Instant::now()));
+        close_idle(&mut conns);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
             compute_us: done.get().map_or(0, |d| (*d - t0).as_micros() as u64),
