@@ -53,10 +53,21 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum ModelCmd {
-    /// Download the default model (SmolLM2-135M-Instruct Q4_1) into the cache if missing.
-    Fetch,
-    /// Print the default model's path.
-    Path,
+    /// Download a known model (default: SmolLM2-135M-Instruct Q4_1) into the cache if missing,
+    /// checking its SHA-256; prints its path.
+    Fetch {
+        /// Which (`tandem model list`).
+        #[arg(long, default_value = "smollm2-135m")]
+        model: String,
+    },
+    /// Print a known model's path in the cache (the default model's honours `TANDEM_MODEL`).
+    Path {
+        /// Which (`tandem model list`).
+        #[arg(long, default_value = "smollm2-135m")]
+        model: String,
+    },
+    /// The models `fetch` knows.
+    List,
 }
 
 #[derive(Subcommand)]
@@ -139,18 +150,35 @@ fn main() -> Result<()> {
         Cmd::Prefill(a) => cluster::prefill(a),
         Cmd::Decode(a) => cluster::decode(a),
         Cmd::Generate(a) => generate(a),
-        Cmd::Model(ModelCmd::Fetch) => {
-            let p = engine::fetch::ensure_default_model()?;
-            println!("{}", p.display());
-            Ok(())
-        }
-        Cmd::Model(ModelCmd::Path) => {
-            println!("{}", engine::fetch::default_model_path().display());
-            Ok(())
-        }
+        Cmd::Model(m) => model(m),
         Cmd::Bench(BenchCmd::Engine(a)) => bench(a),
         Cmd::Bench(BenchCmd::Load(a)) => load::run(a),
     }
+}
+
+fn model(cmd: ModelCmd) -> Result<()> {
+    use engine::fetch;
+    match cmd {
+        ModelCmd::Fetch { model } if model == fetch::DEFAULT.name => {
+            println!("{}", fetch::ensure_default_model()?.display())
+        }
+        ModelCmd::Fetch { model } => {
+            println!("{}", fetch::ensure(fetch::known(&model)?)?.display())
+        }
+        ModelCmd::Path { model } if model == fetch::DEFAULT.name => {
+            println!("{}", fetch::default_model_path().display())
+        }
+        ModelCmd::Path { model } => {
+            let m = fetch::known(&model)?;
+            println!("{}", fetch::cache_dir().join(m.file).display())
+        }
+        ModelCmd::List => {
+            for m in fetch::KNOWN {
+                println!("{:<14} {}", m.name, m.about);
+            }
+        }
+    }
+    Ok(())
 }
 
 fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
