@@ -360,7 +360,7 @@ impl Gguf {
             EngineError::model(
                 &self.path,
                 format!(
-                    "tensor {name} has quantisation type {} (id {}), which tandem does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q8_0)",
+                    "tensor {name} has quantisation type {} (id {}), which tandem does not support (supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)",
                     DType::ggml_name(t.type_id),
                     t.type_id
                 ),

@@ -5,6 +5,7 @@
 //! RMSNorm, RoPE, SiLU·mul and causal attention over a paged KV cache, multithreaded with rayon.
 //! The model code calls them through [`Backend`], so another backend can stand beside the CPU one.
 
+pub mod kquant;
 pub mod quant;
 pub use quant::DType;
 

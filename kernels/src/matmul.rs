@@ -40,7 +40,8 @@ impl std::fmt::Debug for Matrix {
 impl Matrix {
     /// Wraps `rows * row_bytes` bytes of `backing` starting at `start`.
     ///
-    /// BF16 is widened to an owned F32 copy (the kernels have no BF16 path).
+    /// Formats without a kernel of their own are re-laid into an owned copy holding exactly
+    /// the same values (see [`relaid`]).
     pub fn new(
         dtype: DType,
         rows: usize,
@@ -63,12 +64,17 @@ impl Matrix {
                 "{cols} columns is not a multiple of {QK}"
             )));
         }
-        if dtype == DType::BF16 {
+        if let Some(to) = relaid(dtype, rows) {
             let src = &(*backing).as_ref()[start..start + len];
-            let mut wide = vec![0f32; rows * cols];
-            crate::quant::dequantize_row(DType::BF16, src, &mut wide);
-            let bytes: Vec<u8> = wide.iter().flat_map(|v| v.to_le_bytes()).collect();
-            return Matrix::new(DType::F32, rows, cols, Arc::new(bytes), 0);
+            let bytes = match to {
+                DType::Q8_0 => crate::kquant::q5_0_to_q8_0(src),
+                _ => {
+                    let mut wide = vec![0f32; rows * cols];
+                    crate::quant::dequantize_row(dtype, src, &mut wide);
+                    wide.iter().flat_map(|v| v.to_le_bytes()).collect()
+                }
+            };
+            return Matrix::new(to, rows, cols, Arc::new(bytes), 0);
         }
         let mut m = Matrix {
             dtype,
@@ -124,6 +130,11 @@ impl Matrix {
                 DType::Q4_0 => crate::quant::quantize_row_q4_0(src, dst),
                 DType::Q4_1 => crate::quant::quantize_row_q4_1(src, dst),
                 DType::Q8_0 => crate::quant::quantize_row_q8_0(src, dst),
+                other => {
+                    return Err(KernelError::Shape(format!(
+                        "no quantiser to {other:?} here (weights in it come from GGUF files)"
+                    )))
+                }
             }
         }
         Matrix::new(dtype, rows, cols, Arc::new(bytes), 0)
@@ -159,7 +170,7 @@ impl Matrix {
 impl DType {
     /// Whether this is a block-quantised type.
     pub fn is_quantized(self) -> bool {
-        matches!(self, DType::Q4_0 | DType::Q4_1 | DType::Q8_0)
+        self.block_len() > 1
     }
 }
 
@@ -169,6 +180,20 @@ struct SendPtr<T>(*mut T);
 unsafe impl<T> Send for SendPtr<T> {}
 // SAFETY: as above; no two workers write the same element.
 unsafe impl<T> Sync for SendPtr<T> {}
+
+/// The format `dtype` weights of `rows` rows are re-laid into at load, when they have no
+/// kernel of their own here: Q5_0 as Q8_0 (the same scale, 5-bit quants widened: exact);
+/// Q4_K and Q6_K, which have interleaved kernels on AVX2 machines, and BF16, Q5_1 and Q5_K
+/// otherwise as F32 (exact, and slow: the portable kernels have no path of their own for them).
+fn relaid(dtype: DType, rows: usize) -> Option<DType> {
+    let packed = isa() == Isa::Avx2 && crate::packed::supports(dtype, rows);
+    match dtype {
+        DType::Q5_0 => Some(DType::Q8_0),
+        DType::Q4_K | DType::Q6_K if packed => None,
+        DType::BF16 | DType::Q5_1 | DType::Q5_K | DType::Q4_K | DType::Q6_K => Some(DType::F32),
+        _ => None,
+    }
+}
 
 /// Rows of `x` handled per tile; weight rows per tile.
 const MR: usize = 4;
@@ -184,8 +209,8 @@ pub fn matmul(w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), Ke
 /// The activation layout a weight format dots with.
 fn act_format(dtype: DType) -> usize {
     match dtype {
-        DType::Q4_1 => 1,
-        DType::Q4_0 | DType::Q8_0 => 2,
+        DType::Q4_1 | DType::Q4_K => 1,
+        DType::Q4_0 | DType::Q8_0 | DType::Q6_K => 2,
         _ => 0,
     }
 }

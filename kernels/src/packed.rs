@@ -8,6 +8,10 @@
 //!   chunk `c` are elements `4c..4c+4`, the high nibbles elements `16+4c..16+4c+4`.
 //! - Q8_0: 8 scales (f16), then 8 chunks of 32 bytes; chunk `c` holds elements `4c..4c+4` of
 //!   each row.
+//! - Q4_K, per 32-value sub-block: 8 scales (f32), 8 minimums (f32, negated: value = q·d + m),
+//!   then the nibbles as for Q4_1 — the sub-block is a Q4_1 block with exact f32 scales.
+//! - Q6_K, per 32-value sub-block: 8 scales of values 0..16 (f32), 8 of values 16..32, then
+//!   the quants (-32..=31) as for Q8_0.
 //!
 //! Each output is `sum_b (d_w * d_x) * isum_b (+ m_w * s_x for Q4_1)`, accumulated block by
 //! block in the row's lane: the same operations whatever the number of activation rows, so rows
@@ -23,17 +27,23 @@ pub fn group_block_bytes(dtype: DType) -> usize {
     match dtype {
         DType::Q4_1 => 32 + 128,
         DType::Q8_0 => 16 + 256,
+        DType::Q4_K => 64 + 128,
+        DType::Q6_K => 64 + 256,
         _ => 0,
     }
 }
 
 /// Whether `dtype` weights of `rows` rows can be interleaved.
 pub fn supports(dtype: DType, rows: usize) -> bool {
-    matches!(dtype, DType::Q4_1 | DType::Q8_0) && rows % GROUP == 0
+    matches!(dtype, DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K) && rows % GROUP == 0
 }
 
 /// Interleaves `rows` rows of `cols` values stored as `dtype` (GGML block layout).
 pub fn pack(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    match dtype {
+        DType::Q4_K | DType::Q6_K => return pack_k(dtype, src, rows, cols),
+        _ => {}
+    }
     let nb = cols / 32;
     let (sb, gb) = (dtype.block_bytes(), group_block_bytes(dtype));
     let row_bytes = nb * sb;
@@ -57,6 +67,44 @@ pub fn pack(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
                             dst[16 + 32 * c + 4 * j..][..4]
                                 .copy_from_slice(&blk[2 + 4 * c..6 + 4 * c]);
                         }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// [`pack`] for the K-quants: each row's super-blocks read into 32-value sub-blocks
+/// ([`crate::kquant`]), laid out per group as the module doc says.
+fn pack_k(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
+    use crate::kquant::{k4_sub_blocks, q6_k_sub_blocks};
+    let nb = cols / 32;
+    let (row_bytes, gb) = (dtype.row_bytes(cols).unwrap_or(0), group_block_bytes(dtype));
+    let mut out = vec![0u8; rows / GROUP * nb * gb];
+    let put = |dst: &mut [u8], at: usize, v: f32| dst[at..at + 4].copy_from_slice(&v.to_le_bytes());
+    for r in 0..rows {
+        let (g, j) = (r / GROUP, r % GROUP);
+        let row = &src[r * row_bytes..(r + 1) * row_bytes];
+        for (s, sb) in row.chunks_exact(dtype.block_bytes()).enumerate() {
+            let at = |k: usize| (g * nb + s * 8 + k) * gb;
+            if dtype == DType::Q4_K {
+                for (k, sub) in k4_sub_blocks(sb, false).iter().enumerate() {
+                    let dst = &mut out[at(k)..][..gb];
+                    put(dst, 4 * j, sub.d);
+                    put(dst, 32 + 4 * j, -sub.m);
+                    for i in 0..16 {
+                        let byte = sub.q[i] | (sub.q[i + 16] << 4);
+                        dst[64 + 32 * (i / 4) + 4 * j + i % 4] = byte;
+                    }
+                }
+            } else {
+                for (k, sub) in q6_k_sub_blocks(sb).iter().enumerate() {
+                    let dst = &mut out[at(k)..][..gb];
+                    put(dst, 4 * j, sub.d[0]);
+                    put(dst, 32 + 4 * j, sub.d[1]);
+                    for i in 0..32 {
+                        dst[64 + 32 * (i / 4) + 4 * j + i % 4] = sub.q[i] as u8;
                     }
                 }
             }
@@ -111,14 +159,18 @@ pub(crate) mod avx2 {
                         );
                         if me - i >= MR {
                             match dtype {
-                                DType::Q4_1 => tile_q4_1::<MR>(wg, nb, xi, x_row, o, ldo),
-                                _ => tile_q8_0::<MR>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
                             }
                             i += MR;
                         } else {
                             match dtype {
-                                DType::Q4_1 => tile_q4_1::<1>(wg, nb, xi, x_row, o, ldo),
-                                _ => tile_q8_0::<1>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
                             }
                             i += 1;
                         }
@@ -145,9 +197,25 @@ pub(crate) mod avx2 {
         _mm256_set1_epi32(unsafe { (q.add(4 * c) as *const i32).read_unaligned() })
     }
 
+    /// A group's 8 scales at `p`: f32 (`F32S`) or f16.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q4_1<const M: usize>(
+    unsafe fn scales<const F32S: bool>(p: *const u8) -> __m256 {
+        // SAFETY: caller passes 32 (f32) or 16 (f16) readable bytes.
+        unsafe {
+            if F32S {
+                _mm256_loadu_ps(p as *const f32)
+            } else {
+                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+            }
+        }
+    }
+
+    /// 4-bit affine weights (Q4_1 with f16 scales; Q4_K sub-blocks with f32 ones, `F32S`)
+    /// against Q8_1 activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q4<const M: usize, const F32S: bool>(
         w: *const u8,
         nb: usize,
         x: *const u8,
@@ -158,15 +226,16 @@ pub(crate) mod avx2 {
         let mut acc = [_mm256_setzero_ps(); M];
         let low = _mm256_set1_epi8(0x0f);
         let ones = _mm256_set1_epi16(1);
+        let (sb, gb) = if F32S { (32, 192) } else { (16, 160) };
         // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
         unsafe {
             for b in 0..nb {
-                let p = w.add(b * 160);
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
-                let mn = _mm256_cvtph_ps(_mm_loadu_si128(p.add(16) as *const __m128i));
+                let p = w.add(b * gb);
+                let d = scales::<F32S>(p);
+                let mn = scales::<F32S>(p.add(sb));
                 let mut v = [_mm256_setzero_si256(); 8];
                 for c in 0..4 {
-                    let l = _mm256_loadu_si256(p.add(32 + 32 * c) as *const __m256i);
+                    let l = _mm256_loadu_si256(p.add(2 * sb + 32 * c) as *const __m256i);
                     v[c] = _mm256_and_si256(l, low);
                     v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
                 }
@@ -189,9 +258,33 @@ pub(crate) mod avx2 {
         }
     }
 
+    /// The i32 dot products, per row lane, of 8-bit weight chunks `c0..c0 + 4` (`v`, and their
+    /// absolute values `av`) with the activation block's quants `q`: |w| x sign(x, w), whose
+    /// i16 pair sums fit but whose sum over chunks may not, so each is widened.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q8_0<const M: usize>(
+    unsafe fn half_dot(
+        v: &[__m256i; 8],
+        av: &[__m256i; 8],
+        q: *const u8,
+        c0: usize,
+        ones: __m256i,
+    ) -> __m256i {
+        let mut s32 = _mm256_setzero_si256();
+        for c in c0..c0 + 4 {
+            // SAFETY: caller passes an activation block's 32 quants.
+            let xs = _mm256_sign_epi8(unsafe { xchunk(q, c) }, v[c]);
+            let pr = _mm256_maddubs_epi16(av[c], xs);
+            s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones));
+        }
+        s32
+    }
+
+    /// 8-bit symmetric weights (Q8_0 with one f16 scale a block; Q6_K sub-blocks with an f32
+    /// scale for each half, `SPLIT`) against Q8_0 activations.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
         w: *const u8,
         nb: usize,
         x: *const u8,
@@ -201,28 +294,37 @@ pub(crate) mod avx2 {
     ) {
         let mut acc = [_mm256_setzero_ps(); M];
         let ones = _mm256_set1_epi16(1);
+        let (qs, gb) = if SPLIT { (64, 320) } else { (16, 272) };
         // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
         unsafe {
             for b in 0..nb {
-                let p = w.add(b * 272);
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i));
+                let p = w.add(b * gb);
+                let (d, d_hi) = if SPLIT {
+                    (scales::<true>(p), scales::<true>(p.add(32)))
+                } else {
+                    let d = scales::<false>(p);
+                    (d, d)
+                };
                 let mut v = [_mm256_setzero_si256(); 8];
                 let mut av = [_mm256_setzero_si256(); 8];
                 for c in 0..8 {
-                    v[c] = _mm256_loadu_si256(p.add(16 + 32 * c) as *const __m256i);
+                    v[c] = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
                     av[c] = _mm256_sign_epi8(v[c], v[c]);
                 }
                 for (i, a) in acc.iter_mut().enumerate() {
                     let xb = x.add(i * x_row + b * 34);
                     let q = xb.add(2);
-                    // |w| x sign(x, w): i16 pair sums fit, their sum over chunks may not: widen each.
-                    let mut s32 = _mm256_setzero_si256();
-                    for c in 0..8 {
-                        let pr = _mm256_maddubs_epi16(av[c], _mm256_sign_epi8(xchunk(q, c), v[c]));
-                        s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones));
+                    // Chunks 0..4 hold values 0..16, chunks 4..8 values 16..32.
+                    let (lo, hi) = (half_dot(&v, &av, q, 0, ones), half_dot(&v, &av, q, 4, ones));
+                    let dx = _mm256_set1_ps(h(xb));
+                    if SPLIT {
+                        let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), lo, *a);
+                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), hi, *a);
+                    } else {
+                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), f, *a);
                     }
-                    let f = _mm256_cvtepi32_ps(s32);
-                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(h(xb))), f, *a);
                 }
             }
             for (i, a) in acc.iter().enumerate() {

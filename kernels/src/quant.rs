@@ -1,14 +1,17 @@
 //! Weight and activation storage formats, laid out exactly as GGML stores them.
 //!
-//! A quantised row of `k` values is `k / 32` blocks; each block carries its scale
-//! (and for Q4_1 its minimum) as IEEE f16 followed by the packed values.
+//! A quantised row of `k` values is `k / 32` blocks (`k / 256` super-blocks for the K-quants,
+//! see [`crate::kquant`]); each block carries its scale (and for the affine formats its
+//! minimum) followed by the packed values.
 
 use half::f16;
 
-/// Number of values in one quantisation block (all supported block formats).
+/// Number of values in one quantisation block (the 32-value formats; K-quant super-blocks hold
+/// 256 as 8 sub-blocks of 32).
 pub const QK: usize = 32;
 
 /// A tensor element type, numbered as in GGML's `ggml_type`.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE f32.
@@ -23,6 +26,16 @@ pub enum DType {
     Q4_1,
     /// 8-bit symmetric blocks: `{ f16 d; i8 qs[32] }`, value = q * d.
     Q8_0,
+    /// 5-bit symmetric blocks: `{ f16 d; u8 qh[4]; u8 qs[16] }`, value = (q - 16) * d.
+    Q5_0,
+    /// 5-bit affine blocks: `{ f16 d; f16 m; u8 qh[4]; u8 qs[16] }`, value = q * d + m.
+    Q5_1,
+    /// 4-bit K-quant: 256-value super-blocks of 8 affine sub-blocks with 6-bit scales.
+    Q4_K,
+    /// 5-bit K-quant: as Q4_K with a fifth bit per value.
+    Q5_K,
+    /// 6-bit K-quant: 256-value super-blocks of 16 symmetric 16-value groups, 8-bit scales.
+    Q6_K,
 }
 
 impl DType {
@@ -34,6 +47,11 @@ impl DType {
             DType::Q4_0 => 2,
             DType::Q4_1 => 3,
             DType::Q8_0 => 8,
+            DType::Q5_0 => 6,
+            DType::Q5_1 => 7,
+            DType::Q4_K => 12,
+            DType::Q5_K => 13,
+            DType::Q6_K => 14,
             DType::BF16 => 30,
         }
     }
@@ -45,7 +63,12 @@ impl DType {
             1 => DType::F16,
             2 => DType::Q4_0,
             3 => DType::Q4_1,
+            6 => DType::Q5_0,
+            7 => DType::Q5_1,
             8 => DType::Q8_0,
+            12 => DType::Q4_K,
+            13 => DType::Q5_K,
+            14 => DType::Q6_K,
             30 => DType::BF16,
             _ => return None,
         })
@@ -66,7 +89,8 @@ impl DType {
     pub fn block_len(self) -> usize {
         match self {
             DType::F32 | DType::F16 | DType::BF16 => 1,
-            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => QK,
+            DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q5_0 | DType::Q5_1 => QK,
+            DType::Q4_K | DType::Q5_K | DType::Q6_K => crate::kquant::QK_K,
         }
     }
 
@@ -78,6 +102,11 @@ impl DType {
             DType::Q4_0 => 18,
             DType::Q4_1 => 20,
             DType::Q8_0 => 34,
+            DType::Q5_0 => crate::kquant::Q5_0_BYTES,
+            DType::Q5_1 => crate::kquant::Q5_1_BYTES,
+            DType::Q4_K => crate::kquant::Q4_K_BYTES,
+            DType::Q5_K => crate::kquant::Q5_K_BYTES,
+            DType::Q6_K => crate::kquant::Q6_K_BYTES,
         }
     }
 
@@ -144,6 +173,11 @@ pub fn dequantize_row(dtype: DType, src: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        DType::Q5_0 => crate::kquant::dequantize_q5_0(src, out),
+        DType::Q5_1 => crate::kquant::dequantize_q5_1(src, out),
+        DType::Q4_K => crate::kquant::dequantize_k4(src, out, false),
+        DType::Q5_K => crate::kquant::dequantize_k4(src, out, true),
+        DType::Q6_K => crate::kquant::dequantize_q6_k(src, out),
     }
 }
 

@@ -95,25 +95,25 @@ fn bad_model_files_are_named_and_explained() {
     let e = load_err(&arch);
     assert!(e.contains("unsupported architecture \"gpt2\""), "{e}");
 
-    // A llama GGUF whose embedding is Q5_0 (type 6), which tandem does not run.
-    let q5 = dir.join("q5.gguf");
+    // A llama GGUF whose embedding is Q2_K (type 10), which tandem does not run.
+    let q2 = dir.join("q2.gguf");
     let meta = [
         ("general.architecture", Meta::Str("llama")),
         ("llama.block_count", Meta::U32(1)),
-        ("llama.embedding_length", Meta::U32(64)),
+        ("llama.embedding_length", Meta::U32(256)),
         ("llama.feed_forward_length", Meta::U32(128)),
         ("llama.attention.head_count", Meta::U32(2)),
         ("llama.context_length", Meta::U32(128)),
         ("llama.vocab_size", Meta::U32(4)),
     ];
     std::fs::write(
-        &q5,
-        gguf(&meta, &[("token_embd.weight", &[64, 4], 6, 4 * 2 * 22)]),
+        &q2,
+        gguf(&meta, &[("token_embd.weight", &[256, 4], 10, 4 * 84)]),
     )
     .unwrap();
-    let e = load_err(&q5);
+    let e = load_err(&q2);
     assert!(
-        e.contains("token_embd.weight") && e.contains("Q5_0") && e.contains("not support"),
+        e.contains("token_embd.weight") && e.contains("Q2_K") && e.contains("not support"),
         "{e}"
     );
 
