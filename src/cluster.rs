@@ -411,7 +411,13 @@ pub fn up(config: PathBuf) -> Result<()> {
         let model_id = router::model_id(&model);
         let (p, d) = wanted(&cfg);
         say(format_args!("tandem is up: {p} prefill + {d} decode workers behind http://{http}"));
-        say(format_args!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'"));
+        // A base model (no chat template) is asked through /v1/completions.
+        let chat = engine::inspect(&model).map_or(true, |(_, t)| t.chat_template().is_some());
+        if chat {
+            say(format_args!("try:\n  curl http://{http}/v1/chat/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"messages\": [{{\"role\": \"user\", \"content\": \"What is the capital city of Germany?\"}}]}}'"));
+        } else {
+            say(format_args!("try:\n  curl http://{http}/v1/completions -H 'Content-Type: application/json' \\\n    -d '{{\"model\": \"{model_id}\", \"temperature\": 0, \"max_tokens\": 16, \"prompt\": \"The capital of France is\"}}'"));
+        }
         say(format_args!("Ctrl-C stops the cluster; a process that exits is started again."));
         supervise::run(&exe, procs, children, |exe, args| spawn(exe, args, None)).await
     })

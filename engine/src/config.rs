@@ -2,16 +2,29 @@
 
 use std::path::Path;
 
-use kernels::RopeStyle;
+use kernels::{Activation, RopeStyle};
 
 use crate::error::{EngineError, Result};
 use crate::gguf::Gguf;
 
-/// The shape of a Llama-family model.
+/// How one layer attends: what a query sees and how its positions turn.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LayerAttention {
+    /// Tokens a query sees, itself included (`None`: the whole sequence so far).
+    pub window: Option<usize>,
+    /// RoPE frequency base of this layer.
+    pub rope_base: f32,
+}
+
+/// The shape of a decoder-only transformer of the Llama family, with what each architecture
+/// adds to Llama's block as configuration: Gemma 3's embedding scale, query/key norms,
+/// post-norms, GeGLU and sliding windows; Qwen2's projection biases; Qwen3's query/key norms.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ModelConfig {
     /// Human-readable model name.
     pub name: String,
+    /// The architecture as the file names it (`llama`, `gemma3`, `qwen2`, `qwen3`).
+    pub arch: String,
     /// Transformer layers.
     pub n_layers: usize,
     /// Hidden size.
@@ -34,6 +47,24 @@ pub struct ModelConfig {
     pub rope_style: RopeStyle,
     /// RMSNorm epsilon.
     pub rms_eps: f32,
+    /// Factor on the token embeddings (Gemma: sqrt(dim); 1 elsewhere).
+    pub embed_scale: f32,
+    /// Factor on each query·key product (1/sqrt(head_dim) unless the architecture says
+    /// otherwise).
+    pub attn_scale: f32,
+    /// RMSNorm over each query and key head before RoPE (Gemma 3, Qwen3).
+    pub qk_norm: bool,
+    /// RMSNorm on the attention and feed-forward outputs before each residual add (Gemma 3).
+    pub post_norms: bool,
+    /// Biases on the query, key and value projections (Qwen2).
+    pub qkv_bias: bool,
+    /// The gated feed-forward unit's activation.
+    pub activation: Activation,
+    /// Per layer: its attention window and RoPE base.
+    pub layers: Vec<LayerAttention>,
+    /// Per rotated pair, the divisor of its RoPE frequency (Llama 3.x's long-context scaling,
+    /// GGUF's `rope_freqs.weight`).
+    pub rope_freq_factors: Option<Vec<f32>>,
 }
 
 impl ModelConfig {
@@ -50,10 +81,17 @@ impl ModelConfig {
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.dim % self.n_heads != 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
             return bad(format!(
-                "hidden size {} does not split into {} even-sized heads",
-                self.dim, self.n_heads
+                "head size {} is not a positive even number",
+                self.head_dim
+            ));
+        }
+        if self.layers.len() != self.n_layers {
+            return bad(format!(
+                "{} layer descriptions for {} layers",
+                self.layers.len(),
+                self.n_layers
             ));
         }
         if self.n_layers == 0 || self.vocab_size == 0 || self.context_len == 0 {
@@ -62,55 +100,184 @@ impl ModelConfig {
         Ok(self)
     }
 
-    /// Reads a Llama config from GGUF metadata; other architectures are refused.
+    /// Llama's block: every layer full attention at one RoPE base, SwiGLU, nothing added.
+    #[allow(clippy::too_many_arguments)]
+    fn llama_like(
+        name: String,
+        arch: &str,
+        n_layers: usize,
+        dim: usize,
+        ffn_dim: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+        vocab_size: usize,
+        context_len: usize,
+        rope_base: f32,
+        rope_style: RopeStyle,
+        rms_eps: f32,
+    ) -> ModelConfig {
+        ModelConfig {
+            name,
+            arch: arch.into(),
+            n_layers,
+            dim,
+            ffn_dim,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            vocab_size,
+            context_len,
+            rope_base,
+            rope_style,
+            rms_eps,
+            embed_scale: 1.0,
+            attn_scale: 1.0 / (head_dim as f32).sqrt(),
+            qk_norm: false,
+            post_norms: false,
+            qkv_bias: false,
+            activation: Activation::Silu,
+            rope_freq_factors: None,
+            layers: vec![
+                LayerAttention {
+                    window: None,
+                    rope_base
+                };
+                n_layers
+            ],
+        }
+    }
+
+    /// Whether this is Llama's block exactly (what the CUDA forward runs).
+    pub fn is_plain_llama(&self) -> bool {
+        !self.qk_norm
+            && !self.post_norms
+            && !self.qkv_bias
+            && self.embed_scale == 1.0
+            && self.activation == Activation::Silu
+            && self.attn_scale == 1.0 / (self.head_dim as f32).sqrt()
+            && self.rope_freq_factors.is_none()
+            && self
+                .layers
+                .iter()
+                .all(|l| l.window.is_none() && l.rope_base == self.rope_base)
+    }
+
+    /// Reads the config from GGUF metadata (`general.architecture` = llama, qwen2, qwen3 or
+    /// gemma3, under that prefix); other architectures are refused.
     pub fn from_gguf(g: &Gguf) -> Result<ModelConfig> {
-        let arch = g.get_str("general.architecture")?;
-        if arch != "llama" {
+        let arch = g.get_str("general.architecture")?.to_string();
+        const ARCHES: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+        if !ARCHES.contains(&arch.as_str()) {
             return Err(EngineError::model(
                 g.path(),
-                format!("unsupported architecture {arch:?} (tandem runs the llama architecture)"),
+                format!(
+                    "unsupported architecture {arch:?} (tandem runs {})",
+                    ARCHES.join(", ")
+                ),
             ));
         }
-        let u = |k: &str| g.get_u64(&format!("llama.{k}")).map(|v| v as usize);
+        let key = |k: &str| format!("{arch}.{k}");
+        let u = |k: &str| g.get_u64(&key(k)).map(|v| v as usize);
+        let opt_u = |k: &str| {
+            g.metadata
+                .get(&key(k))
+                .and_then(|v| v.as_u64())
+                .map(|v| v as usize)
+        };
         let f = |k: &str, d: f64| {
             g.metadata
-                .get(&format!("llama.{k}"))
+                .get(&key(k))
                 .and_then(|v| v.as_f64())
                 .unwrap_or(d) as f32
         };
+        if let Some(t) = g
+            .metadata
+            .get(&key("rope.scaling.type"))
+            .and_then(|v| v.as_str())
+        {
+            if t != "none" {
+                return Err(EngineError::model(
+                    g.path(),
+                    format!(
+                        "{} = {t:?}: RoPE scaling is not supported",
+                        key("rope.scaling.type")
+                    ),
+                ));
+            }
+        }
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
-        let vocab_size = match g.metadata.get("llama.vocab_size").and_then(|v| v.as_u64()) {
-            Some(v) => v as usize,
+        let head_dim =
+            opt_u("attention.key_length").unwrap_or(if n_heads > 0 { dim / n_heads } else { 0 });
+        if opt_u("attention.value_length").is_some_and(|v| v != head_dim) {
+            return Err(EngineError::model(
+                g.path(),
+                "key and value heads of different sizes are not supported",
+            ));
+        }
+        let vocab_size = match opt_u("vocab_size") {
+            Some(v) => v,
             None => g
                 .get("tokenizer.ggml.tokens")?
                 .as_array()
                 .map_or(0, |a| a.len()),
         };
-        ModelConfig {
-            name: g
-                .metadata
-                .get("general.name")
-                .and_then(|v| v.as_str())
-                .unwrap_or("unnamed")
-                .to_string(),
-            n_layers: u("block_count")?,
+        let rope_base = f("rope.freq_base", 10000.0);
+        let style = if arch == "llama" {
+            RopeStyle::Interleaved
+        } else {
+            RopeStyle::Halves
+        };
+        let name = g
+            .metadata
+            .get("general.name")
+            .and_then(|v| v.as_str())
+            .unwrap_or("unnamed")
+            .to_string();
+        let mut c = ModelConfig::llama_like(
+            name,
+            &arch,
+            u("block_count")?,
             dim,
-            ffn_dim: u("feed_forward_length")?,
+            u("feed_forward_length")?,
             n_heads,
-            n_kv_heads: g
-                .metadata
-                .get("llama.attention.head_count_kv")
-                .and_then(|v| v.as_u64())
-                .map_or(n_heads, |v| v as usize),
-            head_dim: if n_heads > 0 { dim / n_heads } else { 0 },
+            opt_u("attention.head_count_kv").unwrap_or(n_heads),
+            head_dim,
             vocab_size,
-            context_len: u("context_length")?,
-            rope_base: f("rope.freq_base", 10000.0),
-            rope_style: RopeStyle::Interleaved,
-            rms_eps: f("attention.layer_norm_rms_epsilon", 1e-5),
+            u("context_length")?,
+            rope_base,
+            style,
+            f("attention.layer_norm_rms_epsilon", 1e-5),
+        );
+        if g.tensors.contains_key("rope_freqs.weight") {
+            c.rope_freq_factors = Some(g.vector("rope_freqs.weight", head_dim / 2)?);
         }
-        .check(g.path())
+        match arch.as_str() {
+            "qwen2" => c.qkv_bias = true,
+            "qwen3" => c.qk_norm = true,
+            "gemma3" => c.gemma3(opt_u("attention.sliding_window")),
+            _ => {}
+        }
+        c.check(g.path())
+    }
+
+    /// Gemma 3 on top of Llama's block, as llama.cpp runs it: embeddings scaled by sqrt(dim),
+    /// query/key norms, post-norms, GeGLU, and every sixth layer global (the model's RoPE base)
+    /// between five of sliding-window attention at RoPE base 10,000.
+    fn gemma3(&mut self, window: Option<usize>) {
+        self.embed_scale = (self.dim as f32).sqrt();
+        self.qk_norm = true;
+        self.post_norms = true;
+        self.activation = Activation::GeluTanh;
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            if i % 6 < 5 {
+                *l = LayerAttention {
+                    window: Some(window.unwrap_or(4096)),
+                    rope_base: 10_000.0,
+                };
+            }
+        }
     }
 
     /// Reads a Llama config from a Hugging Face `config.json`.
@@ -139,27 +306,28 @@ impl ModelConfig {
         if json["rope_scaling"].is_object() {
             return Err(EngineError::model(path, "rope_scaling is not supported"));
         }
-        ModelConfig {
-            name: json["_name_or_path"]
+        ModelConfig::llama_like(
+            json["_name_or_path"]
                 .as_str()
                 .unwrap_or("hf-llama")
                 .to_string(),
-            n_layers: u("num_hidden_layers")?,
+            "llama",
+            u("num_hidden_layers")?,
             dim,
-            ffn_dim: u("intermediate_size")?,
+            u("intermediate_size")?,
             n_heads,
-            n_kv_heads: json["num_key_value_heads"]
+            json["num_key_value_heads"]
                 .as_u64()
                 .map_or(n_heads, |v| v as usize),
-            head_dim: json["head_dim"]
+            json["head_dim"]
                 .as_u64()
                 .map_or(if n_heads > 0 { dim / n_heads } else { 0 }, |v| v as usize),
-            vocab_size: u("vocab_size")?,
-            context_len: u("max_position_embeddings")?,
-            rope_base: json["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
-            rope_style: RopeStyle::Halves,
-            rms_eps: json["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
-        }
+            u("vocab_size")?,
+            u("max_position_embeddings")?,
+            json["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+            RopeStyle::Halves,
+            json["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
+        )
         .check(path)
     }
 }

@@ -19,31 +19,55 @@ pub struct CpuForward {
     pub device: Device,
 }
 
-/// Where each token of a batch sits: its position, its cache slot, its attention query.
+/// Where each token of a batch sits: its position, its cache slot, and its attention query for
+/// each attention window the model's layers use.
 struct Rows<'a> {
     positions: Vec<usize>,
     slots: Vec<usize>,
-    queries: Vec<Query<'a>>,
+    queries: Vec<(Option<usize>, Vec<Query<'a>>)>,
 }
 
-fn rows<'a>(kv: &KvCache, batch: &[SeqChunk<'a>]) -> Rows<'a> {
-    let mut r = Rows {
-        positions: Vec::new(),
-        slots: Vec::new(),
-        queries: Vec::new(),
-    };
-    for s in batch {
-        for p in s.start_pos..s.start_pos + s.tokens.len() {
-            r.positions.push(p);
-            r.slots
-                .push(kv.slot(s.block_table, p).expect("checked by Model::step"));
-            r.queries.push(Query {
-                pos: p,
-                block_table: s.block_table,
-            });
+impl<'a> Rows<'a> {
+    fn new(c: &ModelConfig, kv: &KvCache, batch: &[SeqChunk<'a>]) -> Rows<'a> {
+        let mut r = Rows {
+            positions: Vec::new(),
+            slots: Vec::new(),
+            queries: Vec::new(),
+        };
+        for s in batch {
+            for p in s.start_pos..s.start_pos + s.tokens.len() {
+                r.positions.push(p);
+                r.slots
+                    .push(kv.slot(s.block_table, p).expect("checked by Model::step"));
+            }
         }
+        for l in &c.layers {
+            if r.queries.iter().any(|(w, _)| *w == l.window) {
+                continue;
+            }
+            let qs = batch
+                .iter()
+                .flat_map(|s| {
+                    (s.start_pos..s.start_pos + s.tokens.len()).map(|pos| Query {
+                        pos,
+                        first: Query::first_in_window(pos, l.window),
+                        block_table: s.block_table,
+                    })
+                })
+                .collect();
+            r.queries.push((l.window, qs));
+        }
+        r
     }
-    r
+
+    fn queries(&self, window: Option<usize>) -> &[Query<'a>] {
+        let (_, q) = self
+            .queries
+            .iter()
+            .find(|(w, _)| *w == window)
+            .expect("one list per window");
+        q
+    }
 }
 
 /// One step's activations, `t` tokens.
@@ -51,6 +75,7 @@ struct Scratch {
     h: Vec<f32>,
     q: Vec<f32>,
     k: Vec<f32>,
+    kn: Vec<f32>,
     v: Vec<f32>,
     att: Vec<f32>,
     o: Vec<f32>,
@@ -65,12 +90,43 @@ impl Scratch {
             h: vec![0f32; t * c.dim],
             q: vec![0f32; t * qd],
             k: vec![0f32; t * kvw],
+            kn: if c.qk_norm {
+                vec![0f32; t * kvw]
+            } else {
+                Vec::new()
+            },
             v: vec![0f32; t * kvw],
             att: vec![0f32; t * qd],
             o: vec![0f32; t * c.dim],
             gate: vec![0f32; t * c.ffn_dim],
             up: vec![0f32; t * c.ffn_dim],
         }
+    }
+}
+
+/// `x += out`, through a post-norm first where the block has one (`tmp` is scratch of `x`'s
+/// size).
+fn residual(
+    be: &dyn kernels::Backend,
+    x: &mut [f32],
+    out: &mut [f32],
+    tmp: &mut [f32],
+    post_norm: Option<&[f32]>,
+    eps: f32,
+) {
+    match post_norm {
+        Some(w) => {
+            be.rms_norm(out, w, eps, tmp);
+            kernels::ops::add_assign(x, tmp);
+        }
+        None => kernels::ops::add_assign(x, out),
+    }
+}
+
+/// Adds `bias` to every row of `x`.
+fn add_rows(x: &mut [f32], bias: &[f32]) {
+    for row in x.chunks_mut(bias.len()) {
+        kernels::ops::add_assign(row, bias);
     }
 }
 
@@ -91,27 +147,43 @@ impl CpuForward {
     ) -> Result<()> {
         let be = self.device.backend();
         let (t, hd, kvw) = (r.positions.len(), c.head_dim, c.kv_width());
+        let la = c.layers[l];
         be.rms_norm(x, &w.attn_norm, c.rms_eps, &mut s.h);
         be.matmul_many(
             &s.h,
             t,
             &mut [(&w.wq, &mut s.q), (&w.wk, &mut s.k), (&w.wv, &mut s.v)],
         )?;
+        if let Some([bq, bk, bv]) = &w.extra.qkv_bias {
+            add_rows(&mut s.q, bq);
+            add_rows(&mut s.k, bk);
+            add_rows(&mut s.v, bv);
+        }
+        if let (Some(qn), Some(kn)) = (&w.extra.q_norm, &w.extra.k_norm) {
+            // Each head is a row of `head_dim` values to the norm.
+            be.rms_norm(&s.q, qn, c.rms_eps, &mut s.att);
+            std::mem::swap(&mut s.q, &mut s.att);
+            be.rms_norm(&s.k, kn, c.rms_eps, &mut s.kn);
+            std::mem::swap(&mut s.k, &mut s.kn);
+        }
+        let ff = c.rope_freq_factors.as_deref();
         be.rope(
             &mut s.q,
             &r.positions,
             c.n_heads,
             hd,
-            c.rope_base,
+            la.rope_base,
             c.rope_style,
+            ff,
         );
         be.rope(
             &mut s.k,
             &r.positions,
             c.n_kv_heads,
             hd,
-            c.rope_base,
+            la.rope_base,
             c.rope_style,
+            ff,
         );
         let layer = kv.layer_mut(l);
         be.store_kv(&mut layer.k, &mut layer.v, &r.slots, &s.k, &s.v, kvw);
@@ -126,19 +198,33 @@ impl CpuForward {
             n_kv_heads: c.n_kv_heads,
             head_dim: hd,
         };
-        let scale = 1.0 / (hd as f32).sqrt();
-        be.attention(&s.q, &r.queries, paged, c.n_heads, scale, &mut s.att);
+        let queries = r.queries(la.window);
+        be.attention(&s.q, queries, paged, c.n_heads, c.attn_scale, &mut s.att);
         be.matmul(&w.wo, &s.att, t, &mut s.o)?;
-        kernels::ops::add_assign(x, &s.o);
+        residual(
+            be,
+            x,
+            &mut s.o,
+            &mut s.h,
+            w.extra.post_attn_norm.as_deref(),
+            c.rms_eps,
+        );
         be.rms_norm(x, &w.ffn_norm, c.rms_eps, &mut s.h);
         be.matmul_many(
             &s.h,
             t,
             &mut [(&w.w_gate, &mut s.gate), (&w.w_up, &mut s.up)],
         )?;
-        be.silu_mul(&mut s.gate, &s.up);
+        be.glu(&mut s.gate, &s.up, c.activation);
         be.matmul(&w.w_down, &s.gate, t, &mut s.o)?;
-        kernels::ops::add_assign(x, &s.o);
+        residual(
+            be,
+            x,
+            &mut s.o,
+            &mut s.h,
+            w.extra.post_ffn_norm.as_deref(),
+            c.rms_eps,
+        );
         Ok(())
     }
 
@@ -180,11 +266,14 @@ impl CpuForward {
         batch: &[SeqChunk<'_>],
         mut sink: Option<LayerSink<'_>>,
     ) -> Result<Vec<Option<Vec<f32>>>> {
-        let r = rows(kv, batch);
+        let r = Rows::new(c, kv, batch);
         let t = r.positions.len();
         let mut x = vec![0f32; t * c.dim];
         for (row, &tok) in x.chunks_mut(c.dim).zip(batch.iter().flat_map(|s| s.tokens)) {
             self.weights.embed.dequantize_row(tok as usize, row);
+            if c.embed_scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= c.embed_scale);
+            }
         }
         let mut s = Scratch::new(c, t);
         for (l, w) in self.weights.layers.iter().enumerate() {

@@ -36,6 +36,7 @@ pub mod prefix;
 pub mod sampler;
 #[cfg(feature = "runtime")]
 pub mod scheduler;
+mod spm;
 pub mod text;
 pub mod tokenizer;
 

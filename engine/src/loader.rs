@@ -19,17 +19,24 @@ const GGUF_NAMES: Names = Names {
     output: "output.weight",
     layer: |i, s| {
         let t = match s {
-            "attn_norm" => "attn_norm",
-            "q" => "attn_q",
-            "k" => "attn_k",
-            "v" => "attn_v",
-            "o" => "attn_output",
-            "ffn_norm" => "ffn_norm",
-            "gate" => "ffn_gate",
-            "up" => "ffn_up",
-            _ => "ffn_down",
+            "attn_norm" => "attn_norm.weight",
+            "q" => "attn_q.weight",
+            "k" => "attn_k.weight",
+            "v" => "attn_v.weight",
+            "o" => "attn_output.weight",
+            "ffn_norm" => "ffn_norm.weight",
+            "gate" => "ffn_gate.weight",
+            "up" => "ffn_up.weight",
+            "q_norm" => "attn_q_norm.weight",
+            "k_norm" => "attn_k_norm.weight",
+            "post_attn_norm" => "post_attention_norm.weight",
+            "post_ffn_norm" => "post_ffw_norm.weight",
+            "q_bias" => "attn_q.bias",
+            "k_bias" => "attn_k.bias",
+            "v_bias" => "attn_v.bias",
+            _ => "ffn_down.weight",
         };
-        format!("blk.{i}.{t}.weight")
+        format!("blk.{i}.{t}")
     },
 };
 
@@ -39,17 +46,23 @@ const HF_NAMES: Names = Names {
     output: "lm_head.weight",
     layer: |i, s| {
         let t = match s {
-            "attn_norm" => "input_layernorm",
-            "q" => "self_attn.q_proj",
-            "k" => "self_attn.k_proj",
-            "v" => "self_attn.v_proj",
-            "o" => "self_attn.o_proj",
-            "ffn_norm" => "post_attention_layernorm",
-            "gate" => "mlp.gate_proj",
-            "up" => "mlp.up_proj",
-            _ => "mlp.down_proj",
+            "attn_norm" => "input_layernorm.weight",
+            "q" => "self_attn.q_proj.weight",
+            "k" => "self_attn.k_proj.weight",
+            "v" => "self_attn.v_proj.weight",
+            "o" => "self_attn.o_proj.weight",
+            "ffn_norm" => "post_attention_layernorm.weight",
+            "gate" => "mlp.gate_proj.weight",
+            "up" => "mlp.up_proj.weight",
+            "q_norm" => "self_attn.q_norm.weight",
+            "k_norm" => "self_attn.k_norm.weight",
+            "q_bias" => "self_attn.q_proj.bias",
+            "k_bias" => "self_attn.k_proj.bias",
+            "v_bias" => "self_attn.v_proj.bias",
+            // Hugging Face directories are read for the Llama architecture only (config.rs).
+            _ => "mlp.down_proj.weight",
         };
-        format!("model.layers.{i}.{t}.weight")
+        format!("model.layers.{i}.{t}")
     },
 };
 
@@ -195,13 +208,13 @@ pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
             weights.output = weights.embed.clone();
         }
         let tok = Tokenizer::from_hf_dir(path)?;
-        Ok((Model::new(config, weights, device), tok))
+        Ok((Model::new(config, weights, device)?, tok))
     } else {
         let g = Gguf::open(path)?;
         let config = ModelConfig::from_gguf(&g)?;
         let weights = Weights::load(&g, &GGUF_NAMES, &config)?;
         let tok = Tokenizer::from_gguf(&g)?;
-        Ok((Model::new(config, weights, device), tok))
+        Ok((Model::new(config, weights, device)?, tok))
     }
 }
 

@@ -35,6 +35,24 @@ pub struct LayerWeights {
     pub w_up: Matrix,
     /// Feed-forward down projection.
     pub w_down: Matrix,
+    /// What an architecture adds to Llama's block (each present exactly when the config says).
+    pub extra: LayerExtras,
+}
+
+/// The optional parts of a block: query/key head norms (`head_dim` values each), post-norms
+/// (`dim`), projection biases (one per output row).
+#[derive(Default)]
+pub struct LayerExtras {
+    /// RMSNorm weight over each query head.
+    pub q_norm: Option<Vec<f32>>,
+    /// RMSNorm weight over each key head.
+    pub k_norm: Option<Vec<f32>>,
+    /// RMSNorm on the attention output before the residual add.
+    pub post_attn_norm: Option<Vec<f32>>,
+    /// RMSNorm on the feed-forward output before the residual add.
+    pub post_ffn_norm: Option<Vec<f32>>,
+    /// Query, key and value projection biases.
+    pub qkv_bias: Option<[Vec<f32>; 3]>,
 }
 
 /// All weights of a Llama model.
@@ -57,7 +75,9 @@ pub(crate) trait TensorSource {
     fn has(&self, name: &str) -> bool;
 }
 
-/// Tensor names of one format.
+/// Tensor names of one format; `layer(i, part)` names layer `i`'s part (`attn_norm`, `q`, `k`,
+/// `v`, `o`, `ffn_norm`, `gate`, `up`, `down`, `q_norm`, `k_norm`, `post_attn_norm`,
+/// `post_ffn_norm`, `q_bias`, `k_bias`, `v_bias`).
 pub(crate) struct Names {
     pub embed: &'static str,
     pub norm: &'static str,
@@ -96,7 +116,26 @@ impl Weights {
         let layers = (0..cfg.n_layers)
             .map(|i| {
                 let n = |s: &str| (names.layer)(i, s);
+                let v = |s: &str, len: usize| src.vector(&n(s), len);
+                let hd = cfg.head_dim;
+                let extra = LayerExtras {
+                    q_norm: cfg.qk_norm.then(|| v("q_norm", hd)).transpose()?,
+                    k_norm: cfg.qk_norm.then(|| v("k_norm", hd)).transpose()?,
+                    post_attn_norm: cfg.post_norms.then(|| v("post_attn_norm", d)).transpose()?,
+                    post_ffn_norm: cfg.post_norms.then(|| v("post_ffn_norm", d)).transpose()?,
+                    qkv_bias: cfg
+                        .qkv_bias
+                        .then(|| {
+                            Ok::<_, EngineError>([
+                                v("q_bias", qd)?,
+                                v("k_bias", kvw)?,
+                                v("v_bias", kvw)?,
+                            ])
+                        })
+                        .transpose()?,
+                };
                 Ok(LayerWeights {
+                    extra,
                     attn_norm: src.vector(&n("attn_norm"), d)?,
                     wq: shape(&n("q"), qd, d)?,
                     wk: shape(&n("k"), kvw, d)?,
@@ -160,13 +199,20 @@ pub struct Model {
 }
 
 impl Model {
-    /// A model with these weights, run by the kernels of `device`.
-    pub fn new(config: ModelConfig, weights: Weights, device: Device) -> Model {
+    /// A model with these weights, run by the kernels of `device`. The CUDA forward runs
+    /// Llama's block only: another architecture on a GPU is refused here.
+    pub fn new(config: ModelConfig, weights: Weights, device: Device) -> Result<Model> {
         let forward: Box<dyn Forward> = match device.gpu() {
+            Some(_) if !config.is_plain_llama() => {
+                return Err(EngineError::Kernel(kernels::KernelError::Unavailable(format!(
+                    "the {} architecture runs on the CPU only (the CUDA forward runs Llama's block)",
+                    config.arch
+                ))))
+            }
             Some(gpu) => Box::new(crate::gpu::GpuForward::new(weights, gpu.clone())),
             None => Box::new(crate::cpu::CpuForward { weights, device }),
         };
-        Model { config, forward }
+        Ok(Model { config, forward })
     }
 
     /// A model of this shape run by the mock engine: no weights, no kernels; each step takes

@@ -37,9 +37,26 @@ impl ChatMessage {
     }
 }
 
+/// The vocabulary and its algorithm.
+enum Vocab {
+    /// Byte-level BPE, by the `tokenizers` crate.
+    Bpe(tokenizers::Tokenizer),
+    /// SentencePiece as llama.cpp runs it ([`crate::spm`]).
+    Spm(crate::spm::Spm),
+}
+
+impl Vocab {
+    fn token_to_id(&self, text: &str) -> Option<u32> {
+        match self {
+            Vocab::Bpe(t) => t.token_to_id(text),
+            Vocab::Spm(s) => s.token_to_id(text),
+        }
+    }
+}
+
 /// A model's tokenizer, special tokens and chat template.
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Vocab,
     bos: Option<String>,
     eos: Option<String>,
     add_bos: Option<u32>,
@@ -49,11 +66,17 @@ pub struct Tokenizer {
 
 /// Token texts that end a turn in common chat formats; any present in the vocabulary stops
 /// generation, as does the model's declared end-of-sequence token.
-const END_OF_TURN: [&str; 4] = ["<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>"];
+const END_OF_TURN: [&str; 5] = [
+    "<|im_end|>",
+    "<|endoftext|>",
+    "<|eot_id|>",
+    "</s>",
+    "<end_of_turn>",
+];
 
 impl Tokenizer {
     fn finish(
-        inner: tokenizers::Tokenizer,
+        inner: Vocab,
         bos: Option<String>,
         eos: Option<String>,
         add_bos: bool,
@@ -87,13 +110,43 @@ impl Tokenizer {
         }
     }
 
-    /// Builds the tokenizer stored in a GGUF file (byte-level BPE, `tokenizer.ggml.model = gpt2`).
+    /// Builds the tokenizer stored in a GGUF file: byte-level BPE (`tokenizer.ggml.model =
+    /// gpt2`) or SentencePiece (`llama`).
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
-        let bad = |m: String| EngineError::model(g.path(), m);
         let model = g.get_str("tokenizer.ggml.model")?;
-        if model != "gpt2" {
-            return Err(bad(format!("tokenizer model {model:?} is not supported (tandem reads byte-level BPE, \"gpt2\")")));
-        }
+        let inner = match model {
+            "gpt2" => Vocab::Bpe(Tokenizer::bpe_from_gguf(g)?),
+            "llama" => Vocab::Spm(crate::spm::Spm::from_gguf(g)?),
+            _ => return Err(EngineError::model(g.path(), format!("tokenizer model {model:?} is not supported (tandem reads byte-level BPE, \"gpt2\", and SentencePiece, \"llama\")"))),
+        };
+        let tokens = g.get_strings("tokenizer.ggml.tokens")?;
+        let name = |k: &str| {
+            g.metadata
+                .get(k)
+                .and_then(|v| v.as_u64())
+                .and_then(|i| tokens.get(i as usize))
+                .map(|s| s.to_string())
+        };
+        let add_bos = matches!(
+            g.metadata.get("tokenizer.ggml.add_bos_token"),
+            Some(crate::gguf::Value::Bool(true))
+        );
+        let template = g
+            .metadata
+            .get("tokenizer.chat_template")
+            .and_then(|v| v.as_str())
+            .map(str::to_string);
+        Ok(Tokenizer::finish(
+            inner,
+            name("tokenizer.ggml.bos_token_id"),
+            name("tokenizer.ggml.eos_token_id"),
+            add_bos,
+            template,
+        ))
+    }
+
+    fn bpe_from_gguf(g: &Gguf) -> Result<tokenizers::Tokenizer> {
+        let bad = |m: String| EngineError::model(g.path(), m);
         let tokens = g.get_strings("tokenizer.ggml.tokens")?;
         let merges = g.get_strings("tokenizer.ggml.merges")?;
         let types: Vec<u64> = match g
@@ -145,29 +198,7 @@ impl Tokenizer {
         inner
             .add_special_tokens(added)
             .map_err(|e| bad(format!("tokenizer: {e}")))?;
-        let name = |k: &str| {
-            g.metadata
-                .get(k)
-                .and_then(|v| v.as_u64())
-                .and_then(|i| tokens.get(i as usize))
-                .map(|s| s.to_string())
-        };
-        let add_bos = matches!(
-            g.metadata.get("tokenizer.ggml.add_bos_token"),
-            Some(crate::gguf::Value::Bool(true))
-        );
-        let template = g
-            .metadata
-            .get("tokenizer.chat_template")
-            .and_then(|v| v.as_str())
-            .map(str::to_string);
-        Ok(Tokenizer::finish(
-            inner,
-            name("tokenizer.ggml.bos_token_id"),
-            name("tokenizer.ggml.eos_token_id"),
-            add_bos,
-            template,
-        ))
+        Ok(inner)
     }
 
     /// Loads `tokenizer.json` (and `tokenizer_config.json` for special tokens and the chat
@@ -200,7 +231,7 @@ impl Tokenizer {
             _ => None,
         };
         Ok(Tokenizer::finish(
-            inner,
+            Vocab::Bpe(inner),
             tok("bos_token"),
             tok("eos_token"),
             cfg["add_bos_token"] == true,
@@ -210,21 +241,28 @@ impl Tokenizer {
 
     /// Token ids of `text`; special-token texts (like `<|im_start|>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, false)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
-        let mut ids = Vec::with_capacity(enc.len() + 1);
+        let mut ids = Vec::new();
         ids.extend(self.add_bos);
-        ids.extend_from_slice(enc.get_ids());
+        match &self.inner {
+            Vocab::Bpe(t) => {
+                let enc = t
+                    .encode(text, false)
+                    .map_err(|e| EngineError::Tokenizer(e.to_string()))?;
+                ids.extend_from_slice(enc.get_ids());
+            }
+            Vocab::Spm(s) => ids.extend(s.encode(text, true)),
+        }
         Ok(ids)
     }
 
     /// Text of `ids`, special tokens included verbatim unless `skip_special`.
     pub fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
-        self.inner
-            .decode(ids, skip_special)
-            .map_err(|e| EngineError::Tokenizer(e.to_string()))
+        match &self.inner {
+            Vocab::Bpe(t) => t
+                .decode(ids, skip_special)
+                .map_err(|e| EngineError::Tokenizer(e.to_string())),
+            Vocab::Spm(s) => s.decode(ids, skip_special),
+        }
     }
 
     /// Token ids that end generation (end of sequence / end of turn).
@@ -234,7 +272,10 @@ impl Tokenizer {
 
     /// Vocabulary size including added tokens.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        match &self.inner {
+            Vocab::Bpe(t) => t.get_vocab_size(true),
+            Vocab::Spm(s) => s.len(),
+        }
     }
 
     /// The chat template text, if the model has one.
@@ -273,10 +314,5 @@ impl Tokenizer {
         env.get_template("chat")
             .and_then(|t| t.render(ctx))
             .map_err(|e| EngineError::Tokenizer(format!("chat template: {e}")))
-    }
-
-    /// The underlying `tokenizers` tokenizer (for export).
-    pub fn inner(&self) -> &tokenizers::Tokenizer {
-        &self.inner
     }
 }

@@ -25,13 +25,24 @@ pub struct PagedKv<'a> {
     pub head_dim: usize,
 }
 
-/// A query token: it attends to its sequence's tokens `0..=pos`.
+/// A query token: it attends to its sequence's tokens `first..=pos`.
 #[derive(Clone, Copy, Debug)]
 pub struct Query<'a> {
     /// Position of the token in its sequence.
     pub pos: usize,
+    /// The first position it attends to: 0 for full causal attention, `pos + 1 - window` (at
+    /// least 0) on a sliding-window layer.
+    pub first: usize,
     /// The sequence's block table (must cover `pos`).
     pub block_table: &'a [u32],
+}
+
+impl Query<'_> {
+    /// The first position a query at `pos` sees through a sliding window of `window` tokens
+    /// (itself included), or 0 without a window.
+    pub fn first_in_window(pos: usize, window: Option<usize>) -> usize {
+        window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
 }
 
 impl PagedKv<'_> {
@@ -42,7 +53,8 @@ impl PagedKv<'_> {
     }
 }
 
-/// `out[t, h] = softmax(q[t, h] . K[0..=pos] * scale) . V[0..=pos]` for every token and head.
+/// `out[t, h] = softmax(q[t, h] . K[first..=pos] * scale) . V[first..=pos]` for every token
+/// and head.
 ///
 /// `q` and `out` are `[queries.len(), n_heads * head_dim]`. Like GGML's CPU path, queries are
 /// rounded to f16 before the dot products with the f16 keys, and the normalised probabilities are
@@ -79,7 +91,7 @@ fn head(
     s: &mut Vec<f32>,
     out: &mut [f32],
 ) {
-    let n = query.pos + 1;
+    let n = query.pos + 1 - query.first.min(query.pos);
     let hd = kv.head_dim;
     s.clear();
     s.resize(n, 0.0);
@@ -92,7 +104,7 @@ fn head(
     let _ = isa;
     let q16: Vec<f32> = q.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
     for (j, sj) in s.iter_mut().enumerate() {
-        let k = &kv.k[kv.offset(query.block_table, j, g)..][..hd];
+        let k = &kv.k[kv.offset(query.block_table, query.first + j, g)..][..hd];
         *sj = q16
             .iter()
             .zip(k)
@@ -109,7 +121,7 @@ fn head(
     out.fill(0.0);
     for (j, &e) in s.iter().enumerate() {
         let p = f16::from_f32(e * inv).to_f32();
-        let v = &kv.v[kv.offset(query.block_table, j, g)..][..hd];
+        let v = &kv.v[kv.offset(query.block_table, query.first + j, g)..][..hd];
         for (o, x) in out.iter_mut().zip(v) {
             *o = p.mul_add(x.to_f32(), *o);
         }
@@ -148,7 +160,10 @@ mod avx2 {
                 *v = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
             }
             for (j, sj) in s.iter_mut().enumerate() {
-                let k = kv.k.as_ptr().add(kv.offset(query.block_table, j, g)) as *const __m128i;
+                let k =
+                    kv.k.as_ptr()
+                        .add(kv.offset(query.block_table, query.first + j, g))
+                        as *const __m128i;
                 let mut acc = _mm256_setzero_ps();
                 for (l, v) in qv.iter().enumerate().take(lanes) {
                     acc = _mm256_fmadd_ps(*v, _mm256_cvtph_ps(_mm_loadu_si128(k.add(l))), acc);
@@ -182,7 +197,10 @@ mod avx2 {
             let inv = 1.0 / sum;
             let mut acc = [_mm256_setzero_ps(); 32];
             for (j, &e) in s.iter().enumerate() {
-                let v = kv.v.as_ptr().add(kv.offset(query.block_table, j, g)) as *const __m128i;
+                let v =
+                    kv.v.as_ptr()
+                        .add(kv.offset(query.block_table, query.first + j, g))
+                        as *const __m128i;
                 let p = f16::from_f32(e * inv).to_f32();
                 let pv = _mm256_set1_ps(p);
                 for (l, a) in acc.iter_mut().enumerate().take(lanes) {
@@ -200,6 +218,8 @@ mod avx2 {
 mod tests {
     use super::*;
 
+    /// Full causal attention and sliding windows (the query itself only, and 4 tokens)
+    /// against an f64 reference over the same paged cache.
     #[test]
     fn paged_matches_contiguous_reference() {
         let (bs, nkv, hd, nh) = (4, 2, 16, 4);
@@ -220,27 +240,45 @@ mod tests {
         };
         let pos = 9;
         let q: Vec<f32> = (0..nh * hd).map(|i| (i as f32 * 0.37).sin()).collect();
-        let mut out = vec![0f32; nh * hd];
-        attention(
-            &q,
-            &[Query {
+        for window in [None, Some(1), Some(4)] {
+            let first = Query::first_in_window(pos, window);
+            let mut out = vec![0f32; nh * hd];
+            let query = Query {
                 pos,
+                first,
                 block_table: &table,
-            }],
-            kv,
-            nh,
-            0.25,
-            &mut out,
-        );
+            };
+            attention(&q, &[query], kv, nh, 0.25, &mut out);
+            let want = reference(&q, &k, &v, kv, &table, first..=pos, nh, 0.25);
+            for (d, (o, w)) in out.iter().zip(&want).enumerate() {
+                assert!((*o as f64 - w).abs() < 1e-5, "window {window:?} value {d}");
+            }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn reference(
+        q: &[f32],
+        k: &[f16],
+        v: &[f16],
+        kv: PagedKv<'_>,
+        table: &[u32],
+        keys: std::ops::RangeInclusive<usize>,
+        nh: usize,
+        scale: f64,
+    ) -> Vec<f64> {
+        let (hd, nkv) = (kv.head_dim, kv.n_kv_heads);
+        let mut out = vec![0f64; nh * hd];
         for h in 0..nh {
             let g = h / (nh / nkv);
-            let mut s: Vec<f64> = (0..=pos)
+            let mut s: Vec<f64> = keys
+                .clone()
                 .map(|j| {
-                    let o = kv.offset(&table, j, g);
+                    let o = kv.offset(table, j, g);
                     (0..hd)
                         .map(|d| f16::from_f32(q[h * hd + d]).to_f64() * k[o + d].to_f64())
                         .sum::<f64>()
-                        * 0.25
+                        * scale
                 })
                 .collect();
             let m = s.iter().copied().fold(f64::MIN, f64::max);
@@ -248,13 +286,15 @@ mod tests {
             let z: f64 = s.iter().sum();
             for d in 0..hd {
                 // Queries and probabilities are rounded to f16, as in GGML.
-                let want: f64 = (0..=pos)
-                    .map(|j| {
-                        f16::from_f64(s[j] / z).to_f64() * v[kv.offset(&table, j, g) + d].to_f64()
+                out[h * hd + d] = keys
+                    .clone()
+                    .zip(&s)
+                    .map(|(j, e)| {
+                        f16::from_f64(e / z).to_f64() * v[kv.offset(table, j, g) + d].to_f64()
                     })
                     .sum();
-                assert!((out[h * hd + d] as f64 - want).abs() < 1e-5, "h{h} d{d}");
             }
         }
+        out
     }
 }

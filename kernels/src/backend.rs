@@ -5,7 +5,7 @@
 
 use half::f16;
 
-use crate::{attention, matmul, ops, KernelError, Matrix, PagedKv, Query, RopeStyle};
+use crate::{attention, matmul, ops, Activation, KernelError, Matrix, PagedKv, Query, RopeStyle};
 
 /// The kernels a Llama forward pass needs. Activations are row-major f32 host slices.
 pub trait Backend: Send + Sync {
@@ -24,7 +24,9 @@ pub trait Backend: Send + Sync {
     fn run(&self, f: &mut (dyn FnMut() + Send));
     /// Row-wise RMSNorm scaled by `weight`.
     fn rms_norm(&self, x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]);
-    /// In-place rotary embedding of rows at `positions`.
+    /// In-place rotary embedding of rows at `positions` (pair `i`'s angle divided by
+    /// `factors[i]` where given).
+    #[allow(clippy::too_many_arguments)]
     fn rope(
         &self,
         x: &mut [f32],
@@ -33,9 +35,10 @@ pub trait Backend: Send + Sync {
         head_dim: usize,
         base: f32,
         style: RopeStyle,
+        factors: Option<&[f32]>,
     );
-    /// `gate = silu(gate) * up`.
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]);
+    /// `gate = act(gate) * up`.
+    fn glu(&self, gate: &mut [f32], up: &[f32], act: Activation);
     /// Causal attention of `q` over a paged cache.
     fn attention(
         &self,
@@ -91,11 +94,12 @@ impl Backend for CpuBackend {
         head_dim: usize,
         base: f32,
         style: RopeStyle,
+        factors: Option<&[f32]>,
     ) {
-        ops::rope(x, positions, n_heads, head_dim, base, style)
+        ops::rope(x, positions, n_heads, head_dim, base, style, factors)
     }
-    fn silu_mul(&self, gate: &mut [f32], up: &[f32]) {
-        ops::silu_mul(gate, up)
+    fn glu(&self, gate: &mut [f32], up: &[f32], act: Activation) {
+        ops::glu(gate, up, act)
     }
     fn attention(
         &self,

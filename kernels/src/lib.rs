@@ -47,6 +47,15 @@ pub enum RopeStyle {
     Halves,
 }
 
+/// The activation of a gated feed-forward unit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Activation {
+    /// `x / (1 + e^-x)` (SwiGLU: Llama, Qwen).
+    Silu,
+    /// GELU's tanh approximation (GeGLU: Gemma).
+    GeluTanh,
+}
+
 /// Errors from kernel calls.
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {

@@ -206,11 +206,15 @@ pub fn matmul(w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), Ke
     matmul_many(x, m, &mut [(w, out)])
 }
 
-/// The activation layout a weight format dots with.
+/// The activation layout a weight format dots with: 0 f32, 1 Q8_1, 2 Q8_0, and for the
+/// K-quants 3 and 4, Q8_1 and Q8_0 blocks quantised with one scale per 256 values as GGML's
+/// Q8_K is (what llama.cpp dots K-quant weights with).
 fn act_format(dtype: DType) -> usize {
     match dtype {
-        DType::Q4_1 | DType::Q4_K => 1,
-        DType::Q4_0 | DType::Q8_0 | DType::Q6_K => 2,
+        DType::Q4_1 => 1,
+        DType::Q4_0 | DType::Q8_0 => 2,
+        DType::Q4_K => 3,
+        DType::Q6_K => 4,
         _ => 0,
     }
 }
@@ -239,19 +243,20 @@ pub fn matmul_many(
         return Ok(());
     }
     let isa = isa();
-    // Activations in each layout some weight needs: f32 as is, Q8_1 and/or Q8_0 blocks.
-    let mut acts: [Vec<u8>; 3] = Default::default();
-    for f in 1..3 {
+    // Activations in each layout some weight needs (see `act_format`).
+    let mut acts: [Vec<u8>; 5] = Default::default();
+    for f in 1..5 {
         if !outs.iter().any(|(w, _)| act_format(w.dtype) == f) {
             continue;
         }
-        let with_sum = f == 1;
+        let with_sum = f == 1 || f == 3;
         let row = k / QK * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
         let mut q = vec![0u8; m * row];
         q.par_chunks_mut(row)
             .zip(x.par_chunks(k))
             .with_min_len(16)
             .for_each(|(qr, xr)| match isa {
+                _ if f >= 3 => crate::quant::quantize_row_q8_k(xr, qr, with_sum),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
                 Isa::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr, with_sum) },

@@ -4,7 +4,7 @@
 
 use rayon::prelude::*;
 
-pub use crate::RopeStyle;
+pub use crate::{Activation, RopeStyle};
 
 /// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight` for each row of `weight.len()` values.
 pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
@@ -26,7 +26,8 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
 /// Rotary position embedding, in place, on rows of `n_heads * head_dim` values.
 ///
 /// Row `t` is at position `positions[t]`; pair `i` turns by `pos * base^(-2i / head_dim)`,
-/// the power taken by repeated f32 multiplication as in GGML.
+/// the power taken by repeated f32 multiplication as in GGML, and divided by `factors[i]` where
+/// given (Llama 3's frequency scaling, as GGML applies `rope_freqs`).
 pub fn rope(
     x: &mut [f32],
     positions: &[usize],
@@ -34,6 +35,7 @@ pub fn rope(
     head_dim: usize,
     base: f32,
     style: RopeStyle,
+    factors: Option<&[f32]>,
 ) {
     let half = head_dim / 2;
     let step = base.powf(-2.0 / head_dim as f32);
@@ -42,8 +44,9 @@ pub fn rope(
         // Angles by repeated multiplication in f32, as GGML computes them: the reference
         // implementations agree to the last bit on the angles, which keeps logits comparable.
         let mut theta = pos as f32;
-        for c in cs.iter_mut() {
-            *c = (theta.cos(), theta.sin());
+        for (i, c) in cs.iter_mut().enumerate() {
+            let t = factors.map_or(theta, |f| theta / f[i]);
+            *c = (t.cos(), t.sin());
             theta *= step;
         }
         for head in row.chunks_mut(head_dim) {
@@ -62,14 +65,20 @@ pub fn rope(
 
 /// `gate[i] = silu(gate[i]) * up[i]`, where `silu(v) = v / (1 + exp(-v))`.
 pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    glu(gate, up, Activation::Silu)
+}
+
+/// `gate[i] = act(gate[i]) * up[i]`: the gated feed-forward unit (SwiGLU with SiLU, GeGLU with
+/// the tanh GELU). Each element is computed the same way wherever it sits in the slice.
+pub fn glu(gate: &mut [f32], up: &[f32], act: Activation) {
     let isa = crate::isa();
     let body = |(g, u): (&mut [f32], &[f32])| match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
-        crate::Isa::Avx2 => unsafe { crate::x86::silu_mul(g, u) },
+        crate::Isa::Avx2 => unsafe { crate::x86::glu(g, u, act) },
         _ => {
             for (gv, uv) in g.iter_mut().zip(u) {
-                *gv = *gv / (1.0 + exp(-*gv)) * uv;
+                *gv = act.apply(*gv) * uv;
             }
         }
     };
@@ -79,6 +88,47 @@ pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
             .for_each(body);
     } else {
         body((gate, up));
+    }
+}
+
+/// GELU's tanh approximation, `0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))`, taken as GGML's
+/// CPU path takes it: `x` rounded to f16, the result looked up in a table of f16 values (so
+/// tandem and llama.cpp agree on Gemma's feed-forward to the bit), 0 below -10 and `x` above 10.
+pub fn gelu(x: f32) -> f32 {
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        gelu_table()[half::f16::from_f32(x).to_bits() as usize]
+    }
+}
+
+/// `gelu` of every f16 value, rounded to f16 and widened back to f32, indexed by the f16's bits.
+pub(crate) fn gelu_table() -> &'static [f32; 1 << 16] {
+    static TABLE: std::sync::OnceLock<Box<[f32; 1 << 16]>> = std::sync::OnceLock::new();
+    TABLE.get_or_init(|| {
+        // GGML's constants and order of operations, in f32.
+        let sqrt_2_over_pi = (2.0 / std::f64::consts::PI).sqrt() as f32;
+        let mut t = Box::new([0f32; 1 << 16]);
+        for (bits, v) in t.iter_mut().enumerate() {
+            let x = half::f16::from_bits(bits as u16).to_f32();
+            let g = 0.5 * x * (1.0 + (sqrt_2_over_pi * x * (1.0 + 0.044_715 * x * x)).tanh());
+            *v = half::f16::from_f32(g).to_f32();
+        }
+        t
+    })
+}
+
+impl Activation {
+    /// The activation of one value (the portable path; the AVX2 path computes the same bits
+    /// eight at a time).
+    #[inline]
+    pub fn apply(self, v: f32) -> f32 {
+        match self {
+            Activation::Silu => v / (1.0 + exp(-v)),
+            Activation::GeluTanh => gelu(v),
+        }
     }
 }
 
@@ -130,15 +180,44 @@ mod tests {
         let perm: Vec<usize> = (0..hd / 2).flat_map(|i| [i, i + hd / 2]).collect();
         let mut a: Vec<f32> = perm.iter().map(|&p| x[p]).collect();
         let mut b = x.clone();
-        rope(&mut a, &[5], 1, hd, 10000.0, RopeStyle::Interleaved);
-        rope(&mut b, &[5], 1, hd, 10000.0, RopeStyle::Halves);
+        rope(&mut a, &[5], 1, hd, 10000.0, RopeStyle::Interleaved, None);
+        rope(&mut b, &[5], 1, hd, 10000.0, RopeStyle::Halves, None);
         for (i, &p) in perm.iter().enumerate() {
             assert_eq!(a[i], b[p]);
         }
         // Position 0 is the identity.
         let mut c = x.clone();
-        rope(&mut c, &[0], 1, hd, 10000.0, RopeStyle::Halves);
+        rope(&mut c, &[0], 1, hd, 10000.0, RopeStyle::Halves, None);
         assert_eq!(c, x);
+    }
+
+    #[test]
+    fn gelu_matches_the_tanh_formula_and_simd_matches_portable() {
+        let x: Vec<f32> = (0..1003).map(|i| (i as f32 - 501.0) * 0.027).collect();
+        for (i, &v) in x.iter().enumerate() {
+            // The formula at x rounded to f16, to f16's precision (half an ulp: 2^-11 relative;
+            // GGML's f32 formula loses the far negative tail, 1 + tanh cancelling).
+            let h = half::f16::from_f32(v).to_f64();
+            let want = 0.5
+                * h
+                * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (h + 0.044715 * h.powi(3))).tanh());
+            let got = Activation::GeluTanh.apply(v) as f64;
+            assert!(
+                (got - want).abs() <= 5e-4 * want.abs() + 1e-6,
+                "x[{i}] = {v}: {got} vs {want}"
+            );
+        }
+        for act in [Activation::Silu, Activation::GeluTanh] {
+            let up: Vec<f32> = x.iter().map(|v| v.cos()).collect();
+            let mut g = x.clone();
+            glu(&mut g, &up, act);
+            // Every element equals itself computed alone (as the last element of a short slice).
+            for i in (0..x.len()).step_by(7) {
+                let mut one = vec![x[i]];
+                glu(&mut one, &up[i..i + 1], act);
+                assert_eq!(one[0].to_bits(), g[i].to_bits(), "{act:?} x[{i}]");
+            }
+        }
     }
 
     #[test]

@@ -211,8 +211,8 @@ pub(crate) mod avx2 {
         }
     }
 
-    /// 4-bit affine weights (Q4_1 with f16 scales; Q4_K sub-blocks with f32 ones, `F32S`)
-    /// against Q8_1 activations.
+    /// 4-bit affine weights (Q4_1 with f16 scales, against Q8_1 activations; Q4_K sub-blocks
+    /// with f32 ones, `F32S`, against Q8_K-style blocks with integer sums).
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn tile_q4<const M: usize, const F32S: bool>(
@@ -249,7 +249,14 @@ pub(crate) mod avx2 {
                     }
                     let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
                     *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(h(xb))), f, *a);
-                    *a = _mm256_fmadd_ps(mn, _mm256_set1_ps(h(xb.add(2))), *a);
+                    // Q8_1 carries d * sum in f16; the Q8_K-style blocks the K-quants take,
+                    // the integer sum.
+                    let sum = if F32S {
+                        h(xb) * (xb.add(2) as *const i16).read_unaligned() as f32
+                    } else {
+                        h(xb.add(2))
+                    };
+                    *a = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), *a);
                 }
             }
             for (i, a) in acc.iter().enumerate() {

@@ -206,6 +206,40 @@ pub fn quantize_row_q8(x: &[f32], out: &mut [u8], with_sum: bool) {
     }
 }
 
+/// Quantises an f32 row as GGML's Q8_K does — one scale per 256 values, `q = min(127,
+/// round(-127 x / max))` where `max` is the value of largest magnitude, scale `-max / 127` —
+/// and writes it as Q8_1 (`with_sum`) or Q8_0 blocks of 32, each carrying its 256-block's
+/// scale (in f16, as those blocks store it). With the sum, a block holds its quants' exact
+/// integer sum (i16) where Q8_1 holds `d * sum` in f16: the K-quants' minimum multiplies it, as
+/// GGML's Q8_K block sums are multiplied. A row whose length is not a multiple of 256 ends
+/// with a shorter block.
+pub fn quantize_row_q8_k(x: &[f32], out: &mut [u8], with_sum: bool) {
+    let bb = if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
+    let qoff = if with_sum { 4 } else { 2 };
+    for (xs, os) in x.chunks(256).zip(out.chunks_mut(bb * 8)) {
+        let (mut amax, mut max) = (0f32, 0f32);
+        for &v in xs {
+            if v.abs() > amax {
+                (amax, max) = (v.abs(), v);
+            }
+        }
+        let iscale = if amax != 0.0 { -127.0 / max } else { 0.0 };
+        let d = if amax != 0.0 { 1.0 / iscale } else { 0.0 };
+        for (xb, ob) in xs.chunks_exact(QK).zip(os.chunks_exact_mut(bb)) {
+            let mut sum = 0i32;
+            for (j, v) in xb.iter().enumerate() {
+                let q = ((v * iscale).round_ties_even() as i32).min(127);
+                sum += q;
+                ob[qoff + j] = q as i8 as u8;
+            }
+            ob[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+            if with_sum {
+                ob[2..4].copy_from_slice(&(sum as i16).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// Quantises an f32 row to Q8_0 blocks (used to build test weights).
 pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
     quantize_row_q8(x, out, false);

@@ -57,10 +57,12 @@ pub(crate) unsafe fn load_partial(p: *const f32, n: usize, fill: f32) -> __m256 
     unsafe { _mm256_loadu_ps(buf.as_ptr()) }
 }
 
-/// `gate[i] = gate[i] / (1 + e^-gate[i]) * up[i]`.
+/// `gate[i] = act(gate[i]) * up[i]`, the same operations as [`crate::Activation::apply`].
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
+pub(crate) fn glu(gate: &mut [f32], up: &[f32], act: crate::Activation) {
     let n = gate.len().min(up.len());
+    let one = _mm256_set1_ps(1.0);
+    let table = crate::ops::gelu_table();
     let mut i = 0;
     while i < n {
         let c = (n - i).min(8);
@@ -71,8 +73,23 @@ pub(crate) fn silu_mul(gate: &mut [f32], up: &[f32]) {
                 load_partial(up.as_ptr().add(i), c, 0.0),
             )
         };
-        let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        let r = _mm256_mul_ps(_mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0), e)), u);
+        let a = match act {
+            crate::Activation::Silu => {
+                let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+                _mm256_div_ps(g, _mm256_add_ps(one, e))
+            }
+            crate::Activation::GeluTanh => {
+                // The table entry of g rounded to f16, as `ops::gelu`; 0 at or below -10 and g
+                // at or above 10.
+                let bits = _mm256_cvtepu16_epi32(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(g));
+                // SAFETY: every index is a u16, within the 65,536-entry table.
+                let looked = unsafe { _mm256_i32gather_ps::<4>(table.as_ptr(), bits) };
+                let low = _mm256_cmp_ps::<_CMP_LE_OQ>(g, _mm256_set1_ps(-10.0));
+                let high = _mm256_cmp_ps::<_CMP_GE_OQ>(g, _mm256_set1_ps(10.0));
+                _mm256_blendv_ps(_mm256_andnot_ps(low, looked), g, high)
+            }
+        };
+        let r = _mm256_mul_ps(a, u);
         let mut out = [0f32; 8];
         // SAFETY: out holds 8 floats.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), r) };

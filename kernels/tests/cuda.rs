@@ -67,7 +67,7 @@ fn elementwise_kernels_match_the_cpu() {
     for style in [RopeStyle::Interleaved, RopeStyle::Halves] {
         let x = r.vec(tokens * heads * hd);
         let mut want = x.clone();
-        ops::rope(&mut want, &pos, heads, hd, 10000.0, style);
+        ops::rope(&mut want, &pos, heads, hd, 10000.0, style, None);
         let mut dx = g.upload(&x).unwrap();
         let dp = g
             .upload(&pos.iter().map(|&p| p as u32).collect::<Vec<_>>())
@@ -167,6 +167,7 @@ fn paged_attention_matches_the_cpu_for_prefill_and_decode_queries() {
         .iter()
         .map(|&(s, pos)| Query {
             pos,
+            first: 0,
             block_table: &tables[s],
         })
         .collect();

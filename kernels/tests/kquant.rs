@@ -7,7 +7,7 @@ use std::process::Command;
 
 use half::f16;
 use kernels::matmul::{matmul, Matrix};
-use kernels::quant::{dequantize_row, quantize_row_q8};
+use kernels::quant::{dequantize_row, quantize_row_q8, quantize_row_q8_k};
 use kernels::DType;
 
 const FORMATS: [DType; 5] = [
@@ -112,17 +112,22 @@ fn activations(m: usize, k: usize, seed: u64) -> Vec<f32> {
 }
 
 /// The kernel's own arithmetic, in f64: weights dequantised, activations quantised to 8 bits
-/// (Q8_0 blocks; Q8_1 for the affine formats, whose minimum multiplies the block's sum) and
-/// dequantised again.
+/// (Q8_0 blocks; Q8_1 for the affine formats, whose minimum multiplies the block's sum; one
+/// scale per 256 values, as GGML's Q8_K, for the K-quants) and dequantised again.
 fn reference(dt: DType, w: &[u8], n: usize, k: usize, x: &[f32], m: usize) -> Vec<f32> {
     let with_sum = matches!(dt, DType::Q4_K);
+    let k_quant = matches!(dt, DType::Q4_K | DType::Q6_K);
     let bb = if with_sum { 36 } else { 34 };
     let (qo, row_bytes) = (if with_sum { 4 } else { 2 }, dt.row_bytes(k).unwrap());
     let mut wrow = vec![0f32; k];
     let mut xq = vec![0u8; k / 32 * bb];
     let mut out = vec![0f32; m * n];
     for i in 0..m {
-        quantize_row_q8(&x[i * k..(i + 1) * k], &mut xq, with_sum);
+        if k_quant {
+            quantize_row_q8_k(&x[i * k..(i + 1) * k], &mut xq, with_sum);
+        } else {
+            quantize_row_q8(&x[i * k..(i + 1) * k], &mut xq, with_sum);
+        }
         let xd: Vec<f64> = xq
             .chunks_exact(bb)
             .flat_map(|b| {
@@ -163,8 +168,6 @@ fn every_format_multiplies_as_its_dequantised_values_do_and_rows_ignore_the_batc
                 // Formats re-laid as f32 take f32 activations: up to the 8-bit rounding apart.
                 let tol = match (w.dtype(), dt) {
                     (DType::F32, _) => 2e-2,
-                    // The minimum multiplies the activation block's sum, carried as f16.
-                    (_, DType::Q4_K) => 1e-3,
                     _ => 1e-4,
                 } * scale;
                 assert!((a - b).abs() <= tol, "{dt:?} n={n} out {j}: {a} vs {b}");

@@ -156,9 +156,19 @@ impl Cluster {
     /// A cluster from the text of a cluster.toml without its `[model]` section (the default
     /// model, blocks of 16 tokens, are added), with `prefill` + `decode` worker processes.
     pub fn start_toml(exe: &Path, toml: &str, prefill: usize, decode: usize) -> Cluster {
+        Cluster::start_model_toml(exe, &crate::model_path(), toml, prefill, decode)
+    }
+
+    /// [`Cluster::start_toml`] serving the model at `model`.
+    pub fn start_model_toml(
+        exe: &Path,
+        model: &Path,
+        toml: &str,
+        prefill: usize,
+        decode: usize,
+    ) -> Cluster {
         let dir = scratch_dir();
         let cfg = dir.join("cluster.toml");
-        let model = crate::model_path();
         let text = format!("[model]\npath = {model:?}\nblock_size = 16\n\n{toml}");
         std::fs::write(&cfg, text).expect("write cluster.toml");
         Cluster::start_config(exe, dir, cfg, prefill, decode, &[])

