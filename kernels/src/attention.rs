@@ -8,6 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
 use crate::{isa, Isa};
 
 /// One layer's paged key and value storage.
@@ -47,7 +48,7 @@ impl Query<'_> {
 
 impl PagedKv<'_> {
     #[inline]
-    fn offset(&self, table: &[u32], j: usize, g: usize) -> usize {
+    pub(crate) fn offset(&self, table: &[u32], j: usize, g: usize) -> usize {
         let b = table[j / self.block_size] as usize;
         ((b * self.block_size + j % self.block_size) * self.n_kv_heads + g) * self.head_dim
     }
@@ -69,20 +70,85 @@ pub fn attention(
 ) {
     let hd = kv.head_dim;
     let group = n_heads / kv.n_kv_heads;
-    let isa = isa();
+    #[cfg(target_arch = "x86_64")]
+    if isa() == Isa::Avx2 && hd % 8 == 0 && hd <= 256 {
+        return tiled(q, queries, kv, n_heads, scale, out);
+    }
     out.par_chunks_mut(hd)
         .enumerate()
         .with_min_len(4)
         .for_each_init(Vec::new, |scores, (th, o)| {
             let (t, h) = (th / n_heads, th % n_heads);
             let qh = &q[th * hd..(th + 1) * hd];
-            head(isa, qh, queries[t], kv, h / group, scale, scores, o);
+            head(qh, queries[t], kv, h / group, scale, scores, o);
         });
 }
 
-#[allow(clippy::too_many_arguments)]
+/// Queries of one sequence handled together by the tiled kernel.
+#[cfg(target_arch = "x86_64")]
+const TILE: usize = 16;
+
+/// The AVX2 kernel over tiles of up to [`TILE`] consecutive queries of one sequence, per KV
+/// group (see [`crate::attention_avx2`]).
+#[cfg(target_arch = "x86_64")]
+fn tiled(
+    q: &[f32],
+    queries: &[Query<'_>],
+    kv: PagedKv<'_>,
+    n_heads: usize,
+    scale: f32,
+    out: &mut [f32],
+) {
+    use crate::attention_avx2::{tile, Scratch, Tile};
+    let (hd, heads) = (kv.head_dim, n_heads / kv.n_kv_heads);
+    let same = |a: &Query<'_>, b: &Query<'_>| std::ptr::eq(a.block_table, b.block_table);
+    let mut tiles = Vec::new();
+    let mut t0 = 0;
+    while t0 < queries.len() {
+        let mut t1 = t0 + 1;
+        while t1 < queries.len() && t1 - t0 < TILE && same(&queries[t1], &queries[t0]) {
+            t1 += 1;
+        }
+        for g in 0..kv.n_kv_heads {
+            tiles.push(Tile {
+                t0,
+                queries: &queries[t0..t1],
+                g,
+                heads,
+            });
+        }
+        t0 = t1;
+    }
+    // Each tile's rows in its own slice of one buffer, then put in place.
+    let mut buf = vec![0f32; out.len()];
+    let mut parts = Vec::with_capacity(tiles.len());
+    let mut rest = &mut buf[..];
+    for t in &tiles {
+        let (part, r) = rest.split_at_mut(t.queries.len() * heads * hd);
+        parts.push(part);
+        rest = r;
+    }
+    tiles.par_iter().zip(parts.par_iter_mut()).for_each_init(
+        Scratch::default,
+        |scratch, (t, o)| {
+            // SAFETY: the CPU has AVX2/FMA/F16C (checked by the caller); hd is a multiple of 8
+            // up to 256; every query's block table covers its position (checked by the model).
+            unsafe { tile(q, t, kv, n_heads, scale, scratch, o) };
+        },
+    );
+    let mut rows = buf.chunks_exact(hd);
+    for t in &tiles {
+        for r in 0..t.queries.len() * heads {
+            let head = t.g * heads + r % heads;
+            let row = rows.next().expect("one row per tile row");
+            out[((t.t0 + r / heads) * n_heads + head) * hd..][..hd].copy_from_slice(row);
+        }
+    }
+}
+
+/// The portable kernel, one (query, head) row: scores summed over dimensions in order, the
+/// softmax, values accumulated key by key.
 fn head(
-    isa: Isa,
     q: &[f32],
     query: Query<'_>,
     kv: PagedKv<'_>,
@@ -95,13 +161,6 @@ fn head(
     let hd = kv.head_dim;
     s.clear();
     s.resize(n, 0.0);
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx2 && hd % 8 == 0 && hd <= 256 {
-        // SAFETY: the CPU has AVX2/FMA/F16C (checked by `isa`); offsets come from the block table.
-        unsafe { avx2::head(q, query, kv, g, scale, s, out) };
-        return;
-    }
-    let _ = isa;
     let q16: Vec<f32> = q.iter().map(|v| f16::from_f32(*v).to_f32()).collect();
     for (j, sj) in s.iter_mut().enumerate() {
         let k = &kv.k[kv.offset(query.block_table, query.first + j, g)..][..hd];
@@ -112,104 +171,21 @@ fn head(
             * scale;
     }
     let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let mut sum = 0f32;
-    for v in s.iter_mut() {
+    // Summed in eight lanes and combined as the AVX2 kernel's horizontal sum: both kernels give
+    // the same bits.
+    let mut lanes = [0f32; 8];
+    for (i, v) in s.iter_mut().enumerate() {
         *v = crate::ops::exp(*v - max);
-        sum += *v;
+        lanes[i % 8] += *v;
     }
-    let inv = 1.0 / sum;
+    let l = lanes;
+    let inv = 1.0 / (((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7])));
     out.fill(0.0);
     for (j, &e) in s.iter().enumerate() {
         let p = f16::from_f32(e * inv).to_f32();
         let v = &kv.v[kv.offset(query.block_table, query.first + j, g)..][..hd];
         for (o, x) in out.iter_mut().zip(v) {
             *o = p.mul_add(x.to_f32(), *o);
-        }
-    }
-}
-
-#[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
-
-    use half::f16;
-
-    use super::{PagedKv, Query};
-    use crate::x86::{exp8, hsum, load_partial};
-
-    /// # Safety
-    /// AVX2, FMA and F16C must be available; `query.block_table` must cover `query.pos`.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn head(
-        q: &[f32],
-        query: Query<'_>,
-        kv: PagedKv<'_>,
-        g: usize,
-        scale: f32,
-        s: &mut [f32],
-        out: &mut [f32],
-    ) {
-        let hd = kv.head_dim;
-        let lanes = hd / 8;
-        debug_assert!(lanes <= 32);
-        let mut qv = [_mm256_setzero_ps(); 32];
-        // SAFETY: (whole body) q, out have hd values; cache offsets index whole heads in bounds.
-        unsafe {
-            for (l, v) in qv.iter_mut().enumerate().take(lanes) {
-                let x = _mm256_loadu_ps(q.as_ptr().add(8 * l));
-                *v = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(x));
-            }
-            for (j, sj) in s.iter_mut().enumerate() {
-                let k =
-                    kv.k.as_ptr()
-                        .add(kv.offset(query.block_table, query.first + j, g))
-                        as *const __m128i;
-                let mut acc = _mm256_setzero_ps();
-                for (l, v) in qv.iter().enumerate().take(lanes) {
-                    acc = _mm256_fmadd_ps(*v, _mm256_cvtph_ps(_mm_loadu_si128(k.add(l))), acc);
-                }
-                *sj = hsum(acc) * scale;
-            }
-            // Softmax over all scores, 8 at a time; a partial last group is padded with -inf
-            // for the max and its padding lanes are dropped after the exponential.
-            let n = s.len();
-            let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-            for c in (0..n).step_by(8) {
-                mx = _mm256_max_ps(
-                    mx,
-                    load_partial(s.as_ptr().add(c), n - c, f32::NEG_INFINITY),
-                );
-            }
-            let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
-            let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-            let mv = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
-            let mut sv = _mm256_setzero_ps();
-            let mut e8 = [0f32; 8];
-            for c in (0..n).step_by(8) {
-                let len = (n - c).min(8);
-                let e = exp8(_mm256_sub_ps(load_partial(s.as_ptr().add(c), len, 0.0), mv));
-                _mm256_storeu_ps(e8.as_mut_ptr(), e);
-                e8[len..].fill(0.0);
-                s[c..c + len].copy_from_slice(&e8[..len]);
-                sv = _mm256_add_ps(sv, _mm256_loadu_ps(e8.as_ptr()));
-            }
-            let sum = hsum(sv);
-            let inv = 1.0 / sum;
-            let mut acc = [_mm256_setzero_ps(); 32];
-            for (j, &e) in s.iter().enumerate() {
-                let v =
-                    kv.v.as_ptr()
-                        .add(kv.offset(query.block_table, query.first + j, g))
-                        as *const __m128i;
-                let p = f16::from_f32(e * inv).to_f32();
-                let pv = _mm256_set1_ps(p);
-                for (l, a) in acc.iter_mut().enumerate().take(lanes) {
-                    *a = _mm256_fmadd_ps(pv, _mm256_cvtph_ps(_mm_loadu_si128(v.add(l))), *a);
-                }
-            }
-            for (l, a) in acc.iter().enumerate().take(lanes) {
-                _mm256_storeu_ps(out.as_mut_ptr().add(8 * l), *a);
-            }
         }
     }
 }
@@ -252,6 +228,85 @@ mod tests {
             let want = reference(&q, &k, &v, kv, &table, first..=pos, nh, 0.25);
             for (d, (o, w)) in out.iter().zip(&want).enumerate() {
                 assert!((*o as f64 - w).abs() < 1e-5, "window {window:?} value {d}");
+            }
+        }
+    }
+
+    /// The tiled AVX2 kernel equals the portable one bit for bit: GQA groups of 3 and 4, head
+    /// sizes 32/64/256, two sequences, a prefill chunk over several tiles, windows, decode rows.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tiled_avx2_equals_the_portable_kernel_bitwise() {
+        if crate::isa() != crate::Isa::Avx2 {
+            return;
+        }
+        for (hd, nkv, nh) in [(64, 3, 9), (256, 1, 4), (32, 2, 2)] {
+            let (bs, blocks) = (16, 30);
+            let cache = |m: usize| -> Vec<f16> {
+                (0..blocks * bs * nkv * hd)
+                    .map(|i| f16::from_f32(((i * m) % 1009) as f32 / 1009.0 - 0.5))
+                    .collect()
+            };
+            let (k, v) = (cache(7919), cache(104_729));
+            let kv = PagedKv {
+                k: &k,
+                v: &v,
+                block_size: bs,
+                n_kv_heads: nkv,
+                head_dim: hd,
+            };
+            let a: Vec<u32> = (0..19).map(|b| (b * 7 % 30) as u32).collect();
+            let b: Vec<u32> = vec![29, 3, 11, 20, 1, 9, 17];
+            let mut qs = Vec::new();
+            for pos in 0..=40 {
+                qs.push(Query {
+                    pos,
+                    first: 0,
+                    block_table: &a,
+                });
+            }
+            qs.push(Query {
+                pos: 299,
+                first: Query::first_in_window(299, Some(64)),
+                block_table: &a,
+            });
+            for pos in 60..80 {
+                qs.push(Query {
+                    pos,
+                    first: Query::first_in_window(pos, Some(16)),
+                    block_table: &b,
+                });
+            }
+            qs.push(Query {
+                pos: 99,
+                first: 0,
+                block_table: &b,
+            });
+            let q: Vec<f32> = (0..qs.len() * nh * hd)
+                .map(|i| (i as f32 * 0.37).sin())
+                .collect();
+            let mut out = vec![0f32; q.len()];
+            attention(&q, &qs, kv, nh, 0.125, &mut out);
+            for (t, query) in qs.iter().enumerate() {
+                for h in 0..nh {
+                    let row = (t * nh + h) * hd;
+                    let mut want = vec![0f32; hd];
+                    head(
+                        &q[row..row + hd],
+                        *query,
+                        kv,
+                        h / (nh / nkv),
+                        0.125,
+                        &mut Vec::new(),
+                        &mut want,
+                    );
+                    let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&out[row..row + hd]),
+                        bits(&want),
+                        "hd {hd}, query {t}, head {h}"
+                    );
+                }
             }
         }
     }

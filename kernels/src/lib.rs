@@ -11,6 +11,8 @@ pub use quant::DType;
 
 #[cfg(feature = "compute")]
 pub mod attention;
+#[cfg(all(feature = "compute", target_arch = "x86_64"))]
+mod attention_avx2;
 #[cfg(feature = "compute")]
 pub mod backend;
 /// CUDA kernels (feature `cuda`; without it, every entry point says so).
