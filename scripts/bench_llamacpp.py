@@ -32,8 +32,10 @@ def main():
     L.llama_backend_init()
     model = L.llama_model_load_from_file(a.model.encode(), L.llama_model_default_params())
     cp = L.llama_context_default_params()
-    cp.n_ctx = max(4096, max(batches) * (32 + a.steps) + 64)
-    cp.n_batch = cp.n_ubatch = 512
+    cp.n_ctx = max(4096, a.prompt_len + 64, max(batches) * (32 + a.steps) + 64)
+    # The whole prompt in one llama_decode call, computed 512 tokens at a time.
+    cp.n_batch = max(512, a.prompt_len)
+    cp.n_ubatch = 512
     cp.n_seq_max = max(batches)
     cp.kv_unified = True
     cp.n_threads = cp.n_threads_batch = a.threads
@@ -41,7 +43,7 @@ def main():
     ctx = L.llama_init_from_model(model, cp)
     mem = L.llama_get_memory(ctx)
     vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
-    batch = L.llama_batch_init(512, 0, max(batches))
+    batch = L.llama_batch_init(max(512, a.prompt_len), 0, max(batches))
 
     def decode(entries):
         batch.n_tokens = len(entries)

@@ -114,28 +114,53 @@ pub(crate) unsafe fn tile(
                 }
                 let p = &scores[r * span + j0 - lo..=r * span + j1 - lo];
                 let v = &block[(j0 - b0) * hd..(j1 + 1 - b0) * hd];
-                match hd / 8 {
-                    4 => weigh::<4>(p, v, o),
-                    8 => weigh::<8>(p, v, o),
-                    16 => weigh::<16>(p, v, o),
-                    _ => weigh::<32>(p, v, o),
+                match hd {
+                    32 => weigh::<4>(p, v, o),
+                    64 => weigh::<8>(p, v, o),
+                    128 => weigh::<16>(p, v, o),
+                    256 => weigh::<32>(p, v, o),
+                    _ => weigh_any(p, v, o),
                 }
             }
         }
     }
 }
 
-/// `o += sum_j p[j] * v[j]`, key by key, `8 L` values a row (`L` registers of accumulators;
-/// rows shorter than `8 L` are handled by the `L = 32` case on a partial width).
+/// `o += sum_j p[j] * v[j]`, key by key, for rows of `8 L` values (`L` registers of
+/// accumulators).
 ///
 /// # Safety
-/// AVX2/FMA; `v` holds `p.len()` rows of `o.len()` values.
+/// AVX2/FMA; `o` has `8 L` values, `v` holds `p.len()` rows of them.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], o: &mut [f32]) {
-    let hd = o.len();
-    let lanes = (hd / 8).min(L);
     let mut acc = [_mm256_setzero_ps(); L];
-    // SAFETY: (whole body) o has hd = 8 * lanes values, v has p.len() rows of hd.
+    // SAFETY: (whole body) as the caller promises.
+    unsafe {
+        for (l, a) in acc.iter_mut().enumerate() {
+            *a = _mm256_loadu_ps(o.as_ptr().add(8 * l));
+        }
+        for (j, &pj) in p.iter().enumerate() {
+            let pv = _mm256_set1_ps(pj);
+            let vj = v.as_ptr().add(j * 8 * L);
+            for (l, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj.add(8 * l)), *a);
+            }
+        }
+        for (l, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.as_mut_ptr().add(8 * l), *a);
+        }
+    }
+}
+
+/// [`weigh`] for any multiple of 8 up to 256 values.
+///
+/// # Safety
+/// As [`weigh`], with `o.len()` a multiple of 8 up to 256.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weigh_any(p: &[f32], v: &[f32], o: &mut [f32]) {
+    let (hd, lanes) = (o.len(), o.len() / 8);
+    let mut acc = [_mm256_setzero_ps(); 32];
+    // SAFETY: (whole body) as the caller promises.
     unsafe {
         for (l, a) in acc.iter_mut().enumerate().take(lanes) {
             *a = _mm256_loadu_ps(o.as_ptr().add(8 * l));
@@ -157,20 +182,24 @@ unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], o: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 fn probabilities(p: &mut [f32], inv: f32) {
     let iv = _mm256_set1_ps(inv);
-    let mut c = 0;
-    while c < p.len() {
-        let n = (p.len() - c).min(8);
-        let mut buf = [0f32; 8];
-        buf[..n].copy_from_slice(&p[c..c + n]);
-        // SAFETY: buf holds 8 floats.
-        let x = unsafe { _mm256_loadu_ps(buf.as_ptr()) };
-        let r = _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
+    let round = |x: __m256| {
+        _mm256_cvtph_ps(_mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(_mm256_mul_ps(
             x, iv,
-        )));
-        // SAFETY: as above.
-        unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), r) };
-        p[c..c + n].copy_from_slice(&buf[..n]);
-        c += 8;
+        )))
+    };
+    let mut chunks = p.chunks_exact_mut(8);
+    for c in &mut chunks {
+        // SAFETY: c holds 8 floats.
+        unsafe { _mm256_storeu_ps(c.as_mut_ptr(), round(_mm256_loadu_ps(c.as_ptr()))) };
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let mut buf = [0f32; 8];
+        buf[..tail.len()].copy_from_slice(tail);
+        // SAFETY: buf holds 8 floats.
+        unsafe { _mm256_storeu_ps(buf.as_mut_ptr(), round(_mm256_loadu_ps(buf.as_ptr()))) };
+        let n = tail.len();
+        tail.copy_from_slice(&buf[..n]);
     }
 }
 
@@ -196,18 +225,15 @@ unsafe fn scores8(
     let mut g = g0;
     while g <= g1 {
         let n = ((g1 - g) / 8 + 1).min(4);
-        let mut acc = [_mm256_setzero_ps(); 4];
-        // SAFETY: (loop) every group read lies within the block (g + 8n <= b0 + kb).
-        unsafe {
-            let base = kt.as_ptr().add(g - b0);
-            for (d, &qd) in q.iter().enumerate() {
-                let qb = _mm256_set1_ps(qd);
-                let row = base.add(d * kb);
-                for (i, a) in acc.iter_mut().enumerate().take(n) {
-                    *a = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row.add(8 * i)), *a);
-                }
+        // SAFETY: every group read lies within the block (g + 8n <= b0 + kb).
+        let acc = unsafe {
+            match n {
+                4 => dots::<4>(q, kt, kb, g - b0),
+                3 => dots::<3>(q, kt, kb, g - b0),
+                2 => dots::<2>(q, kt, kb, g - b0),
+                _ => dots::<1>(q, kt, kb, g - b0),
             }
-        }
+        };
         for (i, a) in acc.iter().enumerate().take(n) {
             let (k0, v) = (g + 8 * i, _mm256_mul_ps(*a, sc));
             if k0 >= first && k0 + 7 <= pos {
@@ -226,6 +252,29 @@ unsafe fn scores8(
         }
         g += 8 * n;
     }
+}
+
+/// `N` registers of 8 dot products: key group `i` (8 keys at `kt[at + 8 i..]` of each
+/// dimension's row) against `q`, summed dimension by dimension.
+///
+/// # Safety
+/// AVX2/FMA; `kt` holds `q.len()` rows of `kb` floats, `at + 8 N <= kb`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots<const N: usize>(q: &[f32], kt: &[f32], kb: usize, at: usize) -> [__m256; 4] {
+    let mut acc = [_mm256_setzero_ps(); 4];
+    // SAFETY: as the caller promises.
+    unsafe {
+        let base = kt.as_ptr().add(at);
+        for (d, &qd) in q.iter().enumerate() {
+            let qb = _mm256_set1_ps(qd);
+            let row = base.add(d * kb);
+            for (i, a) in acc.iter_mut().enumerate().take(N) {
+                *a = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row.add(8 * i)), *a);
+            }
+        }
+    }
+    acc
 }
 
 /// Keys `b0..b0 + kb` of the tile's KV group widened to f32 and transposed, 8 keys by 8
@@ -338,26 +387,39 @@ unsafe fn widen(
 #[target_feature(enable = "avx2,fma,f16c")]
 fn softmax(s: &mut [f32]) -> f32 {
     let n = s.len();
-    // SAFETY: (whole body) every load reads within s.
+    let full = n / 8 * 8;
+    // SAFETY: (whole body) every load and store lies within s (the last, partial group through
+    // a padded copy).
     unsafe {
         let mut mx = _mm256_set1_ps(f32::NEG_INFINITY);
-        for c in (0..n).step_by(8) {
+        for c in (0..full).step_by(8) {
+            mx = _mm256_max_ps(mx, _mm256_loadu_ps(s.as_ptr().add(c)));
+        }
+        if full < n {
             mx = _mm256_max_ps(
                 mx,
-                load_partial(s.as_ptr().add(c), n - c, f32::NEG_INFINITY),
+                load_partial(s.as_ptr().add(full), n - full, f32::NEG_INFINITY),
             );
         }
         let m4 = _mm_max_ps(_mm256_extractf128_ps(mx, 1), _mm256_castps256_ps128(mx));
         let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
         let mv = _mm256_set1_ps(_mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4))));
         let mut sv = _mm256_setzero_ps();
-        let mut e8 = [0f32; 8];
-        for c in (0..n).step_by(8) {
-            let len = (n - c).min(8);
-            let e = exp8(_mm256_sub_ps(load_partial(s.as_ptr().add(c), len, 0.0), mv));
+        for c in (0..full).step_by(8) {
+            let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s.as_ptr().add(c)), mv));
+            _mm256_storeu_ps(s.as_mut_ptr().add(c), e);
+            sv = _mm256_add_ps(sv, e);
+        }
+        if full < n {
+            let len = n - full;
+            let mut e8 = [0f32; 8];
+            let e = exp8(_mm256_sub_ps(
+                load_partial(s.as_ptr().add(full), len, 0.0),
+                mv,
+            ));
             _mm256_storeu_ps(e8.as_mut_ptr(), e);
             e8[len..].fill(0.0);
-            s[c..c + len].copy_from_slice(&e8[..len]);
+            s[full..].copy_from_slice(&e8[..len]);
             sv = _mm256_add_ps(sv, _mm256_loadu_ps(e8.as_ptr()));
         }
         1.0 / hsum(sv)
