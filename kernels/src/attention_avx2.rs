@@ -114,25 +114,28 @@ pub(crate) unsafe fn tile(
                 }
                 let p = &scores[r * span + j0 - lo..=r * span + j1 - lo];
                 let v = &block[(j0 - b0) * hd..(j1 + 1 - b0) * hd];
-                match hd {
-                    32 => weigh::<4>(p, v, o),
-                    64 => weigh::<8>(p, v, o),
-                    128 => weigh::<16>(p, v, o),
-                    256 => weigh::<32>(p, v, o),
-                    _ => weigh_any(p, v, o),
+                // 64 values (8 registers of accumulators) at a time: wider heads in passes.
+                if hd % 64 == 0 {
+                    for (c, oc) in o.chunks_exact_mut(64).enumerate() {
+                        weigh::<8>(p, &v[64 * c..], hd, oc);
+                    }
+                } else if hd == 32 {
+                    weigh::<4>(p, v, hd, o);
+                } else {
+                    weigh_any(p, v, o);
                 }
             }
         }
     }
 }
 
-/// `o += sum_j p[j] * v[j]`, key by key, for rows of `8 L` values (`L` registers of
-/// accumulators).
+/// `o += sum_j p[j] * v[j]`, key by key, over `8 L` values (`L` registers of accumulators);
+/// `v`'s rows are `stride` apart.
 ///
 /// # Safety
-/// AVX2/FMA; `o` has `8 L` values, `v` holds `p.len()` rows of them.
+/// AVX2/FMA; `o` has `8 L` values, `v` holds `p.len()` rows of `stride >= 8 L`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], o: &mut [f32]) {
+unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], stride: usize, o: &mut [f32]) {
     let mut acc = [_mm256_setzero_ps(); L];
     // SAFETY: (whole body) as the caller promises.
     unsafe {
@@ -141,7 +144,7 @@ unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], o: &mut [f32]) {
         }
         for (j, &pj) in p.iter().enumerate() {
             let pv = _mm256_set1_ps(pj);
-            let vj = v.as_ptr().add(j * 8 * L);
+            let vj = v.as_ptr().add(j * stride);
             for (l, a) in acc.iter_mut().enumerate() {
                 *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj.add(8 * l)), *a);
             }

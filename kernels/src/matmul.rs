@@ -256,6 +256,9 @@ pub fn matmul_many(
             .zip(x.par_chunks(k))
             .with_min_len(16)
             .for_each(|(qr, xr)| match isa {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
+                Isa::Avx2 if f >= 3 => unsafe { crate::x86::quantize_row_q8_k(xr, qr, with_sum) },
                 _ if f >= 3 => crate::quant::quantize_row_q8_k(xr, qr, with_sum),
                 #[cfg(target_arch = "x86_64")]
                 // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.

@@ -98,6 +98,64 @@ pub(crate) fn glu(gate: &mut [f32], up: &[f32], act: crate::Activation) {
     }
 }
 
+/// Quantises a row as [`crate::quant::quantize_row_q8_k`] does, to the bit: one scale per 256
+/// values (from the first value of largest magnitude), Q8_0/Q8_1-shaped blocks of 32.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn quantize_row_q8_k(x: &[f32], out: &mut [u8], with_sum: bool) {
+    let (bb, qoff) = if with_sum {
+        (crate::quant::Q8_1_BYTES, 4)
+    } else {
+        (crate::quant::Q8_0_BYTES, 2)
+    };
+    let sign = _mm256_set1_ps(-0.0);
+    for (xs, os) in x.chunks(256).zip(out.chunks_mut(bb * 8)) {
+        if xs.len() % 32 != 0 {
+            return crate::quant::quantize_row_q8_k(x, out, with_sum);
+        }
+        let mut m = _mm256_setzero_ps();
+        for c in xs.chunks_exact(8) {
+            // SAFETY: c has 8 floats.
+            m = _mm256_max_ps(
+                m,
+                _mm256_andnot_ps(sign, unsafe { _mm256_loadu_ps(c.as_ptr()) }),
+            );
+        }
+        let m4 = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+        let m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+        let max = xs.iter().copied().find(|v| v.abs() == amax).unwrap_or(0.0);
+        let iscale = if amax != 0.0 { -127.0 / max } else { 0.0 };
+        let d = if amax != 0.0 { 1.0 / iscale } else { 0.0 };
+        let (iv, top) = (_mm256_set1_ps(iscale), _mm256_set1_epi32(127));
+        for (xb, ob) in xs.chunks_exact(32).zip(os.chunks_exact_mut(bb)) {
+            // SAFETY: xb has 32 floats.
+            let v = unsafe { [0, 8, 16, 24].map(|o| _mm256_loadu_ps(xb.as_ptr().add(o))) };
+            let q = v.map(|vi| {
+                let r = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+                    _mm256_mul_ps(vi, iv),
+                );
+                _mm256_min_epi32(_mm256_cvtps_epi32(r), top)
+            });
+            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            let mut lanes = [0i32; 8];
+            // SAFETY: lanes holds 8 i32.
+            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
+            let p01 = _mm256_packs_epi32(q[0], q[1]);
+            let p23 = _mm256_packs_epi32(q[2], q[3]);
+            let bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(p01, p23),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+            );
+            // SAFETY: ob has qoff + 32 bytes.
+            unsafe { _mm256_storeu_si256(ob.as_mut_ptr().add(qoff) as *mut __m256i, bytes) };
+            ob[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+            if with_sum {
+                ob[2..4].copy_from_slice(&(lanes.iter().sum::<i32>() as i16).to_le_bytes());
+            }
+        }
+    }
+}
+
 /// Quantises a row to Q8_0/Q8_1 blocks exactly as [`crate::quant::quantize_row_q8`] does.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [u8], with_sum: bool) {
@@ -141,6 +199,39 @@ pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [u8], with_sum: bool) {
         if with_sum {
             let s = d * lanes.iter().sum::<i32>() as f32;
             ob[2..4].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The AVX2 quantisers write the scalar ones' bytes: Q8_0/Q8_1 and the Q8_K-style blocks,
+    /// on rows with exact halves (ties), zero blocks, and a negative extreme.
+    #[test]
+    fn avx2_quantisers_equal_the_scalar_ones() {
+        if crate::isa() != crate::Isa::Avx2 {
+            return;
+        }
+        let mut x: Vec<f32> = (0..1024)
+            .map(|i| ((i * 7919) % 2001) as f32 / 400.0 - 2.5)
+            .collect();
+        x[300] = -9.0;
+        x[512..768].fill(0.0);
+        for with_sum in [false, true] {
+            let bb = if with_sum {
+                crate::quant::Q8_1_BYTES
+            } else {
+                crate::quant::Q8_0_BYTES
+            };
+            let (mut a, mut b) = (vec![0u8; 32 * bb], vec![0u8; 32 * bb]);
+            crate::quant::quantize_row_q8_k(&x, &mut a, with_sum);
+            // SAFETY: the CPU has AVX2 (checked above).
+            unsafe { super::quantize_row_q8_k(&x, &mut b, with_sum) };
+            assert_eq!(a, b, "Q8_K-style, with_sum {with_sum}");
+            crate::quant::quantize_row_q8(&x, &mut a, with_sum);
+            // SAFETY: as above.
+            unsafe { super::quantize_row_q8(&x, &mut b, with_sum) };
+            assert_eq!(a, b, "Q8_0/Q8_1, with_sum {with_sum}");
         }
     }
 }
