@@ -265,7 +265,8 @@ fn bench(a: BenchArgs) -> Result<()> {
     let (model, _) = load(&a.model)?;
     let threads = kernels::pool().current_num_threads();
     let vocab = model.config.vocab_size as u32;
-    let prompt: Vec<u32> = (0..a.prompt_len as u32)
+    // The prompt, and at least the 40 tokens the decode contexts below are cut from.
+    let prompt: Vec<u32> = (0..a.prompt_len.max(40) as u32)
         .map(|i| (i * 7919 + 101) % vocab)
         .collect();
     let bs = 16;
@@ -295,7 +296,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         kv.reserve(&mut table, a.prompt_len)?;
         let t0 = Instant::now();
         let chunk = engine::SeqChunk {
-            tokens: &prompt,
+            tokens: &prompt[..a.prompt_len],
             start_pos: 0,
             block_table: table.blocks(),
             logits: true,

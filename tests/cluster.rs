@@ -161,19 +161,24 @@ fn client_disconnect_frees_kv_on_both_workers_within_a_second() {
     c.wait_transfers("tcp", 1);
 }
 
+/// A client that goes away while the prefill worker computes its prompt: both workers' blocks
+/// are freed. The router answers a stream's headers only with its first token, so the request
+/// is written on a raw socket, which is closed as soon as the prefill worker reports the
+/// prompt's blocks held (a 3,000-token prompt takes seconds here, many heartbeats of 250 ms).
 #[test]
 fn a_client_gone_during_the_prefill_frees_the_prefill_workers_blocks_too() {
+    use std::io::Write;
     let c = Cluster::start(EXE.as_ref(), 1, 1);
-    // A long prompt: its prefill takes seconds here.
-    let prompt: Vec<u32> = (0..1200).map(|i| 300 + (i * 7919) % 40_000).collect();
-    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true});
-    let r = request(
-        c.http,
-        "POST",
-        "/v1/completions",
-        "application/json",
-        &body.to_string(),
-    );
+    let prompt: Vec<u32> = (0..3000).map(|i| 300 + (i * 7919) % 40_000).collect();
+    let body =
+        json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "stream": true}).to_string();
+    let mut conn = std::net::TcpStream::connect(c.http).unwrap();
+    write!(
+        conn,
+        "POST /v1/completions HTTP/1.1\r\nhost: tandem\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
     let computing = |c: &Cluster| {
         c.workers().iter().any(|w| {
             let s = &w["stats"];
@@ -181,14 +186,20 @@ fn a_client_gone_during_the_prefill_frees_the_prefill_workers_blocks_too() {
         })
     };
     let t0 = Instant::now();
-    let r = r.unwrap();
     while !computing(&c) {
         assert!(t0.elapsed() < Duration::from_secs(10), "the prefill starts");
         std::thread::sleep(Duration::from_millis(10));
     }
-    drop(r);
+    drop(conn);
     let took = c.wait_all_free(Duration::from_secs(2));
     println!("blocks freed on both workers {took:?} after the client left mid-prefill");
+    let w = c.workers();
+    let prefill = w.iter().find(|w| w["role"] == "prefill").unwrap();
+    assert_eq!(
+        prefill["kv_transfers"]["tcp"].as_u64().unwrap_or(0),
+        0,
+        "the prefill was cut short, nothing sent: {prefill}"
+    );
 }
 
 /// A second architecture end to end: Gemma 3 270M (SentencePiece, sliding windows, K-quants)
