@@ -233,7 +233,8 @@ mod tests {
     }
 
     /// The tiled AVX2 kernel equals the portable one bit for bit: GQA groups of 3 and 4, head
-    /// sizes 32/64/256, two sequences, a prefill chunk over several tiles, windows, decode rows.
+    /// sizes 32/64/256, a prefill chunk over several tiles, windows, and decode rows (a query
+    /// alone in its tile).
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn tiled_avx2_equals_the_portable_kernel_bitwise() {
@@ -257,6 +258,8 @@ mod tests {
             };
             let a: Vec<u32> = (0..19).map(|b| (b * 7 % 30) as u32).collect();
             let b: Vec<u32> = vec![29, 3, 11, 20, 1, 9, 17];
+            let c: Vec<u32> = (0..13).map(|b| (b * 11 % 30) as u32).collect();
+            let d: Vec<u32> = (0..13).map(|b| (29 - b * 2) as u32).collect();
             let mut qs = Vec::new();
             for pos in 0..=40 {
                 qs.push(Query {
@@ -282,6 +285,15 @@ mod tests {
                 first: 0,
                 block_table: &b,
             });
+            // Decode rows: one query of a sequence alone in its tile, full and windowed.
+            for (pos, window, table) in [(150, None, &c), (200, Some(64), &d), (3, None, &c)] {
+                let first = Query::first_in_window(pos, window);
+                qs.push(Query {
+                    pos,
+                    first,
+                    block_table: table,
+                });
+            }
             let q: Vec<f32> = (0..qs.len() * nh * hd)
                 .map(|i| (i as f32 * 0.37).sin())
                 .collect();
