@@ -114,15 +114,15 @@ pub(crate) unsafe fn tile(
                 }
                 let p = &scores[r * span + j0 - lo..=r * span + j1 - lo];
                 let v = &block[(j0 - b0) * hd..(j1 + 1 - b0) * hd];
-                // 64 values (8 registers of accumulators) at a time: wider heads in passes.
+                // 64 values (8 registers of accumulators) at a time, in passes over a head.
                 if hd % 64 == 0 {
                     for (c, oc) in o.chunks_exact_mut(64).enumerate() {
                         weigh::<8>(p, &v[64 * c..], hd, oc);
                     }
-                } else if hd == 32 {
-                    weigh::<4>(p, v, hd, o);
                 } else {
-                    weigh_any(p, v, o);
+                    for (c, oc) in o.chunks_exact_mut(8).enumerate() {
+                        weigh::<1>(p, &v[8 * c..], hd, oc);
+                    }
                 }
             }
         }
@@ -150,32 +150,6 @@ unsafe fn weigh<const L: usize>(p: &[f32], v: &[f32], stride: usize, o: &mut [f3
             }
         }
         for (l, a) in acc.iter().enumerate() {
-            _mm256_storeu_ps(o.as_mut_ptr().add(8 * l), *a);
-        }
-    }
-}
-
-/// [`weigh`] for any multiple of 8 up to 256 values.
-///
-/// # Safety
-/// As [`weigh`], with `o.len()` a multiple of 8 up to 256.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weigh_any(p: &[f32], v: &[f32], o: &mut [f32]) {
-    let (hd, lanes) = (o.len(), o.len() / 8);
-    let mut acc = [_mm256_setzero_ps(); 32];
-    // SAFETY: (whole body) as the caller promises.
-    unsafe {
-        for (l, a) in acc.iter_mut().enumerate().take(lanes) {
-            *a = _mm256_loadu_ps(o.as_ptr().add(8 * l));
-        }
-        for (j, &pj) in p.iter().enumerate() {
-            let pv = _mm256_set1_ps(pj);
-            let vj = v.as_ptr().add(j * hd);
-            for (l, a) in acc.iter_mut().enumerate().take(lanes) {
-                *a = _mm256_fmadd_ps(pv, _mm256_loadu_ps(vj.add(8 * l)), *a);
-            }
-        }
-        for (l, a) in acc.iter().enumerate().take(lanes) {
             _mm256_storeu_ps(o.as_mut_ptr().add(8 * l), *a);
         }
     }

@@ -98,6 +98,27 @@ pub(crate) fn glu(gate: &mut [f32], up: &[f32], act: crate::Activation) {
     }
 }
 
+/// Writes 32 quants (four registers of eight i32 within -127..=127) as bytes in order and
+/// returns their sum.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn store_quants(q: [__m256i; 4], out: &mut [u8]) -> i32 {
+    let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    let mut lanes = [0i32; 8];
+    // SAFETY: lanes holds 8 i32.
+    unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
+    let p01 = _mm256_packs_epi32(q[0], q[1]);
+    let p23 = _mm256_packs_epi32(q[2], q[3]);
+    let bytes = _mm256_permutevar8x32_epi32(
+        _mm256_packs_epi16(p01, p23),
+        _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
+    );
+    assert!(out.len() >= 32);
+    // SAFETY: out has 32 bytes (checked).
+    unsafe { _mm256_storeu_si256(out.as_mut_ptr() as *mut __m256i, bytes) };
+    lanes.iter().sum()
+}
+
 /// Quantises a row as [`crate::quant::quantize_row_q8_k`] does, to the bit: one scale per 256
 /// values (from the first value of largest magnitude), Q8_0/Q8_1-shaped blocks of 32.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -136,21 +157,10 @@ pub(crate) fn quantize_row_q8_k(x: &[f32], out: &mut [u8], with_sum: bool) {
                 );
                 _mm256_min_epi32(_mm256_cvtps_epi32(r), top)
             });
-            let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-            let mut lanes = [0i32; 8];
-            // SAFETY: lanes holds 8 i32.
-            unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
-            let p01 = _mm256_packs_epi32(q[0], q[1]);
-            let p23 = _mm256_packs_epi32(q[2], q[3]);
-            let bytes = _mm256_permutevar8x32_epi32(
-                _mm256_packs_epi16(p01, p23),
-                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-            );
-            // SAFETY: ob has qoff + 32 bytes.
-            unsafe { _mm256_storeu_si256(ob.as_mut_ptr().add(qoff) as *mut __m256i, bytes) };
+            let sum = store_quants(q, &mut ob[qoff..qoff + 32]);
             ob[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
             if with_sum {
-                ob[2..4].copy_from_slice(&(lanes.iter().sum::<i32>() as i16).to_le_bytes());
+                ob[2..4].copy_from_slice(&(sum as i16).to_le_bytes());
             }
         }
     }
@@ -183,21 +193,10 @@ pub(crate) fn quantize_row_q8(x: &[f32], out: &mut [u8], with_sum: bool) {
                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC,
             ))
         });
-        let sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        let mut lanes = [0i32; 8];
-        // SAFETY: lanes holds 8 i32.
-        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr() as *mut __m256i, sum) };
-        let p01 = _mm256_packs_epi32(q[0], q[1]);
-        let p23 = _mm256_packs_epi32(q[2], q[3]);
-        let bytes = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(p01, p23),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7),
-        );
-        // SAFETY: ob has qoff + 32 bytes.
-        unsafe { _mm256_storeu_si256(ob.as_mut_ptr().add(qoff) as *mut __m256i, bytes) };
+        let sum = store_quants(q, &mut ob[qoff..qoff + 32]);
         ob[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
         if with_sum {
-            let s = d * lanes.iter().sum::<i32>() as f32;
+            let s = d * sum as f32;
             ob[2..4].copy_from_slice(&half::f16::from_f32(s).to_bits().to_le_bytes());
         }
     }
