@@ -1004,10 +1004,12 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
         let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
         let (status, v) = post_json(c.http, "/v1/completions", &body);
         assert_eq!(status, 200, "{v}");
-        // The next turn is routed by what the workers' heartbeats have told the index.
-        let cached: u64 = stats(&c, "kv_blocks_cached").iter().sum();
+        // The next turn is routed by what the workers' heartbeats have told the index: wait
+        // until it holds at least this prompt's full blocks (16 tokens each). The workers'
+        // own counts come by the same heartbeats, so they cannot tell whether one has arrived.
+        let full_blocks = prompt.len() as u64 / 16;
         let t0 = Instant::now();
-        while (metric(&c, "tandem_router_kv_index_blocks") as u64) < cached {
+        while (metric(&c, "tandem_router_kv_index_blocks") as u64) < full_blocks {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
                 "turn {turn}: the index hears of the blocks"
