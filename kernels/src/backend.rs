@@ -67,7 +67,8 @@ pub struct CpuBackend;
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
-        format!("cpu-{:?}", crate::isa()).to_lowercase()
+        let vnni = if crate::vnni() { "+vnni" } else { "" };
+        format!("cpu-{:?}{vnni}", crate::isa()).to_lowercase()
     }
     fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {
         matmul::matmul(w, x, m, out)

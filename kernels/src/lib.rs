@@ -72,4 +72,4 @@ pub enum KernelError {
 #[cfg(feature = "compute")]
 mod pool;
 #[cfg(feature = "compute")]
-pub use pool::{install, isa, pool, set_threads, Isa};
+pub use pool::{install, isa, pool, set_threads, vnni, Isa};

@@ -321,10 +321,16 @@ pub fn matmul_many(
         let (dtype, wp, w_row, xp, x_row, o, ldo, packed) = jobs[i];
         #[cfg(target_arch = "x86_64")]
         if packed != 0 {
-            // SAFETY: as below; the packed copy exists only on AVX2 machines, its rows are a
-            // multiple of 8 and so are n0 and n1 (chunks are whole groups).
+            // SAFETY: as below; the packed copy exists only on AVX2 machines (the VNNI kernels
+            // run only where `vnni()` found AVX-512 VNNI and VL), its rows are a multiple of 8
+            // and so are n0 and n1 (chunks are whole groups).
+            let chunk = if crate::vnni() {
+                crate::packed::vnni::chunk
+            } else {
+                crate::packed::avx2::chunk
+            };
             unsafe {
-                crate::packed::avx2::chunk(
+                chunk(
                     dtype,
                     packed as *const u8,
                     k / QK,

@@ -113,229 +113,344 @@ fn pack_k(dtype: DType, src: &[u8], rows: usize, cols: usize) -> Vec<u8> {
     out
 }
 
+/// The x86 kernels, written once and compiled twice: for AVX2 (with FMA and F16C), and with
+/// the AVX-512 VNNI dot-product instruction at 256 bits (`vpdpbusd`, with AVX-512 VL), which
+/// makes the same exact integer sums in one instruction where AVX2 needs three — the float
+/// arithmetic is the same, so both give bitwise the same outputs.
 #[cfg(target_arch = "x86_64")]
-pub(crate) mod avx2 {
-    use std::arch::x86_64::*;
+macro_rules! x86_kernels {
+    ($features:literal, $vnni:literal) => {
+        use std::arch::x86_64::*;
 
-    use super::{group_block_bytes, GROUP};
-    use crate::quant::DType;
+        use super::{group_block_bytes, GROUP};
+        use crate::quant::DType;
 
-    /// Activation rows per tile.
-    const MR: usize = 4;
+        /// Activation rows per tile.
+        const MR: usize = 4;
 
-    /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows.
-    ///
-    /// # Safety
-    /// `w` holds the interleaved groups of a matrix with `nb` blocks per row; `x` holds `m` rows
-    /// of `x_row` bytes of Q8_1 (Q4_1 weights) or Q8_0 (Q8_0 weights) blocks; `out` holds
-    /// `m * ldo` floats and no other thread writes columns `n0..n1`. AVX2, FMA and F16C present.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn chunk(
-        dtype: DType,
-        w: *const u8,
-        nb: usize,
-        x: *const u8,
-        x_row: usize,
-        m: usize,
-        n0: usize,
-        n1: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let gb = group_block_bytes(dtype) * nb;
-        let mut mb = 0;
-        while mb < m {
-            let me = (mb + 64).min(m);
-            for g in n0 / GROUP..n1 / GROUP {
-                let mut i = mb;
-                while i < me {
-                    // SAFETY: group g and rows i.. are inside the buffers (caller contract).
-                    unsafe {
-                        let (wg, xi, o) = (
-                            w.add(g * gb),
-                            x.add(i * x_row),
-                            out.add(i * ldo + g * GROUP),
-                        );
-                        if me - i >= MR {
-                            match dtype {
-                                DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
-                                DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
+        /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows.
+        ///
+        /// # Safety
+        /// `w` holds the interleaved groups of a matrix with `nb` blocks per row; `x` holds `m` rows
+        /// of `x_row` bytes of Q8_1 (Q4_1 weights) or Q8_0 (Q8_0 weights) blocks; `out` holds
+        /// `m * ldo` floats and no other thread writes columns `n0..n1`. The CPU has this module's
+        /// features (AVX2, FMA and F16C; for `vnni` also AVX-512 VNNI and VL).
+        #[allow(clippy::too_many_arguments)]
+        #[target_feature(enable = $features)]
+        pub unsafe fn chunk(
+            dtype: DType,
+            w: *const u8,
+            nb: usize,
+            x: *const u8,
+            x_row: usize,
+            m: usize,
+            n0: usize,
+            n1: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let gb = group_block_bytes(dtype) * nb;
+            let mut mb = 0;
+            while mb < m {
+                let me = (mb + 64).min(m);
+                for g in n0 / GROUP..n1 / GROUP {
+                    let mut i = mb;
+                    while i < me {
+                        // SAFETY: group g and rows i.. are inside the buffers (caller contract).
+                        unsafe {
+                            let (wg, xi, o) = (
+                                w.add(g * gb),
+                                x.add(i * x_row),
+                                out.add(i * ldo + g * GROUP),
+                            );
+                            if me - i >= MR {
+                                match dtype {
+                                    DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                    _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
+                                }
+                                i += MR;
+                            } else {
+                                match dtype {
+                                    DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                    _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
+                                }
+                                i += 1;
                             }
-                            i += MR;
-                        } else {
-                            match dtype {
-                                DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
-                                DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
-                            }
-                            i += 1;
                         }
                     }
                 }
-            }
-            mb = me;
-        }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn h(p: *const u8) -> f32 {
-        // SAFETY: caller passes two readable bytes.
-        let bits = unsafe { (p as *const u16).read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
-    }
-
-    /// The 4-byte chunk `c` of an activation block's quants, in every 32-bit lane.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn xchunk(q: *const u8, c: usize) -> __m256i {
-        // SAFETY: caller passes a block's 32 quants.
-        _mm256_set1_epi32(unsafe { (q.add(4 * c) as *const i32).read_unaligned() })
-    }
-
-    /// A group's 8 scales at `p`: f32 (`F32S`) or f16.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scales<const F32S: bool>(p: *const u8) -> __m256 {
-        // SAFETY: caller passes 32 (f32) or 16 (f16) readable bytes.
-        unsafe {
-            if F32S {
-                _mm256_loadu_ps(p as *const f32)
-            } else {
-                _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+                mb = me;
             }
         }
-    }
 
-    /// 4-bit affine weights (Q4_1 with f16 scales, against Q8_1 activations; Q4_K sub-blocks
-    /// with f32 ones, `F32S`, against Q8_K-style blocks with integer sums).
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q4<const M: usize, const F32S: bool>(
-        w: *const u8,
-        nb: usize,
-        x: *const u8,
-        x_row: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let mut acc = [_mm256_setzero_ps(); M];
-        let low = _mm256_set1_epi8(0x0f);
-        let ones = _mm256_set1_epi16(1);
-        let (sb, gb) = if F32S { (32, 192) } else { (16, 160) };
-        // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
-        unsafe {
-            for b in 0..nb {
-                let p = w.add(b * gb);
-                let d = scales::<F32S>(p);
-                let mn = scales::<F32S>(p.add(sb));
-                let mut v = [_mm256_setzero_si256(); 8];
-                for c in 0..4 {
-                    let l = _mm256_loadu_si256(p.add(2 * sb + 32 * c) as *const __m256i);
-                    v[c] = _mm256_and_si256(l, low);
-                    v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
-                }
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xb = x.add(i * x_row + b * 36);
-                    let q = xb.add(4);
-                    // u4 x i8 pair sums fit in i16 even summed over all 8 chunks (8*2*15*128).
-                    let mut s16 = _mm256_maddubs_epi16(v[0], xchunk(q, 0));
-                    for (c, vc) in v.iter().enumerate().skip(1) {
-                        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(*vc, xchunk(q, c)));
-                    }
-                    let f = _mm256_cvtepi32_ps(_mm256_madd_epi16(s16, ones));
-                    *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(h(xb))), f, *a);
-                    // Q8_1 carries d * sum in f16; the Q8_K-style blocks the K-quants take,
-                    // the integer sum.
-                    let sum = if F32S {
-                        h(xb) * (xb.add(2) as *const i16).read_unaligned() as f32
-                    } else {
-                        h(xb.add(2))
-                    };
-                    *a = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), *a);
-                }
-            }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(i * ldo), *a);
-            }
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn h(p: *const u8) -> f32 {
+            // SAFETY: caller passes two readable bytes.
+            let bits = unsafe { (p as *const u16).read_unaligned() };
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
         }
-    }
 
-    /// The i32 dot products, per row lane, of 8-bit weight chunks `c0..c0 + 4` (`v`, and their
-    /// absolute values `av`) with the activation block's quants `q`: |w| x sign(x, w), whose
-    /// i16 pair sums fit but whose sum over chunks may not, so each is widened.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn half_dot(
-        v: &[__m256i; 8],
-        av: &[__m256i; 8],
-        q: *const u8,
-        c0: usize,
-        ones: __m256i,
-    ) -> __m256i {
-        let mut s32 = _mm256_setzero_si256();
-        for c in c0..c0 + 4 {
-            // SAFETY: caller passes an activation block's 32 quants.
-            let xs = _mm256_sign_epi8(unsafe { xchunk(q, c) }, v[c]);
-            let pr = _mm256_maddubs_epi16(av[c], xs);
-            s32 = _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones));
+        /// The 4-byte chunk `c` of an activation block's quants, in every 32-bit lane.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn xchunk(q: *const u8, c: usize) -> __m256i {
+            // SAFETY: caller passes a block's 32 quants.
+            _mm256_set1_epi32(unsafe { (q.add(4 * c) as *const i32).read_unaligned() })
         }
-        s32
-    }
 
-    /// 8-bit symmetric weights (Q8_0 with one f16 scale a block; Q6_K sub-blocks with an f32
-    /// scale for each half, `SPLIT`) against Q8_0 activations.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
-        w: *const u8,
-        nb: usize,
-        x: *const u8,
-        x_row: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let mut acc = [_mm256_setzero_ps(); M];
-        let ones = _mm256_set1_epi16(1);
-        let (qs, gb) = if SPLIT { (64, 320) } else { (16, 272) };
-        // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
-        unsafe {
-            for b in 0..nb {
-                let p = w.add(b * gb);
-                let (d, d_hi) = if SPLIT {
-                    (scales::<true>(p), scales::<true>(p.add(32)))
+        /// A group's 8 scales at `p`: f32 (`F32S`) or f16.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn scales<const F32S: bool>(p: *const u8) -> __m256 {
+            // SAFETY: caller passes 32 (f32) or 16 (f16) readable bytes.
+            unsafe {
+                if F32S {
+                    _mm256_loadu_ps(p as *const f32)
                 } else {
-                    let d = scales::<false>(p);
-                    (d, d)
-                };
-                let mut v = [_mm256_setzero_si256(); 8];
-                let mut av = [_mm256_setzero_si256(); 8];
-                for c in 0..8 {
-                    v[c] = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
-                    av[c] = _mm256_sign_epi8(v[c], v[c]);
-                }
-                for (i, a) in acc.iter_mut().enumerate() {
-                    let xb = x.add(i * x_row + b * 34);
-                    let q = xb.add(2);
-                    // Chunks 0..4 hold values 0..16, chunks 4..8 values 16..32.
-                    let (lo, hi) = (half_dot(&v, &av, q, 0, ones), half_dot(&v, &av, q, 4, ones));
-                    let dx = _mm256_set1_ps(h(xb));
-                    if SPLIT {
-                        let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
-                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), lo, *a);
-                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), hi, *a);
-                    } else {
-                        let f = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
-                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), f, *a);
-                    }
+                    _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
                 }
             }
-            for (i, a) in acc.iter().enumerate() {
-                _mm256_storeu_ps(out.add(i * ldo), *a);
+        }
+
+        /// 4-bit affine weights (Q4_1 with f16 scales, against Q8_1 activations; Q4_K sub-blocks
+        /// with f32 ones, `F32S`, against Q8_K-style blocks with integer sums).
+        #[allow(unused_unsafe)]
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn tile_q4<const M: usize, const F32S: bool>(
+            w: *const u8,
+            nb: usize,
+            x: *const u8,
+            x_row: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let mut acc = [_mm256_setzero_ps(); M];
+            let low = _mm256_set1_epi8(0x0f);
+            let ones = _mm256_set1_epi16(1);
+            let (sb, gb) = if F32S { (32, 192) } else { (16, 160) };
+            // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
+            unsafe {
+                for b in 0..nb {
+                    let p = w.add(b * gb);
+                    let d = scales::<F32S>(p);
+                    let mn = scales::<F32S>(p.add(sb));
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for c in 0..4 {
+                        let l = _mm256_loadu_si256(p.add(2 * sb + 32 * c) as *const __m256i);
+                        v[c] = _mm256_and_si256(l, low);
+                        v[c + 4] = _mm256_and_si256(_mm256_srli_epi16(l, 4), low);
+                    }
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let xb = x.add(i * x_row + b * 36);
+                        let q = xb.add(4);
+                        let f = _mm256_cvtepi32_ps(if $vnni {
+                            let mut s32 = _mm256_setzero_si256();
+                            for (c, vc) in v.iter().enumerate() {
+                                // SAFETY: compiled in only where the module has VNNI.
+                                s32 = unsafe { _mm256_dpbusd_epi32(s32, *vc, xchunk(q, c)) };
+                            }
+                            s32
+                        } else {
+                            // u4 x i8 pair sums fit in i16 even summed over all 8 chunks
+                            // (8*2*15*128), so the sum is the exact one VNNI makes.
+                            let mut s16 = _mm256_maddubs_epi16(v[0], xchunk(q, 0));
+                            for (c, vc) in v.iter().enumerate().skip(1) {
+                                s16 =
+                                    _mm256_add_epi16(s16, _mm256_maddubs_epi16(*vc, xchunk(q, c)));
+                            }
+                            _mm256_madd_epi16(s16, ones)
+                        });
+                        *a = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(h(xb))), f, *a);
+                        // Q8_1 carries d * sum in f16; the Q8_K-style blocks the K-quants take,
+                        // the integer sum.
+                        let sum = if F32S {
+                            h(xb) * (xb.add(2) as *const i16).read_unaligned() as f32
+                        } else {
+                            h(xb.add(2))
+                        };
+                        *a = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), *a);
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(i * ldo), *a);
+                }
+            }
+        }
+
+        /// The i32 dot products, per row lane, of 8-bit weight chunks `c0..c0 + 4` (`v`, and their
+        /// absolute values `av`) with the activation block's quants `q`: |w| x sign(x, w), whose
+        /// i16 pair sums fit but whose sum over chunks may not, so each is widened.
+        #[allow(unused_unsafe)]
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn half_dot(
+            v: &[__m256i; 8],
+            av: &[__m256i; 8],
+            q: *const u8,
+            c0: usize,
+            ones: __m256i,
+        ) -> __m256i {
+            let mut s32 = _mm256_setzero_si256();
+            for c in c0..c0 + 4 {
+                // SAFETY: caller passes an activation block's 32 quants.
+                let xs = _mm256_sign_epi8(unsafe { xchunk(q, c) }, v[c]);
+                s32 = if $vnni {
+                    // SAFETY: compiled in only where the module has VNNI (needs `unsafe` elsewhere).
+                    unsafe { _mm256_dpbusd_epi32(s32, av[c], xs) }
+                } else {
+                    let pr = _mm256_maddubs_epi16(av[c], xs);
+                    _mm256_add_epi32(s32, _mm256_madd_epi16(pr, ones))
+                };
+            }
+            s32
+        }
+
+        /// 8-bit symmetric weights (Q8_0 with one f16 scale a block; Q6_K sub-blocks with an f32
+        /// scale for each half, `SPLIT`) against Q8_0 activations.
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
+            w: *const u8,
+            nb: usize,
+            x: *const u8,
+            x_row: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let mut acc = [_mm256_setzero_ps(); M];
+            let ones = _mm256_set1_epi16(1);
+            let (qs, gb) = if SPLIT { (64, 320) } else { (16, 272) };
+            // SAFETY: (whole body) block b of the group and of each activation row is in bounds.
+            unsafe {
+                for b in 0..nb {
+                    let p = w.add(b * gb);
+                    let (d, d_hi) = if SPLIT {
+                        (scales::<true>(p), scales::<true>(p.add(32)))
+                    } else {
+                        let d = scales::<false>(p);
+                        (d, d)
+                    };
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    let mut av = [_mm256_setzero_si256(); 8];
+                    for c in 0..8 {
+                        v[c] = _mm256_loadu_si256(p.add(qs + 32 * c) as *const __m256i);
+                        av[c] = _mm256_sign_epi8(v[c], v[c]);
+                    }
+                    for (i, a) in acc.iter_mut().enumerate() {
+                        let xb = x.add(i * x_row + b * 34);
+                        let q = xb.add(2);
+                        // Chunks 0..4 hold values 0..16, chunks 4..8 values 16..32.
+                        let (lo, hi) =
+                            (half_dot(&v, &av, q, 0, ones), half_dot(&v, &av, q, 4, ones));
+                        let dx = _mm256_set1_ps(h(xb));
+                        if SPLIT {
+                            let (lo, hi) = (_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi));
+                            *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), lo, *a);
+                            *a = _mm256_fmadd_ps(_mm256_mul_ps(d_hi, dx), hi, *a);
+                        } else {
+                            let f = _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+                            *a = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), f, *a);
+                        }
+                    }
+                }
+                for (i, a) in acc.iter().enumerate() {
+                    _mm256_storeu_ps(out.add(i * ldo), *a);
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx2 {
+    x86_kernels!("avx2,fma,f16c", false);
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod vnni {
+    x86_kernels!("avx2,fma,f16c,avx512vnni,avx512vl", true);
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::{avx2, pack, vnni};
+    use crate::quant::{quantize_row_q8, quantize_row_q8_k, DType, Q8_0_BYTES, Q8_1_BYTES};
+
+    /// `n` random bytes from a xorshift64* stream.
+    fn bytes(n: usize, seed: u64) -> Vec<u8> {
+        let mut s = seed | 1;
+        (0..n)
+            .map(|_| {
+                s ^= s >> 12;
+                s ^= s << 25;
+                s ^= s >> 27;
+                (s.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 56) as u8
+            })
+            .collect()
+    }
+
+    /// The VNNI kernels give bitwise the AVX2 kernels' outputs, for every interleaved format,
+    /// for a batch of one (decode) and for tiles of four rows with one left over.
+    #[test]
+    fn vnni_kernels_equal_the_avx2_ones_bitwise() {
+        if !(crate::isa() == crate::Isa::Avx2
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx512vl"))
+        {
+            eprintln!("not run: this CPU has no AVX-512 VNNI (the VNNI kernels are never used)");
+            return;
+        }
+        let (rows, cols) = (24, 512);
+        let f16s = |v: f32| half::f16::from_f32(v).to_le_bytes();
+        for (dt, fields) in [
+            (DType::Q4_1, &[0usize, 2][..]),
+            (DType::Q8_0, &[0][..]),
+            (DType::Q4_K, &[0, 2][..]),
+            (DType::Q6_K, &[208][..]),
+        ] {
+            let bb = dt.block_bytes();
+            let mut w = bytes(rows * dt.row_bytes(cols).unwrap(), 7);
+            for (i, b) in w.chunks_exact_mut(bb).enumerate() {
+                for &at in fields {
+                    b[at..at + 2].copy_from_slice(&f16s(0.001 + (i % 13) as f32 * 1e-4));
+                }
+            }
+            let packed = pack(dt, &w, rows, cols);
+            let with_sum = matches!(dt, DType::Q4_1 | DType::Q4_K);
+            let x_row = cols / 32 * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
+            for m in [1, 5] {
+                let xf: Vec<f32> = bytes(m * cols, m as u64 + 3)
+                    .iter()
+                    .map(|&b| b as f32 / 64.0 - 2.0)
+                    .collect();
+                let mut x = vec![0u8; m * x_row];
+                for (xr, qr) in xf.chunks(cols).zip(x.chunks_mut(x_row)) {
+                    match dt {
+                        DType::Q4_K | DType::Q6_K => quantize_row_q8_k(xr, qr, with_sum),
+                        _ => quantize_row_q8(xr, qr, with_sum),
+                    }
+                }
+                let run = |vnni_kernel: bool| {
+                    let mut out = vec![0f32; m * rows];
+                    let f = if vnni_kernel {
+                        vnni::chunk
+                    } else {
+                        avx2::chunk
+                    };
+                    // SAFETY: the CPU has AVX2/FMA/F16C (isa) and AVX-512 VNNI/VL (checked
+                    // above); the buffers hold `rows` packed rows, `m` activation rows and
+                    // `m * rows` outputs.
+                    let (wp, xp, op) = (packed.as_ptr(), x.as_ptr(), out.as_mut_ptr());
+                    unsafe { f(dt, wp, cols / 32, xp, x_row, m, 0, rows, op, rows) };
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                assert_eq!(run(true), run(false), "{dt:?}, {m} activation rows");
             }
         }
     }

@@ -57,7 +57,8 @@ pub enum Isa {
 }
 
 /// The instruction set chosen for this process: the best the CPU has, unless the environment
-/// variable `TANDEM_ISA=scalar` asks for the portable kernels.
+/// variable `TANDEM_ISA=scalar` asks for the portable kernels (`TANDEM_ISA=avx2`: AVX2 without
+/// the VNNI matmul kernels, see [`vnni`]).
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -72,5 +73,21 @@ pub fn isa() -> Isa {
             return Isa::Avx2;
         }
         Isa::Scalar
+    })
+}
+
+/// Whether the quantised matmul kernels use AVX-512 VNNI's dot-product instruction (at 256
+/// bits, with AVX-512 VL): on AVX2 machines that have it, unless `TANDEM_ISA` says `avx2` or
+/// `scalar`. Outputs are bitwise the same either way.
+pub fn vnni() -> bool {
+    static VNNI: OnceLock<bool> = OnceLock::new();
+    *VNNI.get_or_init(|| {
+        if isa() != Isa::Avx2 || std::env::var("TANDEM_ISA").is_ok_and(|v| v == "avx2") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        return is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        #[cfg(not(target_arch = "x86_64"))]
+        false
     })
 }
