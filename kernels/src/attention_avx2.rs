@@ -76,23 +76,39 @@ pub(crate) unsafe fn tile(
     // Key blocks start at multiples of 8 (whole 8-key groups); keys past `hi` are zeros.
     let kb = ((BLOCK_FLOATS / hd).max(8) / 8 * 8).min((hi + 1 - lo / 8 * 8).div_ceil(8) * 8);
     block.resize(kb * hd, 0.0);
-    qv.resize(hd, 0.0);
+    qv.resize(2 * hd, 0.0);
     // SAFETY: (whole body) offsets come from block tables covering every key read; q rows and
     // out rows have hd values.
     unsafe {
         for b0 in (lo / 8 * 8..=hi).step_by(kb) {
             let b1 = (b0 + kb - 1).min(hi);
             widen_transposed(kv.k, kv, tile, b0, b1, kb, block);
-            for r in 0..rows {
+            // Two heads of a query at a time (they attend to the same keys) share each load of
+            // the keys.
+            let mut r = 0;
+            while r < rows {
                 let (first, pos) = range(r);
-                if pos < b0 || first > b1 {
-                    continue;
+                let n = if r + 1 < rows && (r + 1) / tile.heads == r / tile.heads {
+                    2
+                } else {
+                    1
+                };
+                if pos >= b0 && first <= b1 {
+                    for i in 0..n {
+                        qv[i * hd..(i + 1) * hd].copy_from_slice(row_q(r + i));
+                    }
+                    let qn = &mut qv[..n * hd];
+                    probabilities(qn, 1.0);
+                    let s = &mut scores[r * span..(r + n) * span];
+                    let groups = (b0.max(first) / 8 * 8, b1.min(pos));
+                    let keys = (lo, first, pos);
+                    if n == 2 {
+                        scores8::<2>(qn, block, kb, b0, groups, keys, scale, s);
+                    } else {
+                        scores8::<1>(qn, block, kb, b0, groups, keys, scale, s);
+                    }
                 }
-                qv.copy_from_slice(row_q(r));
-                probabilities(qv, 1.0);
-                let s = &mut scores[r * span..][..span];
-                let groups = (b0.max(first) / 8 * 8, b1.min(pos));
-                scores8(qv, block, kb, b0, groups, (lo, first, pos), scale, s);
+                r += n;
             }
         }
         // Each row's probabilities, rounded to f16 as they weight the f16 values.
@@ -181,14 +197,15 @@ fn probabilities(p: &mut [f32], inv: f32) {
 }
 
 /// Scores of the 8-key groups from `g0` (a multiple of 8 within the block that starts at `b0`)
-/// through key `g1`, for one f16-rounded query head `q`, four groups at a time, into `s`
-/// (indexed by key - `lo`) for the keys `first..=pos` the row attends to.
+/// through key `g1`, for `R` f16-rounded query heads `q` (`R` rows of a head) attending to the
+/// same keys `first..=pos`, four groups at a time, into `s` (`R` rows of scores, indexed by
+/// key - `lo`).
 ///
 /// # Safety
 /// AVX2/FMA; `kt` is the block's transposed keys, `kb` per dimension.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn scores8(
+unsafe fn scores8<const R: usize>(
     q: &[f32],
     kt: &[f32],
     kb: usize,
@@ -199,30 +216,34 @@ unsafe fn scores8(
     s: &mut [f32],
 ) {
     let sc = _mm256_set1_ps(scale);
+    let span = s.len() / R;
     let mut g = g0;
     while g <= g1 {
         let n = ((g1 - g) / 8 + 1).min(4);
         // SAFETY: every group read lies within the block (g + 8n <= b0 + kb).
         let acc = unsafe {
             match n {
-                4 => dots::<4>(q, kt, kb, g - b0),
-                3 => dots::<3>(q, kt, kb, g - b0),
-                2 => dots::<2>(q, kt, kb, g - b0),
-                _ => dots::<1>(q, kt, kb, g - b0),
+                4 => dots::<4, R>(q, kt, kb, g - b0),
+                3 => dots::<3, R>(q, kt, kb, g - b0),
+                2 => dots::<2, R>(q, kt, kb, g - b0),
+                _ => dots::<1, R>(q, kt, kb, g - b0),
             }
         };
-        for (i, a) in acc.iter().enumerate().take(n) {
-            let (k0, v) = (g + 8 * i, _mm256_mul_ps(*a, sc));
-            if k0 >= first && k0 + 7 <= pos {
-                // SAFETY: keys k0..k0 + 8 are within the row's scores.
-                unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(k0 - lo), v) };
-            } else {
-                let mut lanes = [0f32; 8];
-                // SAFETY: lanes holds 8 floats.
-                unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
-                for (l, x) in lanes.iter().enumerate() {
-                    if (first..=pos).contains(&(k0 + l)) {
-                        s[k0 + l - lo] = *x;
+        for (row, acc) in acc.iter().enumerate() {
+            let s = &mut s[row * span..(row + 1) * span];
+            for (i, a) in acc.iter().enumerate().take(n) {
+                let (k0, v) = (g + 8 * i, _mm256_mul_ps(*a, sc));
+                if k0 >= first && k0 + 7 <= pos {
+                    // SAFETY: keys k0..k0 + 8 are within the row's scores.
+                    unsafe { _mm256_storeu_ps(s.as_mut_ptr().add(k0 - lo), v) };
+                } else {
+                    let mut lanes = [0f32; 8];
+                    // SAFETY: lanes holds 8 floats.
+                    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), v) };
+                    for (l, x) in lanes.iter().enumerate() {
+                        if (first..=pos).contains(&(k0 + l)) {
+                            s[k0 + l - lo] = *x;
+                        }
                     }
                 }
             }
@@ -231,23 +252,33 @@ unsafe fn scores8(
     }
 }
 
-/// `N` registers of 8 dot products: key group `i` (8 keys at `kt[at + 8 i..]` of each
-/// dimension's row) against `q`, summed dimension by dimension.
+/// For each of the `R` heads in `q` (`R` rows), `N` registers of 8 dot products: key group `i`
+/// (8 keys at `kt[at + 8 i..]` of each dimension's row) against the head, summed dimension by
+/// dimension; each load of keys serves every head.
 ///
 /// # Safety
-/// AVX2/FMA; `kt` holds `q.len()` rows of `kb` floats, `at + 8 N <= kb`.
+/// AVX2/FMA; `kt` holds `q.len() / R` rows of `kb` floats, `at + 8 N <= kb`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dots<const N: usize>(q: &[f32], kt: &[f32], kb: usize, at: usize) -> [__m256; 4] {
-    let mut acc = [_mm256_setzero_ps(); 4];
+unsafe fn dots<const N: usize, const R: usize>(
+    q: &[f32],
+    kt: &[f32],
+    kb: usize,
+    at: usize,
+) -> [[__m256; 4]; R] {
+    let hd = q.len() / R;
+    let mut acc = [[_mm256_setzero_ps(); 4]; R];
     // SAFETY: as the caller promises.
     unsafe {
         let base = kt.as_ptr().add(at);
-        for (d, &qd) in q.iter().enumerate() {
-            let qb = _mm256_set1_ps(qd);
+        for d in 0..hd {
+            let qb: [__m256; R] = std::array::from_fn(|r| _mm256_set1_ps(q[r * hd + d]));
             let row = base.add(d * kb);
-            for (i, a) in acc.iter_mut().enumerate().take(N) {
-                *a = _mm256_fmadd_ps(qb, _mm256_loadu_ps(row.add(8 * i)), *a);
+            for i in 0..N {
+                let k = _mm256_loadu_ps(row.add(8 * i));
+                for (a, qb) in acc.iter_mut().zip(&qb) {
+                    a[i] = _mm256_fmadd_ps(*qb, k, a[i]);
+                }
             }
         }
     }
