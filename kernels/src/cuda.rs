@@ -46,7 +46,16 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
             "gather_rows",
         ],
     ),
-    ("dequant", &["dequant_q4_0", "dequant_q4_1", "dequant_q8_0"]),
+    (
+        "dequant",
+        &[
+            "dequant_q4_0",
+            "dequant_q4_1",
+            "dequant_q8_0",
+            "dequant_q4_k",
+            "dequant_q6_k",
+        ],
+    ),
     ("attention", &["paged_attention"]),
     ("kv", &["store_kv", "pack_kv", "unpack_kv"]),
     ("sampling", &["argmax_rows", "sample_top_k_top_p"]),
@@ -395,7 +404,8 @@ impl Gpu {
         })
     }
 
-    /// A GGUF tensor in Q4_0, Q4_1 or Q8_0 blocks, dequantised to bf16 on the device.
+    /// A GGUF tensor in Q4_0, Q4_1, Q8_0, Q4_K or Q6_K blocks, dequantised to bf16 on the
+    /// device.
     pub fn dequantize(
         &self,
         dtype: crate::DType,
@@ -406,6 +416,8 @@ impl Gpu {
             crate::DType::Q4_0 => "dequant_q4_0",
             crate::DType::Q4_1 => "dequant_q4_1",
             crate::DType::Q8_0 => "dequant_q8_0",
+            crate::DType::Q4_K => "dequant_q4_k",
+            crate::DType::Q6_K => "dequant_q6_k",
             other => {
                 return Err(err(
                     "dequantize",
@@ -413,11 +425,12 @@ impl Gpu {
                 ))
             }
         };
-        let mut out = self.zeros::<u16>(n_blocks * 32)?;
+        let mut out = self.zeros::<u16>(n_blocks * dtype.block_len())?;
         let n = n_blocks as u64;
         let mut b = self.stream.launch_builder(self.f(f));
         b.arg(blocks).arg(&mut out).arg(&n);
-        // SAFETY: `blocks` holds n_blocks blocks of the format; out 32 values each.
+        // SAFETY: `blocks` holds n_blocks blocks of the format; out their values (32 or 256
+        // each).
         launched(unsafe { b.launch(grid(n_blocks as u32, 128)) })?;
         Ok(out)
     }

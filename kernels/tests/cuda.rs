@@ -19,6 +19,10 @@ impl Rng {
         self.0 ^= self.0 << 17;
         (self.0 >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
     }
+    fn next(&mut self) -> u64 {
+        self.f();
+        self.0
+    }
     fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
     }
@@ -113,19 +117,14 @@ fn elementwise_kernels_match_the_cpu() {
 fn dequantisation_to_bf16_matches_the_cpu_within_bf16_rounding() {
     let Some(g) = gpu() else { return };
     let mut r = Rng(11);
-    let x = r.vec(32 * 64);
-    for (dtype, block) in [(DType::Q4_0, 18), (DType::Q4_1, 20), (DType::Q8_0, 34)] {
-        let mut q = vec![0u8; x.len() / 32 * block];
-        match dtype {
-            DType::Q4_0 => quant::quantize_row_q4_0(&x, &mut q),
-            DType::Q4_1 => quant::quantize_row_q4_1(&x, &mut q),
-            _ => quant::quantize_row_q8_0(&x, &mut q),
-        }
-        let mut want = vec![0f32; x.len()];
-        quant::dequantize_row(dtype, &q, &mut want);
-        let dq = g.upload(&q).unwrap();
+    // The device's bf16 values of `n` weights in blocks `q` against the CPU's dequantisation.
+    let check = |dtype: DType, q: &[u8], n: usize| {
+        let mut want = vec![0f32; n];
+        quant::dequantize_row(dtype, q, &mut want);
+        let dq = g.upload(q).unwrap();
+        let blocks = n / dtype.block_len();
         let got = g
-            .download(&g.dequantize(dtype, &dq, x.len() / 32).unwrap())
+            .download(&g.dequantize(dtype, &dq, blocks).unwrap())
             .unwrap();
         let got: Vec<f32> = got
             .iter()
@@ -138,6 +137,28 @@ fn dequantisation_to_bf16_matches_the_cpu_within_bf16_rounding() {
             1e-6,
             1.0 / 128.0,
         );
+    };
+    let x = r.vec(32 * 64);
+    for (dtype, block) in [(DType::Q4_0, 18), (DType::Q4_1, 20), (DType::Q8_0, 34)] {
+        let mut q = vec![0u8; x.len() / 32 * block];
+        match dtype {
+            DType::Q4_0 => quant::quantize_row_q4_0(&x, &mut q),
+            DType::Q4_1 => quant::quantize_row_q4_1(&x, &mut q),
+            _ => quant::quantize_row_q8_0(&x, &mut q),
+        }
+        check(dtype, &q, x.len());
+    }
+    // The K-quants: random super-blocks (every scale byte and quant random, f16 fields finite).
+    for (dtype, f16_fields) in [(DType::Q4_K, &[0usize, 2][..]), (DType::Q6_K, &[208][..])] {
+        let bb = dtype.block_bytes();
+        let mut q: Vec<u8> = (0..16 * bb).map(|_| (r.next() >> 56) as u8).collect();
+        for b in q.chunks_exact_mut(bb) {
+            for &at in f16_fields {
+                let v = f16::from_f32(1e-3 + (r.next() % 1000) as f32 * 1e-5);
+                b[at..at + 2].copy_from_slice(&v.to_bits().to_le_bytes());
+            }
+        }
+        check(dtype, &q, 16 * 256);
     }
 }
 

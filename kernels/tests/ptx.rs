@@ -19,6 +19,8 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
             "dequant_q4_0",
             "dequant_q4_1",
             "dequant_q8_0",
+            "dequant_q4_k",
+            "dequant_q6_k",
             "paged_attention",
             "store_kv",
             "pack_kv",

@@ -321,9 +321,9 @@ impl GpuLlama {
 fn upload_matrix(gpu: &Gpu, w: &Matrix) -> Result<DevMatrix, KernelError> {
     let (rows, cols) = (w.rows(), w.cols());
     let data = match w.dtype() {
-        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => {
+        DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q4_K | DType::Q6_K => {
             let bytes = gpu.upload(w.bytes())?;
-            gpu.dequantize(w.dtype(), &bytes, rows * cols / 32)?
+            gpu.dequantize(w.dtype(), &bytes, rows * cols / w.dtype().block_len())?
         }
         _ => {
             let mut row = vec![0f32; cols];
