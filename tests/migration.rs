@@ -111,7 +111,7 @@ fn serving(c: &Cluster) -> String {
 }
 
 #[test]
-fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_and_seeded() {
+fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_and_penalised() {
     let mut c = Cluster::start(EXE.as_ref(), 1, 2);
     let greedy = (
         "Tell me a story about a lighthouse keeper.",
@@ -129,7 +129,19 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_and_seede
             ..Default::default()
         },
     );
-    for (k, (message, params, engine_params)) in [greedy, seeded].into_iter().enumerate() {
+    // Penalties count the output: after a migration the streamed tokens, now part of the
+    // resumed prompt, still count as output (the router says how many there are).
+    let penalised = (
+        "Tell me a story about a lighthouse keeper.",
+        json!({"temperature": 0, "max_tokens": 40, "presence_penalty": 1.2, "frequency_penalty": 0.8}),
+        SamplingParams {
+            presence_penalty: 1.2,
+            frequency_penalty: 0.8,
+            ..SamplingParams::greedy(40)
+        },
+    );
+    for (k, (message, params, engine_params)) in [greedy, seeded, penalised].into_iter().enumerate()
+    {
         let mut r = open_stream(&c, message, params);
         let mut text = read_chunks(&mut r, 6);
         c.kill_worker(&serving(&c));

@@ -250,6 +250,9 @@ impl ModelConfig {
             style,
             f("attention.layer_norm_rms_epsilon", 1e-5),
         );
+        // The factors are weights the forward pass reads (a build without it, like the
+        // router's, needs the configuration only).
+        #[cfg(feature = "runtime")]
         if g.tensors.contains_key("rope_freqs.weight") {
             c.rope_freq_factors = Some(g.vector("rope_freqs.weight", head_dim / 2)?);
         }

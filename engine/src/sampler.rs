@@ -1,8 +1,17 @@
-//! Token sampling: greedy, temperature, top-k, top-p. The random draw for a token is a function
-//! of the request's seed and the token's position in the sequence alone, so a seed reproduces
-//! the same tokens whatever else is being served — and a request resumed elsewhere from its
-//! prompt plus the tokens it already produced (a migration) continues exactly as it would
-//! have.
+//! Token sampling: logit bias, penalties on tokens already in the sequence, greedy or
+//! temperature with top-k, top-p and min-p. The random draw for a token is a function of the
+//! request's seed and the token's position in the sequence alone, and the penalties a function
+//! of the sequence, so a seed reproduces the same tokens whatever else is being served — and a
+//! request resumed elsewhere from its prompt plus the tokens it already produced (a migration,
+//! which says how many of them there are: [`SamplingParams::generated`]) continues exactly as
+//! it would have.
+//!
+//! The order, for the token at position `pos` of sequence `tokens`: `logit_bias` is added; the
+//! stop tokens are masked while fewer than `min_tokens` were generated; each token seen in the
+//! sequence is divided by `repetition_penalty` (multiplied where its logit is negative, as in
+//! the CTRL paper and vLLM), and each seen in the output lowered by `frequency_penalty` × its
+//! count + `presence_penalty` (OpenAI's definition); then greedy, or temperature, top-k,
+//! top-p and min-p.
 
 use crate::error::{EngineError, Result};
 
@@ -23,6 +32,22 @@ pub struct SamplingParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Lowers the logit of every token the output holds (-2..=2; 0: off).
+    pub presence_penalty: f32,
+    /// Lowers the logit of every token the output holds by this times its count (-2..=2).
+    pub frequency_penalty: f32,
+    /// Divides positive logits (multiplies negative ones) of tokens in the prompt or output
+    /// (> 0; 1: off).
+    pub repetition_penalty: f32,
+    /// Added to these tokens' logits (-100..=100 each).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// Drops tokens less likely than this times the likeliest (0..=1; 0: off).
+    pub min_p: f32,
+    /// Stop and end-of-sequence tokens are masked until this many tokens were generated.
+    pub min_tokens: usize,
+    /// How many of the prompt's last tokens this request generated before (a migration): they
+    /// count as output for the penalties and `min_tokens`.
+    pub generated: usize,
 }
 
 /// Why a sequence stopped.
@@ -74,6 +99,13 @@ impl From<&SamplingParams> for proto::grpc::SamplingParams {
             seed: p.seed,
             stop_token_ids: p.stop_token_ids.clone(),
             ignore_eos: p.ignore_eos,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            repetition_penalty: p.repetition_penalty,
+            logit_bias: p.logit_bias.iter().copied().collect(),
+            min_p: p.min_p,
+            min_tokens: p.min_tokens as u32,
+            generated: p.generated as u32,
         }
     }
 }
@@ -88,6 +120,21 @@ impl From<proto::grpc::SamplingParams> for SamplingParams {
             seed: p.seed,
             stop_token_ids: p.stop_token_ids,
             ignore_eos: p.ignore_eos,
+            presence_penalty: p.presence_penalty,
+            frequency_penalty: p.frequency_penalty,
+            repetition_penalty: if p.repetition_penalty > 0.0 {
+                p.repetition_penalty
+            } else {
+                1.0
+            },
+            logit_bias: {
+                let mut b: Vec<(u32, f32)> = p.logit_bias.into_iter().collect();
+                b.sort_unstable_by_key(|&(t, _)| t);
+                b
+            },
+            min_p: p.min_p,
+            min_tokens: p.min_tokens as usize,
+            generated: p.generated as usize,
         }
     }
 }
@@ -102,6 +149,13 @@ impl Default for SamplingParams {
             seed: 0,
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            repetition_penalty: 1.0,
+            logit_bias: Vec::new(),
+            min_p: 0.0,
+            min_tokens: 0,
+            generated: 0,
         }
     }
 }
@@ -130,7 +184,48 @@ impl SamplingParams {
         if self.max_tokens == Some(0) {
             return bad("max_tokens must be at least 1".into());
         }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return bad(format!("{name} must be between -2 and 2, got {v}"));
+            }
+        }
+        let r = self.repetition_penalty;
+        if !(r.is_finite() && r > 0.0) {
+            return bad(format!(
+                "repetition_penalty must be a positive number, got {r}"
+            ));
+        }
+        if let Some((t, b)) = self
+            .logit_bias
+            .iter()
+            .find(|(_, b)| !(-100.0..=100.0).contains(b))
+        {
+            return bad(format!(
+                "logit_bias for token {t} must be between -100 and 100, got {b}"
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return bad(format!("min_p must be between 0 and 1, got {}", self.min_p));
+        }
+        if let Some(m) = self.max_tokens.filter(|&m| self.min_tokens > m) {
+            return bad(format!(
+                "min_tokens ({}) is more than max_tokens ({m})",
+                self.min_tokens
+            ));
+        }
         Ok(())
+    }
+
+    /// Whether any logit is changed before sampling (bias, penalties, `min_tokens`).
+    fn adjusts(&self) -> bool {
+        !self.logit_bias.is_empty()
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
+            || self.repetition_penalty != 1.0
+            || self.min_tokens > 0
     }
 }
 
@@ -164,16 +259,85 @@ pub fn argmax(logits: &[f32]) -> u32 {
 #[derive(Debug, Clone)]
 pub struct Sampler {
     params: SamplingParams,
+    /// Where the output starts in the sequence.
+    output_start: usize,
+    /// The tokens that end the output (masked before `min_tokens`).
+    stop_ids: Vec<u32>,
 }
 
 impl Sampler {
-    /// A sampler following `params`.
+    /// A sampler following `params` for a sequence whose output starts at position 0 and has
+    /// no stop tokens.
     pub fn new(params: SamplingParams) -> Sampler {
-        Sampler { params }
+        Sampler::for_prompt(params, 0, Vec::new())
     }
 
-    /// Chooses the token at position `pos` of the sequence (prompt included) from `logits`.
-    pub fn sample(&self, logits: &[f32], pos: usize) -> u32 {
+    /// A sampler for a request of `prompt_len` prompt tokens (the last
+    /// [`SamplingParams::generated`] of them its own earlier output) that `stop_ids` end.
+    pub fn for_prompt(params: SamplingParams, prompt_len: usize, stop_ids: Vec<u32>) -> Sampler {
+        Sampler {
+            output_start: prompt_len.saturating_sub(params.generated),
+            params,
+            stop_ids,
+        }
+    }
+
+    /// `logits` after the bias, the `min_tokens` mask and the penalties, for the next token
+    /// of `tokens` (see the module doc); `None` where nothing changes.
+    pub fn adjusted(&self, logits: &[f32], tokens: &[u32]) -> Option<Vec<f32>> {
+        let p = &self.params;
+        if !p.adjusts() {
+            return None;
+        }
+        let mut l = logits.to_vec();
+        for &(t, b) in &p.logit_bias {
+            if let Some(v) = l.get_mut(t as usize) {
+                *v += b;
+            }
+        }
+        let output = &tokens[self.output_start.min(tokens.len())..];
+        if output.len() < p.min_tokens {
+            for &t in &self.stop_ids {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
+        }
+        if p.repetition_penalty != 1.0 {
+            let mut seen: Vec<u32> = tokens.to_vec();
+            seen.sort_unstable();
+            seen.dedup();
+            let r = p.repetition_penalty;
+            for t in seen {
+                if let Some(v) = l.get_mut(t as usize) {
+                    *v = if *v > 0.0 { *v / r } else { *v * r };
+                }
+            }
+        }
+        if p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            let mut counts: Vec<u32> = output.to_vec();
+            counts.sort_unstable();
+            for run in counts.chunk_by(|a, b| a == b) {
+                if let Some(v) = l.get_mut(run[0] as usize) {
+                    *v -= p.frequency_penalty * run.len() as f32 + p.presence_penalty;
+                }
+            }
+        }
+        Some(l)
+    }
+
+    /// Chooses the next token of `tokens` (the sequence so far, prompt included; the token's
+    /// position is `tokens.len()`) from `logits`.
+    pub fn sample(&self, logits: &[f32], tokens: &[u32]) -> u32 {
+        match self.adjusted(logits, tokens) {
+            Some(l) => self.pick(&l, tokens.len()),
+            None => self.pick(logits, tokens.len()),
+        }
+    }
+
+    /// Greedy, or the seeded draw at `pos` from the temperature, top-k, top-p and min-p
+    /// distribution of `logits`.
+    fn pick(&self, logits: &[f32], pos: usize) -> u32 {
         let p = &self.params;
         if p.temperature == 0.0 || p.top_k == 1 {
             return argmax(logits);
@@ -209,6 +373,14 @@ impl Sampler {
             let z: f64 = probs.iter().sum();
             probs.iter_mut().for_each(|v| *v /= z);
         }
+        if p.min_p > 0.0 {
+            // Sorted by descending probability: keep the head at least min_p x the first.
+            let floor = p.min_p as f64 * probs[0];
+            let keep = probs.iter().take_while(|&&v| v >= floor).count().max(1);
+            probs.truncate(keep);
+            let z: f64 = probs.iter().sum();
+            probs.iter_mut().for_each(|v| *v /= z);
+        }
         let mut u = uniform(p.seed, pos);
         for (i, v) in probs.iter().enumerate() {
             if u < *v {
@@ -229,11 +401,135 @@ impl Sampler {
 mod tests {
     use super::*;
 
+    /// A direct reading of the module doc's definition, value by value: each vocabulary
+    /// entry's counts found by scanning the sequence.
+    fn reference(
+        p: &SamplingParams,
+        logits: &[f32],
+        tokens: &[u32],
+        out0: usize,
+        stops: &[u32],
+    ) -> Vec<f32> {
+        let output = &tokens[out0..];
+        (0..logits.len() as u32)
+            .map(|t| {
+                let mut v = logits[t as usize];
+                for &(bt, b) in &p.logit_bias {
+                    if bt == t {
+                        v += b;
+                    }
+                }
+                if output.len() < p.min_tokens && stops.contains(&t) {
+                    v = f32::NEG_INFINITY;
+                }
+                if tokens.contains(&t) {
+                    v = if v > 0.0 {
+                        v / p.repetition_penalty
+                    } else {
+                        v * p.repetition_penalty
+                    };
+                }
+                let count = output.iter().filter(|&&o| o == t).count();
+                if count > 0 {
+                    v -= p.frequency_penalty * count as f32 + p.presence_penalty;
+                }
+                v
+            })
+            .collect()
+    }
+
+    #[test]
+    fn penalties_and_bias_are_the_direct_computation() {
+        let mut s = 0x1234_5678u64;
+        let mut next = || {
+            s = mix(s);
+            s
+        };
+        for case in 0..50 {
+            let vocab = 40;
+            let logits: Vec<f32> = (0..vocab)
+                .map(|_| (next() % 2000) as f32 / 100.0 - 10.0)
+                .collect();
+            let len = 1 + (next() % 30) as usize;
+            let tokens: Vec<u32> = (0..len).map(|_| (next() % vocab as u64) as u32).collect();
+            let p = SamplingParams {
+                presence_penalty: (next() % 400) as f32 / 100.0 - 2.0,
+                frequency_penalty: (next() % 400) as f32 / 100.0 - 2.0,
+                repetition_penalty: 0.5 + (next() % 150) as f32 / 100.0,
+                logit_bias: vec![((next() % vocab as u64) as u32, 5.5), (39, -100.0)],
+                min_tokens: (next() % 10) as usize,
+                generated: (next() % 5) as usize,
+                ..Default::default()
+            };
+            let prompt_len = (next() % len as u64) as usize;
+            let stops = vec![3, 7];
+            let sampler = Sampler::for_prompt(p.clone(), prompt_len, stops.clone());
+            let out0 = prompt_len.saturating_sub(p.generated);
+            let want = reference(&p, &logits, &tokens, out0, &stops);
+            let got = sampler
+                .adjusted(&logits, &tokens)
+                .expect("something to adjust");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "case {case}");
+            let greedy = Sampler::for_prompt(
+                SamplingParams {
+                    temperature: 0.0,
+                    ..p
+                },
+                prompt_len,
+                stops,
+            );
+            assert_eq!(
+                greedy.sample(&logits, &tokens),
+                argmax(&want),
+                "case {case}"
+            );
+        }
+        assert!(Sampler::new(SamplingParams::default())
+            .adjusted(&[1.0], &[0])
+            .is_none());
+    }
+
+    #[test]
+    fn logit_bias_forces_a_token_min_tokens_holds_off_the_stop_and_min_p_cuts() {
+        let logits = [0.1f32, 2.0, 1.9, -1.0, 0.5];
+        let forced = SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            logit_bias: vec![(3, 100.0)],
+            ..Default::default()
+        };
+        let s = Sampler::new(forced);
+        assert!((0..100).all(|i| s.sample(&logits, &vec![0; i]) == 3));
+        // Token 1 (the likeliest) is a stop token: masked for the first 2 output tokens.
+        let p = SamplingParams {
+            min_tokens: 2,
+            ..SamplingParams::greedy(4)
+        };
+        let s = Sampler::for_prompt(p, 3, vec![1]);
+        assert_eq!(s.sample(&logits, &[9, 9, 9]), 2);
+        assert_eq!(s.sample(&logits, &[9, 9, 9, 2]), 2);
+        assert_eq!(s.sample(&logits, &[9, 9, 9, 2, 2]), 1);
+        // min_p 0.5: only tokens 1 and 2 are at least half as likely as token 1.
+        let p = SamplingParams {
+            temperature: 1.0,
+            min_p: 0.5,
+            seed: 1,
+            ..Default::default()
+        };
+        let s = Sampler::new(p);
+        let drawn: Vec<u32> = (0..300).map(|i| s.sample(&logits, &vec![0; i])).collect();
+        assert!(
+            drawn.iter().all(|t| matches!(t, 1 | 2)) && drawn.contains(&2),
+            "{drawn:?}"
+        );
+    }
+
     #[test]
     fn greedy_and_seeded_sampling() {
         let logits = [0.1f32, 2.0, 1.9, -1.0];
         assert_eq!(
-            Sampler::new(SamplingParams::greedy(1)).sample(&logits, 0),
+            Sampler::new(SamplingParams::greedy(1)).sample(&logits, &[]),
             1
         );
         let p = SamplingParams {
@@ -243,22 +539,24 @@ mod tests {
         };
         let a: Vec<u32> = {
             let s = Sampler::new(p.clone());
-            (0..50).map(|i| s.sample(&logits, i)).collect()
+            (0..50).map(|i| s.sample(&logits, &vec![0; i])).collect()
         };
         let b: Vec<u32> = {
             let s = Sampler::new(p.clone());
-            (0..50).map(|i| s.sample(&logits, i)).collect()
+            (0..50).map(|i| s.sample(&logits, &vec![0; i])).collect()
         };
         assert_eq!(a, b);
         // Resuming at position 20 draws what position 20 drew.
         let s = Sampler::new(p.clone());
-        let resumed: Vec<u32> = (20..50).map(|i| s.sample(&logits, i)).collect();
+        let resumed: Vec<u32> = (20..50).map(|i| s.sample(&logits, &vec![0; i])).collect();
         assert_eq!(resumed, a[20..]);
         let other = Sampler::new(SamplingParams {
             seed: 43,
             ..p.clone()
         });
-        let c: Vec<u32> = (0..50).map(|i| other.sample(&logits, i)).collect();
+        let c: Vec<u32> = (0..50)
+            .map(|i| other.sample(&logits, &vec![0; i]))
+            .collect();
         assert_ne!(a, c, "another seed, other draws");
         assert!(
             a.contains(&1) && a.contains(&2),
@@ -269,10 +567,10 @@ mod tests {
             ..p.clone()
         };
         let s = Sampler::new(k2);
-        assert!((0..200).all(|i| matches!(s.sample(&logits, i), 1 | 2)));
+        assert!((0..200).all(|i| matches!(s.sample(&logits, &vec![0; i]), 1 | 2)));
         let tp = SamplingParams { top_p: 0.4, ..p };
         let s = Sampler::new(tp);
-        assert!((0..200).all(|i| s.sample(&logits, i) == 1));
+        assert!((0..200).all(|i| s.sample(&logits, &vec![0; i]) == 1));
     }
 
     #[test]
@@ -295,5 +593,33 @@ mod tests {
         }
         .validate()
         .is_err());
+        for bad in [
+            SamplingParams {
+                presence_penalty: 2.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                frequency_penalty: -3.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                repetition_penalty: 0.0,
+                ..Default::default()
+            },
+            SamplingParams {
+                logit_bias: vec![(1, 101.0)],
+                ..Default::default()
+            },
+            SamplingParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplingParams {
+                min_tokens: 5,
+                ..SamplingParams::greedy(4)
+            },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
     }
 }

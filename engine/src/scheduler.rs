@@ -491,18 +491,25 @@ impl Engine {
                 self.kv.total_blocks()
             )));
         }
+        let vocab = self.model.config.vocab_size;
+        if let Some(&(bad, _)) = params.logit_bias.iter().find(|(t, _)| *t as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "logit_bias names token {bad}, outside the vocabulary of {vocab}"
+            )));
+        }
         let mut stop_ids = params.stop_token_ids.clone();
         if !params.ignore_eos {
             stop_ids.extend_from_slice(&self.eos_ids);
         }
+        let prompt_len = prompt.len();
         Ok(Seq {
             id,
-            prompt_len: prompt.len(),
+            prompt_len,
             tokens: prompt,
             computed: 0,
             max_tokens,
             table: BlockTable::default(),
-            sampler: Sampler::new(params),
+            sampler: Sampler::for_prompt(params, prompt_len, stop_ids.clone()),
             stop_ids,
             prefill_only,
             chain: (0, crate::prefix::ROOT),
@@ -699,7 +706,7 @@ impl Engine {
                 finished.push(s.id);
             }
             let Some(l) = l else { continue };
-            let tok = s.sampler.sample(&l, s.tokens.len());
+            let tok = s.sampler.sample(&l, &s.tokens);
             s.tokens.push(tok);
             let generated = s.tokens.len() - s.prompt_len;
             let finish = if s.stop_ids.contains(&tok) {

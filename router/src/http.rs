@@ -116,9 +116,26 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
         top_p: top_p as f32,
         top_k: top_k as usize,
         seed: c.seed.unwrap_or(0) as u64,
-        stop_token_ids: Vec::new(),
+        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: c.ignore_eos,
+        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+        logit_bias: logit_bias(c, state.vocab_size)?,
+        min_p: c.min_p.unwrap_or(0.0) as f32,
+        min_tokens: match c.min_tokens.unwrap_or(0) {
+            m if m < 0 => {
+                return Err(ApiError::BadRequest(format!(
+                    "min_tokens must be non-negative, got {m}"
+                )))
+            }
+            m => m as usize,
+        },
+        generated: 0,
     };
+    params
+        .validate()
+        .map_err(|e| ApiError::BadRequest(e.to_string()))?;
     Ok(Prepared {
         prompt,
         params,
@@ -126,6 +143,22 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
     })
+}
+
+/// `logit_bias`'s token ids (strings, as OpenAI's clients send them) read and checked against
+/// the vocabulary.
+fn logit_bias(c: &Common, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+    let Some(map) = &c.logit_bias else {
+        return Ok(Vec::new());
+    };
+    map.iter()
+        .map(|(k, &b)| match k.parse::<u32>() {
+            Ok(t) if (t as usize) < vocab => Ok((t, b as f32)),
+            _ => Err(ApiError::BadRequest(format!(
+                "logit_bias keys must be token ids below the vocabulary size {vocab}, got {k:?}"
+            ))),
+        })
+        .collect()
 }
 
 /// `POST /v1/chat/completions`.

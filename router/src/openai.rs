@@ -235,6 +235,20 @@ pub struct Common {
     /// Keep going past end-of-sequence (extension).
     #[serde(default)]
     pub ignore_eos: bool,
+    /// Penalty on tokens the output holds, -2..=2.
+    pub presence_penalty: Option<f64>,
+    /// Penalty per occurrence in the output, -2..=2.
+    pub frequency_penalty: Option<f64>,
+    /// Divides the logits of tokens seen in the prompt or output (extension, > 0).
+    pub repetition_penalty: Option<f64>,
+    /// Token id (as a string, as OpenAI's clients send it) to a bias of -100..=100.
+    pub logit_bias: Option<std::collections::BTreeMap<String, f64>>,
+    /// Drop tokens less likely than this times the likeliest (extension, 0..=1).
+    pub min_p: Option<f64>,
+    /// Tokens generated before a stop or end-of-sequence token may end the output (extension).
+    pub min_tokens: Option<i64>,
+    /// Token ids that end the output, besides the model's (extension).
+    pub stop_token_ids: Option<Vec<u32>>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -284,23 +298,12 @@ const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
     ("echo", |v| v == &json!(false)),
     ("best_of", |v| v == &json!(1)),
     ("suffix", |v| v == &json!("")),
-    ("presence_penalty", |v| v.as_f64() == Some(0.0)),
-    ("frequency_penalty", |v| v.as_f64() == Some(0.0)),
-    ("repetition_penalty", |v| v.as_f64() == Some(1.0)),
-    ("logit_bias", |v| {
-        v.as_object().is_some_and(|m| m.is_empty())
-    }),
     ("tools", |v| v.as_array().is_some_and(|a| a.is_empty())),
     ("tool_choice", |v| v == &json!("none")),
     ("parallel_tool_calls", |_| true),
     ("functions", |v| v.as_array().is_some_and(|a| a.is_empty())),
     ("function_call", |v| v == &json!("none")),
     ("response_format", |v| v == &json!({"type": "text"})),
-    ("min_p", |v| v.as_f64() == Some(0.0)),
-    ("min_tokens", |v| v == &json!(0)),
-    ("stop_token_ids", |v| {
-        v.as_array().is_some_and(|a| a.is_empty())
-    }),
 ];
 
 /// Fields that carry no instruction to the model: accepted and not used.

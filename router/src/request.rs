@@ -628,6 +628,8 @@ impl Request {
         self.avoid.push(left);
         self.prompt.truncate(self.prompt_len);
         self.prompt.extend(&self.streamed);
+        // The streamed tokens are output to the penalties and min_tokens, prompt to the KV.
+        self.params.generated = self.streamed.len() as u32;
         if self.max_tokens > 0 {
             // Not finished, so fewer tokens than asked for were streamed.
             self.params.max_tokens = self.max_tokens - self.streamed.len() as u32;

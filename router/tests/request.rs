@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use engine::SamplingParams;
 use fake::{join, join_at, keep_beating, state_on, DecodeScript, Fake, Fault, Kv, PrefillScript};
 use http_body_util::BodyExt;
-use proto::grpc::{self, JoinRequest, KvOffer};
+use proto::grpc::{self, JoinRequest};
 use proto::Pool;
 use router::openai::ApiError;
 use router::registry::{Liveness, Registry, Route};
@@ -578,8 +578,14 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
             json!([{"type": "function", "function": {"name": "f"}}]),
         ),
         with("response_format", json!({"type": "json_object"})),
-        with("presence_penalty", json!(0.5)),
-        with("logit_bias", json!({"50256": -100})),
+        with("presence_penalty", json!(2.5)),
+        with("frequency_penalty", json!(-3)),
+        with("repetition_penalty", json!(0)),
+        with("logit_bias", json!({"abc": -100})),
+        with("logit_bias", json!({"7": 101})),
+        with("logit_bias", json!({"99999999": 1})),
+        with("min_p", json!(1.5)),
+        with("min_tokens", json!(5)),
         with("temprature", json!(0.5)),
         json!({"messages": [{"role": "banana", "content": "hi"}], "max_tokens": 1}),
     ];
@@ -611,6 +617,30 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
     let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
     assert_eq!(got, StatusCode::BAD_REQUEST, "{text}");
     assert!(text.contains("echo"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sampling_controls_reach_the_decode_worker_as_sent() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let body = json!({"prompt": "hi", "max_tokens": 3, "presence_penalty": 0.5,
+        "frequency_penalty": -0.25, "repetition_penalty": 1.1, "logit_bias": {"7": 5, "11": -100},
+        "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [9]});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::OK, "{text}");
+    let p = d.seen.lock().unwrap().params[0].clone();
+    assert_eq!(
+        (
+            p.presence_penalty,
+            p.frequency_penalty,
+            p.repetition_penalty
+        ),
+        (0.5, -0.25, 1.1)
+    );
+    assert_eq!(p.logit_bias, [(7, 5.0), (11, -100.0)].into_iter().collect());
+    assert_eq!((p.min_p, p.min_tokens, p.generated), (0.05, 2, 0));
+    assert_eq!(p.stop_token_ids, [9]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -831,6 +861,10 @@ async fn assert_migrated(st: &Arc<State>, prompt: &[u32], a: &Fake, b: &Fake) {
         "the prompt plus the tokens streamed"
     );
     assert_eq!(seen.max_tokens, [5], "the rest of max_tokens");
+    assert_eq!(
+        seen.params[0].generated, 3,
+        "the streamed tokens are output to the penalties"
+    );
     drop(seen);
     let old = a.seen.lock().unwrap().generate[0].0;
     assert!(

@@ -22,6 +22,41 @@ pub fn load_model() -> (Arc<engine::Model>, engine::Tokenizer) {
     (Arc::new(m), t)
 }
 
+/// Decodes by hand, one forward pass a token outside any scheduler: `pick` chooses each next
+/// token from the model's logits and the sequence so far; stops after `n` tokens or at a token
+/// in `stops`. Returns the new tokens and each step's logits.
+pub fn decode_by_hand(
+    model: &engine::Model,
+    prompt: &[u32],
+    n: usize,
+    stops: &[u32],
+    mut pick: impl FnMut(&[f32], &[u32]) -> u32,
+) -> (Vec<u32>, Vec<Vec<f32>>) {
+    let mut kv = model
+        .new_kv_cache(16, (prompt.len() + n).div_ceil(16))
+        .unwrap();
+    let mut table = engine::BlockTable::default();
+    kv.reserve(&mut table, prompt.len() + n).unwrap();
+    let (mut seq, mut start, mut all) = (prompt.to_vec(), 0, Vec::new());
+    while seq.len() < prompt.len() + n {
+        let chunk = engine::SeqChunk {
+            tokens: &seq[start..],
+            start_pos: start,
+            block_table: table.blocks(),
+            logits: true,
+        };
+        let l = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
+        start = seq.len();
+        let tok = pick(&l, &seq);
+        seq.push(tok);
+        all.push(l);
+        if stops.contains(&tok) {
+            break;
+        }
+    }
+    (seq[prompt.len()..].to_vec(), all)
+}
+
 /// What the engine alone, in this process, generates for one chat message: the text and the
 /// number of tokens (an end-of-turn token included in the count, not in the text).
 pub fn engine_chat(message: &str, params: engine::SamplingParams) -> (String, usize) {

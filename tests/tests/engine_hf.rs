@@ -5,8 +5,8 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-use engine::{BlockTable, Model, SeqChunk};
-use tandem_tests::{golden, model_path};
+use engine::Model;
+use tandem_tests::{decode_by_hand, golden, model_path};
 
 fn hf_copy() -> PathBuf {
     let dir = engine::fetch::cache_dir().join("SmolLM2-135M-Instruct-hf");
@@ -32,24 +32,7 @@ fn hf_copy() -> PathBuf {
 
 /// Greedy continuation with each step's logits.
 fn greedy(model: &Model, prompt: &[u32], n: usize) -> (Vec<u32>, Vec<Vec<f32>>) {
-    let mut kv = model.new_kv_cache(16, 64).unwrap();
-    let mut table = BlockTable::default();
-    kv.reserve(&mut table, prompt.len() + n).unwrap();
-    let mut seq = prompt.to_vec();
-    let (mut start, mut all) = (0, Vec::new());
-    for _ in 0..n {
-        let chunk = SeqChunk {
-            tokens: &seq[start..],
-            start_pos: start,
-            block_table: table.blocks(),
-            logits: true,
-        };
-        let l = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
-        start = seq.len();
-        seq.push(engine::sampler::argmax(&l));
-        all.push(l);
-    }
-    (seq[prompt.len()..].to_vec(), all)
+    decode_by_hand(model, prompt, n, &[], |l, _| engine::sampler::argmax(l))
 }
 
 fn margin(logits: &[f32]) -> f32 {

@@ -153,6 +153,8 @@ pub struct Seen {
     pub local_max: Vec<u32>,
     /// Each generate call's `max_tokens`.
     pub max_tokens: Vec<u32>,
+    /// Each generate call's sampling parameters.
+    pub params: Vec<grpc::SamplingParams>,
     /// Prefill calls: (request id, tokens).
     pub prefill: Vec<(u64, Vec<u32>)>,
     /// Cancel calls: request ids.
@@ -291,6 +293,7 @@ impl Decode for Fake {
             s.local_max.push(r.local_prefill_max_tokens);
             s.max_tokens
                 .push(r.params.as_ref().map_or(0, |p| p.max_tokens));
+            s.params.push(r.params.clone().unwrap_or_default());
         });
         // As a real decode worker decides (it caches nothing): the whole rest is short enough.
         let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;

@@ -1,0 +1,91 @@
+//! Penalties, logit bias and min_tokens on the real model (issue 15, acceptance 3): the engine's
+//! tokens are what a direct computation on the model's own logits picks — the formula written
+//! out here, value by value, independently of the sampler's code.
+
+use engine::{Engine, EngineConfig, Model, SamplingParams};
+use tandem_tests::{decode_by_hand, load_model};
+
+/// The module doc of `engine::sampler`, read literally for one vocabulary entry at a time.
+fn adjust(p: &SamplingParams, logits: &[f32], seq: &[u32], out0: usize, stops: &[u32]) -> Vec<f32> {
+    let output = &seq[out0..];
+    let mut l = logits.to_vec();
+    for (t, v) in l.iter_mut().enumerate() {
+        let t = t as u32;
+        *v += p
+            .logit_bias
+            .iter()
+            .filter(|b| b.0 == t)
+            .map(|b| b.1)
+            .sum::<f32>();
+        if output.len() < p.min_tokens && stops.contains(&t) {
+            *v = f32::NEG_INFINITY;
+        }
+        if seq.contains(&t) {
+            let r = p.repetition_penalty;
+            *v = if *v > 0.0 { *v / r } else { *v * r };
+        }
+        let n = output.iter().filter(|&&o| o == t).count();
+        if n > 0 {
+            *v -= p.frequency_penalty * n as f32 + p.presence_penalty;
+        }
+    }
+    l
+}
+
+/// Greedy decoding by hand: the model's logits each step, adjusted, argmax.
+fn by_hand(model: &Model, prompt: &[u32], p: &SamplingParams, stops: &[u32], n: usize) -> Vec<u32> {
+    let pick =
+        |l: &[f32], seq: &[u32]| engine::sampler::argmax(&adjust(p, l, seq, prompt.len(), stops));
+    decode_by_hand(model, prompt, n, stops, pick).0
+}
+
+#[test]
+fn penalties_bias_and_min_tokens_pick_what_the_direct_computation_picks() {
+    let (model, tok) = load_model();
+    let prompt = tok
+        .encode("List the days of the week, then list them again, then once more:")
+        .unwrap();
+    let n = 40;
+    let run = |p: &SamplingParams| {
+        let mut e = Engine::new(
+            model.clone(),
+            EngineConfig::default(),
+            tok.stop_ids().to_vec(),
+        )
+        .unwrap();
+        e.add(0, prompt.clone(), p.clone()).unwrap();
+        e.run_to_completion().unwrap().remove(&0).unwrap()
+    };
+    let plain = SamplingParams::greedy(n);
+    let base = run(&plain);
+    let monday = tok.encode(" Monday").unwrap()[0];
+    let cases = [
+        SamplingParams {
+            presence_penalty: 1.5,
+            ..plain.clone()
+        },
+        SamplingParams {
+            frequency_penalty: 1.2,
+            ..plain.clone()
+        },
+        SamplingParams {
+            repetition_penalty: 1.8,
+            ..plain.clone()
+        },
+        SamplingParams {
+            logit_bias: vec![(monday, 8.0)],
+            ..plain.clone()
+        },
+        SamplingParams {
+            min_tokens: 30,
+            presence_penalty: -0.5,
+            ..plain.clone()
+        },
+    ];
+    for p in &cases {
+        let got = run(p);
+        let want = by_hand(&model, &prompt, p, tok.stop_ids(), n);
+        assert_eq!(got, want, "{p:?}");
+        assert_ne!(got, base, "the parameters change the output: {p:?}");
+    }
+}
