@@ -271,14 +271,22 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     // The faults may cost a request or two, not the path: most answers come through, and KV
     // really crossed the link (a recompute on the decode worker would answer as well).
     assert!(ok >= 6, "only {ok} of 8 requests completed");
-    let (_, body) = get(http, "/debug/workers").unwrap();
-    let ws: Value = serde_json::from_str(&body).unwrap();
-    let sent: u64 = ws["workers"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|w| w["kv_transfers"]["tcp"].as_u64())
-        .sum();
+    // The workers' transfer counts reach the router with their heartbeats: wait for them.
+    let sent = || -> u64 {
+        let (_, body) = get(http, "/debug/workers").unwrap();
+        let ws: Value = serde_json::from_str(&body).unwrap();
+        ws["workers"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|w| w["kv_transfers"]["tcp"].as_u64())
+            .sum()
+    };
+    let t0 = Instant::now();
+    while sent() < 4 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let sent = sent();
     assert!(
         sent >= 4,
         "KV crossed the link for only {sent} of 8 requests"

@@ -4,11 +4,12 @@
 //! workers' transfer counts).
 
 use engine::{Engine, EngineConfig, SamplingParams};
-use serde_json::json;
-use tandem_tests::cluster::{post_json, Cluster};
+use serde_json::{json, Value};
+use tandem_tests::cluster::{post_json, request, Cluster};
 use tandem_tests::load_model;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
 #[test]
 fn logit_bias_and_penalties_through_a_cluster_are_the_engines() {
@@ -64,4 +65,202 @@ fn logit_bias_and_penalties_through_a_cluster_are_the_engines() {
     assert_ne!(engine(p), plain, "the penalties change this answer");
     c.wait_transfers("tcp", 2);
     c.wait_all_free(std::time::Duration::from_secs(5));
+}
+
+/// The JSON chunks of a streamed response, up to `[DONE]`.
+fn sse_events(c: &Cluster, path: &str, body: &Value) -> Vec<Value> {
+    let mut r = request(c.http, "POST", path, "application/json", &body.to_string()).unwrap();
+    assert_eq!(r.status, 200);
+    let mut out = Vec::new();
+    while let Some((name, data)) = r.next_event() {
+        assert_eq!(name, "message", "{data}");
+        if data == "[DONE]" {
+            return out;
+        }
+        out.push(serde_json::from_str(&data).unwrap());
+    }
+    panic!("stream ended without [DONE]");
+}
+
+/// log-softmax of `logits` at `t`, in f64.
+fn log_softmax(logits: &[f32], t: u32) -> f64 {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let z: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+    logits[t as usize] as f64 - max - z.ln()
+}
+
+#[test]
+fn logprobs_are_the_engines_log_softmax_in_both_formats_streamed_or_not() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (model, tok) = load_model();
+    let message = "Name three colours.";
+    let text = tok
+        .apply_chat_template(&[engine::ChatMessage::user(message)], true)
+        .unwrap();
+    let prompt = tok.encode(&text).unwrap();
+    // The model's own logits, step by step, greedy.
+    let pick = |l: &[f32], _: &[u32]| engine::sampler::argmax(l);
+    let (tokens, logits) = tandem_tests::decode_by_hand(&model, &prompt, 16, tok.stop_ids(), pick);
+    let n_text = tokens
+        .iter()
+        .filter(|t| !tok.stop_ids().contains(t))
+        .count();
+    let chat = json!({"messages": [{"role": "user", "content": message}], "max_tokens": 16,
+        "temperature": 0, "logprobs": true, "top_logprobs": 3});
+    let (status, v) = post_json(c.http, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    let content = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap()
+        .clone();
+    assert_eq!(
+        content.len(),
+        n_text,
+        "one entry per token of the text: {v}"
+    );
+    let mut joined = Vec::new();
+    for (i, e) in content.iter().enumerate() {
+        let want = log_softmax(&logits[i], tokens[i]);
+        let got = e["logprob"].as_f64().unwrap();
+        assert!(
+            (got - want).abs() < 1e-4,
+            "token {i}: {got} vs the engine's {want}"
+        );
+        let top = e["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(
+            top[0]["logprob"], e["logprob"],
+            "greedy: the top one was chosen"
+        );
+        assert!(top
+            .windows(2)
+            .all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()));
+        joined.extend(
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8),
+        );
+    }
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap();
+    assert_eq!(
+        String::from_utf8(joined).unwrap(),
+        answer,
+        "the entries' bytes make the text"
+    );
+    // Streamed: the chunks' entries are the same ones.
+    let mut body = chat.clone();
+    body["stream"] = json!(true);
+    let events = sse_events(&c, "/v1/chat/completions", &body);
+    let streamed: Vec<Value> = events
+        .iter()
+        .flat_map(|e| {
+            e["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .collect();
+    assert_eq!(streamed, content);
+    // The legacy completions format, on the raw prompt.
+    let body = json!({"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 2});
+    let (status, v) = post_json(c.http, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let values = lp["token_logprobs"].as_array().unwrap();
+    assert_eq!(values.len(), n_text);
+    for (i, got) in values.iter().enumerate() {
+        assert!((got.as_f64().unwrap() - log_softmax(&logits[i], tokens[i])).abs() < 1e-4);
+    }
+    let pieces: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(pieces.concat(), v["choices"][0]["text"].as_str().unwrap());
+    let offsets: Vec<u64> = lp["text_offset"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o.as_u64().unwrap())
+        .collect();
+    assert!(
+        offsets.windows(2).all(|w| w[0] <= w[1]) && offsets[0] == 0,
+        "{offsets:?}"
+    );
+    assert!(lp["top_logprobs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|m| m.as_object().unwrap().len() <= 2));
+    c.wait_transfers("tcp", 3);
+}
+
+#[test]
+fn the_official_openai_client_reads_logprobs_and_sends_bias_and_penalties() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (_, tok) = load_model();
+    let forced = tok.encode(" banana").unwrap()[0];
+    let script = format!(
+        r#"
+import json, openai
+client = openai.OpenAI(base_url="http://{http}/v1", api_key="unused")
+msgs = [{{"role": "user", "content": "Name three colours."}}]
+chat = client.chat.completions.create(model="{MODEL}", messages=msgs, temperature=0, max_tokens=8,
+                                      logprobs=True, top_logprobs=2)
+content = chat.choices[0].logprobs.content
+comp = client.completions.create(model="{MODEL}", prompt="Red, green and", max_tokens=6, temperature=0,
+                                 logprobs=1, extra_body={{"ignore_eos": True}})
+forced = client.completions.create(model="{MODEL}", prompt="Fruit:", max_tokens=4, temperature=0,
+                                   logit_bias={{"{forced}": 100}})
+pen = client.completions.create(model="{MODEL}", prompt="Fruit:", max_tokens=8, temperature=0,
+                                presence_penalty=1.0, frequency_penalty=0.5,
+                                extra_body={{"repetition_penalty": 1.2, "min_p": 0.1}})
+print(json.dumps({{
+    "chat_text": chat.choices[0].message.content,
+    "chat_tokens": [e.token for e in content],
+    "chat_logprobs": [e.logprob for e in content],
+    "chat_top": [len(e.top_logprobs) for e in content],
+    "comp_logprobs": comp.choices[0].logprobs.token_logprobs,
+    "forced": forced.choices[0].text,
+    "pen": pen.choices[0].text,
+}}))
+"#,
+        http = c.http
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let tokens: Vec<&str> = v["chat_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(tokens.concat(), v["chat_text"].as_str().unwrap());
+    let lps = v["chat_logprobs"].as_array().unwrap();
+    assert!(
+        !lps.is_empty() && lps.iter().all(|l| l.as_f64().unwrap() <= 0.0),
+        "{v}"
+    );
+    assert!(
+        v["chat_top"].as_array().unwrap().iter().all(|n| n == 2),
+        "{v}"
+    );
+    assert_eq!(v["comp_logprobs"].as_array().unwrap().len(), 6, "{v}");
+    assert_eq!(
+        v["forced"].as_str().unwrap(),
+        tok.decode(&[forced; 4], true).unwrap()
+    );
+    assert!(!v["pen"].as_str().unwrap().is_empty(), "{v}");
 }

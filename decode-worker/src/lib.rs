@@ -60,10 +60,11 @@ struct Decoder {
     streams: HashMap<u64, EventTx>,
 }
 
-fn token_event(token: u32, finish: Option<engine::FinishReason>) -> GenerateEvent {
+fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
     GenerateEvent {
-        event: Some(generate_event::Event::Token(token)),
-        finish: engine::FinishReason::to_wire(finish) as i32,
+        event: Some(generate_event::Event::Token(ev.token)),
+        finish: engine::FinishReason::to_wire(ev.finish) as i32,
+        logprobs: ev.logprobs.as_ref().map(Into::into),
     }
 }
 
@@ -93,6 +94,7 @@ impl Decoder {
                 let _ = events.send(Ok(GenerateEvent {
                     event: Some(event),
                     finish: 0,
+                    logprobs: None,
                 }));
                 tracing::debug!(request = id, prompt = n, ?r, "reserved");
             })
@@ -219,7 +221,7 @@ impl worker::Role for Decoder {
             let sent = self
                 .streams
                 .get(&ev.id)
-                .is_some_and(|tx| tx.send(Ok(token_event(ev.token, ev.finish))).is_ok());
+                .is_some_and(|tx| tx.send(Ok(token_event(&ev))).is_ok());
             if !sent {
                 // Its caller is gone: free it now.
                 self.end(ev.id, Release::Cancelled, None);

@@ -48,6 +48,63 @@ pub struct SamplingParams {
     /// How many of the prompt's last tokens this request generated before (a migration): they
     /// count as output for the penalties and `min_tokens`.
     pub generated: usize,
+    /// Report each token's log-probability and those of this many likeliest tokens (0..=20).
+    pub logprobs: Option<usize>,
+}
+
+/// A sampled token's log-probability and the likeliest tokens', under the distribution the
+/// sampler drew from before temperature: the softmax of the logits after bias and penalties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// The sampled token's.
+    pub logprob: f32,
+    /// The likeliest tokens and theirs, most likely first (ties: lower id first).
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-softmax of `logits` at `tok`, and at the `k` largest logits.
+    pub fn of(logits: &[f32], tok: u32, k: usize) -> TokenLogprobs {
+        let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+        let sum: f64 = logits.iter().map(|&v| (v as f64 - max).exp()).sum();
+        let lse = max + sum.ln();
+        let lp = |t: u32| (logits[t as usize] as f64 - lse) as f32;
+        let mut idx: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| {
+            logits[*b as usize]
+                .total_cmp(&logits[*a as usize])
+                .then(a.cmp(b))
+        };
+        let k = k.min(idx.len());
+        if k > 0 && k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by_logit);
+        }
+        idx.truncate(k);
+        idx.sort_unstable_by(by_logit);
+        TokenLogprobs {
+            logprob: lp(tok),
+            top: idx.into_iter().map(|t| (t, lp(t))).collect(),
+        }
+    }
+}
+
+impl From<&TokenLogprobs> for proto::grpc::TokenLogprobs {
+    fn from(l: &TokenLogprobs) -> Self {
+        proto::grpc::TokenLogprobs {
+            logprob: l.logprob,
+            top_ids: l.top.iter().map(|t| t.0).collect(),
+            top_logprobs: l.top.iter().map(|t| t.1).collect(),
+        }
+    }
+}
+
+impl From<proto::grpc::TokenLogprobs> for TokenLogprobs {
+    fn from(l: proto::grpc::TokenLogprobs) -> Self {
+        TokenLogprobs {
+            logprob: l.logprob,
+            top: l.top_ids.into_iter().zip(l.top_logprobs).collect(),
+        }
+    }
 }
 
 /// Why a sequence stopped.
@@ -106,6 +163,8 @@ impl From<&SamplingParams> for proto::grpc::SamplingParams {
             min_p: p.min_p,
             min_tokens: p.min_tokens as u32,
             generated: p.generated as u32,
+            logprobs: p.logprobs.is_some(),
+            top_logprobs: p.logprobs.unwrap_or(0) as u32,
         }
     }
 }
@@ -135,6 +194,7 @@ impl From<proto::grpc::SamplingParams> for SamplingParams {
             min_p: p.min_p,
             min_tokens: p.min_tokens as usize,
             generated: p.generated as usize,
+            logprobs: p.logprobs.then_some(p.top_logprobs as usize),
         }
     }
 }
@@ -156,6 +216,7 @@ impl Default for SamplingParams {
             min_p: 0.0,
             min_tokens: 0,
             generated: 0,
+            logprobs: None,
         }
     }
 }
@@ -206,6 +267,9 @@ impl SamplingParams {
             return bad(format!(
                 "logit_bias for token {t} must be between -100 and 100, got {b}"
             ));
+        }
+        if let Some(k) = self.logprobs.filter(|&k| k > 20) {
+            return bad(format!("top_logprobs must be at most 20, got {k}"));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be between 0 and 1, got {}", self.min_p));
@@ -329,10 +393,20 @@ impl Sampler {
     /// Chooses the next token of `tokens` (the sequence so far, prompt included; the token's
     /// position is `tokens.len()`) from `logits`.
     pub fn sample(&self, logits: &[f32], tokens: &[u32]) -> u32 {
-        match self.adjusted(logits, tokens) {
-            Some(l) => self.pick(&l, tokens.len()),
-            None => self.pick(logits, tokens.len()),
-        }
+        self.sample_with_logprobs(logits, tokens).0
+    }
+
+    /// [`Sampler::sample`], with the token's [`TokenLogprobs`] when the request asks for them.
+    pub fn sample_with_logprobs(
+        &self,
+        logits: &[f32],
+        tokens: &[u32],
+    ) -> (u32, Option<TokenLogprobs>) {
+        let adjusted = self.adjusted(logits, tokens);
+        let l = adjusted.as_deref().unwrap_or(logits);
+        let tok = self.pick(l, tokens.len());
+        let lp = self.params.logprobs.map(|k| TokenLogprobs::of(l, tok, k));
+        (tok, lp)
     }
 
     /// Greedy, or the seeded draw at `pos` from the temperature, top-k, top-p and min-p
@@ -488,6 +562,31 @@ mod tests {
         assert!(Sampler::new(SamplingParams::default())
             .adjusted(&[1.0], &[0])
             .is_none());
+    }
+
+    #[test]
+    fn logprobs_are_the_log_softmax_of_the_logits_sampled_from() {
+        let logits = [0.1f32, 2.0, 1.9, -1.0, 2.0];
+        let z: f64 = logits.iter().map(|&v| (v as f64).exp()).sum();
+        let want = |t: usize| ((logits[t] as f64).exp() / z).ln() as f32;
+        let lp = TokenLogprobs::of(&logits, 2, 3);
+        assert!((lp.logprob - want(2)).abs() < 1e-6);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 4, 2], "most likely first, ties by id");
+        assert!(lp
+            .top
+            .iter()
+            .all(|&(t, l)| (l - want(t as usize)).abs() < 1e-6));
+        assert!(TokenLogprobs::of(&logits, 0, 0).top.is_empty());
+        // With a bias, the values are those of the biased logits the token was drawn from.
+        let p = SamplingParams {
+            logit_bias: vec![(3, 10.0)],
+            logprobs: Some(1),
+            ..SamplingParams::greedy(1)
+        };
+        let (tok, lp) = Sampler::new(p).sample_with_logprobs(&logits, &[]);
+        let biased = [0.1f32, 2.0, 1.9, 9.0, 2.0];
+        assert_eq!((tok, lp), (3, Some(TokenLogprobs::of(&biased, 3, 1))));
     }
 
     #[test]

@@ -52,7 +52,7 @@ impl Default for EngineConfig {
 }
 
 /// A token produced by a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     /// The request it belongs to.
     pub id: u64,
@@ -60,6 +60,8 @@ pub struct TokenEvent {
     pub token: u32,
     /// Set on the request's last token.
     pub finish: Option<FinishReason>,
+    /// The token's log-probabilities, when the request asked for them.
+    pub logprobs: Option<crate::sampler::TokenLogprobs>,
 }
 
 struct Seq {
@@ -706,7 +708,7 @@ impl Engine {
                 finished.push(s.id);
             }
             let Some(l) = l else { continue };
-            let tok = s.sampler.sample(&l, &s.tokens);
+            let (tok, logprobs) = s.sampler.sample_with_logprobs(&l, &s.tokens);
             s.tokens.push(tok);
             let generated = s.tokens.len() - s.prompt_len;
             let finish = if s.stop_ids.contains(&tok) {
@@ -723,6 +725,7 @@ impl Engine {
                 id: s.id,
                 token: tok,
                 finish,
+                logprobs,
             });
         }
         for id in finished {

@@ -273,6 +273,12 @@ impl Spm {
     /// The bytes of `ids` as text (an incomplete UTF-8 sequence becomes U+FFFD); control and
     /// unknown tokens are left out when `skip_special`, written verbatim otherwise.
     pub(crate) fn decode(&self, ids: &[u32], skip_special: bool) -> Result<String> {
+        let bytes = self.decode_bytes(ids, skip_special)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    /// The bytes of `ids` (see [`Spm::decode`]).
+    pub(crate) fn decode_bytes(&self, ids: &[u32], skip_special: bool) -> Result<Vec<u8>> {
         let mut bytes = Vec::new();
         for &id in ids {
             let i = id as usize;
@@ -288,7 +294,7 @@ impl Spm {
                 _ => {}
             }
         }
-        Ok(String::from_utf8_lossy(&bytes).into_owned())
+        Ok(bytes)
     }
 }
 

@@ -54,6 +54,27 @@ impl Vocab {
     }
 }
 
+/// Appends the bytes a character of a byte-level BPE token stands for: GPT-2 maps the
+/// printable bytes (`!`..=`~`, `¡`..=`¬`, `®`..=`ÿ`) to themselves and the other 68, in
+/// order, to U+0100 on. A character outside the map (an added token's own text) is itself.
+fn push_byte_level(c: char, out: &mut Vec<u8>) {
+    let printable =
+        |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let u = c as u32;
+    if u < 256 && printable(u) {
+        return out.push(u as u8);
+    }
+    if (256..256 + 68).contains(&u) {
+        if let Some(b) = (0u32..256)
+            .filter(|&b| !printable(b))
+            .nth((u - 256) as usize)
+        {
+            return out.push(b as u8);
+        }
+    }
+    out.extend_from_slice(c.encode_utf8(&mut [0u8; 4]).as_bytes());
+}
+
 /// A model's tokenizer, special tokens and chat template.
 pub struct Tokenizer {
     inner: Vocab,
@@ -262,6 +283,22 @@ impl Tokenizer {
                 .decode(ids, skip_special)
                 .map_err(|e| EngineError::Tokenizer(e.to_string())),
             Vocab::Spm(s) => s.decode(ids, skip_special),
+        }
+    }
+
+    /// The bytes one token stands for (a piece of a UTF-8 character, for some; a special
+    /// token's text), as OpenAI's log-probabilities report them.
+    pub fn token_bytes(&self, id: u32) -> Result<Vec<u8>> {
+        match &self.inner {
+            Vocab::Bpe(t) => {
+                let piece = t.id_to_token(id).ok_or_else(|| {
+                    EngineError::Tokenizer(format!("token id {id} is outside the vocabulary"))
+                })?;
+                let mut bytes = Vec::new();
+                piece.chars().for_each(|c| push_byte_level(c, &mut bytes));
+                Ok(bytes)
+            }
+            Vocab::Spm(s) => s.decode_bytes(&[id], false),
         }
     }
 

@@ -22,8 +22,9 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::guard;
+use crate::logprobs::LogprobsOut;
 use crate::openai::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop, Usage};
-use crate::request::{self, TokenResult};
+use crate::request::{self, Token, TokenResult};
 use crate::State;
 
 /// Default `max_tokens` when a request gives none (bounded by the context).
@@ -52,7 +53,12 @@ struct Prepared {
     include_usage: bool,
 }
 
-fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiError> {
+fn prepare(
+    state: &State,
+    c: &Common,
+    prompt: Vec<u32>,
+    logprobs: Option<usize>,
+) -> Result<Prepared, ApiError> {
     if let Some(m) = &c.model {
         if m != &state.model_id {
             return Err(ApiError::ModelNotFound(format!(
@@ -132,6 +138,7 @@ fn prepare(state: &State, c: &Common, prompt: Vec<u32>) -> Result<Prepared, ApiE
             m => m as usize,
         },
         generated: 0,
+        logprobs,
     };
     params
         .validate()
@@ -193,7 +200,21 @@ pub async fn chat(
             .tokenizer
             .encode(&text)
             .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let p = prepare(&state, &req.common, ids)?;
+        let top = match (req.logprobs, req.top_logprobs) {
+            (Some(true), k) if (0..=20).contains(&k.unwrap_or(0)) => Some(k.unwrap_or(0) as usize),
+            (Some(true), Some(k)) => {
+                return Err(ApiError::BadRequest(format!(
+                    "top_logprobs must be between 0 and 20, got {k}"
+                )))
+            }
+            (_, Some(k)) if k != 0 => {
+                return Err(ApiError::BadRequest(
+                    "top_logprobs needs logprobs: true".into(),
+                ))
+            }
+            _ => None,
+        };
+        let p = prepare(&state, &req.common, ids, top)?;
         respond(state.clone(), p, Kind::Chat, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
@@ -233,7 +254,16 @@ pub async fn completions(
                 t.clone()
             }
         };
-        let p = prepare(&state, &req.common, ids)?;
+        let top = match req.logprobs {
+            None => None,
+            Some(k) if (0..=5).contains(&k) => Some(k as usize),
+            Some(k) => {
+                return Err(ApiError::BadRequest(format!(
+                    "logprobs must be between 0 and 5, got {k}"
+                )))
+            }
+        };
+        let p = prepare(&state, &req.common, ids, top)?;
         respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
@@ -264,24 +294,43 @@ struct Texter {
     /// When the request arrived, and when the previous token did (for TTFT, ITL, end to end).
     start: Instant,
     last: Option<Instant>,
+    /// The tokens' log-probabilities, when the request asked for them.
+    lp: Option<LogprobsOut>,
 }
 
 impl Texter {
     /// The text this token adds, and the finish reason if generation ends here; records the
     /// request's latency metrics.
-    fn push(&mut self, tok: u32, finish: Option<FinishReason>) -> (String, Option<&'static str>) {
+    fn push(&mut self, t: &Token) -> (String, Option<&'static str>) {
+        let (tok, finish) = (t.id, t.finish);
         let now = Instant::now();
         match self.last {
             None => metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start),
             Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
         }
         self.last = Some(now);
+        // One entry a token of the text (an end-of-sequence token that ends it has none).
+        let eos =
+            finish == Some(FinishReason::Stop) && self.state.tokenizer.stop_ids().contains(&tok);
+        if let (Some(out), Some(lp), false) = (&mut self.lp, &t.logprobs, eos) {
+            out.push(tok, lp.clone());
+        }
         let (text, reason) = self.push_text(tok, finish);
+        if let Some(out) = &mut self.lp {
+            out.emitted(&text);
+        }
         if reason.is_some() {
             metrics::histogram!("tandem_router_e2e_seconds").record(now - self.start);
             metrics::counter!("tandem_router_requests_total", "outcome" => "ok").increment(1);
         }
         (text, reason)
+    }
+
+    /// The log-probabilities of the tokens pushed since the last call, in the response's
+    /// format.
+    fn take_logprobs(&mut self) -> Option<Value> {
+        let tok = &self.state.tokenizer;
+        self.lp.as_mut().and_then(|out| out.take(tok))
     }
 
     fn push_text(
@@ -333,6 +382,10 @@ async fn respond(
         tokens: 0,
         start,
         last: None,
+        lp: p
+            .params
+            .logprobs
+            .map(|_| LogprobsOut::new(kind == Kind::Chat)),
     };
     let chunks = Chunks {
         id: format!("{}-{}", kind.id_prefix(), uuidish()),
@@ -353,24 +406,25 @@ async fn respond(
 async fn whole(
     c: Chunks,
     mut tx: Texter,
-    first: (u32, Option<FinishReason>),
+    first: Token,
     mut rest: mpsc::Receiver<TokenResult>,
 ) -> Result<Value, ApiError> {
-    let (mut text, mut reason) = tx.push(first.0, first.1);
+    let (mut text, mut reason) = tx.push(&first);
     while reason.is_none() {
-        let (t, f) = rest
+        let t = rest
             .recv()
             .await
             .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
-        let (piece, r) = tx.push(t, f);
+        let (piece, r) = tx.push(&t);
         text.push_str(&piece);
         reason = r;
     }
+    let lp = tx.take_logprobs().unwrap_or(Value::Null);
     let choice = match c.kind {
         Kind::Chat => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": null})
+            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": lp})
         }
-        Kind::Text => json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": null}),
+        Kind::Text => json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": lp}),
     };
     let object = match c.kind {
         Kind::Chat => "chat.completion",
@@ -419,14 +473,16 @@ impl Chunks {
         }
     }
 
-    /// A chunk carrying `delta` (chat) or its text (completions), and the finish reason.
-    fn chunk(&self, delta: Value, reason: Option<&str>) -> Event {
+    /// A chunk carrying `delta` (chat) or its text (completions), its tokens'
+    /// log-probabilities, and the finish reason.
+    fn chunk(&self, delta: Value, lp: Option<Value>, reason: Option<&str>) -> Event {
+        let lp = lp.unwrap_or(Value::Null);
         let choice = match self.kind {
             Kind::Chat => {
-                json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": null})
+                json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp})
             }
             Kind::Text => {
-                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": null})
+                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": lp})
             }
         };
         Event::default().data(json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [choice]}).to_string())
@@ -445,7 +501,7 @@ impl Chunks {
         include_usage: bool,
     ) -> (Vec<Event>, bool) {
         let mut events = Vec::new();
-        let (tok, f) = match next {
+        let token = match next {
             Ok(t) => t,
             Err(e) => {
                 tracing::warn!("stream failed: {e}");
@@ -456,14 +512,15 @@ impl Chunks {
                 return (events, true);
             }
         };
-        let (text, reason) = tx.push(tok, f);
-        if !text.is_empty() {
-            events.push(self.chunk(json!({"content": text}), None));
+        let (text, reason) = tx.push(&token);
+        let lp = tx.take_logprobs();
+        if !text.is_empty() || lp.is_some() {
+            events.push(self.chunk(json!({"content": text}), lp, None));
         }
         let Some(r) = reason else {
             return (events, false);
         };
-        events.push(self.chunk(json!({}), Some(r)));
+        events.push(self.chunk(json!({}), None, Some(r)));
         if include_usage {
             events.push(self.usage_chunk(tx.tokens));
         }
@@ -475,12 +532,12 @@ impl Chunks {
 fn sse(
     c: Chunks,
     texter: Texter,
-    first: (u32, Option<FinishReason>),
+    first: Token,
     rest: mpsc::Receiver<TokenResult>,
     include_usage: bool,
 ) -> impl Stream<Item = Result<Event, Infallible>> {
-    let opening =
-        (c.kind == Kind::Chat).then(|| c.chunk(json!({"role": "assistant", "content": ""}), None));
+    let opening = (c.kind == Kind::Chat)
+        .then(|| c.chunk(json!({"role": "assistant", "content": ""}), None, None));
     let c = Arc::new(c);
     let body = stream::unfold(
         (Some(Ok(first)), false, texter, rest),

@@ -11,6 +11,7 @@ pub mod actuator;
 pub mod guard;
 pub mod http;
 pub mod kv_index;
+pub mod logprobs;
 pub mod openai;
 pub mod planner;
 pub mod registry;

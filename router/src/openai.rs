@@ -256,6 +256,10 @@ pub struct Common {
 pub struct ChatRequest {
     /// The conversation.
     pub messages: Vec<Message>,
+    /// Report each token's log-probability.
+    pub logprobs: Option<bool>,
+    /// And those of this many likeliest tokens (0..=20; needs `logprobs`).
+    pub top_logprobs: Option<i64>,
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
@@ -281,6 +285,8 @@ pub enum Prompt {
 pub struct CompletionRequest {
     /// The prompt.
     pub prompt: Prompt,
+    /// Report each token's log-probability and those of this many likeliest tokens (0..=5).
+    pub logprobs: Option<i64>,
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
@@ -293,8 +299,6 @@ pub struct CompletionRequest {
 /// for nothing (a client sending its default is served; any other value is a 400, never
 /// silently ignored).
 const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
-    ("logprobs", |v| v == &json!(false)),
-    ("top_logprobs", |v| v == &json!(0)),
     ("echo", |v| v == &json!(false)),
     ("best_of", |v| v == &json!(1)),
     ("suffix", |v| v == &json!("")),

@@ -40,8 +40,19 @@ use crate::registry::{InFlight, Picked, Route, Worker};
 use crate::routing::Policy;
 use crate::State;
 
-/// A generated token and, on the last one, why generation ended.
-pub type TokenResult = Result<(u32, Option<FinishReason>), ApiError>;
+/// A generated token as the decode worker sent it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Token {
+    /// The token id.
+    pub id: u32,
+    /// On the last token, why generation ended.
+    pub finish: Option<FinishReason>,
+    /// Its log-probabilities, when the request asked for them.
+    pub logprobs: Option<engine::sampler::TokenLogprobs>,
+}
+
+/// A generated token, or why the stream failed.
+pub type TokenResult = Result<Token, ApiError>;
 
 /// How long a decode worker may take to accept (and reserve for) a request.
 const OPEN_WAIT: Duration = Duration::from_secs(10);
@@ -509,11 +520,16 @@ impl Request {
         m: Result<Option<GenerateEvent>, Status>,
     ) -> Result<Option<Phase>, Status> {
         let name = &self.decode_worker().name;
-        let (token, finish) = match m? {
+        let token = match m? {
             Some(GenerateEvent {
                 event: Some(generate_event::Event::Token(t)),
                 finish,
-            }) => (t, FinishReason::from_wire(finish)),
+                logprobs,
+            }) => Token {
+                id: t,
+                finish: FinishReason::from_wire(finish),
+                logprobs: logprobs.map(Into::into),
+            },
             Some(other) => {
                 let m = format!("unexpected event from decode worker {name}: {other:?}");
                 return Ok(Some(Phase::Failed(ApiError::Upstream(m))));
@@ -525,8 +541,9 @@ impl Request {
             }
         };
         self.record_token();
-        self.streamed.push(token);
-        if self.tx.send(Ok((token, finish))).await.is_err() {
+        self.streamed.push(token.id);
+        let finish = token.finish;
+        if self.tx.send(Ok(token)).await.is_err() {
             return Ok(Some(Phase::Gone));
         }
         Ok(finish.map(|_| Phase::Done))

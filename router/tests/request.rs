@@ -45,9 +45,9 @@ async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str
     let mut rest = s.rest;
     while let Some(r) = next {
         match r {
-            Ok((t, finish)) => {
-                out.push(t);
-                if finish.is_some() {
+            Ok(t) => {
+                out.push(t.id);
+                if t.finish.is_some() {
                     break;
                 }
             }
@@ -571,8 +571,8 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         b
     };
     let refused = [
-        with("logprobs", json!(true)),
         with("top_logprobs", json!(3)),
+        with("top_logprobs", json!(21)),
         with(
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
@@ -602,6 +602,7 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
     // Defaults that ask for nothing, metadata and the developer role are served.
     let served = [
         with("logprobs", json!(false)),
+        with("logprobs", json!(true)),
         with("presence_penalty", json!(0)),
         with("tools", json!([])),
         with("response_format", json!({"type": "text"})),

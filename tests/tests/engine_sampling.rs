@@ -89,3 +89,25 @@ fn penalties_bias_and_min_tokens_pick_what_the_direct_computation_picks() {
         assert_ne!(got, base, "the parameters change the output: {p:?}");
     }
 }
+
+/// What OpenAI's log-probabilities report as a token's `bytes`: a character split over tokens
+/// (the emoji, the CJK) comes back whole when they are put together.
+#[test]
+fn token_bytes_put_together_are_the_text() {
+    let text = "Grüße, 世界! Tabs\tand  spaces, emoji 🦀, digits 12345.";
+    let (_, smol) = load_model();
+    let (_, gemma) = tandem_tests::load_gemma3();
+    for tok in [&smol, &gemma] {
+        let ids = tok.encode(text).unwrap();
+        let bytes: Vec<u8> = ids
+            .iter()
+            .filter(|&&id| tok.decode(&[id], true).is_ok_and(|t| !t.is_empty()))
+            .flat_map(|&id| tok.token_bytes(id).unwrap())
+            .collect();
+        assert_eq!(
+            String::from_utf8(bytes).unwrap(),
+            tok.decode(&ids, true).unwrap(),
+            "{ids:?}"
+        );
+    }
+}

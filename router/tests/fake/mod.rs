@@ -265,6 +265,7 @@ fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
     Ok(GenerateEvent {
         event: Some(generate_event::Event::Token(t)),
         finish: finish as i32,
+        logprobs: None,
     })
 }
 
@@ -275,6 +276,7 @@ fn reserved(local: bool) -> Result<GenerateEvent, Status> {
             local,
         })),
         finish: 0,
+        logprobs: None,
     })
 }
 
