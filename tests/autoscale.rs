@@ -16,7 +16,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use tandem_tests::cluster::{get, post_json};
+use tandem_tests::cluster::{get, metric_at as metric, post_json};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -120,14 +120,6 @@ fn load(
         &output,
     ];
     bench(http, dir, &args)
-}
-
-/// A series of the router's `/metrics`, 0 when absent.
-fn metric(http: SocketAddr, series: &str) -> f64 {
-    let (_, text) = get(http, "/metrics").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 fn ups(http: SocketAddr, pool: &str) -> f64 {

@@ -9,18 +9,10 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_tests::cluster::{get, post_json, Cluster};
+use tandem_tests::cluster::{metric_at as metric, post_json, Cluster};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
-
-/// Router gauge or counter `series` from `/metrics` (0 when absent).
-fn metric(http: SocketAddr, series: &str) -> f64 {
-    let (_, text) = get(http, "/metrics").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
 
 /// A completion of `prompt` (token ids), `max_tokens` long whatever is sampled.
 fn complete(http: SocketAddr, prompt: &[u32], max_tokens: usize) -> Value {

@@ -459,6 +459,15 @@ fn client() -> &'static reqwest::blocking::Client {
     })
 }
 
+/// The value of the router's Prometheus series `series` (its name and labels as printed), 0
+/// when absent.
+pub fn metric_at(http: SocketAddr, series: &str) -> f64 {
+    let (_, text) = get(http, "/metrics").unwrap();
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
 /// Sends a request; returns once the status line and headers are read.
 pub fn request(
     addr: SocketAddr,
