@@ -122,7 +122,7 @@ fn prepare(
         top_p: top_p as f32,
         top_k: top_k as usize,
         seed: c.seed.unwrap_or(0) as u64,
-        stop_token_ids: c.stop_token_ids.clone().unwrap_or_default(),
+        stop_token_ids: stop_token_ids(c, state.vocab_size)?,
         ignore_eos: c.ignore_eos,
         presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
         frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
@@ -150,6 +150,17 @@ fn prepare(
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
     })
+}
+
+/// `stop_token_ids`, checked against the vocabulary.
+fn stop_token_ids(c: &Common, vocab: usize) -> Result<Vec<u32>, ApiError> {
+    let ids = c.stop_token_ids.clone().unwrap_or_default();
+    match ids.iter().find(|&&t| t as usize >= vocab) {
+        Some(bad) => Err(ApiError::BadRequest(format!(
+            "stop_token_ids: token id {bad} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(ids),
+    }
 }
 
 /// `logit_bias`'s token ids (strings, as OpenAI's clients send them) read and checked against

@@ -586,6 +586,7 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         with("logit_bias", json!({"99999999": 1})),
         with("min_p", json!(1.5)),
         with("min_tokens", json!(5)),
+        with("stop_token_ids", json!([99_999_999])),
         with("temprature", json!(0.5)),
         json!({"messages": [{"role": "banana", "content": "hi"}], "max_tokens": 1}),
     ];
