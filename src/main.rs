@@ -300,7 +300,7 @@ fn bench(a: BenchArgs) -> Result<()> {
             tokens: &prompt[..a.prompt_len],
             start_pos: 0,
             block_table: table.blocks(),
-            logits: true,
+            logits: engine::Logits::Last,
         };
         model.forward(&mut kv, &[chunk])?;
         best = best.min(t0.elapsed().as_secs_f64());
@@ -331,7 +331,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                         tokens: p,
                         start_pos: 0,
                         block_table: t.blocks(),
-                        logits: false,
+                        logits: engine::Logits::None,
                     }],
                 )?;
                 tables.push(t);
@@ -348,7 +348,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                         tokens: std::slice::from_ref(tok),
                         start_pos: 32 + step,
                         block_table: t.blocks(),
-                        logits: true,
+                        logits: engine::Logits::Last,
                     })
                     .collect();
                 model.forward(&mut kv, &chunks)?;

@@ -5,7 +5,7 @@
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{post_json, request, Cluster};
+use tandem_tests::cluster::{metric_at, post_json, request, Cluster};
 use tandem_tests::load_model;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -263,4 +263,76 @@ print(json.dumps({{
         tok.decode(&[forced; 4], true).unwrap()
     );
     assert!(!v["pen"].as_str().unwrap().is_empty(), "{v}");
+}
+
+/// `echo` with `logprobs` through a disaggregated cluster and the official client: the prompt
+/// comes back with each token's log-probability after the first — the model's own log-softmax at
+/// that position (one forward over the prompt, here) — and the decode worker computed the prompt
+/// itself: the router's decision by reason says so, and the request never entered Prefilling.
+#[test]
+fn echo_returns_the_prompts_logprobs_computed_on_the_decode_worker() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (model, tok) = load_model();
+    let text = "The quick brown fox jumps over the lazy dog.";
+    let script = format!(
+        r#"
+import json, openai
+client = openai.OpenAI(base_url="http://{http}/v1", api_key="unused")
+r = client.completions.create(model="{MODEL}", prompt={text:?}, max_tokens=1, temperature=0,
+                              logprobs=2, echo=True)
+lp = r.choices[0].logprobs
+print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.token_logprobs,
+                  "top": lp.top_logprobs}}))
+"#,
+        http = c.http
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["text"].as_str().unwrap().starts_with(text), "{v}");
+    let prompt = tok.encode(text).unwrap();
+    let mut kv = model.new_kv_cache(16, prompt.len().div_ceil(16)).unwrap();
+    let mut table = engine::BlockTable::default();
+    kv.reserve(&mut table, prompt.len()).unwrap();
+    let chunk = engine::SeqChunk {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: table.blocks(),
+        logits: engine::Logits::All,
+    };
+    let rows = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
+    let values = v["values"].as_array().unwrap();
+    assert_eq!(
+        values.len(),
+        prompt.len() + 1,
+        "the prompt and one token: {v}"
+    );
+    assert!(values[0].is_null() && v["top"][0].is_null(), "{v}");
+    let vocab = model.config.vocab_size;
+    for (i, row) in rows.chunks_exact(vocab).enumerate().take(prompt.len() - 1) {
+        let got = values[i + 1].as_f64().unwrap();
+        let want = log_softmax(row, prompt[i + 1]);
+        assert!(
+            (got - want).abs() < 1e-4,
+            "token {}: {got} vs {want}",
+            i + 1
+        );
+        assert_eq!(v["top"][i + 1].as_object().unwrap().len(), 2, "{v}");
+    }
+    let decided = r#"tandem_router_prefill_decisions_total{decision="local: prompt logprobs"}"#;
+    assert_eq!(metric_at(c.http, decided), 1.0);
+    let prefilling = r#"tandem_router_request_phases_total{phase="prefilling"}"#;
+    assert_eq!(
+        metric_at(c.http, prefilling),
+        0.0,
+        "no prefill worker was asked"
+    );
 }

@@ -65,6 +65,12 @@ fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
         event: Some(generate_event::Event::Token(ev.token)),
         finish: engine::FinishReason::to_wire(ev.finish) as i32,
         logprobs: ev.logprobs.as_ref().map(Into::into),
+        prompt_logprobs: ev
+            .prompt_logprobs
+            .iter()
+            .flatten()
+            .map(Into::into)
+            .collect(),
     }
 }
 
@@ -93,8 +99,7 @@ impl Decoder {
                 let event = generate_event::Event::Reserved(r.clone());
                 let _ = events.send(Ok(GenerateEvent {
                     event: Some(event),
-                    finish: 0,
-                    logprobs: None,
+                    ..Default::default()
                 }));
                 tracing::debug!(request = id, prompt = n, ?r, "reserved");
             })

@@ -228,33 +228,33 @@ impl CpuForward {
         Ok(())
     }
 
-    /// Logits for the last token of the chunks that want them.
+    /// Logits of the tokens the chunks ask for (see [`crate::Logits`]).
     fn logits(
         &self,
         c: &ModelConfig,
         x: &[f32],
         batch: &[SeqChunk<'_>],
     ) -> Result<Vec<Option<Vec<f32>>>> {
-        let (be, d) = (self.device.backend(), c.dim);
+        let (be, d, vocab) = (self.device.backend(), c.dim, c.vocab_size);
         let mut rows = Vec::new();
-        let mut end = 0;
+        let mut start = 0;
         for s in batch {
-            end += s.tokens.len();
-            if s.logits && !s.tokens.is_empty() {
-                rows.extend_from_slice(&x[(end - 1) * d..end * d]);
-            }
+            let r = s.logits.rows(s.tokens.len());
+            rows.extend_from_slice(&x[(start + r.start) * d..(start + r.end) * d]);
+            start += s.tokens.len();
         }
         let n = rows.len() / d;
         let mut normed = vec![0f32; rows.len()];
         be.rms_norm(&rows, &self.weights.norm, c.rms_eps, &mut normed);
-        let mut logits = vec![0f32; n * c.vocab_size];
+        let mut logits = vec![0f32; n * vocab];
         be.matmul(&self.weights.output, &normed, n, &mut logits)?;
-        let mut it = logits.chunks(c.vocab_size);
+        let mut at = 0;
         Ok(batch
             .iter()
             .map(|s| {
-                (s.logits && !s.tokens.is_empty())
-                    .then(|| it.next().expect("one row per chunk").to_vec())
+                let k = s.logits.rows(s.tokens.len()).len();
+                at += k * vocab;
+                (k > 0).then(|| logits[at - k * vocab..at].to_vec())
             })
             .collect())
     }

@@ -150,7 +150,9 @@ impl Forward for GpuForward {
                 slots.push(slot as u32);
                 seq.push(i as u32);
             }
-            last_rows.push((s.logits, tokens.len() - 1));
+            let r = s.logits.rows(s.tokens.len());
+            let first = tokens.len() - s.tokens.len();
+            last_rows.push((first + r.start)..(first + r.end));
         }
         let host_slots: Vec<usize> = slots.iter().map(|&s| s as usize).collect();
         let width = c.kv_width();
@@ -171,8 +173,7 @@ impl Forward for GpuForward {
         });
         let logit_rows: Vec<u32> = last_rows
             .iter()
-            .filter(|&&(want, _)| want)
-            .map(|&(_, r)| r as u32)
+            .flat_map(|r| r.clone().map(|i| i as u32))
             .collect();
         let b = GpuBatch {
             tokens: &tokens,
@@ -201,10 +202,14 @@ impl Forward for GpuForward {
                 c.vocab_size
             ))));
         }
-        let mut rows = logits.chunks_exact(c.vocab_size);
+        let mut at = 0;
         Ok(last_rows
             .into_iter()
-            .map(|(want, _)| want.then(|| rows.next().expect("counted above").to_vec()))
+            .map(|r| {
+                let n = r.len() * c.vocab_size;
+                at += n;
+                (n > 0).then(|| logits[at - n..at].to_vec())
+            })
             .collect())
     }
 }

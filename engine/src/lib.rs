@@ -48,7 +48,7 @@ pub use kv_cache::{BlockTable, KvCache};
 pub use loader::{load, load_mock};
 pub use mock::MockTiming;
 #[cfg(feature = "runtime")]
-pub use model::{Forward, LayerSink, Model, SeqChunk};
+pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
 pub use scheduler::{Engine, EngineConfig, Release, TokenEvent};

@@ -134,11 +134,14 @@ impl crate::forward::Forward for MockForward {
         Ok(batch
             .iter()
             .map(|s| {
-                s.logits.then(|| {
-                    let end = s.start_pos + s.tokens.len();
-                    let last = s.tokens.last().copied().unwrap_or(0);
-                    let mut l = vec![0f32; c.vocab_size];
-                    l[next_token(last, end, c.vocab_size) as usize] = 1.0;
+                let rows = s.logits.rows(s.tokens.len());
+                (!rows.is_empty()).then(|| {
+                    let mut l = vec![0f32; rows.len() * c.vocab_size];
+                    for (r, j) in rows.enumerate() {
+                        let end = s.start_pos + j + 1;
+                        let next = next_token(s.tokens[j], end, c.vocab_size) as usize;
+                        l[r * c.vocab_size + next] = 1.0;
+                    }
                     l
                 })
             })

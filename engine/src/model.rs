@@ -186,8 +186,31 @@ pub struct SeqChunk<'a> {
     pub start_pos: usize,
     /// The sequence's blocks; must cover every position of this chunk.
     pub block_table: &'a [u32],
-    /// Whether to return the logits of the chunk's last token.
-    pub logits: bool,
+    /// Which of the chunk's logits to return.
+    pub logits: Logits,
+}
+
+/// The logits a chunk asks for: `None`, its last token's (a sequence about to sample), or every
+/// token's, in order (prompt log-probabilities).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Logits {
+    /// No logits.
+    None,
+    /// The last token's.
+    Last,
+    /// One row a token.
+    All,
+}
+
+impl Logits {
+    /// The chunk's tokens (counted from its first) whose logits are wanted, of `n`.
+    pub fn rows(self, n: usize) -> std::ops::Range<usize> {
+        match self {
+            Logits::None => n..n,
+            Logits::Last => n.saturating_sub(1)..n,
+            Logits::All => 0..n,
+        }
+    }
 }
 
 /// A loaded model ready to run: its shape and the one forward implementation chosen at load

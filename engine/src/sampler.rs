@@ -50,6 +50,11 @@ pub struct SamplingParams {
     pub generated: usize,
     /// Report each token's log-probability and those of this many likeliest tokens (0..=20).
     pub logprobs: Option<usize>,
+    /// Report the log-probability of each prompt token after the first (given the tokens before
+    /// it) and those of this many likeliest tokens (0..=20), with the first generated token. The
+    /// whole prompt is computed (no prefix-cache reuse); the raw model distribution (no bias or
+    /// penalties).
+    pub prompt_logprobs: Option<usize>,
 }
 
 /// A sampled token's log-probability and the likeliest tokens', under the distribution the
@@ -165,6 +170,8 @@ impl From<&SamplingParams> for proto::grpc::SamplingParams {
             generated: p.generated as u32,
             logprobs: p.logprobs.is_some(),
             top_logprobs: p.logprobs.unwrap_or(0) as u32,
+            prompt_logprobs: p.prompt_logprobs.is_some(),
+            prompt_top_logprobs: p.prompt_logprobs.unwrap_or(0) as u32,
         }
     }
 }
@@ -195,6 +202,7 @@ impl From<proto::grpc::SamplingParams> for SamplingParams {
             min_tokens: p.min_tokens as usize,
             generated: p.generated as usize,
             logprobs: p.logprobs.then_some(p.top_logprobs as usize),
+            prompt_logprobs: p.prompt_logprobs.then_some(p.prompt_top_logprobs as usize),
         }
     }
 }
@@ -217,6 +225,7 @@ impl Default for SamplingParams {
             min_tokens: 0,
             generated: 0,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }
@@ -270,6 +279,9 @@ impl SamplingParams {
         }
         if let Some(k) = self.logprobs.filter(|&k| k > 20) {
             return bad(format!("top_logprobs must be at most 20, got {k}"));
+        }
+        if let Some(k) = self.prompt_logprobs.filter(|&k| k > 20) {
+            return bad(format!("prompt_logprobs must be at most 20, got {k}"));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be between 0 and 1, got {}", self.min_p));

@@ -16,8 +16,8 @@ use proto::ledger::{Ledger, LedgerCounts};
 
 use crate::error::{EngineError, Result};
 use crate::kv_cache::{BlockTable, KvCache};
-use crate::model::{Model, SeqChunk};
-use crate::sampler::{FinishReason, Sampler, SamplingParams};
+use crate::model::{Logits, Model, SeqChunk};
+use crate::sampler::{FinishReason, Sampler, SamplingParams, TokenLogprobs};
 
 /// Sizes of the scheduler and its cache.
 #[derive(Debug, Clone)]
@@ -61,7 +61,10 @@ pub struct TokenEvent {
     /// Set on the request's last token.
     pub finish: Option<FinishReason>,
     /// The token's log-probabilities, when the request asked for them.
-    pub logprobs: Option<crate::sampler::TokenLogprobs>,
+    pub logprobs: Option<TokenLogprobs>,
+    /// With a request's first token, when it asked for them: each prompt token's after the
+    /// first, in order.
+    pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
 struct Seq {
@@ -80,6 +83,8 @@ struct Seq {
     chain: (usize, u64),
     /// Prefill-only: the tokens before this one are not exported (the receiver holds them).
     send_from: usize,
+    /// Prompt log-probabilities asked for (how many likeliest tokens each), and those computed.
+    prompt_lp: Option<(usize, Vec<TokenLogprobs>)>,
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -216,6 +221,12 @@ impl Engine {
         if prompt.len() < 2 {
             return Err(EngineError::InvalidRequest(
                 "a remote prefill needs a prompt of at least 2 tokens".into(),
+            ));
+        }
+        if params.prompt_logprobs.is_some() {
+            return Err(EngineError::InvalidRequest(
+                "prompt log-probabilities need the whole prompt computed here, not a remote prefill"
+                    .into(),
             ));
         }
         let mut seq = self.new_seq(id, prompt, params, false)?;
@@ -504,6 +515,7 @@ impl Engine {
             stop_ids.extend_from_slice(&self.eos_ids);
         }
         let prompt_len = prompt.len();
+        let prompt_lp = params.prompt_logprobs.map(|k| (k, Vec::new()));
         Ok(Seq {
             id,
             prompt_len,
@@ -516,6 +528,7 @@ impl Engine {
             prefill_only,
             chain: (0, crate::prefix::ROOT),
             send_from: 0,
+            prompt_lp,
         })
     }
 
@@ -570,7 +583,9 @@ impl Engine {
             return false;
         };
         let fresh = front.table.blocks().is_empty() && front.computed == 0;
-        if let (Some(seed), true) = (self.prefix_seed, fresh) {
+        // Prompt log-probabilities need every prompt position's logits: nothing is reused.
+        let reuse = fresh && front.prompt_lp.is_none();
+        if let (Some(seed), true) = (self.prefix_seed, reuse) {
             let prompt = &front.tokens[..front.prompt_len - 1];
             let (shared, last) = self.kv.share_prefix(seed, &mut front.table, prompt);
             front.computed = shared;
@@ -661,7 +676,15 @@ impl Engine {
                     tokens: &s.tokens[start..start + n],
                     start_pos: start,
                     block_table: s.table.blocks(),
-                    logits: !s.prefill_only && start + n == s.tokens.len(),
+                    logits: if s.prefill_only {
+                        Logits::None
+                    } else if s.prompt_lp.is_some() && start < s.prompt_len {
+                        Logits::All
+                    } else if start + n == s.tokens.len() {
+                        Logits::Last
+                    } else {
+                        Logits::None
+                    },
                 }
             })
             .collect();
@@ -697,7 +720,8 @@ impl Engine {
         let logits = self.model.step(&mut self.kv, &chunks, layer_sink)?;
         let mut events = Vec::new();
         let mut finished = Vec::new();
-        for (&(i, _, n), l) in plan.iter().zip(logits) {
+        let vocab = self.model.config.vocab_size;
+        for (&(i, start, n), l) in plan.iter().zip(logits) {
             let s = &mut self.running[i];
             s.computed += n;
             if let Some(seed) = self.prefix_seed {
@@ -707,7 +731,14 @@ impl Engine {
             if s.prefill_only && s.computed == s.prompt_len {
                 finished.push(s.id);
             }
-            let Some(l) = l else { continue };
+            let Some(mut l) = l else { continue };
+            if let (Some((k, lps)), true) = (&mut s.prompt_lp, start < s.prompt_len) {
+                prompt_logprobs(&l, vocab, &s.tokens[..s.prompt_len], start, *k, lps);
+                if start + n < s.prompt_len {
+                    continue;
+                }
+                l.drain(..l.len() - vocab);
+            }
             let (tok, logprobs) = s.sampler.sample_with_logprobs(&l, &s.tokens);
             s.tokens.push(tok);
             let generated = s.tokens.len() - s.prompt_len;
@@ -726,6 +757,7 @@ impl Engine {
                 token: tok,
                 finish,
                 logprobs,
+                prompt_logprobs: s.prompt_lp.take().map(|(_, lps)| lps),
             });
         }
         for id in finished {
@@ -754,5 +786,23 @@ impl Engine {
             }
         }
         Ok(out)
+    }
+}
+
+/// The log-probabilities of the prompt tokens that the rows of `logits` (one per position from
+/// `start`) predict, appended to `out`: row `j` gives token `start + j + 1`'s, while that is
+/// still a prompt token.
+fn prompt_logprobs(
+    logits: &[f32],
+    vocab: usize,
+    prompt: &[u32],
+    start: usize,
+    k: usize,
+    out: &mut Vec<TokenLogprobs>,
+) {
+    for (j, row) in logits.chunks_exact(vocab).enumerate() {
+        if let Some(&next) = prompt.get(start + j + 1) {
+            out.push(TokenLogprobs::of(row, next, k));
+        }
     }
 }

@@ -51,6 +51,8 @@ struct Prepared {
     stops: Vec<String>,
     stream: bool,
     include_usage: bool,
+    /// The prompt's text and tokens, when the response starts with them (`echo`).
+    echo: Option<(String, Vec<u32>)>,
 }
 
 fn prepare(
@@ -139,6 +141,7 @@ fn prepare(
         },
         generated: 0,
         logprobs,
+        prompt_logprobs: None,
     };
     params
         .validate()
@@ -149,6 +152,7 @@ fn prepare(
         stops,
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
+        echo: None,
     })
 }
 
@@ -242,29 +246,7 @@ pub async fn completions(
         let body = guard::body(body, state.limits.max_body_bytes)?;
         let req: CompletionRequest = parse(&headers, &body)?;
         openai::refuse_unsupported(&req.extra)?;
-        let ids = match &req.prompt {
-            Prompt::Text(t) => state
-                .tokenizer
-                .encode(t)
-                .map_err(|e| ApiError::Internal(e.to_string()))?,
-            Prompt::Texts(v) if v.len() == 1 => state
-                .tokenizer
-                .encode(&v[0])
-                .map_err(|e| ApiError::Internal(e.to_string()))?,
-            Prompt::Texts(_) => {
-                return Err(ApiError::BadRequest(
-                    "exactly one prompt per request".into(),
-                ))
-            }
-            Prompt::Tokens(t) => {
-                if let Some(bad) = t.iter().find(|&&x| x as usize >= state.vocab_size) {
-                    return Err(ApiError::BadRequest(format!(
-                        "token id {bad} is outside the vocabulary"
-                    )));
-                }
-                t.clone()
-            }
-        };
+        let (text, ids) = prompt(&state, &req.prompt)?;
         let top = match req.logprobs {
             None => None,
             Some(k) if (0..=5).contains(&k) => Some(k as usize),
@@ -274,10 +256,44 @@ pub async fn completions(
                 )))
             }
         };
-        let p = prepare(&state, &req.common, ids, top)?;
+        let mut p = prepare(&state, &req.common, ids, top)?;
+        if req.echo == Some(true) {
+            // The prompt's log-probabilities come from the decode worker's own prefill.
+            p.params.prompt_logprobs = top;
+            let text = match text {
+                Some(t) => t,
+                None => state
+                    .tokenizer
+                    .decode(&p.prompt, false)
+                    .map_err(|e| ApiError::BadRequest(e.to_string()))?,
+            };
+            p.echo = Some((text, p.prompt.clone()));
+        }
         respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// A completion's prompt as tokens, with its text when it came as text.
+fn prompt(state: &State, p: &Prompt) -> Result<(Option<String>, Vec<u32>), ApiError> {
+    let encode = |t: &str| {
+        let ids = state.tokenizer.encode(t);
+        ids.map_err(|e| ApiError::Internal(e.to_string()))
+    };
+    let ids = |t: &[u32]| match t.iter().find(|&&x| x as usize >= state.vocab_size) {
+        Some(bad) => Err(ApiError::BadRequest(format!(
+            "token id {bad} is outside the vocabulary"
+        ))),
+        None => Ok(t.to_vec()),
+    };
+    let one = || ApiError::BadRequest("exactly one prompt per request".into());
+    match p {
+        Prompt::Text(t) => Ok((Some(t.clone()), encode(t)?)),
+        Prompt::Texts(v) if v.len() == 1 => Ok((Some(v[0].clone()), encode(&v[0])?)),
+        Prompt::Tokens(t) => Ok((None, ids(t)?)),
+        Prompt::TokenLists(v) if v.len() == 1 => Ok((None, ids(&v[0])?)),
+        Prompt::Texts(_) | Prompt::TokenLists(_) => Err(one()),
+    }
 }
 
 #[derive(Clone, Copy, PartialEq)]
@@ -307,6 +323,8 @@ struct Texter {
     last: Option<Instant>,
     /// The tokens' log-probabilities, when the request asked for them.
     lp: Option<LogprobsOut>,
+    /// The prompt's text and tokens, until the first token's text starts with them (`echo`).
+    echo: Option<(String, Vec<u32>)>,
 }
 
 impl Texter {
@@ -320,6 +338,12 @@ impl Texter {
             Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
         }
         self.last = Some(now);
+        let echoed = self.echo.take().map_or_else(String::new, |(text, ids)| {
+            if let Some(out) = &mut self.lp {
+                out.prompt(&ids, &t.prompt_logprobs, &text, &self.state.tokenizer);
+            }
+            text
+        });
         // One entry a token of the text (an end-of-sequence token that ends it has none).
         let eos =
             finish == Some(FinishReason::Stop) && self.state.tokenizer.stop_ids().contains(&tok);
@@ -334,7 +358,7 @@ impl Texter {
             metrics::histogram!("tandem_router_e2e_seconds").record(now - self.start);
             metrics::counter!("tandem_router_requests_total", "outcome" => "ok").increment(1);
         }
-        (text, reason)
+        (echoed + &text, reason)
     }
 
     /// The log-probabilities of the tokens pushed since the last call, in the response's
@@ -397,6 +421,7 @@ async fn respond(
             .params
             .logprobs
             .map(|_| LogprobsOut::new(kind == Kind::Chat)),
+        echo: p.echo,
     };
     let chunks = Chunks {
         id: format!("{}-{}", kind.id_prefix(), uuidish()),

@@ -11,7 +11,8 @@ use serde_json::{json, Value};
 /// The entries gathered since the last [`LogprobsOut::take`], in one response format.
 pub struct LogprobsOut {
     chat: bool,
-    entries: Vec<(u32, TokenLogprobs, usize)>,
+    /// Token, its log-probabilities (none for an echoed prompt's first token), text offset.
+    entries: Vec<(u32, Option<TokenLogprobs>, usize)>,
     /// Characters of the response text so far (the legacy format's `text_offset`).
     offset: usize,
 }
@@ -28,7 +29,20 @@ impl LogprobsOut {
 
     /// Records token `id`, whose text starts after the text emitted so far.
     pub fn push(&mut self, id: u32, lp: TokenLogprobs) {
-        self.entries.push((id, lp, self.offset));
+        self.entries.push((id, Some(lp), self.offset));
+    }
+
+    /// Records an echoed prompt (`ids`, whose text is `text`, emitted before any output): its
+    /// first token has no log-probability, token `i` after it has `lps[i - 1]`.
+    pub fn prompt(&mut self, ids: &[u32], lps: &[TokenLogprobs], text: &str, tok: &Tokenizer) {
+        let start = self.offset;
+        for (i, &id) in ids.iter().enumerate() {
+            let lp = i.checked_sub(1).and_then(|j| lps.get(j)).cloned();
+            self.entries.push((id, lp, self.offset));
+            let bytes = tok.token_bytes(id).unwrap_or_default();
+            self.offset += String::from_utf8_lossy(&bytes).chars().count();
+        }
+        self.offset = start + text.chars().count();
     }
 
     /// Counts `text` as emitted.
@@ -53,25 +67,27 @@ impl LogprobsOut {
             };
             let content: Vec<Value> = entries
                 .iter()
-                .map(|(id, lp, _)| {
+                .filter_map(|(id, lp, _)| {
+                    let lp = lp.as_ref()?;
                     let mut e = item(*id, lp.logprob);
                     e["top_logprobs"] = lp.top.iter().map(|&(t, l)| item(t, l)).collect();
-                    e
+                    Some(e)
                 })
                 .collect();
             return Some(json!({ "content": content }));
         }
         let tokens: Vec<String> = entries.iter().map(|e| text(e.0).0).collect();
-        let logprobs: Vec<f32> = entries.iter().map(|e| e.1.logprob).collect();
+        let logprobs: Vec<Option<f32>> = entries
+            .iter()
+            .map(|e| e.1.as_ref().map(|l| l.logprob))
+            .collect();
         let top: Vec<Value> = entries
             .iter()
-            .map(|e| {
-                let m: serde_json::Map<String, Value> =
-                    e.1.top
-                        .iter()
-                        .map(|&(t, l)| (text(t).0, json!(l)))
-                        .collect();
-                Value::Object(m)
+            .map(|e| match &e.1 {
+                None => Value::Null,
+                Some(lp) => {
+                    Value::Object(lp.top.iter().map(|&(t, l)| (text(t).0, json!(l))).collect())
+                }
             })
             .collect();
         let offsets: Vec<usize> = entries.iter().map(|e| e.2).collect();

@@ -278,6 +278,8 @@ pub enum Prompt {
     Texts(Vec<String>),
     /// Token ids.
     Tokens(Vec<u32>),
+    /// Token ids, one prompt in a list (as evaluation harnesses send them).
+    TokenLists(Vec<Vec<u32>>),
 }
 
 /// `POST /v1/completions`.
@@ -287,6 +289,10 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Report each token's log-probability and those of this many likeliest tokens (0..=5).
     pub logprobs: Option<i64>,
+    /// Start the text with the prompt (and, with `logprobs`, the log-probabilities with the
+    /// prompt's tokens).
+    #[serde(default)]
+    pub echo: Option<bool>,
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
@@ -299,7 +305,6 @@ pub struct CompletionRequest {
 /// for nothing (a client sending its default is served; any other value is a 400, never
 /// silently ignored).
 const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
-    ("echo", |v| v == &json!(false)),
     ("best_of", |v| v == &json!(1)),
     ("suffix", |v| v == &json!("")),
     ("tools", |v| v.as_array().is_some_and(|a| a.is_empty())),

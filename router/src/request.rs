@@ -49,6 +49,9 @@ pub struct Token {
     pub finish: Option<FinishReason>,
     /// Its log-probabilities, when the request asked for them.
     pub logprobs: Option<engine::sampler::TokenLogprobs>,
+    /// On the first token, when the request asked for them: the log-probabilities of the prompt
+    /// tokens after the first.
+    pub prompt_logprobs: Vec<engine::sampler::TokenLogprobs>,
 }
 
 /// A generated token, or why the stream failed.
@@ -109,6 +112,13 @@ pub struct Started {
     pub phases: JoinHandle<Vec<&'static str>>,
 }
 
+/// Whether the prompt's KV may come from the prefill pool: there is one, and the request needs
+/// neither the prompt's log-probabilities (the decode worker computes those, whole) nor a
+/// prompt too short to split.
+fn disaggregate(state: &State, prompt: &[u32], params: &SamplingParams) -> bool {
+    prompt.len() >= 2 && params.prompt_logprobs.is_none() && state.registry.count(Pool::Prefill) > 0
+}
+
 /// Starts `prompt`; returns once its first token (or error) is known, so that errors before
 /// any output can still become an HTTP status.
 pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams) -> Started {
@@ -118,7 +128,7 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams
     let run = Request {
         route,
         id: state.next_request_id(),
-        disaggregated: prompt.len() >= 2 && state.registry.count(Pool::Prefill) > 0,
+        disaggregated: disaggregate(state, &prompt, params),
         state: state.clone(),
         prompt_len: prompt.len(),
         prompt,
@@ -412,6 +422,7 @@ impl Request {
             Some(r) => self.decision(r),
             None if !self.state.disaggregated => return Phase::Decoding,
             None if self.prompt.len() < 2 => "local: short suffix",
+            None if self.params.prompt_logprobs => "local: prompt logprobs",
             None => "local: no prefill worker",
         };
         metrics::counter!("tandem_router_prefill_decisions_total", "decision" => decision)
@@ -525,10 +536,12 @@ impl Request {
                 event: Some(generate_event::Event::Token(t)),
                 finish,
                 logprobs,
+                prompt_logprobs,
             }) => Token {
                 id: t,
                 finish: FinishReason::from_wire(finish),
                 logprobs: logprobs.map(Into::into),
+                prompt_logprobs: prompt_logprobs.into_iter().map(Into::into).collect(),
             },
             Some(other) => {
                 let m = format!("unexpected event from decode worker {name}: {other:?}");
@@ -647,13 +660,16 @@ impl Request {
         self.prompt.extend(&self.streamed);
         // The streamed tokens are output to the penalties and min_tokens, prompt to the KV.
         self.params.generated = self.streamed.len() as u32;
+        // The prompt's log-probabilities went out with the first token.
+        self.params.prompt_logprobs &= self.streamed.is_empty();
         if self.max_tokens > 0 {
             // Not finished, so fewer tokens than asked for were streamed.
             self.params.max_tokens = self.max_tokens - self.streamed.len() as u32;
         }
         self.route = route(&self.state, &self.prompt);
         self.recomputed = false;
-        self.disaggregated = self.state.registry.count(Pool::Prefill) > 0;
+        self.disaggregated =
+            !self.params.prompt_logprobs && self.state.registry.count(Pool::Prefill) > 0;
         self.id = self.state.next_request_id();
         self.admit_by = Instant::now() + self.state.admission_wait;
         Phase::Reserving

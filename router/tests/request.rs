@@ -615,10 +615,68 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
         assert_eq!(got, StatusCode::OK, "{body}: {text}");
     }
-    let body = json!({"prompt": "hi", "max_tokens": 1, "echo": true});
+    let body = json!({"prompt": "hi", "max_tokens": 1, "best_of": 3});
     let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
     assert_eq!(got, StatusCode::BAD_REQUEST, "{text}");
-    assert!(text.contains("echo"), "{text}");
+    assert!(text.contains("best_of"), "{text}");
+}
+
+/// `echo`: the text starts with the prompt; with `logprobs` the decode worker computes the
+/// prompt itself (its log-probabilities need every position), so no prefill worker is asked
+/// even though one has joined; a prompt of token ids in a list (as lm-evaluation-harness sends
+/// it) is one prompt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echo_starts_with_the_prompt_and_prompt_logprobs_stay_on_the_decode_worker() {
+    let st = state(Duration::from_secs(5));
+    let kv = Arc::new(Kv::default());
+    let d = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let p = Fake::new(tokens(&[]), PrefillScript::Deliver, kv);
+    join(&st, Pool::Decode, &d).await;
+    join(&st, Pool::Prefill, &p).await;
+    let body = json!({"prompt": "hello there", "max_tokens": 2, "echo": true});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert!(
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("hello there"),
+        "{v}"
+    );
+    let ids = st.tokenizer.encode("hello there").unwrap();
+    let body = json!({"prompt": [ids], "max_tokens": 2, "echo": true, "logprobs": 1});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    // The prompt's entries (this fake sends no log-probabilities of its own).
+    let pieces: Vec<&str> = lp["tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    assert_eq!(pieces.concat(), "hello there", "{v}");
+    assert_eq!(lp["text_offset"][1], json!("hello".len()));
+    assert_eq!(
+        lp["token_logprobs"][0],
+        Value::Null,
+        "the first prompt token has none"
+    );
+    let (dg, pf) = (d.seen.lock().unwrap(), p.seen.lock().unwrap());
+    assert_eq!(
+        (dg.generate[0].1, dg.generate[1].1),
+        (true, false),
+        "remote prefill only without prompt logprobs"
+    );
+    assert!(dg.params[1].prompt_logprobs && !dg.params[0].prompt_logprobs);
+    assert_eq!(dg.generate[1].2, ids);
+    assert_eq!(
+        pf.prefill.len(),
+        1,
+        "only the plain echo went through the prefill pool"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

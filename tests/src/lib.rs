@@ -43,7 +43,7 @@ pub fn decode_by_hand(
             tokens: &seq[start..],
             start_pos: start,
             block_table: table.blocks(),
-            logits: true,
+            logits: engine::Logits::Last,
         };
         let l = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
         start = seq.len();

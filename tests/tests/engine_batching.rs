@@ -50,7 +50,11 @@ fn run(model: &Model, kv: &mut KvCache, seqs: &[Vec<u32>], chunk: usize) -> Vec<
                 tokens: &toks[i][s..s + n],
                 start_pos: s,
                 block_table: tables[i].blocks(),
-                logits: s + n == toks[i].len(),
+                logits: if s + n == toks[i].len() {
+                    engine::Logits::Last
+                } else {
+                    engine::Logits::None
+                },
             })
             .collect();
         let logits = model.forward(kv, &chunks).unwrap();

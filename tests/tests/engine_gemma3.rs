@@ -51,7 +51,7 @@ fn all_logits(
                 tokens: &seq[p..p + 1],
                 start_pos: p,
                 block_table: table.blocks(),
-                logits: true,
+                logits: engine::Logits::Last,
             })
             .collect();
         out.extend(
@@ -169,7 +169,7 @@ fn logits_are_bitwise_the_same_however_the_prompt_is_chunked_or_batched() {
                 tokens: &ids[start..end],
                 start_pos: start,
                 block_table: table.blocks(),
-                logits: true,
+                logits: engine::Logits::Last,
             }];
             if with_other && start == 0 {
                 batch.insert(
@@ -178,7 +178,7 @@ fn logits_are_bitwise_the_same_however_the_prompt_is_chunked_or_batched() {
                         tokens: short,
                         start_pos: 0,
                         block_table: other.blocks(),
-                        logits: true,
+                        logits: engine::Logits::Last,
                     },
                 );
             }

@@ -57,7 +57,7 @@ fn teacher_forced_logits_match_llama_cpp() {
                 tokens: &seq[start..],
                 start_pos: start,
                 block_table: table.blocks(),
-                logits: true,
+                logits: engine::Logits::Last,
             };
             let logits = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
             for &(id, want) in &step.top {

@@ -111,3 +111,77 @@ fn token_bytes_put_together_are_the_text() {
         );
     }
 }
+
+/// Prompt log-probabilities (`echo` with `logprobs`): each is the log-softmax, at the next prompt
+/// token, of the model's own logits at that position — here from one forward over the whole
+/// prompt, every row asked for — bitwise, although the engine computes the prompt in chunks of
+/// 7 tokens, and with the prompt's prefix already in its cache (none of it reused: the path is
+/// read from the engine's counters).
+#[test]
+fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
+    let (model, tok) = load_model();
+    let prompt = tok
+        .encode(
+            "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is",
+        )
+        .unwrap();
+    let mut kv = model.new_kv_cache(16, prompt.len().div_ceil(16)).unwrap();
+    let mut table = engine::BlockTable::default();
+    kv.reserve(&mut table, prompt.len()).unwrap();
+    let chunk = engine::SeqChunk {
+        tokens: &prompt,
+        start_pos: 0,
+        block_table: table.blocks(),
+        logits: engine::Logits::All,
+    };
+    let rows = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
+    let vocab = model.config.vocab_size;
+    let want: Vec<_> = rows
+        .chunks_exact(vocab)
+        .zip(&prompt[1..])
+        .map(|(row, &next)| engine::sampler::TokenLogprobs::of(row, next, 3))
+        .collect();
+    let config = EngineConfig {
+        max_batch_tokens: 7,
+        ..Default::default()
+    };
+    let mut e = Engine::new(model.clone(), config, tok.stop_ids().to_vec()).unwrap();
+    // The same prompt once without: its blocks are cached after it.
+    e.add(0, prompt.clone(), SamplingParams::greedy(1)).unwrap();
+    e.run_to_completion().unwrap();
+    let hits = e.load().prefix_hit_tokens;
+    let p = SamplingParams {
+        prompt_logprobs: Some(3),
+        ..SamplingParams::greedy(2)
+    };
+    e.add(1, prompt.clone(), p).unwrap();
+    let mut events = Vec::new();
+    while e.has_work() {
+        events.extend(e.step().unwrap());
+    }
+    assert_eq!(
+        e.load().prefix_hit_tokens,
+        hits,
+        "no cached block was reused"
+    );
+    let got = events[0]
+        .prompt_logprobs
+        .clone()
+        .expect("with the first token");
+    assert_eq!(got.len(), prompt.len() - 1);
+    assert_eq!(got, want);
+    assert!(
+        events[1].prompt_logprobs.is_none(),
+        "only with the first token"
+    );
+    // The last prompt row is the first token's distribution: the greedy pick is its argmax.
+    let last = &rows[(prompt.len() - 1) * vocab..];
+    assert_eq!(events[0].token, engine::sampler::argmax(last));
+    // The blocks were there to reuse: the same prompt without prompt log-probabilities hits.
+    e.add(2, prompt.clone(), SamplingParams::greedy(1)).unwrap();
+    e.run_to_completion().unwrap();
+    assert!(
+        e.load().prefix_hit_tokens > hits,
+        "a plain request reuses the prefix"
+    );
+}

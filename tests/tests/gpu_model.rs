@@ -51,7 +51,7 @@ fn gpu_forward_matches_the_cpu_engine_on_the_golden_prompts() {
                         tokens: chunk,
                         start_pos: start,
                         block_table: &table,
-                        logits: true,
+                        logits: engine::Logits::Last,
                     }],
                 )
                 .unwrap()

@@ -265,7 +265,7 @@ fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
     Ok(GenerateEvent {
         event: Some(generate_event::Event::Token(t)),
         finish: finish as i32,
-        logprobs: None,
+        ..Default::default()
     })
 }
 
@@ -275,8 +275,7 @@ fn reserved(local: bool) -> Result<GenerateEvent, Status> {
             cached_tokens: 0,
             local,
         })),
-        finish: 0,
-        logprobs: None,
+        ..Default::default()
     })
 }
 
