@@ -336,3 +336,64 @@ print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.
         "no prefill worker was asked"
     );
 }
+
+/// Structured output through a disaggregated cluster and the official client: 20 chat answers
+/// at temperature 1.0 with a `json_schema` response format all parse and validate (checked
+/// field by field here) and end because the JSON is complete; `json_object` gives an object;
+/// a schema that cannot compile is the client's 400, from the decode worker.
+#[test]
+fn json_schema_responses_parse_and_validate_through_the_official_client() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let schema = tandem_tests::structured::schema().to_string();
+    let script = format!(
+        r#"
+import json, openai
+client = openai.OpenAI(base_url="http://{http}/v1", api_key="unused")
+fmt = {{"type": "json_schema", "json_schema": {{"name": "person", "strict": True, "schema": json.loads({schema:?})}}}}
+who = ["a pirate", "a chef", "a robot", "an astronaut", "a teacher", "a dragon", "a farmer",
+       "a poet", "a detective", "a gardener", "a pilot", "a baker", "a wizard", "a nurse",
+       "a sailor", "a painter", "a miner", "a knight", "a librarian", "a drummer"]
+out = []
+for i, w in enumerate(who):
+    r = client.chat.completions.create(model="{MODEL}", temperature=1.0, seed=i, max_tokens=160,
+        messages=[{{"role": "user", "content": f"Describe {{w}} as JSON."}}], response_format=fmt)
+    out.append([r.choices[0].message.content, r.choices[0].finish_reason])
+obj = client.chat.completions.create(model="{MODEL}", temperature=1.0, seed=1, max_tokens=160,
+    messages=[{{"role": "user", "content": "A JSON object about cats."}}],
+    response_format={{"type": "json_object"}})
+try:
+    client.chat.completions.create(model="{MODEL}", max_tokens=8,
+        messages=[{{"role": "user", "content": "hi"}}],
+        response_format={{"type": "json_schema", "json_schema": {{"name": "x",
+                          "schema": {{"type": "object", "properties": {{"a": {{"type": "nonsense"}}}}}}}}}})
+    bad = "accepted"
+except openai.BadRequestError as e:
+    bad = e.status_code
+print(json.dumps({{"answers": out, "object": [obj.choices[0].message.content,
+                  obj.choices[0].finish_reason], "bad": bad}}))
+"#,
+        http = c.http
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let answers = v["answers"].as_array().unwrap();
+    assert_eq!(answers.len(), 20);
+    for a in answers {
+        let text = a[0].as_str().unwrap();
+        let parsed: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(tandem_tests::structured::valid(&parsed), "{parsed}");
+        assert_eq!(a[1], "stop", "{text}");
+    }
+    let obj: Value = serde_json::from_str(v["object"][0].as_str().unwrap()).unwrap();
+    assert!(obj.is_object() && v["object"][1] == "stop", "{v}");
+    assert_eq!(v["bad"], 400, "{v}");
+}

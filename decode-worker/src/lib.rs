@@ -317,6 +317,9 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let loaded = worker::load(s).await?;
     let stop = loaded.tokenizer.stop_ids().to_vec();
     let mut engine = Engine::new(loaded.model.clone(), s.engine.clone(), stop)?;
+    // Structured output: the vocabulary's token trie, built once.
+    let grammars = engine::grammar::Grammars::new(&loaded.tokenizer)?;
+    engine.set_grammars(std::sync::Arc::new(grammars));
     let regions = engine.kv_regions();
     let handle = worker::engine_thread::spawn(
         "decode-engine",

@@ -25,6 +25,8 @@ pub mod gguf;
 #[cfg(feature = "runtime")]
 pub mod gpu;
 #[cfg(feature = "runtime")]
+pub mod grammar;
+#[cfg(feature = "runtime")]
 pub mod kv_cache;
 #[cfg(feature = "runtime")]
 pub mod loader;

@@ -55,6 +55,21 @@ pub struct SamplingParams {
     /// whole prompt is computed (no prefix-cache reuse); the raw model distribution (no bias or
     /// penalties).
     pub prompt_logprobs: Option<usize>,
+    /// What the output must match (structured output); compiled by the decode worker.
+    pub constraint: Option<Constraint>,
+}
+
+/// A grammar the output must match (see `engine::grammar`): the sequence ends, with
+/// [`FinishReason::Stop`], when the grammar is complete.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Constraint {
+    /// JSON valid against this schema (`{"type": "object"}`: any object), written compactly.
+    JsonSchema(serde_json::Value),
+    /// Text matching this regular expression.
+    Regex(String),
+    /// Exactly one of these texts.
+    Choice(Vec<String>),
 }
 
 /// A sampled token's log-probability and the likeliest tokens', under the distribution the
@@ -172,6 +187,9 @@ impl From<&SamplingParams> for proto::grpc::SamplingParams {
             top_logprobs: p.logprobs.unwrap_or(0) as u32,
             prompt_logprobs: p.prompt_logprobs.is_some(),
             prompt_top_logprobs: p.prompt_logprobs.unwrap_or(0) as u32,
+            constraint: p.constraint.as_ref().map_or_else(String::new, |c| {
+                serde_json::to_string(c).expect("serialisable")
+            }),
         }
     }
 }
@@ -203,6 +221,12 @@ impl From<proto::grpc::SamplingParams> for SamplingParams {
             generated: p.generated as usize,
             logprobs: p.logprobs.then_some(p.top_logprobs as usize),
             prompt_logprobs: p.prompt_logprobs.then_some(p.prompt_top_logprobs as usize),
+            // An unreadable constraint is kept as a regex that cannot compile: the engine
+            // refuses it with the parse error rather than generating unconstrained.
+            constraint: (!p.constraint.is_empty()).then(|| {
+                serde_json::from_str(&p.constraint)
+                    .unwrap_or_else(|e| Constraint::Regex(format!("(unreadable constraint: {e}")))
+            }),
         }
     }
 }
@@ -226,6 +250,7 @@ impl Default for SamplingParams {
             generated: 0,
             logprobs: None,
             prompt_logprobs: None,
+            constraint: None,
         }
     }
 }

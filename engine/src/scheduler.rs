@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use proto::ledger::{Ledger, LedgerCounts};
 
 use crate::error::{EngineError, Result};
+use crate::grammar::{Grammars, Guide};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{Logits, Model, SeqChunk};
 use crate::sampler::{FinishReason, Sampler, SamplingParams, TokenLogprobs};
@@ -85,6 +86,8 @@ struct Seq {
     send_from: usize,
     /// Prompt log-probabilities asked for (how many likeliest tokens each), and those computed.
     prompt_lp: Option<(usize, Vec<TokenLogprobs>)>,
+    /// The grammar the output must match, when the request has one.
+    guide: Option<Guide>,
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -112,6 +115,8 @@ pub struct Engine {
     refusals: u64,
     /// Forward steps run, since start.
     steps: u64,
+    /// The vocabulary's grammar compiler (structured output), when the worker set one.
+    grammars: Option<Arc<Grammars>>,
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -156,7 +161,14 @@ impl Engine {
             prefix_hit_tokens: 0,
             refusals: 0,
             steps: 0,
+            grammars: None,
         })
+    }
+
+    /// Serves requests with a [`crate::sampler::Constraint`] (structured output) through
+    /// `grammars`; without it such requests are refused.
+    pub fn set_grammars(&mut self, grammars: Arc<Grammars>) {
+        self.grammars = Some(grammars);
     }
 
     /// The model being served.
@@ -516,6 +528,7 @@ impl Engine {
         }
         let prompt_len = prompt.len();
         let prompt_lp = params.prompt_logprobs.map(|k| (k, Vec::new()));
+        let guide = self.guide(&params, &prompt)?;
         Ok(Seq {
             id,
             prompt_len,
@@ -529,7 +542,21 @@ impl Engine {
             chain: (0, crate::prefix::ROOT),
             send_from: 0,
             prompt_lp,
+            guide,
         })
+    }
+
+    /// The guide of a request with a constraint, past the output it already has (a migration's).
+    fn guide(&self, params: &SamplingParams, prompt: &[u32]) -> Result<Option<Guide>> {
+        let Some(c) = &params.constraint else {
+            return Ok(None);
+        };
+        let grammars = self.grammars.as_ref().ok_or_else(|| {
+            EngineError::InvalidRequest("this worker does not serve structured output".into())
+        })?;
+        let mut g = grammars.guide(c)?;
+        g.replay(&prompt[prompt.len().saturating_sub(params.generated)..])?;
+        Ok(Some(g))
     }
 
     /// Drops a request wherever it is, frees its blocks and its ledger entry — the one way a
@@ -739,10 +766,16 @@ impl Engine {
                 }
                 l.drain(..l.len() - vocab);
             }
-            let (tok, logprobs) = s.sampler.sample_with_logprobs(&l, &s.tokens);
+            let (tok, logprobs, complete) = match &mut s.guide {
+                None => {
+                    let (tok, lp) = s.sampler.sample_with_logprobs(&l, &s.tokens);
+                    (tok, lp, false)
+                }
+                Some(g) => guided(g, &s.sampler, &mut l, &s.tokens, &s.stop_ids, s.id),
+            };
             s.tokens.push(tok);
             let generated = s.tokens.len() - s.prompt_len;
-            let finish = if s.stop_ids.contains(&tok) {
+            let finish = if complete || s.stop_ids.contains(&tok) {
                 Some(FinishReason::Stop)
             } else if generated >= s.max_tokens {
                 Some(FinishReason::Length)
@@ -803,6 +836,32 @@ fn prompt_logprobs(
     for (j, row) in logits.chunks_exact(vocab).enumerate() {
         if let Some(&next) = prompt.get(start + j + 1) {
             out.push(TokenLogprobs::of(row, next, k));
+        }
+    }
+}
+
+/// A draw under a grammar: the logits masked, the token drawn, the grammar moved past it;
+/// also whether the grammar is complete. A grammar that fails (an internal error: its own
+/// masks allow only what it accepts) ends the output there, logged.
+fn guided(
+    g: &mut Guide,
+    sampler: &Sampler,
+    logits: &mut [f32],
+    tokens: &[u32],
+    stops: &[u32],
+    id: u64,
+) -> (u32, Option<TokenLogprobs>, bool) {
+    let masked = g.mask(logits);
+    let (tok, lp) = sampler.sample_with_logprobs(logits, tokens);
+    let done = masked.and_then(|()| match stops.contains(&tok) {
+        true => Ok(true),
+        false => g.commit(tok),
+    });
+    match done {
+        Ok(done) => (tok, lp, done),
+        Err(e) => {
+            tracing::warn!(request = id, "structured output ended: {e}");
+            (tok, lp, true)
         }
     }
 }

@@ -260,10 +260,18 @@ impl Tokenizer {
         ))
     }
 
-    /// Token ids of `text`; special-token texts (like `<|im_start|>`) become their ids.
+    /// Token ids of `text`, after the beginning-of-sequence token where the model adds one;
+    /// special-token texts (like `<|im_start|>`) become their ids.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        self.encode_with(text, true)
+    }
+
+    /// [`Tokenizer::encode`], without the beginning-of-sequence token unless `add_special`.
+    pub fn encode_with(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
         let mut ids = Vec::new();
-        ids.extend(self.add_bos);
+        if add_special {
+            ids.extend(self.add_bos);
+        }
         match &self.inner {
             Vocab::Bpe(t) => {
                 let enc = t
@@ -313,6 +321,29 @@ impl Tokenizer {
             Vocab::Bpe(t) => t.get_vocab_size(true),
             Vocab::Spm(s) => s.len(),
         }
+    }
+
+    /// Every token's bytes, in id order, for a grammar's token trie: a special token's text
+    /// (one that decoding with `skip_special` drops) after the marker byte 0xFF, so that no
+    /// grammar matches it as text.
+    pub fn vocab_words(&self) -> Vec<Vec<u8>> {
+        (0..self.vocab_size() as u32)
+            .map(|id| {
+                let bytes = self.token_bytes(id).unwrap_or_default();
+                let special = !bytes.is_empty()
+                    && self.decode(&[id], true).is_ok_and(|t| t.is_empty())
+                    && self.decode(&[id], false).is_ok_and(|t| !t.is_empty());
+                match special {
+                    true => [&[0xFF], &bytes[..]].concat(),
+                    false => bytes,
+                }
+            })
+            .collect()
+    }
+
+    /// The beginning- and end-of-sequence tokens' texts, where the model names them.
+    pub fn special_tokens(&self) -> (Option<&str>, Option<&str>) {
+        (self.bos.as_deref(), self.eos.as_deref())
     }
 
     /// The chat template text, if the model has one.

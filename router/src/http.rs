@@ -12,6 +12,7 @@ use axum::http::HeaderMap;
 use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use engine::sampler::Constraint;
 use engine::text::{StopStrings, StreamDecoder};
 use engine::{ChatMessage, FinishReason, SamplingParams};
 use futures::stream::{self, Stream, StreamExt};
@@ -30,7 +31,7 @@ use crate::State;
 /// Default `max_tokens` when a request gives none (bounded by the context).
 const DEFAULT_MAX_TOKENS: usize = 1024;
 
-fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
+pub(crate) fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> Result<T, ApiError> {
     let ct = headers
         .get("content-type")
         .and_then(|v| v.to_str().ok())
@@ -142,6 +143,7 @@ fn prepare(
         generated: 0,
         logprobs,
         prompt_logprobs: None,
+        constraint: constraint(c)?,
     };
     params
         .validate()
@@ -154,6 +156,48 @@ fn prepare(
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo: None,
     })
+}
+
+/// The grammar the output must match: `response_format` or one of the `guided_*` extensions
+/// (at most one). Whether it compiles is the decode worker's to say (a 400 from there).
+fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
+    let bad = |m: String| Err(ApiError::BadRequest(m));
+    let format = match &c.response_format {
+        None => None,
+        Some(f) => match f["type"].as_str() {
+            Some("text") => None,
+            Some("json_object") => Some(Constraint::JsonSchema(json!({"type": "object"}))),
+            Some("json_schema") => match f["json_schema"].get("schema") {
+                Some(s) if s.is_object() => Some(Constraint::JsonSchema(s.clone())),
+                _ => {
+                    return bad(
+                        "response_format json_schema needs json_schema.schema, an object".into(),
+                    )
+                }
+            },
+            _ => {
+                return bad(format!(
+                    "response_format type must be text, json_object or json_schema, got {}",
+                    f["type"]
+                ))
+            }
+        },
+    };
+    let all = [
+        format,
+        c.guided_json.clone().map(Constraint::JsonSchema),
+        c.guided_regex.clone().map(Constraint::Regex),
+        c.guided_choice.clone().map(Constraint::Choice),
+    ];
+    let mut given = all.into_iter().flatten();
+    let first = given.next();
+    if given.next().is_some() {
+        return bad(
+            "give at most one of response_format, guided_json, guided_regex and guided_choice"
+                .into(),
+        );
+    }
+    Ok(first)
 }
 
 /// `stop_token_ids`, checked against the vocabulary.

@@ -17,6 +17,7 @@ pub mod planner;
 pub mod registry;
 pub mod request;
 pub mod routing;
+pub mod tokenize;
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
@@ -216,6 +217,9 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/health", get(http::health))
         .route("/debug/workers", get(http::workers))
         .route("/metrics", get(http::metrics))
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
+        .route("/tokenizer_info", get(tokenize::tokenizer_info))
         .fallback(http::not_found)
         .method_not_allowed_fallback(http::method_not_allowed)
         .layer(axum::middleware::from_fn_with_state(

@@ -249,6 +249,14 @@ pub struct Common {
     pub min_tokens: Option<i64>,
     /// Token ids that end the output, besides the model's (extension).
     pub stop_token_ids: Option<Vec<u32>>,
+    /// `{"type": "text" | "json_object" | "json_schema", "json_schema": {"schema": ...}}`.
+    pub response_format: Option<serde_json::Value>,
+    /// Extension (vLLM's name): output valid against this JSON schema.
+    pub guided_json: Option<serde_json::Value>,
+    /// Extension: output matching this regular expression.
+    pub guided_regex: Option<String>,
+    /// Extension: output exactly one of these texts.
+    pub guided_choice: Option<Vec<String>>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -312,7 +320,6 @@ const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
     ("parallel_tool_calls", |_| true),
     ("functions", |v| v.as_array().is_some_and(|a| a.is_empty())),
     ("function_call", |v| v == &json!("none")),
-    ("response_format", |v| v == &json!({"type": "text"})),
 ];
 
 /// Fields that carry no instruction to the model: accepted and not used.

@@ -577,7 +577,13 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
             "tools",
             json!([{"type": "function", "function": {"name": "f"}}]),
         ),
-        with("response_format", json!({"type": "json_object"})),
+        with("response_format", json!({"type": "xml"})),
+        with(
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "x"}}),
+        ),
+        json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+            "response_format": {"type": "json_object"}, "guided_regex": "a+"}),
         with("presence_penalty", json!(2.5)),
         with("frequency_penalty", json!(-3)),
         with("repetition_penalty", json!(0)),
@@ -1056,4 +1062,90 @@ async fn past_the_migration_limit_the_client_gets_an_error_after_its_tokens() {
     assert!(e.contains("migration_limit = 0"), "{e}");
     assert_eq!(phases, ["reserving", "decoding", "migrating", "failed"]);
     assert!(b.seen.lock().unwrap().generate.is_empty());
+}
+
+/// vLLM's tokenizer endpoints (lm-evaluation-harness counts tokens through them): text to the
+/// model's tokens and back, the special tokens and context; bad input is a 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenizer_endpoints_round_trip_and_refuse_bad_input() {
+    let st = state(Duration::from_secs(5));
+    let text = "Hello, world! 123";
+    let body = json!({"prompt": text, "add_special_tokens": false});
+    let (got, out) = call(&st, "POST", "/tokenize", Some(body)).await;
+    assert_eq!(got, StatusCode::OK, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let ids: Vec<u32> = serde_json::from_value(v["tokens"].clone()).unwrap();
+    assert_eq!(ids, st.tokenizer.encode_with(text, false).unwrap());
+    assert_eq!(v["count"], json!(ids.len()));
+    assert_eq!(v["max_model_len"], json!(st.context_len));
+    let (got, out) = call(&st, "POST", "/detokenize", Some(json!({"tokens": ids}))).await;
+    assert_eq!(got, StatusCode::OK, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["prompt"], text);
+    let (got, out) = call(&st, "GET", "/tokenizer_info", None).await;
+    assert_eq!(got, StatusCode::OK, "{out}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert!(v["eos_token"].is_string(), "{v}");
+    let bad = [
+        ("/detokenize", json!({"tokens": [u32::MAX]})),
+        ("/tokenize", json!({"prompt": "x", "messages": []})),
+        ("/tokenize", json!({"text": "x"})),
+        ("/tokenize", json!({"prompt": "x", "model": "nope"})),
+    ];
+    for (path, body) in bad {
+        let (got, out) = call(&st, "POST", path, Some(body.clone())).await;
+        assert!(got.is_client_error(), "{path} {body}: {got} {out}");
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert!(v["error"]["message"].is_string(), "{out}");
+    }
+}
+
+/// `response_format` and the `guided_*` extensions reach the decode worker as one constraint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_formats_reach_the_decode_worker_as_constraints() {
+    let st = state(Duration::from_secs(5));
+    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
+    join(&st, Pool::Decode, &d).await;
+    let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    let bodies = [
+        json!({"messages": msgs, "max_tokens": 2, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}}),
+        json!({"messages": msgs, "max_tokens": 2, "response_format": {"type": "json_object"}}),
+        json!({"prompt": "hi", "max_tokens": 2, "guided_regex": "[0-9]+"}),
+        json!({"prompt": "hi", "max_tokens": 2, "guided_choice": ["yes", "no"]}),
+        json!({"messages": msgs, "max_tokens": 2, "response_format": {"type": "text"}}),
+    ];
+    for body in &bodies {
+        let path = if body.get("prompt").is_some() {
+            "/v1/completions"
+        } else {
+            "/v1/chat/completions"
+        };
+        let (got, text) = call(&st, "POST", path, Some(body.clone())).await;
+        assert_eq!(got, StatusCode::OK, "{body}: {text}");
+    }
+    let seen: Vec<Value> = d
+        .seen
+        .lock()
+        .unwrap()
+        .params
+        .iter()
+        .map(|p| {
+            if p.constraint.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_str(&p.constraint).unwrap()
+            }
+        })
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            json!({"json_schema": schema}),
+            json!({"json_schema": {"type": "object"}}),
+            json!({"regex": "[0-9]+"}),
+            json!({"choice": ["yes", "no"]}),
+            Value::Null,
+        ]
+    );
 }

@@ -207,3 +207,43 @@ fn read_golden<T: serde::de::DeserializeOwned>(rel: &str) -> T {
     };
     serde_json::from_str(&std::fs::read_to_string(&p).expect("golden file")).expect("golden JSON")
 }
+
+/// The JSON schema of the structured-output tests (engine and cluster).
+pub mod structured {
+    use serde_json::{json, Value};
+
+    /// A schema with a bounded string, an integer range, an enum and a bounded array.
+    pub fn schema() -> Value {
+        json!({
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "minLength": 1, "maxLength": 24},
+                "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                "colour": {"enum": ["red", "green", "blue"]},
+                "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+            },
+            "required": ["name", "age", "colour", "tags"],
+            "additionalProperties": false
+        })
+    }
+
+    /// Whether `v` is valid against [`schema`], checked by hand (not by the grammar's code).
+    pub fn valid(v: &Value) -> bool {
+        let o = match v.as_object() {
+            Some(o) if o.len() == 4 => o,
+            _ => return false,
+        };
+        let name = o["name"].as_str().map_or(0, |s| s.chars().count());
+        let age = o["age"].as_i64();
+        let colour = o["colour"].as_str();
+        let tags = o["tags"].as_array();
+        (1..=24).contains(&name)
+            && age.is_some_and(|a| (0..=120).contains(&a))
+            && colour.is_some_and(|c| ["red", "green", "blue"].contains(&c))
+            && tags.is_some_and(|t| {
+                t.len() <= 3
+                    && t.iter()
+                        .all(|x| x.as_str().is_some_and(|s| s.chars().count() <= 12))
+            })
+    }
+}
