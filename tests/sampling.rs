@@ -397,3 +397,79 @@ print(json.dumps({{"answers": out, "object": [obj.choices[0].message.content,
     assert!(obj.is_object() && v["object"][1] == "stop", "{v}");
     assert_eq!(v["bad"], 400, "{v}");
 }
+
+/// `n = 3` through a disaggregated cluster and the official client, whole and streamed: choice
+/// `i` is the engine's own run with `seed + i`; the other choices found the prompt's full blocks
+/// in the decode worker's prefix cache (its live prefix-hit count), so the prompt was computed
+/// once a request.
+#[test]
+fn n_choices_are_the_engines_runs_with_successive_seeds_sharing_the_prompt() {
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let (model, tok) = load_model();
+    let text = "Once upon a time, in a small village by the sea, there lived an old fisherman who";
+    let prompt = tok.encode(text).unwrap();
+    let script = format!(
+        r#"
+import json, openai
+client = openai.OpenAI(base_url="http://{http}/v1", api_key="unused")
+r = client.completions.create(model="{MODEL}", prompt={text:?}, n=3, temperature=1.0, seed=5,
+                              max_tokens=12, extra_body={{"ignore_eos": True}})
+whole = {{c.index: c.text for c in r.choices}}
+streamed = {{}}
+for chunk in client.completions.create(model="{MODEL}", prompt={text:?}, n=3, temperature=1.0,
+                                       seed=5, max_tokens=12, stream=True,
+                                       extra_body={{"ignore_eos": True}}):
+    for ch in chunk.choices:
+        streamed[ch.index] = streamed.get(ch.index, "") + ch.text
+print(json.dumps({{"whole": [whole[i] for i in range(3)], "streamed": [streamed[i] for i in range(3)],
+                  "usage": r.usage.completion_tokens}}))
+"#,
+        http = c.http
+    );
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the openai client failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for i in 0..3 {
+        let p = SamplingParams {
+            temperature: 1.0,
+            seed: 5 + i as u64,
+            ignore_eos: true,
+            ..SamplingParams::greedy(12)
+        };
+        let mut e = Engine::new(
+            model.clone(),
+            EngineConfig::default(),
+            tok.stop_ids().to_vec(),
+        )
+        .unwrap();
+        e.add(0, prompt.clone(), p).unwrap();
+        let want = tok
+            .decode(&e.run_to_completion().unwrap()[&0], true)
+            .unwrap();
+        assert_eq!(v["whole"][i], want.as_str(), "choice {i}: {v}");
+        assert_eq!(v["streamed"][i], want.as_str(), "choice {i} streamed: {v}");
+    }
+    assert_eq!(v["usage"], 36);
+    assert_ne!(v["whole"][0], v["whole"][1], "the seeds differ");
+    // Two requests, two followers each: each follower shares the prompt's full blocks.
+    let full = (prompt.len() - 1) / 16 * 16;
+    let hits: u64 = c
+        .workers()
+        .iter()
+        .filter(|w| w["role"] == "decode")
+        .map(|w| w["stats"]["prefix_hit_tokens"].as_u64().unwrap_or(0))
+        .sum();
+    assert!(
+        full > 0 && hits >= 4 * full as u64,
+        "{hits} hits, {full} a follower"
+    );
+    c.wait_all_free(std::time::Duration::from_secs(5));
+}

@@ -1,31 +1,26 @@
-//! The HTTP endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`, `/health`,
+//! The HTTP endpoints: `/v1/chat/completions`, `/v1/completions` (requests validated here,
+//! answered by [`crate::response`]), `/v1/models`, `/health`,
 //! and `/debug/workers` (live per-worker KV and queue figures).
 
-use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State as AxState;
 use axum::http::HeaderMap;
-use axum::response::sse::{Event, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use engine::sampler::Constraint;
-use engine::text::{StopStrings, StreamDecoder};
-use engine::{ChatMessage, FinishReason, SamplingParams};
-use futures::stream::{self, Stream, StreamExt};
+use engine::{ChatMessage, SamplingParams};
 use proto::grpc;
 use proto::Pool;
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
-use tokio::sync::mpsc;
 
 use crate::guard;
-use crate::logprobs::LogprobsOut;
-use crate::openai::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop, Usage};
-use crate::request::{self, Token, TokenResult};
+use crate::openai::{self, ApiError, ChatRequest, Common, CompletionRequest, Prompt, Stop};
+use crate::response::{self, Kind};
 use crate::State;
 
 /// Default `max_tokens` when a request gives none (bounded by the context).
@@ -46,15 +41,20 @@ pub(crate) fn parse<T: DeserializeOwned>(headers: &HeaderMap, body: &Bytes) -> R
 }
 
 /// What a request asks for once validated and tokenised.
-struct Prepared {
-    prompt: Vec<u32>,
-    params: SamplingParams,
-    stops: Vec<String>,
-    stream: bool,
-    include_usage: bool,
+pub(crate) struct Prepared {
+    pub(crate) prompt: Vec<u32>,
+    pub(crate) params: SamplingParams,
+    pub(crate) stops: Vec<String>,
+    pub(crate) stream: bool,
+    pub(crate) include_usage: bool,
     /// The prompt's text and tokens, when the response starts with them (`echo`).
-    echo: Option<(String, Vec<u32>)>,
+    pub(crate) echo: Option<(String, Vec<u32>)>,
+    /// Choices to generate.
+    pub(crate) n: usize,
 }
+
+/// Most choices one request may ask for (`n`).
+const MAX_N: i64 = 16;
 
 fn prepare(
     state: &State,
@@ -70,8 +70,11 @@ fn prepare(
             )));
         }
     }
-    if c.n.is_some_and(|n| n != 1) {
-        return Err(ApiError::BadRequest("n must be 1".into()));
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
+        return Err(ApiError::BadRequest(format!(
+            "n must be between 1 and {MAX_N}, got {n}"
+        )));
     }
     let ctx = state.context_len;
     if prompt.is_empty() {
@@ -155,6 +158,7 @@ fn prepare(
         stream: c.stream,
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo: None,
+        n: n as usize,
     })
 }
 
@@ -274,7 +278,7 @@ pub async fn chat(
             _ => None,
         };
         let p = prepare(&state, &req.common, ids, top)?;
-        respond(state.clone(), p, Kind::Chat, start).await
+        response::respond(state.clone(), p, Kind::Chat, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -313,7 +317,7 @@ pub async fn completions(
             };
             p.echo = Some((text, p.prompt.clone()));
         }
-        respond(state.clone(), p, Kind::Text, start).await
+        response::respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
 }
@@ -338,311 +342,6 @@ fn prompt(state: &State, p: &Prompt) -> Result<(Option<String>, Vec<u32>), ApiEr
         Prompt::TokenLists(v) if v.len() == 1 => Ok((None, ids(&v[0])?)),
         Prompt::Texts(_) | Prompt::TokenLists(_) => Err(one()),
     }
-}
-
-#[derive(Clone, Copy, PartialEq)]
-enum Kind {
-    Chat,
-    Text,
-}
-
-impl Kind {
-    fn id_prefix(self) -> &'static str {
-        match self {
-            Kind::Chat => "chatcmpl",
-            Kind::Text => "cmpl",
-        }
-    }
-}
-
-/// Turns tokens into text pieces: incremental detokenisation, end-of-turn tokens dropped, stop
-/// strings applied.
-struct Texter {
-    state: Arc<State>,
-    dec: StreamDecoder,
-    stops: StopStrings,
-    tokens: usize,
-    /// When the request arrived, and when the previous token did (for TTFT, ITL, end to end).
-    start: Instant,
-    last: Option<Instant>,
-    /// The tokens' log-probabilities, when the request asked for them.
-    lp: Option<LogprobsOut>,
-    /// The prompt's text and tokens, until the first token's text starts with them (`echo`).
-    echo: Option<(String, Vec<u32>)>,
-}
-
-impl Texter {
-    /// The text this token adds, and the finish reason if generation ends here; records the
-    /// request's latency metrics.
-    fn push(&mut self, t: &Token) -> (String, Option<&'static str>) {
-        let (tok, finish) = (t.id, t.finish);
-        let now = Instant::now();
-        match self.last {
-            None => metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start),
-            Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
-        }
-        self.last = Some(now);
-        let echoed = self.echo.take().map_or_else(String::new, |(text, ids)| {
-            if let Some(out) = &mut self.lp {
-                out.prompt(&ids, &t.prompt_logprobs, &text, &self.state.tokenizer);
-            }
-            text
-        });
-        // One entry a token of the text (an end-of-sequence token that ends it has none).
-        let eos =
-            finish == Some(FinishReason::Stop) && self.state.tokenizer.stop_ids().contains(&tok);
-        if let (Some(out), Some(lp), false) = (&mut self.lp, &t.logprobs, eos) {
-            out.push(tok, lp.clone());
-        }
-        let (text, reason) = self.push_text(tok, finish);
-        if let Some(out) = &mut self.lp {
-            out.emitted(&text);
-        }
-        if reason.is_some() {
-            metrics::histogram!("tandem_router_e2e_seconds").record(now - self.start);
-            metrics::counter!("tandem_router_requests_total", "outcome" => "ok").increment(1);
-        }
-        (echoed + &text, reason)
-    }
-
-    /// The log-probabilities of the tokens pushed since the last call, in the response's
-    /// format.
-    fn take_logprobs(&mut self) -> Option<Value> {
-        let tok = &self.state.tokenizer;
-        self.lp.as_mut().and_then(|out| out.take(tok))
-    }
-
-    fn push_text(
-        &mut self,
-        tok: u32,
-        finish: Option<FinishReason>,
-    ) -> (String, Option<&'static str>) {
-        self.tokens += 1;
-        let tokenizer = &self.state.tokenizer;
-        let stop = Some(FinishReason::Stop);
-        let eos = finish == stop && tokenizer.stop_ids().contains(&tok);
-        let mut piece = match eos {
-            true => String::new(),
-            false => self.dec.push(tokenizer, tok).unwrap_or_default(),
-        };
-        if finish.is_some() {
-            piece.push_str(&self.dec.finish(tokenizer).unwrap_or_default());
-        }
-        let (mut text, stopped) = self.stops.push(&piece);
-        if stopped {
-            return (text, Some("stop"));
-        }
-        let f = finish.map(FinishReason::as_str);
-        if f.is_some() {
-            text.push_str(&self.stops.flush());
-        }
-        (text, f)
-    }
-}
-
-fn now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-async fn respond(
-    state: Arc<State>,
-    p: Prepared,
-    kind: Kind,
-    start: Instant,
-) -> Result<Response, ApiError> {
-    let started = request::start(&state, p.prompt.clone(), &p.params).await;
-    let first = started.first?;
-    let texter = Texter {
-        state: state.clone(),
-        dec: StreamDecoder::default(),
-        stops: StopStrings::new(&p.stops),
-        tokens: 0,
-        start,
-        last: None,
-        lp: p
-            .params
-            .logprobs
-            .map(|_| LogprobsOut::new(kind == Kind::Chat)),
-        echo: p.echo,
-    };
-    let chunks = Chunks {
-        id: format!("{}-{}", kind.id_prefix(), uuidish()),
-        kind,
-        created: now(),
-        model: state.model_id.clone(),
-        prompt_tokens: p.prompt.len(),
-    };
-    if !p.stream {
-        let body = whole(chunks, texter, first, started.rest).await?;
-        return Ok(Json(body).into_response());
-    }
-    let stream = sse(chunks, texter, first, started.rest, p.include_usage);
-    Ok(Sse::new(stream).into_response())
-}
-
-/// A non-streamed response: every token, then one body.
-async fn whole(
-    c: Chunks,
-    mut tx: Texter,
-    first: Token,
-    mut rest: mpsc::Receiver<TokenResult>,
-) -> Result<Value, ApiError> {
-    let (mut text, mut reason) = tx.push(&first);
-    while reason.is_none() {
-        let t = rest
-            .recv()
-            .await
-            .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
-        let (piece, r) = tx.push(&t);
-        text.push_str(&piece);
-        reason = r;
-    }
-    let lp = tx.take_logprobs().unwrap_or(Value::Null);
-    let choice = match c.kind {
-        Kind::Chat => {
-            json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": lp})
-        }
-        Kind::Text => json!({"index": 0, "text": text, "finish_reason": reason, "logprobs": lp}),
-    };
-    let object = match c.kind {
-        Kind::Chat => "chat.completion",
-        Kind::Text => "text_completion",
-    };
-    Ok(
-        json!({"id": c.id, "object": object, "created": c.created, "model": c.model, "choices": [choice], "usage": c.usage(tx.tokens)}),
-    )
-}
-
-fn uuidish() -> String {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    format!(
-        "{:x}{:04x}",
-        SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos() as u64),
-        N.fetch_add(1, Ordering::Relaxed) & 0xffff
-    )
-}
-
-/// The pieces of one response: its id, kind and the chunks of a stream.
-struct Chunks {
-    id: String,
-    kind: Kind,
-    created: u64,
-    model: String,
-    prompt_tokens: usize,
-}
-
-impl Chunks {
-    fn usage(&self, completion_tokens: usize) -> Usage {
-        Usage {
-            prompt_tokens: self.prompt_tokens,
-            completion_tokens,
-            total_tokens: self.prompt_tokens + completion_tokens,
-        }
-    }
-
-    /// The stream's object name: the same for every chunk, usage included.
-    fn object(&self) -> &'static str {
-        match self.kind {
-            Kind::Chat => "chat.completion.chunk",
-            Kind::Text => "text_completion",
-        }
-    }
-
-    /// A chunk carrying `delta` (chat) or its text (completions), its tokens'
-    /// log-probabilities, and the finish reason.
-    fn chunk(&self, delta: Value, lp: Option<Value>, reason: Option<&str>) -> Event {
-        let lp = lp.unwrap_or(Value::Null);
-        let choice = match self.kind {
-            Kind::Chat => {
-                json!({"index": 0, "delta": delta, "finish_reason": reason, "logprobs": lp})
-            }
-            Kind::Text => {
-                json!({"index": 0, "text": delta.get("content").cloned().unwrap_or(json!("")), "finish_reason": reason, "logprobs": lp})
-            }
-        };
-        Event::default().data(json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [choice]}).to_string())
-    }
-
-    /// The last chunk before `[DONE]` when the client asked for usage.
-    fn usage_chunk(&self, n: usize) -> Event {
-        Event::default().data(json!({"id": self.id, "object": self.object(), "created": self.created, "model": self.model, "choices": [], "usage": self.usage(n)}).to_string())
-    }
-
-    /// The events one token (or the stream's failure) becomes, and whether the stream ends.
-    fn events(
-        &self,
-        tx: &mut Texter,
-        next: TokenResult,
-        include_usage: bool,
-    ) -> (Vec<Event>, bool) {
-        let mut events = Vec::new();
-        let token = match next {
-            Ok(t) => t,
-            Err(e) => {
-                tracing::warn!("stream failed: {e}");
-                metrics::counter!("tandem_router_requests_total", "outcome" => "stream_error")
-                    .increment(1);
-                events.push(Event::default().event("error").data(e.body().to_string()));
-                events.push(Event::default().data("[DONE]"));
-                return (events, true);
-            }
-        };
-        let (text, reason) = tx.push(&token);
-        let lp = tx.take_logprobs();
-        if !text.is_empty() || lp.is_some() {
-            events.push(self.chunk(json!({"content": text}), lp, None));
-        }
-        let Some(r) = reason else {
-            return (events, false);
-        };
-        events.push(self.chunk(json!({}), None, Some(r)));
-        if include_usage {
-            events.push(self.usage_chunk(tx.tokens));
-        }
-        events.push(Event::default().data("[DONE]"));
-        (events, true)
-    }
-}
-
-fn sse(
-    c: Chunks,
-    texter: Texter,
-    first: Token,
-    rest: mpsc::Receiver<TokenResult>,
-    include_usage: bool,
-) -> impl Stream<Item = Result<Event, Infallible>> {
-    let opening = (c.kind == Kind::Chat)
-        .then(|| c.chunk(json!({"role": "assistant", "content": ""}), None, None));
-    let c = Arc::new(c);
-    let body = stream::unfold(
-        (Some(Ok(first)), false, texter, rest),
-        move |(first, done, mut tx, mut rest)| {
-            let c = c.clone();
-            async move {
-                if done {
-                    return None;
-                }
-                let next = match first {
-                    Some(t) => t,
-                    None => rest.recv().await.unwrap_or_else(|| {
-                        Err(ApiError::Internal("token stream ended early".into()))
-                    }),
-                };
-                let (events, done) = c.events(&mut tx, next, include_usage);
-                Some((
-                    stream::iter(events.into_iter().map(Ok)),
-                    (None, done, tx, rest),
-                ))
-            }
-        },
-    )
-    .flatten();
-    stream::iter(opening.into_iter().map(Ok)).chain(body)
 }
 
 /// `GET /v1/models`.

@@ -16,6 +16,7 @@ pub mod openai;
 pub mod planner;
 pub mod registry;
 pub mod request;
+pub mod response;
 pub mod routing;
 pub mod tokenize;
 

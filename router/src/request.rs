@@ -106,6 +106,8 @@ impl Phase {
 pub struct Started {
     /// The first token, or why there is none.
     pub first: TokenResult,
+    /// The decode worker that produced the first token.
+    pub decode_worker: Option<u64>,
     /// The tokens after the first.
     pub rest: mpsc::Receiver<TokenResult>,
     /// The phases the request went through, in order.
@@ -122,13 +124,27 @@ fn disaggregate(state: &State, prompt: &[u32], params: &SamplingParams) -> bool 
 /// Starts `prompt`; returns once its first token (or error) is known, so that errors before
 /// any output can still become an HTTP status.
 pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams) -> Started {
+    start_on(state, prompt, params, None).await
+}
+
+/// [`start`], on decode worker `pin` while it is in the registry, prefilling there (the other
+/// choices of an `n > 1` request go where the first one's prompt KV is cached).
+pub async fn start_on(
+    state: &Arc<State>,
+    prompt: Vec<u32>,
+    params: &SamplingParams,
+    pin: Option<u64>,
+) -> Started {
     let (tx, mut rest) = mpsc::channel(64);
     let route = route(state, &prompt);
     let now = Instant::now();
+    let first_worker = Arc::new(std::sync::Mutex::new(None));
     let run = Request {
         route,
         id: state.next_request_id(),
-        disaggregated: disaggregate(state, &prompt, params),
+        disaggregated: pin.is_none() && disaggregate(state, &prompt, params),
+        pin,
+        worker_seen: first_worker.clone(),
         state: state.clone(),
         prompt_len: prompt.len(),
         prompt,
@@ -155,8 +171,10 @@ pub async fn start(state: &Arc<State>, prompt: Vec<u32>, params: &SamplingParams
             "the request ended without output".into(),
         ))
     });
+    let decode_worker = *first_worker.lock().expect("worker lock");
     Started {
         first,
+        decode_worker,
         rest,
         phases,
     }
@@ -200,6 +218,10 @@ struct Request {
     params: grpc::SamplingParams,
     /// Whether the prompt goes to the prefill pool (unless it must be recomputed).
     disaggregated: bool,
+    /// The decode worker to use while it is in the registry.
+    pin: Option<u64>,
+    /// The decode worker reserved on, for [`Started::decode_worker`].
+    worker_seen: Arc<std::sync::Mutex<Option<u64>>>,
     tx: mpsc::Sender<TokenResult>,
     arrived: Instant,
     /// The admission deadline (from arrival, or from the last migration).
@@ -294,6 +316,9 @@ impl Request {
                 .map(|w| w.id)
                 .collect();
             stale.extend(&self.avoid);
+            if let Some(p) = self.pin.filter(|p| workers.iter().any(|w| w.id == *p)) {
+                stale.extend(workers.iter().map(|w| w.id).filter(|&id| id != p));
+            }
             let picked = self.state.registry.pick(Pool::Decode, &stale, &self.route);
             if let Some(Picked {
                 worker: w, guard, ..
@@ -415,6 +440,7 @@ impl Request {
         let mut window = self.state.signals.admission.lock().expect("window lock");
         window.record(now, now - self.arrived);
         drop(window);
+        *self.worker_seen.lock().expect("worker lock") = Some(w.id);
         self.decode = Some((w, guard));
         self.stream = Some(stream);
         self.stream_from = self.streamed.len();

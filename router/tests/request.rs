@@ -543,7 +543,12 @@ async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
             "invalid_request",
         ),
         (
-            json!({"messages": msgs, "n": 2}),
+            json!({"messages": msgs, "n": 0}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            json!({"messages": msgs, "n": 17}),
             StatusCode::BAD_REQUEST,
             "invalid_request",
         ),
@@ -1148,4 +1153,72 @@ async fn response_formats_reach_the_decode_worker_as_constraints() {
             Value::Null,
         ]
     );
+}
+
+/// `n = 3`: three choices with their indices, whole and streamed; the first goes through the
+/// prefill pool, the other two to the same decode worker with their own seeds and no prefill
+/// (the prompt's KV is cached there by then); usage counts every choice's tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn n_choices_share_the_first_ones_decode_worker() {
+    let st = state(Duration::from_secs(5));
+    let kv = Arc::new(Kv::default());
+    let d1 = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let d2 = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
+    let p = Fake::new(tokens(&[]), PrefillScript::Deliver, kv);
+    join(&st, Pool::Decode, &d1).await;
+    join(&st, Pool::Decode, &d2).await;
+    join(&st, Pool::Prefill, &p).await;
+    let body = json!({"prompt": "hello there my friend", "max_tokens": 2, "n": 3, "seed": 10, "temperature": 1});
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body.clone())).await;
+    assert_eq!(got, StatusCode::OK, "{text}");
+    let v: Value = serde_json::from_str(&text).unwrap();
+    let idx: Vec<u64> = v["choices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(idx, [0, 1, 2]);
+    assert_eq!(v["usage"]["completion_tokens"], 6, "{v}");
+    let (s1, s2) = (
+        d1.seen.lock().unwrap().clone(),
+        d2.seen.lock().unwrap().clone(),
+    );
+    let (mine, other) = if s1.generate.len() == 3 {
+        (s1, s2)
+    } else {
+        (s2, s1)
+    };
+    assert!(other.generate.is_empty(), "all three on one decode worker");
+    let remote: Vec<bool> = mine.generate.iter().map(|g| g.1).collect();
+    assert_eq!(
+        remote,
+        [true, false, false],
+        "only the first through the prefill pool"
+    );
+    let mut seeds: Vec<u64> = mine.params.iter().map(|p| p.seed).collect();
+    seeds.sort_unstable();
+    assert_eq!(seeds, [10, 11, 12]);
+    assert_eq!(p.seen.lock().unwrap().prefill.len(), 1);
+    // Streamed: chunks of every index, each choice's finish, [DONE] once at the end.
+    let mut body = body;
+    body["stream"] = json!(true);
+    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
+    assert_eq!(got, StatusCode::OK, "{text}");
+    let data: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(data.last(), Some(&"[DONE]"));
+    assert_eq!(data.iter().filter(|d| **d == "[DONE]").count(), 1);
+    let mut finished = Vec::new();
+    for d in &data[..data.len() - 1] {
+        let v: Value = serde_json::from_str(d).unwrap();
+        let c = &v["choices"][0];
+        if !c["finish_reason"].is_null() {
+            finished.push(c["index"].as_u64().unwrap());
+        }
+    }
+    finished.sort_unstable();
+    assert_eq!(finished, [0, 1, 2]);
 }

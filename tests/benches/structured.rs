@@ -21,13 +21,32 @@ use tandem_tests::load_model;
 use tandem_tests::structured::schema;
 
 const SUBJECTS: [&str; 16] = [
-    "a pirate", "a chef", "a robot", "an astronaut", "a teacher", "a dragon", "a farmer", "a poet",
-    "a detective", "a gardener", "a pilot", "a baker", "a wizard", "a nurse", "a sailor", "a painter",
+    "a pirate",
+    "a chef",
+    "a robot",
+    "an astronaut",
+    "a teacher",
+    "a dragon",
+    "a farmer",
+    "a poet",
+    "a detective",
+    "a gardener",
+    "a pilot",
+    "a baker",
+    "a wizard",
+    "a nurse",
+    "a sailor",
+    "a painter",
 ];
 
 /// The decode-only steps' durations while running `prompts` `batch` at a time, per group, in
 /// order, while the whole group still runs (a batch thinned by finished answers steps faster).
-fn steps(e: &mut Engine, prompts: &[Vec<u32>], batch: usize, constrained: bool) -> Vec<Vec<Duration>> {
+fn steps(
+    e: &mut Engine,
+    prompts: &[Vec<u32>],
+    batch: usize,
+    constrained: bool,
+) -> Vec<Vec<Duration>> {
     let mut out = Vec::new();
     for (k, group) in prompts.chunks(batch).enumerate() {
         for (i, p) in group.iter().enumerate() {
@@ -71,14 +90,19 @@ fn main() {
     let (model, tok) = load_model();
     let t0 = Instant::now();
     let grammars = Arc::new(Grammars::new(&tok).unwrap());
-    println!("grammar compiler for {} tokens built in {:?}", tok.vocab_size(), t0.elapsed());
+    println!(
+        "grammar compiler for {} tokens built in {:?}",
+        tok.vocab_size(),
+        t0.elapsed()
+    );
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     e.set_grammars(grammars.clone());
     let prompts: Vec<Vec<u32>> = SUBJECTS
         .iter()
         .map(|w| {
             let m = [ChatMessage::user(format!("Describe {w} as JSON."))];
-            tok.encode(&tok.apply_chat_template(&m, true).unwrap()).unwrap()
+            tok.encode(&tok.apply_chat_template(&m, true).unwrap())
+                .unwrap()
         })
         .collect();
     // The mask alone: each token of a valid answer in turn, masked then taken.
@@ -95,8 +119,15 @@ fn main() {
         logits.fill(0.0);
         g.commit(t).unwrap();
     }
-    println!("mask: {:?} a token on average over a {}-token answer", masking / ids.len() as u32, ids.len());
-    let rounds: usize = std::env::var("TANDEM_BENCH_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(3);
+    println!(
+        "mask: {:?} a token on average over a {}-token answer",
+        masking / ids.len() as u32,
+        ids.len()
+    );
+    let rounds: usize = std::env::var("TANDEM_BENCH_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(3);
     println!("| round | batch | ITL unconstrained (ms) | ITL json_schema (ms) | ratio | steps compared |");
     println!("|---:|---:|---:|---:|---:|---:|");
     for r in 0..rounds {
@@ -104,7 +135,11 @@ fn main() {
             let free = steps(&mut e, &prompts, batch, false);
             let json = steps(&mut e, &prompts, batch, true);
             let (f, j, n) = paired(&free, &json);
-            println!("| {} | {batch} | {f:.2} | {j:.2} | {:.3} | {n} |", r + 1, j / f);
+            println!(
+                "| {} | {batch} | {f:.2} | {j:.2} | {:.3} | {n} |",
+                r + 1,
+                j / f
+            );
         }
     }
 }

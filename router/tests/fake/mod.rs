@@ -145,7 +145,7 @@ pub enum PrefillScript {
 }
 
 /// What a fake worker was asked, for assertions.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct Seen {
     /// Generate calls: (request id, remote prefill, prompt).
     pub generate: Vec<(u64, bool, Vec<u32>)>,
