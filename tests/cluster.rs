@@ -318,9 +318,9 @@ fn bad_requests_get_openai_errors() {
     check(
         chat,
         "application/json",
-        &format!(r#"{{"n": 3, {msgs}}}"#),
+        &format!(r#"{{"n": 30, {msgs}}}"#),
         400,
-        "n must be 1",
+        "n must be between 1 and 16",
     );
     check(
         chat,
