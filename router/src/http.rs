@@ -49,8 +49,12 @@ pub(crate) struct Prepared {
     pub(crate) include_usage: bool,
     /// The prompt's text and tokens, when the response starts with them (`echo`).
     pub(crate) echo: Option<(String, Vec<u32>)>,
-    /// Choices to generate.
+    /// Choices to return.
     pub(crate) n: usize,
+    /// Choices to generate (at least `n`): the `n` likeliest are returned.
+    pub(crate) best_of: usize,
+    /// Whether the client asked for log-probabilities (`best_of` needs them either way).
+    pub(crate) report_logprobs: bool,
 }
 
 /// Most choices one request may ask for (`n`).
@@ -159,6 +163,8 @@ fn prepare(
         include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
         echo: None,
         n: n as usize,
+        best_of: n as usize,
+        report_logprobs: logprobs.is_some(),
     })
 }
 
@@ -305,6 +311,7 @@ pub async fn completions(
             }
         };
         let mut p = prepare(&state, &req.common, ids, top)?;
+        best_of(&mut p, req.best_of)?;
         if req.echo == Some(true) {
             // The prompt's log-probabilities come from the decode worker's own prefill.
             p.params.prompt_logprobs = top;
@@ -320,6 +327,26 @@ pub async fn completions(
         response::respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `best_of`: between `n` and [`MAX_N`], not streamed; the choices' log-probabilities are
+/// computed (to rank them) even when the client did not ask for them.
+fn best_of(p: &mut Prepared, best_of: Option<i64>) -> Result<(), ApiError> {
+    let Some(b) = best_of else { return Ok(()) };
+    if !(p.n as i64..=MAX_N).contains(&b) {
+        return Err(ApiError::BadRequest(format!(
+            "best_of must be between n ({}) and {MAX_N}, got {b}",
+            p.n
+        )));
+    }
+    if b > p.n as i64 && p.stream {
+        return Err(ApiError::BadRequest(
+            "best_of above n cannot be streamed".into(),
+        ));
+    }
+    p.best_of = b as usize;
+    p.params.logprobs.get_or_insert(0);
+    Ok(())
 }
 
 /// A completion's prompt as tokens, with its text when it came as text.

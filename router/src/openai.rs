@@ -301,6 +301,9 @@ pub struct CompletionRequest {
     /// prompt's tokens).
     #[serde(default)]
     pub echo: Option<bool>,
+    /// Generate this many choices and return the `n` likeliest (highest mean token
+    /// log-probability); not streamed.
+    pub best_of: Option<i64>,
     /// Shared fields.
     #[serde(flatten)]
     pub common: Common,
@@ -313,7 +316,6 @@ pub struct CompletionRequest {
 /// for nothing (a client sending its default is served; any other value is a 400, never
 /// silently ignored).
 const UNSUPPORTED: &[(&str, fn(&serde_json::Value) -> bool)] = &[
-    ("best_of", |v| v == &json!(1)),
     ("suffix", |v| v == &json!("")),
     ("tools", |v| v.as_array().is_some_and(|a| a.is_empty())),
     ("tool_choice", |v| v == &json!("none")),

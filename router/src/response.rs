@@ -72,9 +72,8 @@ impl Texter {
             start,
             last: None,
             lp: p
-                .params
-                .logprobs
-                .map(|_| LogprobsOut::new(kind == Kind::Chat)),
+                .report_logprobs
+                .then(|| LogprobsOut::new(kind == Kind::Chat)),
             echo: p.echo.clone(),
         }
     }
@@ -174,7 +173,7 @@ pub(crate) async fn respond(
         first: first.first?,
         rest: first.rest,
     }];
-    let others = (1..p.n).map(|i| {
+    let others = (1..p.best_of).map(|i| {
         let mut params = p.params.clone();
         params.seed = params.seed.wrapping_add(i as u64);
         let (state, prompt) = (state.clone(), p.prompt.clone());
@@ -199,14 +198,27 @@ pub(crate) async fn respond(
         prompt_tokens: p.prompt.len(),
     };
     if !p.stream {
-        let body = whole(chunks, choices).await?;
+        let body = whole(chunks, choices, p.n).await?;
         return Ok(Json(body).into_response());
     }
     Ok(Sse::new(sse(chunks, choices, p.include_usage)).into_response())
 }
 
-/// One choice's text, finish reason, log-probabilities and token count, once it has ended.
-async fn finish(mut c: Choice) -> Result<(String, &'static str, Value, usize), ApiError> {
+/// A choice once it has ended.
+struct Ended {
+    text: String,
+    reason: &'static str,
+    logprobs: Value,
+    tokens: usize,
+    /// The mean log-probability of its tokens (0 without them).
+    mean_logprob: f64,
+}
+
+/// Runs one choice to its end.
+async fn finish(mut c: Choice) -> Result<Ended, ApiError> {
+    let mut sum = 0.0;
+    let lp = |t: &Token| t.logprobs.as_ref().map_or(0.0, |l| l.logprob as f64);
+    sum += lp(&c.first);
     let (mut text, mut reason) = c.texter.push(&c.first);
     while reason.is_none() {
         let t = c
@@ -214,21 +226,35 @@ async fn finish(mut c: Choice) -> Result<(String, &'static str, Value, usize), A
             .recv()
             .await
             .unwrap_or_else(|| Err(ApiError::Internal("token stream ended early".into())))?;
+        sum += lp(&t);
         let (piece, r) = c.texter.push(&t);
         text.push_str(&piece);
         reason = r;
     }
-    let lp = c.texter.take_logprobs().unwrap_or(Value::Null);
-    Ok((text, reason.unwrap_or("stop"), lp, c.texter.tokens))
+    let tokens = c.texter.tokens;
+    Ok(Ended {
+        text,
+        reason: reason.unwrap_or("stop"),
+        logprobs: c.texter.take_logprobs().unwrap_or(Value::Null),
+        tokens,
+        mean_logprob: sum / tokens.max(1) as f64,
+    })
 }
 
-/// A non-streamed response: every choice's tokens, then one body.
-async fn whole(c: Chunks, choices: Vec<Choice>) -> Result<Value, ApiError> {
+/// A non-streamed response: every choice's tokens, then one body with the `n` likeliest
+/// (all of them unless `best_of` asked for more).
+async fn whole(c: Chunks, choices: Vec<Choice>, n: usize) -> Result<Value, ApiError> {
     let done = futures::future::join_all(choices.into_iter().map(finish)).await;
-    let (mut out, mut tokens) = (Vec::new(), 0);
-    for (index, d) in done.into_iter().enumerate() {
-        let (text, reason, lp, n) = d?;
-        tokens += n;
+    let mut ended = done.into_iter().collect::<Result<Vec<Ended>, ApiError>>()?;
+    // Every generated token is billed, as OpenAI does for best_of.
+    let tokens = ended.iter().map(|e| e.tokens).sum();
+    if ended.len() > n {
+        ended.sort_by(|a, b| b.mean_logprob.total_cmp(&a.mean_logprob));
+        ended.truncate(n);
+    }
+    let mut out = Vec::new();
+    for (index, e) in ended.into_iter().enumerate() {
+        let (text, reason, lp) = (e.text, e.reason, e.logprobs);
         out.push(match c.kind {
             Kind::Chat => {
                 json!({"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": reason, "logprobs": lp})

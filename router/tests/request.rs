@@ -626,10 +626,20 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
         assert_eq!(got, StatusCode::OK, "{body}: {text}");
     }
-    let body = json!({"prompt": "hi", "max_tokens": 1, "best_of": 3});
-    let (got, text) = call(&st, "POST", "/v1/completions", Some(body)).await;
-    assert_eq!(got, StatusCode::BAD_REQUEST, "{text}");
-    assert!(text.contains("best_of"), "{text}");
+    for body in [
+        json!({"prompt": "hi", "max_tokens": 1, "suffix": "!"}),
+        json!({"prompt": "hi", "max_tokens": 1, "n": 2, "best_of": 1}),
+        json!({"prompt": "hi", "max_tokens": 1, "best_of": 3, "stream": true}),
+    ] {
+        let (got, text) = call(&st, "POST", "/v1/completions", Some(body.clone())).await;
+        assert_eq!(got, StatusCode::BAD_REQUEST, "{body}: {text}");
+        let key = if body.get("suffix").is_some() {
+            "suffix"
+        } else {
+            "best_of"
+        };
+        assert!(text.contains(key), "{text}");
+    }
 }
 
 /// `echo`: the text starts with the prompt; with `logprobs` the decode worker computes the
