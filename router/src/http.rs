@@ -247,6 +247,7 @@ pub async fn chat(
     let run = async {
         let body = guard::body(body, state.limits.max_body_bytes)?;
         let req: ChatRequest = parse(&headers, &body)?;
+        refuse_tools(&state, &req.extra)?;
         openai::refuse_unsupported(&req.extra)?;
         if req.messages.is_empty() {
             return Err(ApiError::BadRequest("messages must not be empty".into()));
@@ -327,6 +328,30 @@ pub async fn completions(
         response::respond(state.clone(), p, Kind::Text, start).await
     };
     run.await.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// `tools` (or the older `functions`), when not empty: the model's chat template must render
+/// them, or the request is a 400 that says so; parsing tool calls out of the output is not
+/// built yet, so a template that renders them gets a 400 naming that instead.
+fn refuse_tools(state: &State, extra: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    let asked = ["tools", "functions"].iter().find(|k| {
+        extra
+            .get(**k)
+            .and_then(Value::as_array)
+            .is_some_and(|a| !a.is_empty())
+    });
+    let Some(key) = asked else { return Ok(()) };
+    let renders = state
+        .tokenizer
+        .chat_template()
+        .is_some_and(|t| t.contains("tools"));
+    Err(ApiError::BadRequest(match renders {
+        false => format!(
+            "{key:?}: the chat template of {} does not render tools, so this model cannot be given any",
+            state.model_id
+        ),
+        true => format!("{key:?}: tool calling is not supported by this server yet"),
+    }))
 }
 
 /// `best_of`: between `n` and [`MAX_N`], not streamed; the choices' log-probabilities are

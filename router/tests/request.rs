@@ -626,6 +626,14 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
         assert_eq!(got, StatusCode::OK, "{body}: {text}");
     }
+    let tools = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "tools": [{"type": "function", "function": {"name": "f"}}]});
+    let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(tools)).await;
+    assert_eq!(got, StatusCode::BAD_REQUEST, "{text}");
+    assert!(
+        text.contains("does not render tools"),
+        "SmolLM2's template has none: {text}"
+    );
     for body in [
         json!({"prompt": "hi", "max_tokens": 1, "suffix": "!"}),
         json!({"prompt": "hi", "max_tokens": 1, "n": 2, "best_of": 1}),
