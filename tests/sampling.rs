@@ -11,6 +11,19 @@ use tandem_tests::load_model;
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
+/// What the engine alone generates for `prompt` with `p`.
+fn engine_run(
+    model: &std::sync::Arc<engine::Model>,
+    tok: &engine::Tokenizer,
+    prompt: &[u32],
+    p: SamplingParams,
+) -> Vec<u32> {
+    let stops = tok.stop_ids().to_vec();
+    let mut e = Engine::new(model.clone(), EngineConfig::default(), stops).unwrap();
+    e.add(0, prompt.to_vec(), p).unwrap();
+    e.run_to_completion().unwrap().remove(&0).unwrap()
+}
+
 #[test]
 fn logit_bias_and_penalties_through_a_cluster_are_the_engines() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
@@ -18,16 +31,7 @@ fn logit_bias_and_penalties_through_a_cluster_are_the_engines() {
     let prompt = tok
         .encode("Count from one to twenty in words: one, two, three,")
         .unwrap();
-    let engine = |p: SamplingParams| {
-        let mut e = Engine::new(
-            model.clone(),
-            EngineConfig::default(),
-            tok.stop_ids().to_vec(),
-        )
-        .unwrap();
-        e.add(0, prompt.clone(), p).unwrap();
-        e.run_to_completion().unwrap().remove(&0).unwrap()
-    };
+    let engine = |p: SamplingParams| engine_run(&model, &tok, &prompt, p);
     let ask = |extra: serde_json::Value| {
         let mut body = json!({"prompt": prompt, "max_tokens": 12, "temperature": 0});
         body.as_object_mut()
@@ -230,17 +234,7 @@ print(json.dumps({{
 "#,
         http = c.http
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "the openai client failed (pip install openai): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = tandem_tests::python_json(&script);
     let tokens: Vec<&str> = v["chat_tokens"]
         .as_array()
         .unwrap()
@@ -286,29 +280,10 @@ print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.
 "#,
         http = c.http
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "the openai client failed (pip install openai): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = tandem_tests::python_json(&script);
     assert!(v["text"].as_str().unwrap().starts_with(text), "{v}");
     let prompt = tok.encode(text).unwrap();
-    let mut kv = model.new_kv_cache(16, prompt.len().div_ceil(16)).unwrap();
-    let mut table = engine::BlockTable::default();
-    kv.reserve(&mut table, prompt.len()).unwrap();
-    let chunk = engine::SeqChunk {
-        tokens: &prompt,
-        start_pos: 0,
-        block_table: table.blocks(),
-        logits: engine::Logits::All,
-    };
-    let rows = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
+    let rows = tandem_tests::prompt_rows(&model, &prompt);
     let values = v["values"].as_array().unwrap();
     assert_eq!(
         values.len(),
@@ -345,14 +320,13 @@ print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.
 fn json_schema_responses_parse_and_validate_through_the_official_client() {
     let c = Cluster::start(EXE.as_ref(), 1, 1);
     let schema = tandem_tests::structured::schema().to_string();
+    let subjects = tandem_tests::structured::SUBJECTS;
     let script = format!(
         r#"
 import json, openai
 client = openai.OpenAI(base_url="http://{http}/v1", api_key="unused")
 fmt = {{"type": "json_schema", "json_schema": {{"name": "person", "strict": True, "schema": json.loads({schema:?})}}}}
-who = ["a pirate", "a chef", "a robot", "an astronaut", "a teacher", "a dragon", "a farmer",
-       "a poet", "a detective", "a gardener", "a pilot", "a baker", "a wizard", "a nurse",
-       "a sailor", "a painter", "a miner", "a knight", "a librarian", "a drummer"]
+who = {subjects:?}
 out = []
 for i, w in enumerate(who):
     r = client.chat.completions.create(model="{MODEL}", temperature=1.0, seed=i, max_tokens=160,
@@ -374,17 +348,7 @@ print(json.dumps({{"answers": out, "object": [obj.choices[0].message.content,
 "#,
         http = c.http
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "the openai client failed (pip install openai): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = tandem_tests::python_json(&script);
     let answers = v["answers"].as_array().unwrap();
     assert_eq!(answers.len(), 20);
     for a in answers {
@@ -426,17 +390,7 @@ print(json.dumps({{"whole": [whole[i] for i in range(3)], "streamed": [streamed[
 "#,
         http = c.http
     );
-    let out = std::process::Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "the openai client failed (pip install openai): {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let v = tandem_tests::python_json(&script);
     for i in 0..3 {
         let p = SamplingParams {
             temperature: 1.0,
@@ -444,15 +398,8 @@ print(json.dumps({{"whole": [whole[i] for i in range(3)], "streamed": [streamed[
             ignore_eos: true,
             ..SamplingParams::greedy(12)
         };
-        let mut e = Engine::new(
-            model.clone(),
-            EngineConfig::default(),
-            tok.stop_ids().to_vec(),
-        )
-        .unwrap();
-        e.add(0, prompt.clone(), p).unwrap();
         let want = tok
-            .decode(&e.run_to_completion().unwrap()[&0], true)
+            .decode(&engine_run(&model, &tok, &prompt, p), true)
             .unwrap();
         assert_eq!(v["whole"][i], want.as_str(), "choice {i}: {v}");
         assert_eq!(v["streamed"][i], want.as_str(), "choice {i} streamed: {v}");

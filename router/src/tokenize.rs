@@ -41,13 +41,21 @@ struct DetokenizeRequest {
     model: Option<String>,
 }
 
-fn check_model(state: &State, model: &Option<String>) -> Result<(), ApiError> {
-    match model {
-        Some(m) if m != &state.model_id => Err(ApiError::ModelNotFound(format!(
+/// The request body, within the size limit and for the served model.
+fn read<T: serde::de::DeserializeOwned>(
+    state: &State,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    model: impl Fn(&T) -> Option<&str>,
+) -> Result<T, ApiError> {
+    let body = guard::body(body, state.limits.max_body_bytes)?;
+    let req: T = parse(headers, &body)?;
+    match model(&req) {
+        Some(m) if m != state.model_id => Err(ApiError::ModelNotFound(format!(
             "the model {m:?} does not exist; this cluster serves {:?}",
             state.model_id
         ))),
-        _ => Ok(()),
+        _ => Ok(req),
     }
 }
 
@@ -58,9 +66,9 @@ pub async fn tokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = || {
-        let body = guard::body(body, state.limits.max_body_bytes)?;
-        let req: TokenizeRequest = parse(&headers, &body)?;
-        check_model(&state, &req.model)?;
+        let req = read(&state, &headers, body, |r: &TokenizeRequest| {
+            r.model.as_deref()
+        })?;
         let ids = state
             .tokenizer
             .encode_with(&req.prompt, req.add_special_tokens)
@@ -79,9 +87,9 @@ pub async fn detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let run = || {
-        let body = guard::body(body, state.limits.max_body_bytes)?;
-        let req: DetokenizeRequest = parse(&headers, &body)?;
-        check_model(&state, &req.model)?;
+        let req = read(&state, &headers, body, |r: &DetokenizeRequest| {
+            r.model.as_deref()
+        })?;
         if let Some(bad) = req.tokens.iter().find(|&&t| t as usize >= state.vocab_size) {
             return Err(ApiError::BadRequest(format!(
                 "token id {bad} is outside the vocabulary of {}",

@@ -18,26 +18,7 @@ use engine::grammar::Grammars;
 use engine::sampler::Constraint;
 use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
 use tandem_tests::load_model;
-use tandem_tests::structured::schema;
-
-const SUBJECTS: [&str; 16] = [
-    "a pirate",
-    "a chef",
-    "a robot",
-    "an astronaut",
-    "a teacher",
-    "a dragon",
-    "a farmer",
-    "a poet",
-    "a detective",
-    "a gardener",
-    "a pilot",
-    "a baker",
-    "a wizard",
-    "a nurse",
-    "a sailor",
-    "a painter",
-];
+use tandem_tests::structured::{schema, SUBJECTS};
 
 /// The decode-only steps' durations while running `prompts` `batch` at a time, per group, in
 /// order, while the whole group still runs (a batch thinned by finished answers steps faster).
@@ -97,7 +78,7 @@ fn main() {
     );
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     e.set_grammars(grammars.clone());
-    let prompts: Vec<Vec<u32>> = SUBJECTS
+    let prompts: Vec<Vec<u32>> = SUBJECTS[..16]
         .iter()
         .map(|w| {
             let m = [ChatMessage::user(format!("Describe {w} as JSON."))];

@@ -208,9 +208,34 @@ fn read_golden<T: serde::de::DeserializeOwned>(rel: &str) -> T {
     serde_json::from_str(&std::fs::read_to_string(&p).expect("golden file")).expect("golden JSON")
 }
 
-/// The JSON schema of the structured-output tests (engine and cluster).
+/// The JSON schema of the structured-output tests (engine and cluster) and whom they ask
+/// about.
 pub mod structured {
     use serde_json::{json, Value};
+
+    /// The subjects of the structured-output prompts.
+    pub const SUBJECTS: [&str; 20] = [
+        "a pirate",
+        "a chef",
+        "a robot",
+        "an astronaut",
+        "a teacher",
+        "a dragon",
+        "a farmer",
+        "a poet",
+        "a detective",
+        "a gardener",
+        "a pilot",
+        "a baker",
+        "a wizard",
+        "a nurse",
+        "a sailor",
+        "a painter",
+        "a miner",
+        "a knight",
+        "a librarian",
+        "a drummer",
+    ];
 
     /// A schema with a bounded string, an integer range, an enum and a bounded array.
     pub fn schema() -> Value {
@@ -246,4 +271,35 @@ pub mod structured {
                         .all(|x| x.as_str().is_some_and(|s| s.chars().count() <= 12))
             })
     }
+}
+
+/// Every position's logits over a whole prompt, from one forward outside any scheduler
+/// (`Logits::All`): row `i` predicts token `i + 1`.
+pub fn prompt_rows(model: &engine::Model, prompt: &[u32]) -> Vec<f32> {
+    let mut kv = model.new_kv_cache(16, prompt.len().div_ceil(16)).unwrap();
+    let mut table = engine::BlockTable::default();
+    kv.reserve(&mut table, prompt.len()).unwrap();
+    let chunk = engine::SeqChunk {
+        tokens: prompt,
+        start_pos: 0,
+        block_table: table.blocks(),
+        logits: engine::Logits::All,
+    };
+    model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap()
+}
+
+/// Runs a Python script (the official `openai` client's, typically) and reads the JSON it
+/// prints.
+pub fn python_json(script: &str) -> serde_json::Value {
+    let out = std::process::Command::new("python3")
+        .arg("-c")
+        .arg(script)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the script failed (pip install openai): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("the script prints JSON")
 }

@@ -125,16 +125,7 @@ fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
             "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is",
         )
         .unwrap();
-    let mut kv = model.new_kv_cache(16, prompt.len().div_ceil(16)).unwrap();
-    let mut table = engine::BlockTable::default();
-    kv.reserve(&mut table, prompt.len()).unwrap();
-    let chunk = engine::SeqChunk {
-        tokens: &prompt,
-        start_pos: 0,
-        block_table: table.blocks(),
-        logits: engine::Logits::All,
-    };
-    let rows = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
+    let rows = tandem_tests::prompt_rows(&model, &prompt);
     let vocab = model.config.vocab_size;
     let want: Vec<_> = rows
         .chunks_exact(vocab)

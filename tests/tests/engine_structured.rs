@@ -10,7 +10,7 @@ use engine::sampler::Constraint;
 use engine::{ChatMessage, Engine, EngineConfig, FinishReason, SamplingParams};
 use serde_json::{json, Value};
 use tandem_tests::load_model;
-use tandem_tests::structured::{schema, valid};
+use tandem_tests::structured::{schema, valid, SUBJECTS};
 
 struct Run {
     text: String,
@@ -52,29 +52,7 @@ fn json_schema_answers_parse_validate_and_end_with_the_grammar() {
     );
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     e.set_grammars(grammars);
-    let subjects = [
-        "a pirate",
-        "a chef",
-        "a robot",
-        "an astronaut",
-        "a teacher",
-        "a dragon",
-        "a farmer",
-        "a poet",
-        "a detective",
-        "a gardener",
-        "a pilot",
-        "a baker",
-        "a wizard",
-        "a nurse",
-        "a sailor",
-        "a painter",
-        "a miner",
-        "a knight",
-        "a librarian",
-        "a drummer",
-    ];
-    for (i, who) in subjects.iter().enumerate() {
+    for (i, who) in SUBJECTS.iter().enumerate() {
         let p = SamplingParams {
             temperature: 1.0,
             seed: i as u64,
