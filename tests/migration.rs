@@ -111,7 +111,7 @@ fn serving(c: &Cluster) -> String {
 }
 
 #[test]
-fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_and_penalised() {
+fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_penalised_and_structured() {
     let mut c = Cluster::start(EXE.as_ref(), 1, 2);
     let greedy = (
         "Tell me a story about a lighthouse keeper.",
@@ -140,15 +140,33 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_an
             ..SamplingParams::greedy(40)
         },
     );
-    for (k, (message, params, engine_params)) in [greedy, seeded, penalised].into_iter().enumerate()
-    {
+    // A grammar resumes where it was: the resumed worker's guide replays the streamed tokens.
+    let schema = tandem_tests::structured::schema();
+    let structured = (
+        "Describe a lighthouse keeper as JSON.",
+        json!({"temperature": 0.8, "seed": 3, "max_tokens": 120,
+               "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}}),
+        SamplingParams {
+            temperature: 0.8,
+            seed: 3,
+            constraint: Some(engine::sampler::Constraint::JsonSchema(schema.clone())),
+            ..SamplingParams::greedy(120)
+        },
+    );
+    let cases = [greedy, seeded, penalised, structured];
+    for (k, (message, params, engine_params)) in cases.into_iter().enumerate() {
         let mut r = open_stream(&c, message, params);
         let mut text = read_chunks(&mut r, 6);
         c.kill_worker(&serving(&c));
         let (rest, error) = read_rest(&mut r);
         assert_eq!(error, None);
         text += &rest;
+        let structured = engine_params.constraint.is_some();
         assert_eq!(text, engine_text(message, engine_params), "stream {k}");
+        if structured {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(tandem_tests::structured::valid(&v), "{v}");
+        }
         let migrations = metric(&c, "tandem_router_migrations_total");
         assert_eq!(migrations, (k + 1) as f64, "the stream moved once");
         // The other decode worker served the rest; a new one joins for the next stream.

@@ -66,6 +66,10 @@ pub fn engine_chat(message: &str, params: engine::SamplingParams) -> (String, us
         .unwrap();
     let config = engine::EngineConfig::default();
     let mut e = engine::Engine::new(model, config, tok.stop_ids().to_vec()).unwrap();
+    if params.constraint.is_some() {
+        let grammars = engine::grammar::Grammars::new(&tok).unwrap();
+        e.set_grammars(std::sync::Arc::new(grammars));
+    }
     e.add(0, tok.encode(&text).unwrap(), params).unwrap();
     let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
     let n = out.len();
