@@ -225,6 +225,12 @@ pub fn router(a: RoleArgs) -> Result<()> {
         limits: limits(&cfg)?,
         request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),
+        peers: cfg
+            .router
+            .models
+            .iter()
+            .map(|(n, a)| (n.clone(), a.get_ref().clone()))
+            .collect(),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.
             let command = [cfg.prefill.as_ref(), Some(&cfg.decode)]

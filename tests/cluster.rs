@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{post_json, request, Cluster};
+use tandem_tests::cluster::{get, metric_at, post_json, request, Cluster};
 use tandem_tests::{engine_chat as engine_text, load_model};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -1038,4 +1038,90 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
         "turns 1..3 each found the earlier turns cached: {hits:?}"
     );
     c.wait_all_free(Duration::from_secs(5));
+}
+
+/// Two models behind one address: a SmolLM2 cluster whose router answers for a Gemma 3
+/// cluster's (`[router] models`) serves each by name — Gemma's answer is the Gemma engine's own,
+/// whole and streamed, and was served by the Gemma router (its request count, the front's
+/// forward count); `/v1/models` lists both; an unknown name is a 404 listing them.
+#[test]
+fn one_router_answers_for_two_models_by_name() {
+    let gemma_toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nthreads = 1\nkv_blocks = 64\n";
+    let g = Cluster::start_model_toml(EXE.as_ref(), &tandem_tests::gemma3_path(), gemma_toml, 0, 1);
+    let gemma = "gemma-3-270m-q4_k_m";
+    let front = Cluster::start_router(
+        EXE.as_ref(),
+        0,
+        1,
+        &format!("models = {{ \"{gemma}\" = \"{}\" }}", g.http),
+    );
+    let prompt = "The capital of France is";
+    let (model, tok) = tandem_tests::load_gemma3();
+    let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
+    e.add(0, tok.encode(prompt).unwrap(), SamplingParams::greedy(8))
+        .unwrap();
+    let want = tok
+        .decode(&e.run_to_completion().unwrap()[&0], true)
+        .unwrap();
+    drop(e);
+    let body = json!({"model": gemma, "prompt": prompt, "max_tokens": 8, "temperature": 0});
+    let (status, v) = post_json(front.http, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["text"], want.as_str(), "{v}");
+    assert_eq!(v["model"], gemma);
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let mut r = request(
+        front.http,
+        "POST",
+        "/v1/completions",
+        "application/json",
+        &streamed.to_string(),
+    )
+    .unwrap();
+    assert_eq!(r.status, 200);
+    let mut text = String::new();
+    while let Some((_, data)) = r.next_event() {
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(&data).unwrap();
+        text += v["choices"][0]["text"].as_str().unwrap_or("");
+    }
+    assert_eq!(text, want);
+    // The front's own model still answers; the chat goes to SmolLM2, not forwarded.
+    let chat =
+        json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4});
+    let (status, v) = post_json(front.http, "/v1/chat/completions", &chat);
+    assert_eq!(status, 200, "{v}");
+    let ok = r#"tandem_router_requests_total{outcome="ok"}"#;
+    assert_eq!(
+        metric_at(g.http, ok),
+        2.0,
+        "the Gemma router served both Gemma requests"
+    );
+    let forwarded = format!("tandem_router_forwarded_total{{model=\"{gemma}\"}}");
+    assert_eq!(metric_at(front.http, &forwarded), 2.0);
+    assert_eq!(
+        metric_at(front.http, ok),
+        1.0,
+        "the front served its own model's one"
+    );
+    let (_, models) = get(front.http, "/v1/models").unwrap();
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, [MODEL, gemma]);
+    let (status, v) = post_json(
+        front.http,
+        "/v1/completions",
+        &json!({"model": "llama-9", "prompt": "x"}),
+    );
+    assert_eq!(status, 404, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(MODEL) && msg.contains(gemma), "{msg}");
 }

@@ -111,7 +111,8 @@ fn serving(c: &Cluster) -> String {
 }
 
 #[test]
-fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_penalised_and_structured() {
+fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_penalised_and_structured(
+) {
     let mut c = Cluster::start(EXE.as_ref(), 1, 2);
     let greedy = (
         "Tell me a story about a lighthouse keeper.",

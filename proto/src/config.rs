@@ -111,6 +111,11 @@ pub struct RouterSection {
     /// KEY`), or get a 401. Unset: no key needed.
     #[serde(default)]
     pub api_keys_file: Option<Spanned<PathBuf>>,
+    /// Other models' routers this one answers for, by model name (`{ "name" = "host:port" }`):
+    /// a request naming one is passed to it; `/v1/models` lists them. Each is a cluster of
+    /// its own (its cluster.toml: model, pools, SLOs).
+    #[serde(default)]
+    pub models: std::collections::BTreeMap<String, Spanned<String>>,
 }
 
 fn default_request_timeout_ms() -> Spanned<u64> {
@@ -173,6 +178,7 @@ impl Default for RouterSection {
             max_header_bytes: default_max_header_bytes(),
             max_connections: default_max_connections(),
             api_keys_file: None,
+            models: Default::default(),
         }
     }
 }
@@ -463,6 +469,9 @@ impl ClusterConfig {
         ctx.positive(&cfg.model.block_size, "model.block_size")?;
         ctx.addr(&cfg.router.listen, "router.listen")?;
         ctx.addr(&cfg.router.control, "router.control")?;
+        for (name, addr) in &cfg.router.models {
+            ctx.addr(addr, &format!("router.models.{name}"))?;
+        }
         let policy = cfg.router.policy.get_ref();
         if !["kv", "least-loaded", "round-robin"].contains(&policy.as_str()) {
             return ctx.err(

@@ -66,13 +66,8 @@ fn prepare(
     prompt: Vec<u32>,
     logprobs: Option<usize>,
 ) -> Result<Prepared, ApiError> {
-    if let Some(m) = &c.model {
-        if m != &state.model_id {
-            return Err(ApiError::ModelNotFound(format!(
-                "the model {m:?} does not exist; this cluster serves {:?}",
-                state.model_id
-            )));
-        }
+    if let Some(m) = c.model.as_ref().filter(|m| **m != state.model_id) {
+        return Err(state.unknown_model(m));
     }
     let n = c.n.unwrap_or(1);
     if !(1..=MAX_N).contains(&n) {
@@ -246,6 +241,10 @@ pub async fn chat(
     let start = Instant::now();
     let run = async {
         let body = guard::body(body, state.limits.max_body_bytes)?;
+        if let Some(peer) = state.peers.for_body(&body) {
+            let path = "/v1/chat/completions";
+            return Ok(state.peers.forward(peer, path, &headers, body).await);
+        }
         let req: ChatRequest = parse(&headers, &body)?;
         refuse_tools(&state, &req.extra)?;
         openai::refuse_unsupported(&req.extra)?;
@@ -299,6 +298,10 @@ pub async fn completions(
     let start = Instant::now();
     let run = async {
         let body = guard::body(body, state.limits.max_body_bytes)?;
+        if let Some(peer) = state.peers.for_body(&body) {
+            let path = "/v1/completions";
+            return Ok(state.peers.forward(peer, path, &headers, body).await);
+        }
         let req: CompletionRequest = parse(&headers, &body)?;
         openai::refuse_unsupported(&req.extra)?;
         let (text, ids) = prompt(&state, &req.prompt)?;
@@ -396,11 +399,14 @@ fn prompt(state: &State, p: &Prompt) -> Result<(Option<String>, Vec<u32>), ApiEr
     }
 }
 
-/// `GET /v1/models`.
+/// `GET /v1/models`: this router's model and the others' it answers for.
 pub async fn models(AxState(state): AxState<Arc<State>>) -> Json<Value> {
-    Json(
-        json!({"object": "list", "data": [{"id": state.model_id, "object": "model", "created": 0, "owned_by": "tandem"}]}),
-    )
+    let data: Vec<Value> = state
+        .served_models()
+        .iter()
+        .map(|id| json!({"id": id, "object": "model", "created": 0, "owned_by": "tandem"}))
+        .collect();
+    Json(json!({"object": "list", "data": data}))
 }
 
 /// `GET /health`: 200 when at least one decode worker (and, when disaggregated, one prefill

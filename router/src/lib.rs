@@ -13,6 +13,7 @@ pub mod http;
 pub mod kv_index;
 pub mod logprobs;
 pub mod openai;
+pub mod peers;
 pub mod planner;
 pub mod registry;
 pub mod request;
@@ -68,6 +69,8 @@ pub struct RouterConfig {
     pub scaling: Vec<planner::Scaling>,
     /// How the planner acts.
     pub actuator: ActuatorConfig,
+    /// Other models' routers this one answers for: (model name, `host:port`).
+    pub peers: Vec<(String, String)>,
 }
 
 /// Which actuator the planner drives.
@@ -96,6 +99,9 @@ pub enum RouterError {
     /// A server failed.
     #[error("server: {0}")]
     Serve(String),
+    /// `[router] models` names this router's own model.
+    #[error("[router] models names {0:?}, the model this router serves itself")]
+    OwnModelAsPeer(String),
 }
 
 /// Shared router state.
@@ -130,6 +136,8 @@ pub struct State {
     pub limits: guard::Limits,
     /// How long a request may take from arrival to its last token.
     pub request_timeout: Duration,
+    /// Other models' routers this one answers for.
+    pub peers: peers::Peers,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -162,10 +170,27 @@ impl State {
             migration_limit: 1,
             limits: guard::Limits::default(),
             request_timeout: Duration::from_secs(600),
+            peers: peers::Peers::default(),
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Every model this router answers for: its own, then the others' (by name).
+    pub fn served_models(&self) -> Vec<String> {
+        let others = self.peers.names().map(String::from);
+        std::iter::once(self.model_id.clone())
+            .chain(others)
+            .collect()
+    }
+
+    /// The error for a request naming model `m`, which is not served here.
+    pub fn unknown_model(&self, m: &str) -> openai::ApiError {
+        openai::ApiError::ModelNotFound(format!(
+            "the model {m:?} does not exist; this cluster serves {:?}",
+            self.served_models()
+        ))
     }
 
     /// A request id no other router hands out: a random 32-bit prefix for this router, then a
@@ -259,6 +284,10 @@ pub async fn run(
     state.migration_limit = cfg.migration_limit;
     state.limits = cfg.limits.clone();
     state.request_timeout = cfg.request_timeout;
+    if let Some((own, _)) = cfg.peers.iter().find(|(n, _)| *n == state.model_id) {
+        return Err(RouterError::OwnModelAsPeer(own.clone()));
+    }
+    state.peers = peers::Peers::new(&cfg.peers, cfg.request_timeout);
     let state = Arc::new(state);
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await
@@ -357,6 +386,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "Requests the router has in flight on a worker.",
     ),
     ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
+    ("tandem_router_forwarded_total", Counter, "Requests passed to another model's router ([router] models), by model."),
     ("tandem_router_kv_index_blocks", Gauge, "Blocks in the router's KV index (one entry per block per worker caching it)."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),

@@ -51,10 +51,7 @@ fn read<T: serde::de::DeserializeOwned>(
     let body = guard::body(body, state.limits.max_body_bytes)?;
     let req: T = parse(headers, &body)?;
     match model(&req) {
-        Some(m) if m != state.model_id => Err(ApiError::ModelNotFound(format!(
-            "the model {m:?} does not exist; this cluster serves {:?}",
-            state.model_id
-        ))),
+        Some(m) if m != state.model_id => Err(state.unknown_model(m)),
         _ => Ok(req),
     }
 }
