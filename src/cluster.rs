@@ -42,6 +42,10 @@ pub struct RoleArgs {
     /// inherited file descriptor and close it (how `tandem up` learns the addresses).
     #[arg(long)]
     pub ready_fd: Option<i32>,
+    /// Router: another model's router it answers for, `NAME=HOST:PORT` (beside `[router]
+    /// models`; `tandem up` passes those of the config's `[[models]]`).
+    #[arg(long = "peer")]
+    pub peers: Vec<String>,
 }
 
 fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -195,6 +199,23 @@ fn control_endpoint(cfg: &ClusterConfig, a: &RoleArgs) -> String {
         .unwrap_or_else(|| format!("http://{}", cfg.router.control.get_ref()))
 }
 
+/// The other models' routers: `[router] models`, then the `--peer NAME=ADDR` flags.
+fn peers(cfg: &ClusterConfig, flags: &[String]) -> Result<Vec<(String, String)>> {
+    let mut out: Vec<(String, String)> = cfg
+        .router
+        .models
+        .iter()
+        .map(|(n, a)| (n.clone(), a.get_ref().clone()))
+        .collect();
+    for f in flags {
+        let (n, a) = f
+            .split_once('=')
+            .ok_or_else(|| anyhow!("--peer {f:?}: expected NAME=HOST:PORT"))?;
+        out.push((n.to_string(), a.to_string()));
+    }
+    Ok(out)
+}
+
 /// `tandem router`.
 pub fn router(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
@@ -225,12 +246,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
         limits: limits(&cfg)?,
         request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),
-        peers: cfg
-            .router
-            .models
-            .iter()
-            .map(|(n, a)| (n.clone(), a.get_ref().clone()))
-            .collect(),
+        peers: peers(&cfg, &a.peers)?,
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.
             let command = [cfg.prefill.as_ref(), Some(&cfg.decode)]
@@ -344,7 +360,11 @@ fn spawn(exe: &Path, args: &[&str], ready: Option<i32>) -> Result<Child> {
 
 /// Starts the router and waits (up to 120 s) for it to say, on a pipe of its own, where it
 /// listens: its HTTP address and its control endpoint.
-async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, String)> {
+async fn start_router(
+    exe: &Path,
+    config: &str,
+    extra: &[String],
+) -> Result<(Child, SocketAddr, String)> {
     let mut fds = [0i32; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
@@ -358,7 +378,8 @@ async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, St
             std::fs::File::from_raw_fd(fds[1]),
         )
     };
-    let args = ["router", "--config", config, "--ready-fd", "3"];
+    let mut args = vec!["router", "--config", config, "--ready-fd", "3"];
+    args.extend(extra.iter().map(String::as_str));
     let router = spawn(exe, &args, Some(fds[1]))?;
     drop(write); // the router holds the only write end: EOF if it exits before it is ready
     let mut line = String::new();
@@ -379,44 +400,104 @@ async fn start_router(exe: &Path, config: &str) -> Result<(Child, SocketAddr, St
     Ok((router, http, control))
 }
 
+/// One model's processes under `tandem up`: its router and workers.
+struct Stack {
+    cfg: ClusterConfig,
+    http: SocketAddr,
+}
+
+/// Starts the router of `config` (with `extra` arguments) and the workers it does not start
+/// itself, adding them to `procs` and `children`; their names start with `prefix`.
+async fn start_stack(
+    exe: &Path,
+    config: &Path,
+    extra: &[String],
+    prefix: &str,
+    procs: &mut Vec<supervise::Process>,
+    children: &mut Vec<Child>,
+) -> Result<Stack> {
+    let cfg = load(config)?.0;
+    let cfg_s = config.to_string_lossy().to_string();
+    let (router, http, control) = start_router(exe, &cfg_s, extra).await?;
+    // Started again on the same addresses, so that its workers find it.
+    let ctrl = control.trim_start_matches("http://").to_string();
+    let mut args = [
+        "router",
+        "--config",
+        &cfg_s,
+        "--listen",
+        &http.to_string(),
+        "--control",
+        &ctrl,
+    ]
+    .map(String::from)
+    .to_vec();
+    args.extend(extra.iter().cloned());
+    procs.push(supervise::Process {
+        name: format!("{prefix}router"),
+        args,
+    });
+    children.push(router);
+    let pools = [
+        ("prefill", cfg.prefill.as_ref()),
+        ("decode", Some(&cfg.decode)),
+    ];
+    for (role, pool) in pools {
+        let Some(pool) = pool else { continue };
+        if router_starts(pool) {
+            // The router's planner starts (and later scales) this pool itself.
+            continue;
+        }
+        for i in 0..*pool.replicas.get_ref() {
+            let name = format!("{prefix}{role}-{i}");
+            let args = [
+                role, "--config", &cfg_s, "--router", &control, "--name", &name,
+            ]
+            .map(String::from)
+            .to_vec();
+            let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+            children.push(spawn(exe, &refs, None)?);
+            procs.push(supervise::Process { name, args });
+        }
+    }
+    Ok(Stack { cfg, http })
+}
+
 /// `tandem up`: the router and every worker of cluster.toml as child processes, kept running
-/// (restarted when one exits) until Ctrl-C or SIGTERM.
+/// (restarted when one exits) until Ctrl-C or SIGTERM. Each `[[models]]` entry's cluster file
+/// is started first, the same way, and the main router answers for its model.
 pub fn up(config: PathBuf) -> Result<()> {
     let (cfg, model) = load(&config)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
-    let cfg_s = config.to_string_lossy().to_string();
     runtime()?.block_on(async move {
-        let (router, http, control) = start_router(&exe, &cfg_s).await?;
-        // Started again on the same addresses, so that its workers find it.
-        let ctrl = control.trim_start_matches("http://").to_string();
-        let router_args = ["router", "--config", &cfg_s, "--listen", &http.to_string(), "--control", &ctrl];
-        let mut procs = vec![supervise::Process { name: "router".into(), args: router_args.map(String::from).to_vec() }];
-        let mut children = vec![router];
-        let pools = [("prefill", cfg.prefill.as_ref()), ("decode", Some(&cfg.decode))];
-        for (role, pool) in pools {
-            let Some(pool) = pool else { continue };
-            if router_starts(pool) {
-                // The router's planner starts (and later scales) this pool itself.
-                continue;
+        let (mut procs, mut children, mut stacks, mut peers) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let started = async {
+            for m in &cfg.models {
+                let path = config.parent().unwrap_or(Path::new(".")).join(m.config.get_ref());
+                let id = router::model_id(&load(&path)?.1);
+                let s = start_stack(&exe, &path, &[], &format!("{id}-"), &mut procs, &mut children).await?;
+                peers.extend(["--peer".to_string(), format!("{id}={}", s.http)]);
+                stacks.push(s);
             }
-            for i in 0..*pool.replicas.get_ref() {
-                let name = format!("{role}-{i}");
-                let args = [role, "--config", &cfg_s, "--router", &control, "--name", &name].map(String::from).to_vec();
-                let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-                children.push(spawn(&exe, &refs, None)?);
-                procs.push(supervise::Process { name, args });
+            let main = start_stack(&exe, &config, &peers, "", &mut procs, &mut children).await?;
+            stacks.push(main);
+            for s in &stacks {
+                wait_up(&s.cfg, s.http, &procs, &mut children).await?;
             }
-        }
-        if let Err(e) = wait_up(&cfg, http, &procs, &mut children).await {
+            anyhow::Ok(())
+        };
+        if let Err(e) = started.await {
             children.iter().filter_map(Child::id).for_each(|pid| {
                 // SAFETY: sending SIGTERM to our own child process.
                 unsafe { libc::kill(pid as i32, libc::SIGTERM) };
             });
             return Err(e);
         }
+        let http = stacks.last().expect("the main stack").http;
         let model_id = router::model_id(&model);
-        let (p, d) = wanted(&cfg);
-        say(format_args!("tandem is up: {p} prefill + {d} decode workers behind http://{http}"));
+        let (p, d) = stacks.iter().map(|s| wanted(&s.cfg)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+        let models = stacks.len();
+        say(format_args!("tandem is up: {p} prefill + {d} decode workers ({models} model(s)) behind http://{http}"));
         // A base model (no chat template) is asked through /v1/completions.
         let chat = engine::inspect(&model).map_or(true, |(_, t)| t.chat_template().is_some());
         if chat {

@@ -178,3 +178,56 @@ fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
         );
     }
 }
+
+/// Several models from one cluster.toml: `[[models]]` names Gemma 3's cluster file; `tandem up`
+/// starts both clusters (each its own router, pools and planner) and the main router answers
+/// for both by name, streams included; `/v1/models` lists both.
+#[test]
+fn tandem_up_serves_two_models_from_one_config() {
+    let main = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 128\n\n[[models]]\nconfig = \"gemma.toml\"\n";
+    let gemma = format!(
+        "[model]\npath = {:?}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 64\n",
+        tandem_tests::gemma3_path()
+    );
+    let up = Up::start_with_files(EXE.as_ref(), main, &[("gemma.toml", &gemma)]);
+    let (_, models) = get(up.http, "/v1/models").unwrap();
+    let models: Value = serde_json::from_str(&models).unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m"]);
+    for model in ids {
+        let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4,
+                          "temperature": 0, "stream": true});
+        let mut r = request(
+            up.http,
+            "POST",
+            "/v1/completions",
+            "application/json",
+            &body.to_string(),
+        )
+        .unwrap();
+        assert_eq!(r.status, 200, "{model}");
+        let mut last = None;
+        while let Some((name, data)) = r.next_event() {
+            assert_eq!(name, "message", "{model}: {data}");
+            if data == "[DONE]" {
+                break;
+            }
+            let v: Value = serde_json::from_str(&data).unwrap();
+            assert_eq!(v["model"], model);
+            last = v["choices"][0]["finish_reason"]
+                .as_str()
+                .map(String::from)
+                .or(last);
+        }
+        assert_eq!(
+            last.as_deref(),
+            Some("length"),
+            "{model} streamed to its end"
+        );
+    }
+}

@@ -29,6 +29,18 @@ pub struct ClusterConfig {
     /// KV-transfer settings.
     #[serde(default)]
     pub kv_transfer: KvTransferSection,
+    /// More models, each a cluster file of its own (model, pools, SLOs) that `tandem up`
+    /// starts beside this one; this cluster's router answers for them (`[[models]]`).
+    #[serde(default)]
+    pub models: Vec<MoreModel>,
+}
+
+/// `[[models]]`: another model's cluster file, relative to this one.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MoreModel {
+    /// Its cluster.toml.
+    pub config: Spanned<PathBuf>,
 }
 
 /// `[model]`.
@@ -656,6 +668,24 @@ mod tests {
 
     fn parse(src: &str) -> Result<ClusterConfig, ConfigError> {
         ClusterConfig::parse(Path::new("cluster.toml"), src)
+    }
+
+    #[test]
+    fn other_models_are_named_with_their_addresses_or_files() {
+        let c = parse("[router]\nmodels = { \"m\" = \"127.0.0.1:9000\" }\n[decode]\n[[models]]\nconfig = \"b.toml\"\n").unwrap();
+        assert_eq!(c.router.models["m"].get_ref(), "127.0.0.1:9000");
+        assert_eq!(c.models[0].config.get_ref(), Path::new("b.toml"));
+        let e = parse("[router]\nmodels = { \"m\" = \"nowhere\" }\n[decode]\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("cluster.toml:2: router.models.m: \"nowhere\" is not a host:port"),
+            "{e}"
+        );
+        let e = parse("[decode]\n[[models]]\npath = \"x\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("cluster.toml:3:"), "{e}");
     }
 
     #[test]

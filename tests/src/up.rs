@@ -28,11 +28,20 @@ impl Up {
     /// Writes `toml` to a scratch directory and starts `tandem up` on it; returns once it
     /// printed the router's address (every worker has joined).
     pub fn start(exe: &Path, toml: &str) -> Up {
+        Up::start_with_files(exe, toml, &[])
+    }
+
+    /// [`Up::start`], with more files beside cluster.toml (`(name, text)`: the cluster files
+    /// its `[[models]]` name).
+    pub fn start_with_files(exe: &Path, toml: &str, files: &[(&str, &str)]) -> Up {
         let n = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let dir = std::env::temp_dir().join(format!("tandem-up-{}-{n}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
+        for (name, text) in files {
+            std::fs::write(dir.join(name), text).unwrap();
+        }
         let cfg = dir.join("cluster.toml");
         std::fs::write(&cfg, toml).unwrap();
         let config = cfg.to_string_lossy().to_string();
