@@ -1107,14 +1107,7 @@ fn one_router_answers_for_two_models_by_name() {
         1.0,
         "the front served its own model's one"
     );
-    let (_, models) = get(front.http, "/v1/models").unwrap();
-    let models: Value = serde_json::from_str(&models).unwrap();
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = tandem_tests::cluster::model_ids(front.http);
     assert_eq!(ids, [MODEL, gemma]);
     let (status, v) = post_json(
         front.http,

@@ -190,16 +190,9 @@ fn tandem_up_serves_two_models_from_one_config() {
         tandem_tests::gemma3_path()
     );
     let up = Up::start_with_files(EXE.as_ref(), main, &[("gemma.toml", &gemma)]);
-    let (_, models) = get(up.http, "/v1/models").unwrap();
-    let models: Value = serde_json::from_str(&models).unwrap();
-    let ids: Vec<&str> = models["data"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["id"].as_str().unwrap())
-        .collect();
+    let ids = tandem_tests::cluster::model_ids(up.http);
     assert_eq!(ids, ["SmolLM2-135M-Instruct.Q4_1", "gemma-3-270m-q4_k_m"]);
-    for model in ids {
+    for model in &ids {
         let body = json!({"model": model, "prompt": "The capital of France is", "max_tokens": 4,
                           "temperature": 0, "stream": true});
         let mut r = request(
@@ -218,7 +211,7 @@ fn tandem_up_serves_two_models_from_one_config() {
                 break;
             }
             let v: Value = serde_json::from_str(&data).unwrap();
-            assert_eq!(v["model"], model);
+            assert_eq!(v["model"], model.as_str());
             last = v["choices"][0]["finish_reason"]
                 .as_str()
                 .map(String::from)

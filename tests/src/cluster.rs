@@ -459,6 +459,18 @@ fn client() -> &'static reqwest::blocking::Client {
     })
 }
 
+/// The model ids the router at `http` lists (`/v1/models`).
+pub fn model_ids(http: SocketAddr) -> Vec<String> {
+    let (_, text) = get(http, "/v1/models").unwrap();
+    let v: Value = serde_json::from_str(&text).unwrap();
+    v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap().to_string())
+        .collect()
+}
+
 /// The value of the router's Prometheus series `series` (its name and labels as printed), 0
 /// when absent.
 pub fn metric_at(http: SocketAddr, series: &str) -> f64 {
