@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{get, metric_at, post_json, request, Cluster};
+use tandem_tests::cluster::{metric_at, post_json, request, Cluster};
 use tandem_tests::{engine_chat as engine_text, load_model};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");

@@ -70,6 +70,11 @@ impl Grammars {
                 let alts: Vec<String> = choices.iter().map(|c| escape(c)).collect();
                 TopLevelGrammar::from_regex(&alts.join("|"))
             }
+            Constraint::Unreadable(why) => {
+                return Err(EngineError::InvalidRequest(format!(
+                    "the response format could not be read: {why}"
+                )))
+            }
         };
         let parser = self.factory.create_parser(grammar);
         let m = Matcher::new(parser);

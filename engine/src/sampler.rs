@@ -70,6 +70,8 @@ pub enum Constraint {
     Regex(String),
     /// Exactly one of these texts.
     Choice(Vec<String>),
+    /// A constraint that arrived in a form this engine cannot read (the reason): refused.
+    Unreadable(String),
 }
 
 /// A sampled token's log-probability and the likeliest tokens', under the distribution the
@@ -221,11 +223,11 @@ impl From<proto::grpc::SamplingParams> for SamplingParams {
             generated: p.generated as usize,
             logprobs: p.logprobs.then_some(p.top_logprobs as usize),
             prompt_logprobs: p.prompt_logprobs.then_some(p.prompt_top_logprobs as usize),
-            // An unreadable constraint is kept as a regex that cannot compile: the engine
-            // refuses it with the parse error rather than generating unconstrained.
+            // An unreadable constraint is kept as such: the engine refuses it, never generates
+            // unconstrained.
             constraint: (!p.constraint.is_empty()).then(|| {
                 serde_json::from_str(&p.constraint)
-                    .unwrap_or_else(|e| Constraint::Regex(format!("(unreadable constraint: {e}")))
+                    .unwrap_or_else(|e| Constraint::Unreadable(e.to_string()))
             }),
         }
     }

@@ -52,6 +52,10 @@ impl Default for EngineConfig {
     }
 }
 
+/// Most prompt tokens a step computes of a request that wants its prompt's log-probabilities:
+/// each row's logits are held until they are read (64 × a 262k vocabulary is 67 MB).
+const PROMPT_LOGPROBS_CHUNK: usize = 64;
+
 /// A token produced by a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
@@ -680,7 +684,12 @@ impl Engine {
         }
         for (i, s) in self.running.iter().enumerate() {
             if s.computed < s.prompt_len && budget > 0 {
-                let n = (s.prompt_len - s.computed).min(budget);
+                // Every row's logits of a prompt-log-probability chunk are held at once.
+                let cap = match s.prompt_lp {
+                    Some(_) => PROMPT_LOGPROBS_CHUNK,
+                    None => usize::MAX,
+                };
+                let n = (s.prompt_len - s.computed).min(budget).min(cap);
                 plan.push((i, s.computed, n));
                 budget -= n;
             }

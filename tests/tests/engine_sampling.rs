@@ -168,6 +168,34 @@ fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
     // The last prompt row is the first token's distribution: the greedy pick is its argmax.
     let last = &rows[(prompt.len() - 1) * vocab..];
     assert_eq!(events[0].token, engine::sampler::argmax(last));
+    // A long prompt's rows are computed 64 at a time (each row's logits are held at once).
+    let long = [&prompt[..]; 8].concat();
+    let mut e2 = Engine::new(
+        model.clone(),
+        EngineConfig::default(),
+        tok.stop_ids().to_vec(),
+    )
+    .unwrap();
+    let p = SamplingParams {
+        prompt_logprobs: Some(0),
+        ..SamplingParams::greedy(1)
+    };
+    e2.add(3, long.clone(), p).unwrap();
+    e2.step().unwrap();
+    assert_eq!(
+        e2.last_step().0,
+        64,
+        "one capped chunk of a {}-token prompt",
+        long.len()
+    );
+    let mut long_events = Vec::new();
+    while e2.has_work() {
+        long_events.extend(e2.step().unwrap());
+    }
+    assert_eq!(
+        long_events[0].prompt_logprobs.as_ref().unwrap().len(),
+        long.len() - 1
+    );
     // The blocks were there to reuse: the same prompt without prompt log-probabilities hits.
     e.add(2, prompt.clone(), SamplingParams::greedy(1)).unwrap();
     e.run_to_completion().unwrap();

@@ -119,6 +119,7 @@ fn regexes_and_choices_are_matched_and_bad_grammars_refused() {
         ),
         Constraint::Regex("(unclosed".into()),
         Constraint::Choice(vec![]),
+        Constraint::Unreadable("expected value at line 1 column 1".into()),
     ];
     for c in bad {
         let err = e.add(999, vec![1, 2, 3], with(c.clone(), 0)).unwrap_err();
