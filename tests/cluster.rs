@@ -553,8 +553,8 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
     );
     // It was tried: the prompt went to it, its KV was refused, the decode worker recomputed.
     let phase = |name: &str| {
-        metric(
-            &c,
+        metric_at(
+            c.http,
             &format!("tandem_router_request_phases_total{{phase=\"{name}\"}}"),
         )
     };
@@ -833,15 +833,6 @@ fn clusters_with_cuda_pools_answer_berlin_on_the_cuda_emulator() {
     }
 }
 
-/// Router gauge or counter `needle` from `/metrics` (0 when absent).
-fn metric(c: &Cluster, needle: &str) -> f64 {
-    let (_, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
-    text.lines()
-        .find(|l| l.starts_with(needle))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or(0.0)
-}
-
 #[test]
 fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
     let (model, tok) = load_model();
@@ -875,7 +866,7 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
             };
             e.add(0, prompt.clone(), params.clone()).unwrap();
             let want = e.run_to_completion().unwrap().remove(&0).unwrap();
-            let bytes0 = metric(&c, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
+            let bytes0 = metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
             let hits0 = prefill_hits(&c);
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
                               "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
@@ -888,7 +879,8 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
             );
             transfers += 1;
             c.wait_transfers("tcp", transfers);
-            let sent = metric(&c, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}") - bytes0;
+            let sent =
+                metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}") - bytes0;
             let held = decode_held.min((prompt.len() - 2) / bs * bs);
             let want_sent = (prompt.len() - 1 - held) as f64 * per_token;
             assert_eq!(
@@ -910,8 +902,8 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
         }
     }
     assert!(
-        metric(
-            &c,
+        metric_at(
+            c.http,
             "tandem_router_prefill_decisions_total{decision=\"remote\"}"
         ) >= 12.0
     );
@@ -950,8 +942,8 @@ fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_rea
         v["choices"][0]["text"].as_str().unwrap().to_string()
     };
     let decisions = |c: &Cluster, d: &str| {
-        metric(
-            c,
+        metric_at(
+            c.http,
             &format!("tandem_router_prefill_decisions_total{{decision=\"{d}\"}}"),
         )
     };
@@ -1009,7 +1001,7 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
         // own counts come by the same heartbeats, so they cannot tell whether one has arrived.
         let full_blocks = prompt.len() as u64 / 16;
         let t0 = Instant::now();
-        while (metric(&c, "tandem_router_kv_index_blocks") as u64) < full_blocks {
+        while (metric_at(c.http, "tandem_router_kv_index_blocks") as u64) < full_blocks {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
                 "turn {turn}: the index hears of the blocks"

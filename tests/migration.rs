@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{get, request, Cluster, Response};
+use tandem_tests::cluster::{metric_at, request, Cluster, Response};
 use tandem_tests::load_model;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -17,14 +17,6 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 /// What the engine alone generates for a chat message (the unfailed run), as text.
 fn engine_text(message: &str, params: SamplingParams) -> String {
     tandem_tests::engine_chat(message, params).0
-}
-
-/// Router counter or gauge `series` (0 when absent).
-fn metric(c: &Cluster, series: &str) -> f64 {
-    let (_, text) = get(c.http, "/metrics").unwrap();
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
-        .unwrap_or(0.0)
 }
 
 /// Opens a streamed chat completion of `message` with `params` (as JSON fields).
@@ -168,7 +160,7 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_pe
             let v: Value = serde_json::from_str(&text).unwrap();
             assert!(tandem_tests::structured::valid(&v), "{v}");
         }
-        let migrations = metric(&c, "tandem_router_migrations_total");
+        let migrations = metric_at(c.http, "tandem_router_migrations_total");
         assert_eq!(migrations, (k + 1) as f64, "the stream moved once");
         // The other decode worker served the rest; a new one joins for the next stream.
         let cfg = c.config(true);
@@ -189,7 +181,7 @@ fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error
     let error = error.expect("an error event, never silence");
     assert!(error.contains("migration_limit = 0"), "{error}");
     assert!(t0.elapsed() < Duration::from_secs(10), "promptly");
-    assert_eq!(metric(&c, "tandem_router_migrations_total"), 0.0);
+    assert_eq!(metric_at(c.http, "tandem_router_migrations_total"), 0.0);
 }
 
 #[test]
@@ -239,7 +231,7 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
         "every stream moved on within 5 s of the freeze ({gaps:?}, {:?} in all)",
         frozen.elapsed()
     );
-    assert_eq!(metric(&c, "tandem_router_migrations_total"), 8.0);
+    assert_eq!(metric_at(c.http, "tandem_router_migrations_total"), 8.0);
     // Thawed, it rejoins (its old streams released) and serves again.
     c.signal_worker("decode-0", libc::SIGCONT);
     c.wait_for(1, 2);
@@ -307,8 +299,8 @@ fn a_prefill_worker_killed_or_frozen_mid_prefill_frees_the_reservation_and_the_r
         let (status, v) = asked.join().unwrap();
         assert_eq!(status, 200, "signal {signal}: {v}");
         assert_eq!(v["choices"][0]["text"], want.as_str(), "signal {signal}");
-        let recomputed = metric(
-            &c,
+        let recomputed = metric_at(
+            c.http,
             "tandem_router_request_phases_total{phase=\"recomputing\"}",
         );
         assert_eq!(

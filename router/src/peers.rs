@@ -43,6 +43,10 @@ impl Peers {
 
     /// The router of the model a JSON body names, when it is one of the others.
     pub fn for_body(&self, body: &[u8]) -> Option<(&str, &str)> {
+        // Without other models, no request body is read twice.
+        if self.by_name.is_empty() {
+            return None;
+        }
         let v: serde_json::Value = serde_json::from_slice(body).ok()?;
         let name = v.get("model")?.as_str()?;
         self.by_name
