@@ -30,7 +30,7 @@ impl BlockTable {
 /// every registration are gone — whichever goes last.
 pub struct PoolBuf(Arc<PoolMem>);
 
-struct PoolMem(UnsafeCell<Vec<f16>>);
+struct PoolMem(UnsafeCell<kernels::mem::HugeBuf<f16>>);
 
 // SAFETY: the values are read and written only through the one `PoolBuf` (not `Clone`), by
 // `&self`/`&mut self` borrows as for a `Vec`; the other holders of the `Arc` (see
@@ -39,15 +39,16 @@ unsafe impl Sync for PoolMem {}
 
 impl PoolBuf {
     fn zeroed(n: usize) -> PoolBuf {
-        let mut bits = vec![0u16; n];
+        // In huge pages where the OS gives them (attention streams the cache as the matmuls
+        // stream the weights).
+        let mut v = kernels::mem::HugeBuf::<f16>::zeroed(n);
         // The pool's memory is claimed now, one write a page, not page by page as blocks are
         // first written: a worker's footprint is fixed from its start (a machine without the
         // memory fails it at once, not under load later), and its RSS stays flat thereafter.
-        let page = 4096 / std::mem::size_of::<u16>();
+        let page = 4096 / std::mem::size_of::<f16>();
         for i in (0..n).step_by(page) {
-            bits[i] = std::hint::black_box(0);
+            v[i] = std::hint::black_box(f16::ZERO);
         }
-        let v = half::vec::HalfBitsVecExt::reinterpret_into(bits);
         PoolBuf(Arc::new(PoolMem(UnsafeCell::new(v))))
     }
 

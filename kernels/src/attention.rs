@@ -6,7 +6,6 @@
 //! `j % block_size`. Query heads share KV heads in groups (GQA).
 
 use half::f16;
-use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
 use crate::{isa, Isa};
@@ -74,14 +73,16 @@ pub fn attention(
     if isa() == Isa::Avx2 && hd % 8 == 0 && hd <= 256 {
         return tiled(q, queries, kv, n_heads, scale, out);
     }
-    out.par_chunks_mut(hd)
-        .enumerate()
-        .with_min_len(4)
-        .for_each_init(Vec::new, |scores, (th, o)| {
+    // Four (query, head) rows an item.
+    crate::pool::for_each_chunk_mut(out, 4 * hd, |i, rows| {
+        let mut scores = Vec::new();
+        for (r, o) in rows.chunks_mut(hd).enumerate() {
+            let th = 4 * i + r;
             let (t, h) = (th / n_heads, th % n_heads);
             let qh = &q[th * hd..(th + 1) * hd];
-            head(qh, queries[t], kv, h / group, scale, scores, o);
-        });
+            head(qh, queries[t], kv, h / group, scale, &mut scores, o);
+        }
+    });
 }
 
 /// Queries of one sequence handled together by the tiled kernel.
@@ -114,34 +115,60 @@ fn tiled(
                 t0,
                 queries: &queries[t0..t1],
                 g,
+                group: heads,
+                h0: 0,
                 heads,
             });
         }
         t0 = t1;
+    }
+    // Too few tiles to keep every thread busy (a small decode batch): pairs of heads instead
+    // of whole groups (each still shares a load of the keys between its two heads).
+    if heads > 2 && tiles.len() < 2 * crate::threads() {
+        tiles = tiles
+            .iter()
+            .flat_map(|t| {
+                (0..heads).step_by(2).map(move |h0| Tile {
+                    h0,
+                    heads: 2.min(heads - h0),
+                    queries: t.queries,
+                    ..*t
+                })
+            })
+            .collect();
     }
     // Each tile's rows in its own slice of one buffer, then put in place.
     let mut buf = vec![0f32; out.len()];
     let mut parts = Vec::with_capacity(tiles.len());
     let mut rest = &mut buf[..];
     for t in &tiles {
-        let (part, r) = rest.split_at_mut(t.queries.len() * heads * hd);
+        let (part, r) = rest.split_at_mut(t.queries.len() * t.heads * hd);
         parts.push(part);
         rest = r;
     }
-    tiles.par_iter().zip(parts.par_iter_mut()).for_each_init(
-        Scratch::default,
-        |scratch, (t, o)| {
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+    }
+    let parts: Vec<_> = parts
+        .into_iter()
+        .map(|p| crate::pool::SendPtr(p as *mut [f32]))
+        .collect();
+    crate::pool::for_each(tiles.len(), |i| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            // SAFETY: part i is tile i's own slice of `buf`, borrowed for this call and touched
+            // by this item alone.
+            let o = unsafe { &mut *parts[i].get() };
             // SAFETY: the CPU has AVX2/FMA/F16C (checked by the caller); hd is a multiple of 8
             // up to 256; every query's block table covers its position (checked by the model).
-            unsafe { tile(q, t, kv, n_heads, scale, scratch, o) };
-        },
-    );
+            unsafe { tile(q, &tiles[i], kv, n_heads, scale, scratch, o) };
+        })
+    });
     let mut rows = buf.chunks_exact(hd);
     for t in &tiles {
-        for r in 0..t.queries.len() * heads {
-            let head = t.g * heads + r % heads;
+        for r in 0..t.queries.len() * t.heads {
+            let head = t.g * heads + t.h0 + r % t.heads;
             let row = rows.next().expect("one row per tile row");
-            out[((t.t0 + r / heads) * n_heads + head) * hd..][..hd].copy_from_slice(row);
+            out[((t.t0 + r / t.heads) * n_heads + head) * hd..][..hd].copy_from_slice(row);
         }
     }
 }
@@ -319,6 +346,19 @@ mod tests {
                         "hd {hd}, query {t}, head {h}"
                     );
                 }
+            }
+            // Each query alone (a batch-1 decode: too few KV groups to keep the threads busy,
+            // so its heads are split in pairs): the same bits as in the batch above.
+            for (t, query) in qs.iter().enumerate() {
+                let row = &q[t * nh * hd..(t + 1) * nh * hd];
+                let mut alone = vec![0f32; nh * hd];
+                attention(row, &[*query], kv, nh, 0.125, &mut alone);
+                let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&alone),
+                    bits(&out[t * nh * hd..(t + 1) * nh * hd]),
+                    "hd {hd}, query {t} alone"
+                );
             }
         }
     }

@@ -19,11 +19,14 @@ use crate::x86::{exp8, hsum, load_partial};
 const BLOCK_FLOATS: usize = 4096;
 
 /// One work item: `queries` (one sequence's, consecutive in the batch, starting at batch index
-/// `t0`) against KV group `g`, for the `heads` query heads of that group.
+/// `t0`) against KV group `g`, for `heads` of the `group` query heads of that group, from its
+/// head `h0` on.
 pub(crate) struct Tile<'a> {
     pub t0: usize,
     pub queries: &'a [Query<'a>],
     pub g: usize,
+    pub group: usize,
+    pub h0: usize,
     pub heads: usize,
 }
 
@@ -66,7 +69,7 @@ pub(crate) unsafe fn tile(
     scores.resize(rows * span, 0.0);
     let row_q = |r: usize| {
         let (t, h) = (r / tile.heads, r % tile.heads);
-        let head = tile.g * tile.heads + h;
+        let head = tile.g * tile.group + tile.h0 + h;
         &q[((tile.t0 + t) * n_heads + head) * hd..][..hd]
     };
     let range = |r: usize| {
@@ -82,7 +85,7 @@ pub(crate) unsafe fn tile(
     unsafe {
         for b0 in (lo / 8 * 8..=hi).step_by(kb) {
             let b1 = (b0 + kb - 1).min(hi);
-            widen_transposed(kv.k, kv, tile, b0, b1, kb, block);
+            widen_transposed(kv.k, kv, tile, (b0, b1, hi), lo / 8 * 8, kb, block);
             // Two heads of a query at a time (they attend to the same keys) share each load of
             // the keys.
             let mut r = 0;
@@ -121,7 +124,7 @@ pub(crate) unsafe fn tile(
         out.fill(0.0);
         for b0 in (lo..=hi).step_by(kb) {
             let b1 = (b0 + kb - 1).min(hi);
-            widen(kv.v, kv, tile, b0, b1, block);
+            widen(kv.v, kv, tile, (b0, b1, hi), block);
             for (r, o) in out.chunks_exact_mut(hd).enumerate() {
                 let (first, pos) = range(r);
                 let (j0, j1) = (b0.max(first), b1.min(pos));
@@ -287,24 +290,44 @@ unsafe fn dots<const N: usize, const R: usize>(
 
 /// Keys `b0..b0 + kb` of the tile's KV group widened to f32 and transposed, 8 keys by 8
 /// dimensions at a time: dimension `d` of key `j` at `[d * kb + j - b0]`; keys past `b1` are
-/// zeros.
+/// zeros. Keys and values [`AHEAD`] keys on (up to the tile's last key `hi`) are prefetched,
+/// and from the tile's first block (`b0 == lo8`) its first keys and values.
 ///
 /// # Safety
-/// AVX2/F16C; the tile's block table covers `b1`; `block` holds `kb * head_dim` floats, `kb`
+/// AVX2/F16C; the tile's block table covers `hi`; `block` holds `kb * head_dim` floats, `kb`
 /// a multiple of 8.
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn widen_transposed(
     cache: &[f16],
     kv: PagedKv<'_>,
     tile: &Tile<'_>,
-    b0: usize,
-    b1: usize,
+    (b0, b1, hi): (usize, usize, usize),
+    lo8: usize,
     kb: usize,
     block: &mut [f32],
 ) {
     let hd = kv.head_dim;
     let table = tile.queries[0].block_table;
+    if b0 == lo8 {
+        // The first keys (and values), before the loop's prefetches reach past them.
+        for j in b0..(b0 + AHEAD).min(hi + 1) {
+            // SAFETY: as below.
+            unsafe {
+                prefetch_row(cache, kv, table, j, tile.g);
+                prefetch_row(kv.v, kv, table, j, tile.g);
+            }
+        }
+    }
     for j0 in (b0..b0 + kb).step_by(8) {
+        for j in j0 + AHEAD..(j0 + AHEAD + 8).min(hi + 1) {
+            // SAFETY: the block table covers every key up to hi. The values too: they are read
+            // after all the keys, by when they are in cache.
+            unsafe {
+                prefetch_row(cache, kv, table, j, tile.g);
+                prefetch_row(kv.v, kv, table, j, tile.g);
+            }
+        }
         let srcs: [Option<*const __m128i>; 8] = std::array::from_fn(|i| {
             // SAFETY: the block table covers every key up to b1.
             (j0 + i <= b1).then(
@@ -325,6 +348,27 @@ unsafe fn widen_transposed(
                     _mm256_storeu_ps(block.as_mut_ptr().add((8 * l + i) * kb + j0 - b0), *v);
                 }
             }
+        }
+    }
+}
+
+/// How many keys ahead of the one widened its row is prefetched: a decode tile's keys are rows
+/// of `2 head_dim` bytes `n_kv_heads` rows apart, a stride the hardware prefetchers do not
+/// follow, so without it each 8 keys wait for memory in turn.
+const AHEAD: usize = 32;
+
+/// Asks for key (or value) `j`'s row of KV group `g` to be brought into cache.
+///
+/// # Safety
+/// `table` covers `j`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn prefetch_row(cache: &[f16], kv: PagedKv<'_>, table: &[u32], j: usize, g: usize) {
+    // SAFETY: the row lies within the cache (the table covers j); prefetches never fault.
+    unsafe {
+        let row = cache.as_ptr().add(kv.offset(table, j, g)) as *const i8;
+        for b in (0..2 * kv.head_dim).step_by(64) {
+            _mm_prefetch::<_MM_HINT_T0>(row.add(b));
         }
     }
 }
@@ -371,13 +415,16 @@ unsafe fn widen(
     cache: &[f16],
     kv: PagedKv<'_>,
     tile: &Tile<'_>,
-    b0: usize,
-    b1: usize,
+    (b0, b1, hi): (usize, usize, usize),
     block: &mut [f32],
 ) {
     let hd = kv.head_dim;
     let table = tile.queries[0].block_table;
     for j in b0..=b1 {
+        if j + AHEAD <= hi {
+            // SAFETY: the block table covers every key up to hi.
+            unsafe { prefetch_row(cache, kv, table, j + AHEAD, tile.g) };
+        }
         // SAFETY: the block table covers j (<= the tile's last position); block has room for
         // (b1 - b0 + 1) * hd floats.
         unsafe {

@@ -2,7 +2,8 @@
 //!
 //! The CPU backend is the default everywhere: quantised matrix multiplication in GGML's block
 //! formats (AVX2/FMA/F16C when the CPU has them, portable code otherwise, chosen at run time),
-//! RMSNorm, RoPE, SiLU·mul and causal attention over a paged KV cache, multithreaded with rayon.
+//! RMSNorm, RoPE, SiLU·mul and causal attention over a paged KV cache, multithreaded on the
+//! crate's own spinning thread pool ([`for_each`]).
 //! The model code calls them through [`Backend`], so another backend can stand beside the CPU one.
 
 pub mod kquant;
@@ -26,6 +27,8 @@ pub mod cuda;
 mod gpu_types;
 #[cfg(feature = "compute")]
 pub mod matmul;
+#[cfg(feature = "compute")]
+pub mod mem;
 #[cfg(feature = "compute")]
 pub mod ops;
 #[cfg(feature = "compute")]
@@ -72,4 +75,4 @@ pub enum KernelError {
 #[cfg(feature = "compute")]
 mod pool;
 #[cfg(feature = "compute")]
-pub use pool::{install, isa, pool, set_threads, vnni, Isa};
+pub use pool::{for_each, for_each_chunk_mut, isa, set_threads, threads, vnni, Isa};

@@ -10,8 +10,6 @@
 
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use crate::quant::{quantize_row_q8, DType, Q8_0_BYTES, Q8_1_BYTES, QK};
 use crate::{isa, Isa, KernelError};
 
@@ -28,7 +26,7 @@ pub struct Matrix {
     backing: Backing,
     start: usize,
     /// Row-interleaved copy for the x86 kernels (see [`crate::packed`]).
-    packed: Option<Arc<Vec<u8>>>,
+    packed: Option<crate::mem::SharedBytes>,
 }
 
 impl std::fmt::Debug for Matrix {
@@ -85,7 +83,8 @@ impl Matrix {
             packed: None,
         };
         if isa() == Isa::Avx2 && crate::packed::supports(dtype, rows) {
-            m.packed = Some(Arc::new(crate::packed::pack(dtype, m.bytes(), rows, cols)));
+            let packed = crate::packed::pack(dtype, m.bytes(), rows, cols);
+            m.packed = Some(crate::mem::SharedBytes::copy_of(&packed));
         }
         Ok(m)
     }
@@ -174,13 +173,6 @@ impl DType {
     }
 }
 
-#[derive(Clone, Copy)]
-struct SendPtr<T>(*mut T);
-// SAFETY: used only to hand disjoint output columns to rayon workers (see `matmul`).
-unsafe impl<T> Send for SendPtr<T> {}
-// SAFETY: as above; no two workers write the same element.
-unsafe impl<T> Sync for SendPtr<T> {}
-
 /// The format `dtype` weights of `rows` rows are re-laid into at load, when they have no
 /// kernel of their own here: Q5_0 as Q8_0 (the same scale, 5-bit quants widened: exact);
 /// Q4_K and Q6_K, which have interleaved kernels on AVX2 machines, and BF16, Q5_1 and Q5_K
@@ -252,25 +244,29 @@ pub fn matmul_many(
         let with_sum = f == 1 || f == 3;
         let row = k / QK * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
         let mut q = vec![0u8; m * row];
-        q.par_chunks_mut(row)
-            .zip(x.par_chunks(k))
-            .with_min_len(16)
-            .for_each(|(qr, xr)| match isa {
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
-                Isa::Avx2 if f >= 3 => unsafe { crate::x86::quantize_row_q8_k(xr, qr, with_sum) },
-                _ if f >= 3 => crate::quant::quantize_row_q8_k(xr, qr, with_sum),
-                #[cfg(target_arch = "x86_64")]
-                // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
-                Isa::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr, with_sum) },
-                _ => quantize_row_q8(xr, qr, with_sum),
-            });
+        let quantize = |qr: &mut [u8], xr: &[f32]| match isa {
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
+            Isa::Avx2 if f >= 3 => unsafe { crate::x86::quantize_row_q8_k(xr, qr, with_sum) },
+            _ if f >= 3 => crate::quant::quantize_row_q8_k(xr, qr, with_sum),
+            #[cfg(target_arch = "x86_64")]
+            // SAFETY: `isa` is Avx2 only when the CPU has AVX2, FMA and F16C.
+            Isa::Avx2 => unsafe { crate::x86::quantize_row_q8(xr, qr, with_sum) },
+            _ => quantize_row_q8(xr, qr, with_sum),
+        };
+        // 16 rows an item.
+        crate::pool::for_each_chunk_mut(&mut q, 16 * row, |i, qs| {
+            let xs = &x[i * 16 * k..];
+            qs.chunks_mut(row)
+                .zip(xs.chunks(k))
+                .for_each(|(qr, xr)| quantize(qr, xr))
+        });
         acts[f] = q;
     }
     // Work items: (matrix, first row, end row), each a whole number of NR-row tiles, sized so
     // that all matrices together make a few items per thread.
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
-    let threads = rayon::current_num_threads().max(1);
+    let threads = crate::pool::threads();
     let items = if m * total * k < 1 << 16 {
         1
     } else {
@@ -291,7 +287,7 @@ pub fn matmul_many(
         usize,
         usize,
         usize,
-        SendPtr<f32>,
+        crate::pool::SendPtr<f32>,
         usize,
         usize,
     );
@@ -311,7 +307,7 @@ pub fn matmul_many(
                 w.row_bytes(),
                 xp,
                 x_row,
-                SendPtr(out.as_mut_ptr()),
+                crate::pool::SendPtr(out.as_mut_ptr()),
                 w.rows,
                 packed,
             )
@@ -368,7 +364,7 @@ pub fn matmul_many(
     if work.len() == 1 {
         run(&work[0]);
     } else {
-        work.par_iter().for_each(run);
+        crate::pool::for_each(work.len(), |i| run(&work[i]));
     }
     Ok(())
 }

@@ -2,8 +2,6 @@
 //!
 //! Each works row by row with a fixed operation order, so results do not depend on batching.
 
-use rayon::prelude::*;
-
 pub use crate::{Activation, RopeStyle};
 
 /// `out[r] = x[r] / sqrt(mean(x[r]^2) + eps) * weight` for each row of `weight.len()` values.
@@ -17,7 +15,10 @@ pub fn rms_norm(x: &[f32], weight: &[f32], eps: f32, out: &mut [f32]) {
         }
     };
     if x.len() >= 64 * d {
-        x.par_chunks(d).zip(out.par_chunks_mut(d)).for_each(body);
+        crate::pool::for_each_chunk_mut(out, 16 * d, |i, o| {
+            let xs = &x[i * 16 * d..][..o.len()];
+            xs.chunks(d).zip(o.chunks_mut(d)).for_each(body)
+        });
     } else {
         x.chunks(d).zip(out.chunks_mut(d)).for_each(body);
     }
@@ -83,9 +84,10 @@ pub fn glu(gate: &mut [f32], up: &[f32], act: Activation) {
         }
     };
     if gate.len() >= 1 << 15 {
-        gate.par_chunks_mut(4096)
-            .zip(up.par_chunks(4096))
-            .for_each(body);
+        crate::pool::for_each_chunk_mut(gate, 4096, |i, g| {
+            let n = g.len();
+            body((g, &up[i * 4096..][..n]))
+        });
     } else {
         body((gate, up));
     }

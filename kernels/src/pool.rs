@@ -1,18 +1,32 @@
 //! The kernels' thread pool and the instruction set chosen at run time.
+//!
+//! A forward pass is a few hundred short parallel regions (a batch-1 decode step of SmolLM2 has
+//! ~150, 10-50 µs each), so a region's start must cost far less than a wake-up through the
+//! kernel. The pool's workers spin on an epoch counter for [`SPIN`] after each region and only
+//! then sleep on a condition variable; the calling thread takes items too. Items are claimed one
+//! at a time from a counter tagged with the region's epoch, so a worker late for one region can
+//! never take an item of the next. Which thread runs an item never changes its result: every
+//! kernel computes an item the same way wherever it runs.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::OnceLock;
+use std::cell::UnsafeCell;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering::*};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, TryLockError};
+use std::time::{Duration, Instant};
 
 use crate::KernelError;
 
-static POOL: OnceLock<rayon::ThreadPool> = OnceLock::new();
+/// How long an idle worker spins before it sleeps.
+const SPIN: Duration = Duration::from_micros(200);
+
+static POOL: OnceLock<Pool> = OnceLock::new();
 static THREADS: AtomicUsize = AtomicUsize::new(0);
 
 /// Sets the number of kernel threads (default: all cores). Must be called before the first
 /// kernel runs; later calls with another number are an error.
 pub fn set_threads(n: usize) -> Result<(), KernelError> {
-    THREADS.store(n, Ordering::SeqCst);
-    let have = pool().current_num_threads();
+    THREADS.store(n, SeqCst);
+    let have = threads();
     if n != 0 && have != n {
         return Err(KernelError::Unavailable(format!(
             "the kernel thread pool already runs {have} threads"
@@ -21,29 +35,220 @@ pub fn set_threads(n: usize) -> Result<(), KernelError> {
     Ok(())
 }
 
-/// The kernels' thread pool.
-pub fn pool() -> &'static rayon::ThreadPool {
+/// The number of threads kernels run on (the caller included).
+pub fn threads() -> usize {
+    pool().threads
+}
+
+/// Runs `f(i)` for every `i` in `0..n` on the kernel threads, the caller among them, and returns
+/// when all are done. A call made while another region runs (from another thread, or from inside
+/// an item) runs its items on the calling thread alone. A panic in an item is raised here.
+pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
+    let p = pool();
+    if n <= 1 || p.threads == 1 {
+        return (0..n).for_each(f);
+    }
+    let _region = match p.region.try_lock() {
+        Ok(g) => g,
+        Err(TryLockError::WouldBlock) => return (0..n).for_each(f),
+        Err(TryLockError::Poisoned(e)) => e.into_inner(),
+    };
+    p.shared.run(n, &f);
+}
+
+/// Runs `f(i, chunk)` for the `i`-th chunk of `size` elements of `data` (the last may be shorter).
+pub fn for_each_chunk_mut<T: Send>(
+    data: &mut [T],
+    size: usize,
+    f: impl Fn(usize, &mut [T]) + Sync,
+) {
+    let len = data.len();
+    let base = SendPtr(data.as_mut_ptr());
+    for_each(len.div_ceil(size.max(1)), |i| {
+        let start = i * size;
+        let n = size.min(len - start);
+        // SAFETY: chunk i is `start..start + n` of `data`, which is borrowed mutably for this
+        // call; chunks are disjoint and each index is run once.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(base.get().add(start), n) };
+        f(i, chunk)
+    });
+}
+
+/// A raw pointer handed to the items of one region, each of which touches its own elements.
+pub(crate) struct SendPtr<T: ?Sized>(pub(crate) *mut T);
+// SAFETY: used only to hand disjoint parts of one buffer to the items of a region.
+unsafe impl<T: ?Sized> Send for SendPtr<T> {}
+// SAFETY: as above; no two items write the same element.
+unsafe impl<T: ?Sized> Sync for SendPtr<T> {}
+impl<T: ?Sized> Clone for SendPtr<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<T: ?Sized> Copy for SendPtr<T> {}
+impl<T: ?Sized> SendPtr<T> {
+    /// The pointer (a method, so that closures capture the whole `SendPtr`).
+    pub(crate) fn get(self) -> *mut T {
+        self.0
+    }
+}
+
+fn pool() -> &'static Pool {
     POOL.get_or_init(|| {
-        let n = match THREADS.load(Ordering::SeqCst) {
+        let n = match THREADS.load(SeqCst) {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(n)
-            .thread_name(|i| format!("tandem-kernel-{i}"))
-            .build()
-            .expect("kernel thread pool starts")
+        Pool::start(n)
     })
 }
 
-/// Runs `f` on the kernel pool, so that the parallel kernels it calls are scheduled among the
-/// pool's workers without a cross-thread handoff per kernel.
-pub fn install<R: Send>(f: impl FnOnce() -> R + Send) -> R {
-    let p = pool();
-    if p.current_thread_index().is_some() {
-        f()
-    } else {
-        p.install(f)
+struct Pool {
+    threads: usize,
+    /// Held by the thread whose region runs.
+    region: Mutex<()>,
+    shared: Arc<Shared>,
+}
+
+/// The job of the running region: a type-erased `&dyn Fn(usize)`, valid while the region runs.
+type Job = *const (dyn Fn(usize) + Sync);
+
+struct Shared {
+    /// The region's epoch in the high 32 bits, the next unclaimed item in the low 32.
+    state: AtomicU64,
+    /// The number of items of the running region.
+    items: AtomicUsize,
+    /// Items finished in the running region.
+    done: AtomicUsize,
+    job: UnsafeCell<Option<Job>>,
+    panicked: AtomicBool,
+    sleepers: AtomicUsize,
+    sleep: Mutex<()>,
+    wake: Condvar,
+}
+
+// SAFETY: `job` is written only by the thread holding `Pool::region` before it publishes a new
+// epoch (Release), and read by workers only after they claimed an item of that epoch (Acquire);
+// the writer waits for every claimed item before it writes again.
+unsafe impl Sync for Shared {}
+// SAFETY: as above.
+unsafe impl Send for Shared {}
+
+impl Pool {
+    fn start(threads: usize) -> Pool {
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            items: AtomicUsize::new(0),
+            done: AtomicUsize::new(0),
+            job: UnsafeCell::new(None),
+            panicked: AtomicBool::new(false),
+            sleepers: AtomicUsize::new(0),
+            sleep: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        for i in 1..threads {
+            let s = Arc::clone(&shared);
+            std::thread::Builder::new()
+                .name(format!("tandem-kernel-{i}"))
+                .spawn(move || s.work())
+                .expect("kernel thread starts");
+        }
+        Pool {
+            threads,
+            region: Mutex::new(()),
+            shared,
+        }
+    }
+}
+
+impl Shared {
+    /// Runs one region (the caller holds `Pool::region`).
+    fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
+        // SAFETY: the lifetime is erased only for the duration of this call: `run` returns after
+        // every item claimed in this epoch has finished, and later claims fail on the epoch.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        // SAFETY: no item of an earlier epoch is running (see above), so nobody reads `job`.
+        unsafe { *self.job.get() = Some(job) };
+        self.items.store(n, Relaxed);
+        self.done.store(0, Relaxed);
+        let epoch = ((self.state.load(Relaxed) >> 32) + 1) & 0xffff_ffff;
+        self.state.store(epoch << 32, SeqCst);
+        if self.sleepers.load(SeqCst) > 0 {
+            let _g = self.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            self.wake.notify_all();
+        }
+        self.take(epoch);
+        let mut spins = 0u32;
+        while self.done.load(Acquire) < n {
+            spins += 1;
+            if spins.is_multiple_of(4096) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        if self.panicked.swap(false, Relaxed) {
+            panic!("a kernel item panicked on a pool thread");
+        }
+    }
+
+    /// Claims and runs items of `epoch` until none is left.
+    fn take(&self, epoch: u64) {
+        let mut s = self.state.load(Acquire);
+        loop {
+            let i = (s & 0xffff_ffff) as usize;
+            if s >> 32 != epoch || i >= self.items.load(Relaxed) {
+                return;
+            }
+            match self.state.compare_exchange_weak(s, s + 1, Acquire, Acquire) {
+                Ok(_) => {
+                    // SAFETY: an item of `epoch` is claimed, so its region is still running and
+                    // `job` is its job.
+                    let job = unsafe { (*self.job.get()).expect("a running region has a job") };
+                    // SAFETY: as above, `job` points to the region's closure, alive until
+                    // `done` counts this item.
+                    if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(i) })).is_err() {
+                        self.panicked.store(true, Relaxed);
+                    }
+                    self.done.fetch_add(1, Release);
+                    s = self.state.load(Acquire);
+                }
+                Err(now) => s = now,
+            }
+        }
+    }
+
+    /// A worker: waits for each new epoch (spinning, then asleep) and takes its items.
+    fn work(&self) {
+        let mut seen = 0;
+        loop {
+            let epoch = self.wait(seen);
+            seen = epoch;
+            self.take(epoch);
+        }
+    }
+
+    fn wait(&self, seen: u64) -> u64 {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let e = self.state.load(Acquire) >> 32;
+            if e != seen {
+                return e;
+            }
+            spins += 1;
+            if !spins.is_multiple_of(256) || start.elapsed() < SPIN {
+                std::hint::spin_loop();
+                continue;
+            }
+            let mut g = self.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            self.sleepers.fetch_add(1, SeqCst);
+            while self.state.load(SeqCst) >> 32 == seen {
+                g = self.wake.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            self.sleepers.fetch_sub(1, SeqCst);
+            return self.state.load(Acquire) >> 32;
+        }
     }
 }
 
@@ -90,4 +295,53 @@ pub fn vnni() -> bool {
         #[cfg(not(target_arch = "x86_64"))]
         false
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_item_runs_once_and_nested_or_concurrent_regions_run_on_their_caller() {
+        for n in [0, 1, 2, 3, 17, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            for_each(n, |i| {
+                // A nested region runs on the thread that calls it.
+                let inner = AtomicUsize::new(0);
+                for_each(3, |_| {
+                    inner.fetch_add(1, Relaxed);
+                });
+                hits[i].fetch_add(inner.load(Relaxed), Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Relaxed) == 3), "n = {n}");
+        }
+        let total = AtomicUsize::new(0);
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| {
+                    for _ in 0..200 {
+                        for_each(7, |i| {
+                            total.fetch_add(i, Relaxed);
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(total.load(Relaxed), 4 * 200 * 21);
+    }
+
+    #[test]
+    fn chunks_cover_the_slice_and_a_panic_reaches_the_caller() {
+        let mut v = vec![0usize; 1001];
+        for_each_chunk_mut(&mut v, 64, |i, c| c.iter_mut().for_each(|x| *x += i + 1));
+        assert!(v.iter().enumerate().all(|(j, &x)| x == j / 64 + 1));
+        let r = catch_unwind(|| for_each(64, |i| assert!(i != 63, "item 63")));
+        assert!(r.is_err());
+        // The pool still works after it.
+        let sum = AtomicUsize::new(0);
+        for_each(64, |i| {
+            sum.fetch_add(i, Relaxed);
+        });
+        assert_eq!(sum.load(Relaxed), 63 * 64 / 2);
+    }
 }
