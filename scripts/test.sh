@@ -9,8 +9,10 @@ cd "$(dirname "$0")/.."
 # System packages: libibverbs and what ibverbs-sys needs to build (the `rdma` feature is built
 # and its tests run here, though this machine has no RDMA device); nftables for the multi-host
 # fault test's packet loss and corruption; prometheus for promtool, which checks every /metrics;
-# g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here.
-need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++)
+# g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here; protobuf-compiler is
+# what etcd-client's build script runs; etcd-server is the real etcd the discovery tests start.
+need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++
+  protobuf-compiler etcd-server)
 missing=()
 for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -gt 0 ]; then

@@ -35,6 +35,10 @@ pub struct RoleArgs {
     /// Worker name for logs.
     #[arg(long)]
     pub name: Option<String>,
+    /// Workers: the address to bind and register, overriding the pool's `host` (e.g. a pod's
+    /// IP under Kubernetes).
+    #[arg(long)]
+    pub host: Option<String>,
     /// Decode workers: the TCP KV endpoint to advertise instead of the bound one (NAT, proxies).
     #[arg(long)]
     pub kv_advertise: Option<String>,
@@ -42,6 +46,10 @@ pub struct RoleArgs {
     /// inherited file descriptor and close it (how `tandem up` learns the addresses).
     #[arg(long)]
     pub ready_fd: Option<i32>,
+    /// Workers: once serving (joined, or registered in etcd), write this file (a readiness
+    /// probe can test for it, e.g. under Kubernetes).
+    #[arg(long)]
+    pub ready_file: Option<PathBuf>,
     /// Router: another model's router it answers for, `NAME=HOST:PORT` (beside `[router]
     /// models`; `tandem up` passes those of the config's `[[models]]`).
     #[arg(long = "peer")]
@@ -126,7 +134,7 @@ fn worker_settings(
             // them, even if the router is gone too (it cancels abandoned requests itself).
             kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
         },
-        host: pool.host.clone(),
+        host: a.host.clone().unwrap_or_else(|| pool.host.clone()),
         router: control_endpoint(cfg, a),
         name: a.name.clone().unwrap_or_else(|| role.into()),
         require: cfg
@@ -135,6 +143,18 @@ fn worker_settings(
             .as_ref()
             .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
         secret: secret(cfg)?,
+        discovery: discovery(cfg),
+        ready_file: a.ready_file.clone(),
+    })
+}
+
+/// `[discovery]` as the members use it.
+fn discovery(cfg: &ClusterConfig) -> Option<discovery::Config> {
+    let d = cfg.discovery.as_ref()?;
+    Some(discovery::Config {
+        endpoints: d.etcd.get_ref().clone(),
+        prefix: d.prefix.get_ref().clone(),
+        ttl: Duration::from_millis(*d.lease_ttl_ms.get_ref()),
     })
 }
 
@@ -247,6 +267,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
         request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),
         peers: peers(&cfg, &a.peers)?,
+        discovery: discovery(&cfg),
         actuator: {
             // One actuator for the cluster: a command if any pool names one, else local.
             let command = [cfg.prefill.as_ref(), Some(&cfg.decode)]

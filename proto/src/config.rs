@@ -33,6 +33,30 @@ pub struct ClusterConfig {
     /// starts beside this one; this cluster's router answers for them (`[[models]]`).
     #[serde(default)]
     pub models: Vec<MoreModel>,
+    /// Membership through etcd instead of (beside) the router's control address.
+    pub discovery: Option<DiscoverySection>,
+}
+
+/// `[discovery]`: workers and routers find each other through etcd.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiscoverySection {
+    /// etcd's client endpoints, e.g. `["http://10.0.0.5:2379"]`.
+    pub etcd: Spanned<Vec<String>>,
+    /// The key prefix of this cluster's members (clusters sharing an etcd need their own).
+    #[serde(default = "default_discovery_prefix")]
+    pub prefix: Spanned<String>,
+    /// A member is gone this long after its last lease renewal (renewed every third of it).
+    #[serde(default = "default_discovery_ttl_ms")]
+    pub lease_ttl_ms: Spanned<u64>,
+}
+
+fn default_discovery_prefix() -> Spanned<String> {
+    Spanned::new(0..0, "/tandem/default".into())
+}
+
+fn default_discovery_ttl_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 3000)
 }
 
 /// `[[models]]`: another model's cluster file, relative to this one.
@@ -618,6 +642,29 @@ impl ClusterConfig {
             2000,
             "senders renew every second",
         )?;
+        if let Some(d) = &cfg.discovery {
+            let bad = d.etcd.get_ref().iter().find(|e| !e.starts_with("http://"));
+            if d.etcd.get_ref().is_empty() || bad.is_some() {
+                return ctx.err(
+                    d.etcd.span(),
+                    "discovery.etcd",
+                    "must list etcd's client endpoints as http://host:port",
+                );
+            }
+            if !d.prefix.get_ref().starts_with('/') || d.prefix.get_ref().ends_with('/') {
+                return ctx.err(
+                    d.prefix.span(),
+                    "discovery.prefix",
+                    "must start with / and not end with one",
+                );
+            }
+            ctx.at_least(
+                &d.lease_ttl_ms,
+                "discovery.lease_ttl_ms",
+                2000,
+                "etcd's shortest lease is 2 s",
+            )?;
+        }
         let r = &cfg.router;
         let beats = "workers heartbeat every 250 ms";
         ctx.at_least(
@@ -668,6 +715,27 @@ mod tests {
 
     fn parse(src: &str) -> Result<ClusterConfig, ConfigError> {
         ClusterConfig::parse(Path::new("cluster.toml"), src)
+    }
+
+    #[test]
+    fn discovery_names_etcd_and_checks_its_prefix_and_lease() {
+        let c = parse("[decode]\n[discovery]\netcd = [\"http://10.0.0.5:2379\"]\n").unwrap();
+        let d = c.discovery.unwrap();
+        assert_eq!(d.etcd.get_ref(), &["http://10.0.0.5:2379"]);
+        assert_eq!(
+            (d.prefix.get_ref().as_str(), *d.lease_ttl_ms.get_ref()),
+            ("/tandem/default", 3000)
+        );
+        for (body, want) in [
+            ("etcd = [\"10.0.0.5:2379\"]", "cluster.toml:3: discovery.etcd: must list etcd's client endpoints as http://host:port"),
+            ("etcd = []", "cluster.toml:3: discovery.etcd:"),
+            ("etcd = [\"http://e:2379\"]\nprefix = \"tandem/\"", "cluster.toml:4: discovery.prefix: must start with / and not end with one"),
+            ("etcd = [\"http://e:2379\"]\nlease_ttl_ms = 500", "cluster.toml:4: discovery.lease_ttl_ms: must be at least 2000"),
+            ("etcd = [\"http://e:2379\"]\nttl = 5", "cluster.toml:4"),
+        ] {
+            let e = parse(&format!("[decode]\n[discovery]\n{body}\n")).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{body}: {e}");
+        }
     }
 
     #[test]

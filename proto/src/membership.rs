@@ -25,10 +25,10 @@ pub async fn join(
     request: JoinRequest,
     wait: Duration,
     period: Duration,
-    mut beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
+    beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
 ) -> Result<u64, JoinError> {
     let deadline = tokio::time::Instant::now() + wait;
-    let (mut client, id) = loop {
+    let (client, id) = loop {
         let attempt = async {
             let mut c = ControlClient::connect(router.clone())
                 .await
@@ -50,28 +50,70 @@ pub async fn join(
             Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
         }
     };
-    tokio::spawn(async move {
-        let (mut id, mut resync) = (id, false);
-        let mut ticks = tokio::time::interval(period);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            ticks.tick().await;
-            let b = Heartbeat {
-                worker_id: id,
-                ..beat(resync)
-            };
-            match client.beat(b).await {
-                Ok(r) => resync = r.into_inner().resync,
-                Err(s) if s.code() == tonic::Code::NotFound => {
-                    if let Ok(r) = client.join(request.clone()).await {
-                        id = r.into_inner().worker_id;
-                    }
-                    // A new membership: the router knows nothing of this worker's cache.
-                    resync = true;
-                }
-                Err(_) => resync = true,
-            }
-        }
-    });
+    tokio::spawn(heartbeats(client, id, request, period, beat));
     Ok(id)
+}
+
+/// Heartbeats to one router every `period` until the process ends, re-joining when the router
+/// forgets the worker (`NOT_FOUND`).
+async fn heartbeats(
+    mut client: ControlClient<tonic::transport::Channel>,
+    id: u64,
+    request: JoinRequest,
+    period: Duration,
+    mut beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
+) {
+    let (mut id, mut resync) = (id, false);
+    let mut ticks = tokio::time::interval(period);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        let b = Heartbeat {
+            worker_id: id,
+            ..beat(resync)
+        };
+        match tokio::time::timeout(period * 4, client.beat(b)).await {
+            Ok(Ok(r)) => resync = r.into_inner().resync,
+            Ok(Err(s)) if s.code() == tonic::Code::NotFound => {
+                if let Ok(Ok(r)) =
+                    tokio::time::timeout(period * 4, client.join(request.clone())).await
+                {
+                    id = r.into_inner().worker_id;
+                }
+                // A new membership: the router knows nothing of this worker's cache.
+                resync = true;
+            }
+            _ => resync = true,
+        }
+    }
+}
+
+/// Follows one router found through etcd for as long as the task runs (abort it when the
+/// router's registration goes): joins it, retrying every second while it cannot be reached,
+/// then heartbeats as [`join`] does. A router that refuses the worker is logged and left.
+pub async fn follow(
+    router: String,
+    request: JoinRequest,
+    period: Duration,
+    beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
+) {
+    let (client, id) = loop {
+        let attempt = async {
+            let mut c = ControlClient::connect(router.clone()).await.ok()?;
+            Some(
+                c.join(request.clone())
+                    .await
+                    .map(|r| (c, r.into_inner().worker_id)),
+            )
+        };
+        match tokio::time::timeout(period * 8, attempt).await {
+            Ok(Some(Ok(joined))) => break joined,
+            Ok(Some(Err(s))) if s.code() == tonic::Code::FailedPrecondition => {
+                return tracing::error!(%router, "the router refused this worker: {}", s.message());
+            }
+            _ => tokio::time::sleep(Duration::from_secs(1)).await,
+        }
+    };
+    tracing::info!(%router, worker_id = id, "joined a router found through etcd");
+    heartbeats(client, id, request, period, beat).await
 }

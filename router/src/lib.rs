@@ -12,6 +12,7 @@ pub mod guard;
 pub mod http;
 pub mod kv_index;
 pub mod logprobs;
+pub mod members;
 pub mod openai;
 pub mod peers;
 pub mod planner;
@@ -71,6 +72,8 @@ pub struct RouterConfig {
     pub actuator: ActuatorConfig,
     /// Other models' routers this one answers for: (model name, `host:port`).
     pub peers: Vec<(String, String)>,
+    /// Membership through etcd (`[discovery]`), beside the control endpoint workers may join.
+    pub discovery: Option<discovery::Config>,
 }
 
 /// Which actuator the planner drives.
@@ -308,7 +311,16 @@ pub async fn run(
         .add_service(ControlServer::new(ControlService(registry)))
         .serve_with_incoming(TcpListenerStream::new(ctrl_l));
     on_ready(http_addr, ctrl_addr);
+    let router_id = discovery::random_id();
+    if let Some(d) = &cfg.discovery {
+        members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);
+    }
     if !cfg.scaling.is_empty() {
+        // With etcd, one planner acts at a time: the others follow until the leader is gone.
+        let leader = cfg.discovery.as_ref().map(|d| {
+            let me = format!("router {router_id:016x} http://{http_addr}");
+            d.lead("planner", me.into_bytes())
+        });
         let control = format!("http://{ctrl_addr}");
         let actuator: Box<dyn actuator::Actuator> = match &cfg.actuator {
             ActuatorConfig::Local { exe, config } => {
@@ -322,7 +334,7 @@ pub async fn run(
             .cloned()
             .map(planner::PoolPlan::new)
             .collect();
-        tokio::spawn(planner::run(state.clone(), plans, actuator));
+        tokio::spawn(planner::run(state.clone(), plans, actuator, leader));
     }
     tokio::select! {
         r = axum::serve(guard::Limited::new(http_l, cfg.limits.max_connections), app) => r.map_err(|e| RouterError::Serve(e.to_string())),
@@ -396,6 +408,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_queued", Gauge, "Work queued in front of the pool (prefill: prompt tokens; decode: requests waiting for room)."),
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
+    ("tandem_planner_leader", Gauge, "1 while this router's planner leads (decides and scales), 0 while it follows another router's (etcd election); absent without etcd."),
 ];
 
 fn describe() {

@@ -356,11 +356,13 @@ fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
 }
 
 /// Runs the planner: every tick, each pool's decision from its own inputs, exported and handed
-/// to the actuator.
+/// to the actuator — while `leader` reads `true` (etcd's election among several routers; `None`:
+/// the only router, always leading).
 pub async fn run(
     state: Arc<crate::State>,
     mut plans: Vec<PoolPlan>,
     mut actuator: Box<dyn crate::actuator::Actuator>,
+    leader: Option<tokio::sync::watch::Receiver<bool>>,
 ) {
     let tick = plans
         .iter()
@@ -373,6 +375,15 @@ pub async fn run(
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         ticks.tick().await;
+        if let Some(l) = &leader {
+            // A follower decides nothing: the leader's planner scales the pools.
+            let leads = *l.borrow();
+            metrics::gauge!("tandem_planner_leader").set(if leads { 1.0 } else { 0.0 });
+            if !leads {
+                starting.clear();
+                continue;
+            }
+        }
         let now = Instant::now();
         let workers = registry.workers();
         for plan in &mut plans {

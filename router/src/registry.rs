@@ -377,8 +377,9 @@ impl Registry {
 
     /// Resolves when worker `id` can no longer be counted on: removed, silent past the
     /// heartbeat timeout, or stalled. Sleeps to the moment its heartbeats would have to have
-    /// come, and looks again; never polls.
+    /// come or to the registry's next change, and looks again; never polls.
     pub async fn lost(&self, id: u64) {
+        let mut changes = self.subscribe();
         loop {
             let due = match self.lock().get(&id) {
                 Some(w) if !w.stalled => w.last_beat + self.liveness.heartbeat,
@@ -388,7 +389,14 @@ impl Registry {
                 self.prune();
                 return;
             }
-            tokio::time::sleep_until(due.into()).await;
+            // Or sooner, when the worker is removed (its etcd lease expired): looked at again on
+            // every change to the registry.
+            tokio::select! {
+                _ = tokio::time::sleep_until(due.into()) => {}
+                r = changes.changed() => if r.is_err() {
+                    tokio::time::sleep_until(due.into()).await;
+                },
+            }
         }
     }
 
@@ -414,7 +422,13 @@ impl Registry {
             .ok()
             .and_then(|r| Pool::try_from(r).ok())
             .ok_or_else(|| Status::invalid_argument("role must be prefill or decode"))?;
-        let id = self.next_id.fetch_add(1, Ordering::SeqCst);
+        // A worker registered in etcd brings its cluster-wide id; joining again (through the
+        // watch and through this call, or after an outage) changes nothing.
+        let id = match j.worker_id {
+            0 => self.next_id.fetch_add(1, Ordering::SeqCst),
+            id if self.lock().contains_key(&id) => return Ok(id),
+            id => id,
+        };
         let w = Worker {
             id,
             pool,
@@ -440,6 +454,17 @@ impl Registry {
         self.lock().insert(id, w);
         self.touch();
         Ok(id)
+    }
+
+    /// Drops worker `id` at once (its etcd lease expired or it deregistered): no request is
+    /// routed to it from now on, and its cached blocks leave the KV index.
+    pub fn forget(&self, id: u64, why: &str) {
+        let Some(w) = self.lock().remove(&id) else {
+            return;
+        };
+        tracing::warn!(worker = id, name = %w.name, "worker dropped: {why}");
+        self.index.lock().expect("index lock").remove_worker(id);
+        self.touch();
     }
 
     /// Records a heartbeat and its KV events; `NOT_FOUND` for a worker this router does not

@@ -370,6 +370,37 @@ async fn request_ids_are_unique_and_carry_a_per_router_prefix() {
 // The registry.
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_its_own_id_joins_once_and_forgetting_it_wakes_its_requests() {
+    // A worker registered in etcd comes with its id, through the watch and through Join alike.
+    let st = state(Duration::from_secs(60));
+    let (config, _) = engine::inspect(&engine::fetch::default_model_path()).unwrap();
+    let req = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Decode as i32,
+        identity: Some(engine::identity_of(&config, 16).into()),
+        worker_id: 0xfeed,
+        ..Default::default()
+    };
+    assert_eq!(st.registry.join(req.clone()).unwrap(), 0xfeed);
+    assert_eq!(st.registry.join(req).unwrap(), 0xfeed);
+    assert_eq!(st.registry.count(Pool::Decode), 1);
+    let registry = st.registry.clone();
+    let lost = tokio::spawn(async move { registry.lost(0xfeed).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !lost.is_finished(),
+        "the worker is there (heartbeat timeout 60 s)"
+    );
+    // Its etcd key went: a request waiting on it hears at once, not at the heartbeat timeout.
+    st.registry.forget(0xfeed, "its etcd registration is gone");
+    tokio::time::timeout(Duration::from_secs(5), lost)
+        .await
+        .expect("woken by the removal")
+        .unwrap();
+    assert_eq!(st.registry.count(Pool::Decode), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_refuses_other_protocols_and_models_and_picks_the_least_loaded() {
     let st = state(Duration::from_secs(1));
     let mut bad = JoinRequest {

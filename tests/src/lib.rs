@@ -2,6 +2,7 @@
 //! first use) and the llama.cpp golden file.
 
 pub mod cluster;
+pub mod etcd;
 pub mod up;
 
 use std::path::PathBuf;

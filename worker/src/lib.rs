@@ -51,6 +51,11 @@ pub struct Settings {
     pub require: Option<kv_transfer::Transport>,
     /// The cluster secret for KV transfers (HMAC), if the cluster has one.
     pub secret: Option<Arc<Vec<u8>>>,
+    /// Membership through etcd (`[discovery]`): the worker registers there and heartbeats to
+    /// every router registered there, instead of joining `router`.
+    pub discovery: Option<discovery::Config>,
+    /// Written once the worker serves (a readiness probe's file).
+    pub ready_file: Option<PathBuf>,
 }
 
 /// Why a worker stopped.
@@ -62,6 +67,9 @@ pub enum WorkerError {
     /// A listener could not be bound.
     #[error("binding {0}: {1}")]
     Bind(String, std::io::Error),
+    /// The readiness file could not be written.
+    #[error("writing the ready file {path}: {error}", path = .0.display(), error = .1)]
+    ReadyFile(PathBuf, std::io::Error),
     /// The router refused the worker or could not be reached.
     #[error(transparent)]
     Join(#[from] proto::membership::JoinError),
@@ -174,29 +182,28 @@ pub async fn serve<C: Send + 'static>(
         identity: Some(loaded.identity.clone().into()),
         kv_blocks_total: s.engine.num_blocks as u32,
         metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
-    };
-    let handle = engine.clone();
-    // The first KV event the router does not have yet.
-    let mut sent = 0;
-    let beat = move |resync: bool| {
-        let kv = handle.kv_events(sent, resync);
-        sent = kv.next;
-        grpc::Heartbeat {
-            worker_id: 0,
-            load: Some(handle.load()),
-            kv: Some(kv),
-        }
+        worker_id: 0,
     };
     let period = Duration::from_millis(250);
-    let id = proto::membership::join(
-        s.router.clone(),
-        join,
-        Duration::from_secs(60),
-        period,
-        beat,
-    )
-    .await?;
-    tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);
+    match &s.discovery {
+        None => {
+            let beat = beats(engine.clone());
+            let id = proto::membership::join(
+                s.router.clone(),
+                join,
+                Duration::from_secs(60),
+                period,
+                beat,
+            )
+            .await?;
+            tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);
+        }
+        Some(d) => etcd_membership(d, join, engine.clone(), period),
+    }
+    if let Some(f) = &s.ready_file {
+        std::fs::write(f, format!("{grpc_addr}\n"))
+            .map_err(|e| WorkerError::ReadyFile(f.clone(), e))?;
+    }
     eprintln!(
         "tandem {} {}: serving gRPC on {grpc_addr}{} ({})",
         announce.pool,
@@ -206,6 +213,84 @@ pub async fn serve<C: Send + 'static>(
     );
     server.await.expect("server task does not panic")?;
     Ok(())
+}
+
+/// A heartbeat builder for one router: each router has its own place in the KV event log.
+fn beats<C: Send + 'static>(handle: EngineHandle<C>) -> impl FnMut(bool) -> grpc::Heartbeat + Send {
+    // The first KV event the router does not have yet.
+    let mut sent = 0;
+    move |resync: bool| {
+        let kv = handle.kv_events(sent, resync);
+        sent = kv.next;
+        grpc::Heartbeat {
+            worker_id: 0,
+            load: Some(handle.load()),
+            kv: Some(kv),
+        }
+    }
+}
+
+/// Registers the worker in etcd under a fresh cluster-wide id and follows every router
+/// registered there (one heartbeat task each, ended when the router's registration goes).
+fn etcd_membership<C: Send + 'static>(
+    d: &discovery::Config,
+    mut join: grpc::JoinRequest,
+    engine: EngineHandle<C>,
+    period: Duration,
+) {
+    use discovery::{Change, Kind};
+    use prost::Message;
+    let id = discovery::random_id();
+    join.worker_id = id;
+    drop(d.register(Kind::Worker, id, join.encode_to_vec()));
+    let mut routers = d.watch(Kind::Router);
+    tokio::spawn(async move {
+        let mut following = std::collections::HashMap::<u64, tokio::task::JoinHandle<()>>::new();
+        let follow = |rid: u64, value: &[u8], following: &mut std::collections::HashMap<_, _>| {
+            let Some(control) = router_control(value) else {
+                return tracing::warn!(router = rid, "unreadable router registration in etcd");
+            };
+            let task =
+                proto::membership::follow(control, join.clone(), period, beats(engine.clone()));
+            if let Some(old) = following.insert(rid, tokio::spawn(task)) {
+                old.abort();
+            }
+        };
+        while let Some(c) = routers.recv().await {
+            match c {
+                Change::All(all) => {
+                    following.retain(|rid, t: &mut tokio::task::JoinHandle<()>| {
+                        let keep = all.iter().any(|(r, _)| r == rid);
+                        if !keep {
+                            t.abort();
+                        }
+                        keep
+                    });
+                    for (rid, v) in all {
+                        if !following.contains_key(&rid) {
+                            follow(rid, &v, &mut following);
+                        }
+                    }
+                }
+                Change::Put(rid, v) => follow(rid, &v, &mut following),
+                Change::Delete(rid) => {
+                    if let Some(t) = following.remove(&rid) {
+                        t.abort();
+                    }
+                }
+            }
+        }
+    });
+    tracing::info!(
+        worker_id = id,
+        "registered in etcd; following the routers registered there"
+    );
+}
+
+/// The control endpoint in a router's etcd registration (`{"control": "http://…", …}`).
+fn router_control(value: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(value).ok()?;
+    Some(v.get("control")?.as_str()?.to_string())
 }
 
 async fn start_metrics(

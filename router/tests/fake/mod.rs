@@ -74,6 +74,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
         identity: Some(engine::identity_of(&config, 16).into()),
         kv_blocks_total: 64,
         metrics_endpoint: String::new(),
+        worker_id: 0,
     };
     state.registry.join(req).expect("joins")
 }

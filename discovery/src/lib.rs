@@ -1,0 +1,324 @@
+//! Cluster membership through etcd.
+//!
+//! Every member keeps one key under a lease it renews: workers `<prefix>/workers/<id>` (their
+//! join request: address, role, model identity, KV offers, protocol version), routers
+//! `<prefix>/routers/<id>` (their control endpoint). Routers watch the workers' prefix, workers
+//! the routers': each learns the others joining, leaving and expiring (a member killed or cut
+//! off stops renewing; etcd deletes its key when the lease's TTL runs out) without being told.
+//! The planner's leader is elected through etcd's election API on `<prefix>/planner`.
+//!
+//! Each task here keeps going through etcd outages: it reconnects (every wait has a deadline,
+//! then a pause), registers again under a new lease, lists the prefix again and resumes
+//! watching. What a member already knows is kept meanwhile: an outage of etcd changes nothing
+//! for requests.
+
+use std::time::Duration;
+
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use tokio::sync::{mpsc, watch};
+use tokio::time::timeout;
+
+/// Where etcd is and how members use it.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// etcd's client endpoints, e.g. `http://127.0.0.1:2379`.
+    pub endpoints: Vec<String>,
+    /// The cluster's key prefix (several clusters can share one etcd).
+    pub prefix: String,
+    /// A member's lease: it is gone this long after its last renewal (at least 2 s: etcd's
+    /// minimum with its default timing).
+    pub ttl: Duration,
+}
+
+/// What a member is, and so which prefix its key lives under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// A prefill or decode worker.
+    Worker,
+    /// A router.
+    Router,
+}
+
+impl Kind {
+    fn dir(self) -> &'static str {
+        match self {
+            Kind::Worker => "workers",
+            Kind::Router => "routers",
+        }
+    }
+}
+
+/// A change to the members of one kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    /// Every member there is now (first, and again after each reconnection).
+    All(Vec<(u64, Vec<u8>)>),
+    /// A member joined or changed its value.
+    Put(u64, Vec<u8>),
+    /// A member left or its lease expired.
+    Delete(u64),
+}
+
+/// Why an etcd call failed (each task logs it and tries again).
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// etcd answered with an error, or the connection failed.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// etcd did not answer in time.
+    #[error("etcd did not answer within {0:?}")]
+    Timeout(Duration),
+    /// The lease could not be kept (etcd lost it, or the keep-alive stream ended).
+    #[error("the lease was lost")]
+    LeaseLost,
+    /// The watch ended (etcd restarted or compacted past it).
+    #[error("the watch ended")]
+    WatchEnded,
+}
+
+type Result<T> = std::result::Result<T, DiscoveryError>;
+
+/// How long a task waits before trying etcd again.
+const RETRY: Duration = Duration::from_millis(500);
+
+impl Config {
+    fn key(&self, kind: Kind, id: u64) -> String {
+        format!("{}/{}/{id:016x}", self.prefix, kind.dir())
+    }
+
+    fn dir(&self, kind: Kind) -> String {
+        format!("{}/{}/", self.prefix, kind.dir())
+    }
+
+    /// The deadline of one etcd call.
+    fn deadline(&self) -> Duration {
+        self.ttl.max(Duration::from_secs(2))
+    }
+
+    fn ttl_secs(&self) -> i64 {
+        self.ttl.as_secs().max(2) as i64
+    }
+
+    async fn connect(&self) -> Result<Client> {
+        let d = self.deadline();
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(d)
+            .with_timeout(d)
+            .with_keep_alive(d / 2, d);
+        timeout(d, Client::connect(&self.endpoints, Some(opts)))
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))?
+            .map_err(Into::into)
+    }
+
+    /// Keeps `<prefix>/<kind>/<id> = value` in etcd under a lease renewed every third of the
+    /// TTL, for as long as the returned task runs; registers again after any failure. Abort
+    /// the task to stop (the key then goes with its lease).
+    pub fn register(&self, kind: Kind, id: u64, value: Vec<u8>) -> tokio::task::JoinHandle<()> {
+        let cfg = self.clone();
+        tokio::spawn(async move {
+            loop {
+                match cfg.register_once(kind, id, &value).await {
+                    Ok(()) => return,
+                    Err(e) => tracing::warn!(?kind, id, "etcd registration: {e}; again"),
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+        })
+    }
+
+    async fn register_once(&self, kind: Kind, id: u64, value: &[u8]) -> Result<()> {
+        let d = self.deadline();
+        let call = |e| DiscoveryError::Timeout(e);
+        let mut c = self.connect().await?;
+        let lease = timeout(d, c.lease_grant(self.ttl_secs(), None))
+            .await
+            .map_err(|_| call(d))??
+            .id();
+        let opts = PutOptions::new().with_lease(lease);
+        timeout(d, c.put(self.key(kind, id), value.to_vec(), Some(opts)))
+            .await
+            .map_err(|_| call(d))??;
+        tracing::info!(?kind, id, lease, "registered in etcd");
+        let (mut keeper, mut answers) = timeout(d, c.lease_keep_alive(lease))
+            .await
+            .map_err(|_| call(d))??;
+        let mut ticks = tokio::time::interval(self.ttl / 3);
+        loop {
+            ticks.tick().await;
+            timeout(d, keeper.keep_alive())
+                .await
+                .map_err(|_| call(d))??;
+            match timeout(d, answers.message()).await.map_err(|_| call(d))?? {
+                Some(a) if a.ttl() > 0 => {}
+                _ => return Err(DiscoveryError::LeaseLost),
+            }
+        }
+    }
+
+    /// The members of `kind`: all of them first, then each change, and all of them again
+    /// after a reconnection. The task ends when the receiver is dropped.
+    pub fn watch(&self, kind: Kind) -> mpsc::UnboundedReceiver<Change> {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let cfg = self.clone();
+        tokio::spawn(async move {
+            while !tx.is_closed() {
+                if let Err(e) = cfg.watch_once(kind, &tx).await {
+                    tracing::warn!(?kind, "etcd watch: {e}; again");
+                }
+                tokio::time::sleep(RETRY).await;
+            }
+        });
+        rx
+    }
+
+    async fn watch_once(&self, kind: Kind, tx: &mpsc::UnboundedSender<Change>) -> Result<()> {
+        let d = self.deadline();
+        let dir = self.dir(kind);
+        let mut c = self.connect().await?;
+        let now = timeout(d, c.get(dir.clone(), Some(GetOptions::new().with_prefix())))
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))??;
+        let all = now
+            .kvs()
+            .iter()
+            .filter_map(|kv| Some((member_id(&dir, kv.key())?, kv.value().to_vec())))
+            .collect();
+        let revision = now.header().map_or(0, |h| h.revision());
+        if tx.send(Change::All(all)).is_err() {
+            return Ok(());
+        }
+        let opts = WatchOptions::new()
+            .with_prefix()
+            .with_start_revision(revision + 1);
+        let mut stream = timeout(d, c.watch(dir.clone(), Some(opts)))
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))??;
+        // A watch waits for changes for as long as there are none: no deadline here. A dead
+        // etcd ends it with an error (its connection's keep-alive sees to a silent one).
+        while let Some(r) = stream.message().await? {
+            if r.canceled() {
+                return Err(DiscoveryError::WatchEnded);
+            }
+            for e in r.events() {
+                let Some(kv) = e.kv() else { continue };
+                let Some(id) = member_id(&dir, kv.key()) else {
+                    continue;
+                };
+                let change = match e.event_type() {
+                    EventType::Put => Change::Put(id, kv.value().to_vec()),
+                    EventType::Delete => Change::Delete(id),
+                };
+                if tx.send(change).is_err() {
+                    return Ok(());
+                }
+            }
+        }
+        Err(DiscoveryError::WatchEnded)
+    }
+
+    /// Campaigns for the leadership of `name` (e.g. the planner) with `value` (who this is):
+    /// the receiver reads `true` while this member leads. A leader that loses its lease (etcd
+    /// unreachable past the TTL) reads `false` and campaigns again; when it dies, its lease
+    /// expires and the next campaigner leads within the TTL.
+    pub fn lead(&self, name: &str, value: Vec<u8>) -> watch::Receiver<bool> {
+        let (tx, rx) = watch::channel(false);
+        let (cfg, name) = (self.clone(), format!("{}/{name}", self.prefix));
+        tokio::spawn(async move {
+            while !tx.is_closed() {
+                if let Err(e) = cfg.lead_once(&name, &value, &tx).await {
+                    tracing::warn!(%name, "etcd election: {e}; again");
+                }
+                tx.send_replace(false);
+                tokio::time::sleep(RETRY).await;
+            }
+        });
+        rx
+    }
+
+    async fn lead_once(&self, name: &str, value: &[u8], tx: &watch::Sender<bool>) -> Result<()> {
+        let d = self.deadline();
+        let mut c = self.connect().await?;
+        let lease = timeout(d, c.lease_grant(self.ttl_secs(), None))
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))??
+            .id();
+        let (mut keeper, mut answers) = timeout(d, c.lease_keep_alive(lease))
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))??;
+        let keep = async {
+            let mut ticks = tokio::time::interval(self.ttl / 3);
+            loop {
+                ticks.tick().await;
+                timeout(d, keeper.keep_alive())
+                    .await
+                    .map_err(|_| DiscoveryError::Timeout(d))??;
+                match timeout(d, answers.message())
+                    .await
+                    .map_err(|_| DiscoveryError::Timeout(d))??
+                {
+                    Some(a) if a.ttl() > 0 => {}
+                    _ => return Err::<(), _>(DiscoveryError::LeaseLost),
+                }
+            }
+        };
+        let mut campaigner = c.clone();
+        let campaign = async {
+            // Waits while another member leads: the lease kept alive beside it bounds it.
+            campaigner.campaign(name, value.to_vec(), lease).await?;
+            tracing::info!(%name, lease, "elected leader");
+            tx.send_replace(true);
+            std::future::pending::<Result<()>>().await
+        };
+        let r = tokio::select! {
+            r = keep => r,
+            r = campaign => r,
+        };
+        // Best effort: a revoked lease hands the leadership on at once instead of at its TTL.
+        let _ = timeout(d, c.lease_revoke(lease)).await;
+        r
+    }
+}
+
+/// The id in a member's key `<dir><16 hex digits>`.
+fn member_id(dir: &str, key: &[u8]) -> Option<u64> {
+    let rest = std::str::from_utf8(key).ok()?.strip_prefix(dir)?;
+    u64::from_str_radix(rest, 16).ok()
+}
+
+/// A random member id (never 0): from the standard library's randomly seeded hasher, mixed
+/// with the time and the process id.
+pub fn random_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |t| t.as_nanos()),
+    );
+    h.write_u32(std::process::id());
+    h.finish().max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_name_their_kind_and_id() {
+        let c = Config {
+            endpoints: vec![],
+            prefix: "/tandem/a".into(),
+            ttl: Duration::from_secs(3),
+        };
+        let k = c.key(Kind::Worker, 0xabc);
+        assert_eq!(k, "/tandem/a/workers/0000000000000abc");
+        assert_eq!(member_id(&c.dir(Kind::Worker), k.as_bytes()), Some(0xabc));
+        assert_eq!(member_id(&c.dir(Kind::Router), k.as_bytes()), None);
+        assert_eq!(
+            member_id(&c.dir(Kind::Worker), b"/tandem/a/workers/zz"),
+            None
+        );
+        assert_ne!(random_id(), random_id());
+    }
+}
