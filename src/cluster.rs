@@ -269,7 +269,24 @@ pub fn router(a: RoleArgs) -> Result<()> {
         peers: peers(&cfg, &a.peers)?,
         discovery: discovery(&cfg),
         actuator: {
-            // One actuator for the cluster: a command if any pool names one, else local.
+            // One actuator for the cluster: Kubernetes if any pool names it, else a command if
+            // any pool names one, else local.
+            let kube: std::collections::HashMap<_, _> = [
+                (proto::Pool::Prefill, cfg.prefill.as_ref()),
+                (proto::Pool::Decode, Some(&cfg.decode)),
+            ]
+            .into_iter()
+            .filter_map(|(pool, p)| {
+                let a = p?.autoscale.as_ref()?;
+                (a.actuator.get_ref() == "kubernetes").then(|| {
+                    let target = router::kubernetes::Target {
+                        deployment: a.deployment.as_ref()?.get_ref().clone(),
+                        namespace: a.namespace.as_ref().map(|n| n.get_ref().clone()),
+                    };
+                    Some((pool, target))
+                })?
+            })
+            .collect();
             let command = [cfg.prefill.as_ref(), Some(&cfg.decode)]
                 .into_iter()
                 .flatten()
@@ -277,6 +294,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
                 .map(|c| c.get_ref().clone())
                 .next();
             match command {
+                _ if !kube.is_empty() => router::ActuatorConfig::Kubernetes(kube),
                 Some(c) => router::ActuatorConfig::Command(c),
                 None => router::ActuatorConfig::Local {
                     exe: std::env::current_exe().context("locating the tandem binary")?,

@@ -307,11 +307,17 @@ pub struct AutoscaleSection {
     /// Latency window the planner reads percentiles over, ms.
     #[serde(default = "default_window")]
     pub window_ms: Spanned<u64>,
-    /// `"local"` (the router starts and drains worker processes) or `"command"`.
+    /// `"local"` (the router starts and drains worker processes), `"command"` or
+    /// `"kubernetes"` (the pool's Deployment is scaled through the API server).
     #[serde(default = "default_actuator")]
     pub actuator: Spanned<String>,
     /// For `actuator = "command"`: run as `<command> <pool> <replicas>` on every change.
     pub command: Option<Spanned<String>>,
+    /// For `actuator = "kubernetes"`: the Deployment whose scale is the pool's replicas.
+    pub deployment: Option<Spanned<String>>,
+    /// For `actuator = "kubernetes"`: its namespace (default: the router's own, from its
+    /// service account).
+    pub namespace: Option<Spanned<String>>,
 }
 
 fn default_tick() -> Spanned<u64> {
@@ -586,20 +592,27 @@ impl ClusterConfig {
                         format!("autoscaling needs a target: set {name}.slo.{slo}"),
                     );
                 }
-                match (a.actuator.get_ref().as_str(), &a.command) {
-                    ("local", _) | ("command", Some(_)) => {}
-                    ("command", None) => {
+                match (a.actuator.get_ref().as_str(), &a.command, &a.deployment) {
+                    ("local", _, _) | ("command", Some(_), _) | ("kubernetes", _, Some(_)) => {}
+                    ("command", None, _) => {
                         return ctx.err(
                             a.actuator.span(),
                             &key("command"),
                             "actuator = \"command\" needs a command",
                         )
                     }
-                    (other, _) => {
+                    ("kubernetes", _, None) => {
+                        return ctx.err(
+                            a.actuator.span(),
+                            &key("deployment"),
+                            "actuator = \"kubernetes\" needs the pool's deployment",
+                        )
+                    }
+                    (other, _, _) => {
                         return ctx.err(
                             a.actuator.span(),
                             &key("actuator"),
-                            format!("{other:?} is not an actuator (local, command)"),
+                            format!("{other:?} is not an actuator (local, command, kubernetes)"),
                         )
                     }
                 }
@@ -715,6 +728,27 @@ mod tests {
 
     fn parse(src: &str) -> Result<ClusterConfig, ConfigError> {
         ClusterConfig::parse(Path::new("cluster.toml"), src)
+    }
+
+    #[test]
+    fn the_kubernetes_manifests_cluster_toml_is_valid() {
+        let yaml = include_str!("../../deploy/kubernetes/configmap.yaml");
+        let toml: String = yaml
+            .split_once("cluster.toml: |\n")
+            .expect("the ConfigMap holds cluster.toml")
+            .1
+            .lines()
+            .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+            .collect();
+        let c = parse(&toml).unwrap();
+        let a = c.decode.autoscale.as_ref().unwrap();
+        assert_eq!(a.actuator.get_ref(), "kubernetes");
+        assert_eq!(a.deployment.as_ref().unwrap().get_ref(), "tandem-decode");
+        assert!(c.discovery.is_some());
+        let e = parse("[decode]\n[decode.slo]\nitl_p90_ms = 100\n[decode.autoscale]\nmax = 2\nactuator = \"kubernetes\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("decode.autoscale.deployment: actuator = \"kubernetes\" needs the pool's deployment"), "{e}");
     }
 
     #[test]

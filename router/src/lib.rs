@@ -10,6 +10,7 @@
 pub mod actuator;
 pub mod guard;
 pub mod http;
+pub mod kubernetes;
 pub mod kv_index;
 pub mod logprobs;
 pub mod members;
@@ -88,11 +89,16 @@ pub enum ActuatorConfig {
     },
     /// Run `<command> <pool> <replicas>`.
     Command(String),
+    /// Scale each pool's Deployment through the Kubernetes API server (in-cluster credentials).
+    Kubernetes(HashMap<proto::Pool, kubernetes::Target>),
 }
 
 /// Why the router stopped.
 #[derive(Debug, thiserror::Error)]
 pub enum RouterError {
+    /// The planner's actuator cannot work here.
+    #[error("actuator: {0}")]
+    Actuator(String),
     /// The model's metadata or tokenizer could not be read.
     #[error(transparent)]
     Model(#[from] EngineError),
@@ -327,6 +333,14 @@ pub async fn run(
                 Box::new(actuator::Local::new(exe.clone(), config.clone(), control))
             }
             ActuatorConfig::Command(c) => Box::new(actuator::Command::new(c.clone())),
+            ActuatorConfig::Kubernetes(targets) => {
+                let api = kubernetes::KubeApi::in_cluster().ok_or(RouterError::Actuator(
+                    "the kubernetes actuator runs in a pod: KUBERNETES_SERVICE_HOST and the service account are missing".into(),
+                ))?;
+                let k = kubernetes::Kubernetes::new(api, targets.clone())
+                    .map_err(RouterError::Actuator)?;
+                Box::new(k)
+            }
         };
         let plans = cfg
             .scaling
