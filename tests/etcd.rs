@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tandem_tests::cluster::{get, metric_at, post_json};
 use tandem_tests::etcd::{self, Etcd};
+use tandem_tests::netns::Lan;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const TTL_MS: u64 = 2000;
@@ -93,13 +94,18 @@ impl Drop for Procs {
 
 /// Starts a router on `cfg`; returns it and its HTTP address.
 fn router(cfg: &std::path::Path) -> (Child, SocketAddr) {
-    let mut c = Command::new(EXE)
+    let c = Command::new(EXE)
         .args(["router", "--config"])
         .arg(cfg)
         .stdin(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start router");
+    router_address(c)
+}
+
+/// The router's HTTP address, from its first lines (the rest of its log drained).
+fn router_address(mut c: Child) -> (Child, SocketAddr) {
     let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
     let http = loop {
         let line = lines
@@ -360,4 +366,101 @@ fn one_planner_leads_and_another_takes_over_within_the_lease_ttl() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// Acceptance 3: etcd, the routers and each pool on hosts of their own (network namespaces on
+/// one bridge): members find each other across hosts, and the KV crosses them.
+#[test]
+fn etcd_routers_and_workers_on_separate_hosts() {
+    if !etcd::available() {
+        return eprintln!("skipped: no etcd binary (apt install etcd-server)");
+    }
+    // Hosts: 1 etcd, 2 both routers, 3 the prefill worker, 4 the decode worker.
+    let lan = match Lan::new(78, 4) {
+        Ok(l) => l,
+        Err(e) if std::env::var("TANDEM_SKIP_NETNS").is_ok() => {
+            return println!("skipped (TANDEM_SKIP_NETNS): cannot create network namespaces: {e}");
+        }
+        Err(e) => panic!(
+            "cannot create network namespaces (run as root, or set TANDEM_SKIP_NETNS=1): {e}"
+        ),
+    };
+    let etcd = Etcd::start_in(lan.netns(1), &lan.ip(1));
+    let (cfg, prefix) = scratch(&etcd, false);
+    let cfg_s = cfg.to_str().unwrap();
+    let mut procs = Procs(Vec::new());
+    let at = format!("{}:0", lan.ip(2));
+    let mut routers = Vec::new();
+    for name in ["router-a", "router-b"] {
+        let c = lan.spawn(
+            2,
+            EXE,
+            &[
+                "router",
+                "--config",
+                cfg_s,
+                "--listen",
+                &at,
+                "--control",
+                &at,
+            ],
+        );
+        let (c, http) = router_address(c);
+        procs.0.push((name.into(), c));
+        routers.push(http);
+    }
+    for (h, role) in [(3, "prefill"), (4, "decode")] {
+        let mut c = lan.spawn(
+            h,
+            EXE,
+            &[
+                role,
+                "--config",
+                cfg_s,
+                "--host",
+                &lan.ip(h),
+                "--name",
+                role,
+            ],
+        );
+        let err = c.stderr.take().unwrap();
+        std::thread::spawn(move || for _ in BufReader::new(err).lines() {});
+        procs.0.push((role.into(), c));
+    }
+    for &r in &routers {
+        wait_counts(r, (1, 1), Duration::from_secs(60));
+    }
+    // Every member registered the address it can be reached at on the LAN.
+    let keys = etcd.leases(&format!("{prefix}/"));
+    assert_eq!(keys.len(), 4, "{keys:?}");
+    for (i, &r) in routers.iter().enumerate() {
+        for j in 0..3 {
+            complete(r, &prompt(10 * i + j));
+        }
+        assert!(
+            remote(r) >= 3.0,
+            "router {r}: prompts prefilled on the prefill host"
+        );
+    }
+    // The KV crossed from host 3 to host 4 over TCP.
+    let (_, body) = get(routers[0], "/debug/workers").unwrap();
+    let ws: Value = serde_json::from_str(&body).unwrap();
+    let sent: u64 = ws["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w["kv_transfers"]["tcp"].as_u64())
+        .sum();
+    assert!(sent >= 1, "no KV crossed hosts: {ws}");
+    let endpoints: Vec<&str> = ws["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w["endpoint"].as_str())
+        .collect();
+    assert!(
+        endpoints.iter().any(|e| e.contains(&lan.ip(3)))
+            && endpoints.iter().any(|e| e.contains(&lan.ip(4))),
+        "workers registered their hosts' addresses: {endpoints:?}"
+    );
 }

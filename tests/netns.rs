@@ -18,23 +18,9 @@ use engine::{ChatMessage, Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
 use tandem_tests::cluster::{get, metric_at, post_json};
 use tandem_tests::load_model;
+use tandem_tests::netns::sh;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
-
-fn sh(args: &[&str]) -> Result<(), String> {
-    let out = Command::new(args[0])
-        .args(&args[1..])
-        .output()
-        .map_err(|e| format!("{args:?}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        ))
-    }
-}
 
 /// Two namespaces: `p` (prefill, 10.77.0.1) and `d` (router + decode, 10.77.0.2) joined by a
 /// veth pair; `d` also reaches this namespace over a second pair (10.77.9.2, here 10.77.9.1).
@@ -273,31 +259,34 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     assert!(ok >= 6, "only {ok} of 8 requests completed");
     // Every request took the link: its KV crossed it, or the transfer broke on an injected
     // fault (corruption reaches the receiver's CRC check, which refuses the transfer) and the
-    // prompt was recomputed on the decode worker, which the router counts. The workers' counts
-    // come with their heartbeats: wait for them.
-    let sent = || -> u64 {
-        let (_, body) = get(http, "/debug/workers").unwrap();
-        let ws: Value = serde_json::from_str(&body).unwrap();
-        ws["workers"]
-            .as_array()
-            .into_iter()
-            .flatten()
-            .filter_map(|w| w["kv_transfers"]["tcp"].as_u64())
-            .sum()
+    // prompt was recomputed on the decode worker, which the router counts. The router counts a
+    // transfer when the prefill call returns, which may be after the response: wait for them.
+    // The router's counter, not the per-worker counts of /debug/workers: a prefill worker that
+    // a broken call had the router drop joins again under a new id, with counts from zero.
+    let sent = || metric_at(http, "tandem_kv_transfers_total{transport=\"tcp\"}") as u64;
+    // Recomputed, or a prefill call that failed after its KV had crossed (the reply lost on
+    // the faulty link: the request completed from the KV, but no transfer was counted).
+    let failed = || {
+        (metric_at(http, "tandem_kv_transfer_failures_total")
+            + metric_at(http, "tandem_router_prefill_call_failures_total")) as u64
     };
-    let failed = || metric_at(http, "tandem_kv_transfer_failures_total") as u64;
     let t0 = Instant::now();
     while sent() + failed() < 8 && t0.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(100));
     }
     let (sent, failed) = (sent(), failed());
-    println!(
-        "KV crossed the link for {sent} requests; {failed} transfers broke and were recomputed"
-    );
-    assert!(sent >= 1, "no KV crossed the link");
+    println!("KV crossed the link for {sent} requests; {failed} transfers or prefill calls broke");
+    let decisions: Vec<String> = get(http, "/metrics")
+        .map(|(_, t)| t)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.starts_with("tandem_router_prefill_decisions_total"))
+        .map(String::from)
+        .collect();
+    assert!(sent >= 1, "no KV crossed the link; {decisions:?}");
     assert!(
         sent + failed >= 8,
-        "every request went through the prefill pool: {sent} transfers, {failed} recomputed"
+        "every request went through the prefill pool: {sent} transfers, {failed} broken; {decisions:?}"
     );
     for ns in [&net.p, &net.d] {
         // What the injected faults actually hit (where nftables carried them).

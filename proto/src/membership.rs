@@ -64,6 +64,9 @@ async fn heartbeats(
     mut beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
 ) {
     let (mut id, mut resync) = (id, false);
+    // A call's deadline: long enough for TCP to recover from loss on a bad link (a beat that
+    // gives up early is resent as a whole KV snapshot, which a lossy link loses more often).
+    let deadline = Duration::from_secs(10).max(period * 4);
     let mut ticks = tokio::time::interval(period);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -72,11 +75,11 @@ async fn heartbeats(
             worker_id: id,
             ..beat(resync)
         };
-        match tokio::time::timeout(period * 4, client.beat(b)).await {
+        match tokio::time::timeout(deadline, client.beat(b)).await {
             Ok(Ok(r)) => resync = r.into_inner().resync,
             Ok(Err(s)) if s.code() == tonic::Code::NotFound => {
                 if let Ok(Ok(r)) =
-                    tokio::time::timeout(period * 4, client.join(request.clone())).await
+                    tokio::time::timeout(deadline, client.join(request.clone())).await
                 {
                     id = r.into_inner().worker_id;
                 }

@@ -485,7 +485,15 @@ impl Request {
         let (registry, id) = (self.state.registry.clone(), pw.id);
         let task = tokio::spawn(async move {
             let (_guard, _pending) = (guard, pending);
-            let reply = PrefillClient::new(channel).prefill(req).await?.into_inner();
+            let reply = match PrefillClient::new(channel).prefill(req).await {
+                Ok(r) => r.into_inner(),
+                Err(s) => {
+                    // Counted even when the request no longer waits for it (its KV arrived
+                    // first and its reply was lost on the way).
+                    metrics::counter!("tandem_router_prefill_call_failures_total").increment(1);
+                    return Err(s);
+                }
+            };
             registry.record_transfer(id, &reply);
             record_transfer(&reply);
             Ok(reply)

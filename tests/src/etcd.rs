@@ -14,6 +14,8 @@ use crate::cluster::{get, post_json};
 /// One etcd process (killed when dropped).
 pub struct Etcd {
     child: Option<Child>,
+    /// The network namespace it runs in (`None`: this one).
+    netns: Option<String>,
     dir: PathBuf,
     /// Its client address.
     pub client: SocketAddr,
@@ -44,15 +46,26 @@ fn free_port() -> SocketAddr {
 impl Etcd {
     /// Starts etcd and waits until it answers its health check.
     pub fn start() -> Etcd {
+        Etcd::start_at(None, free_port(), free_port())
+    }
+
+    /// Starts etcd in network namespace `netns`, on `ip`'s ports 2379 and 2380.
+    pub fn start_in(netns: &str, ip: &str) -> Etcd {
+        let at = |port| format!("{ip}:{port}").parse().expect("an IP address");
+        Etcd::start_at(Some(netns.into()), at(2379), at(2380))
+    }
+
+    fn start_at(netns: Option<String>, client: SocketAddr, peer: SocketAddr) -> Etcd {
         let n = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.subsec_nanos());
         let dir = std::env::temp_dir().join(format!("tandem-etcd-{}-{n}", std::process::id()));
         let mut e = Etcd {
             child: None,
+            netns,
             dir,
-            client: free_port(),
-            peer: free_port(),
+            client,
+            peer,
         };
         e.restart();
         e
@@ -78,7 +91,15 @@ impl Etcd {
             format!("http://{}", self.client),
             format!("http://{}", self.peer),
         );
-        let child = Command::new("etcd")
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, "etcd"]);
+                c
+            }
+            None => Command::new("etcd"),
+        };
+        let child = cmd
             .args(["--name", "t", "--data-dir"])
             .arg(&self.dir)
             .args(["--listen-client-urls", &c, "--advertise-client-urls", &c])

@@ -3,6 +3,7 @@
 
 pub mod cluster;
 pub mod etcd;
+pub mod netns;
 pub mod up;
 
 use std::path::PathBuf;
