@@ -236,12 +236,24 @@ fn two_routers_and_four_workers_find_each_other_through_etcd_and_survive_deaths(
         "the prefill pool served both routers"
     );
 
+    // A worker killed: gone from both routers once its lease expires (their heartbeat timeout
+    // is 60 s: only etcd can have told them).
+    procs.kill("d1");
+    for r in [a, b] {
+        let gone = wait_counts(r, (2, 1), Duration::from_millis(TTL_MS + 4000));
+        eprintln!(
+            "killed decode worker gone from router {r} after {gone:?} (lease TTL {TTL_MS} ms)"
+        );
+    }
+    complete(a, &prompt(30));
+    complete(b, &prompt(31));
+
     // A router killed: the other serves on, and no worker notices.
     procs.kill("router-a");
     for i in 0..4 {
         complete(b, &prompt(i + 20));
     }
-    assert_eq!(counts(b), Some((2, 2)));
+    assert_eq!(counts(b), Some((2, 1)));
     assert!(procs.all_running(), "no worker exited with the router");
     let t0 = Instant::now();
     while etcd.leases(&format!("{prefix}/routers/")).len() != 1 {
@@ -251,12 +263,6 @@ fn two_routers_and_four_workers_find_each_other_through_etcd_and_survive_deaths(
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-
-    // A worker killed: gone from the router once its lease expires (heartbeat timeout 60 s).
-    procs.kill("d1");
-    let gone = wait_counts(b, (2, 1), Duration::from_millis(TTL_MS + 4000));
-    eprintln!("killed decode worker gone from the router after {gone:?} (lease TTL {TTL_MS} ms)");
-    complete(b, &prompt(30));
 
     // etcd killed: requests go on; restarted: every worker registers again under a new lease.
     let before = etcd.leases(&workers);
