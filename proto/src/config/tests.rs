@@ -1,0 +1,187 @@
+//! Tests of `cluster.toml` parsing and validation: every error names the file, the line and the key.
+
+use super::*;
+
+fn parse(src: &str) -> Result<ClusterConfig, ConfigError> {
+    ClusterConfig::parse(Path::new("cluster.toml"), src)
+}
+
+#[test]
+fn the_kubernetes_manifests_cluster_toml_is_valid() {
+    let yaml = include_str!("../../../deploy/kubernetes/configmap.yaml");
+    let toml: String = yaml
+        .split_once("cluster.toml: |\n")
+        .expect("the ConfigMap holds cluster.toml")
+        .1
+        .lines()
+        .map(|l| format!("{}\n", l.strip_prefix("    ").unwrap_or(l)))
+        .collect();
+    let c = parse(&toml).unwrap();
+    let a = c.decode.autoscale.as_ref().unwrap();
+    assert_eq!(a.actuator.get_ref(), "kubernetes");
+    assert_eq!(a.deployment.as_ref().unwrap().get_ref(), "tandem-decode");
+    assert!(c.discovery.is_some());
+    let e = parse("[decode]\n[decode.slo]\nitl_p90_ms = 100\n[decode.autoscale]\nmax = 2\nactuator = \"kubernetes\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(
+            "decode.autoscale.deployment: actuator = \"kubernetes\" needs the pool's deployment"
+        ),
+        "{e}"
+    );
+}
+
+#[test]
+fn discovery_names_etcd_and_checks_its_prefix_and_lease() {
+    let c = parse("[decode]\n[discovery]\netcd = [\"http://10.0.0.5:2379\"]\n").unwrap();
+    let d = c.discovery.unwrap();
+    assert_eq!(d.etcd.get_ref(), &["http://10.0.0.5:2379"]);
+    assert_eq!(
+        (d.prefix.get_ref().as_str(), *d.lease_ttl_ms.get_ref()),
+        ("/tandem/default", 3000)
+    );
+    for (body, want) in [
+        (
+            "etcd = [\"10.0.0.5:2379\"]",
+            "cluster.toml:3: discovery.etcd: must list etcd's client endpoints as http://host:port",
+        ),
+        ("etcd = []", "cluster.toml:3: discovery.etcd:"),
+        (
+            "etcd = [\"http://e:2379\"]\nprefix = \"tandem/\"",
+            "cluster.toml:4: discovery.prefix: must start with / and not end with one",
+        ),
+        (
+            "etcd = [\"http://e:2379\"]\nlease_ttl_ms = 500",
+            "cluster.toml:4: discovery.lease_ttl_ms: must be at least 2000",
+        ),
+        ("etcd = [\"http://e:2379\"]\nttl = 5", "cluster.toml:4"),
+    ] {
+        let e = parse(&format!("[decode]\n[discovery]\n{body}\n"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with(want), "{body}: {e}");
+    }
+}
+
+#[test]
+fn other_models_are_named_with_their_addresses_or_files() {
+    let c = parse("[router]\nmodels = { \"m\" = \"127.0.0.1:9000\" }\n[decode]\n[[models]]\nconfig = \"b.toml\"\n").unwrap();
+    assert_eq!(c.router.models["m"].get_ref(), "127.0.0.1:9000");
+    assert_eq!(c.models[0].config.get_ref(), Path::new("b.toml"));
+    let e = parse("[router]\nmodels = { \"m\" = \"nowhere\" }\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: router.models.m: \"nowhere\" is not a host:port"),
+        "{e}"
+    );
+    let e = parse("[decode]\n[[models]]\npath = \"x\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("cluster.toml:3:"), "{e}");
+}
+
+#[test]
+fn fault_and_http_limits_are_checked_with_file_line_and_key() {
+    let c = parse("[decode]\n").unwrap();
+    assert_eq!(*c.router.heartbeat_timeout_ms.get_ref(), 2000);
+    assert_eq!(*c.kv_transfer.lease_ms.get_ref(), 3000);
+    let e = parse("[router]\nheartbeat_timeout_ms = 300\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "cluster.toml:2: router.heartbeat_timeout_ms: must be at least 1000 (workers heartbeat every 250 ms)"
+    );
+    let e = parse("[kv_transfer]\nlease_ms = 500\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: kv_transfer.lease_ms: must be at least 2000"),
+        "{e}"
+    );
+    let e = parse("[router]\n\napi_keys_file = \"/nonexistent/keys\"\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:3: router.api_keys_file: cannot read /nonexistent/keys"),
+        "{e}"
+    );
+    let e = parse("[router]\nmax_body_bytes = 10\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: router.max_body_bytes: must be at least 1024"),
+        "{e}"
+    );
+}
+
+#[test]
+fn defaults_and_errors_name_file_line_and_key() {
+    let c = parse("[decode]\n").unwrap();
+    assert!(!c.disaggregated());
+    assert_eq!(*c.decode.kv_blocks.get_ref(), 1024);
+    let e = parse("[prefill]\nreplicas = 1\n\n[decode]\nthreads = 0\n")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(e, "cluster.toml:5: decode.threads: must be at least 1");
+    let e = parse("[decode]\nreplica = 2\n").unwrap_err().to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: unknown field `replica`"),
+        "{e}"
+    );
+    let e = parse("[router]\nlisten = \"nowhere\"\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "cluster.toml:2: router.listen: \"nowhere\" is not a host:port socket address"
+    );
+    let e = parse("[decode]\nkv_blocks = \"many\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("cluster.toml:2: invalid type"), "{e}");
+    let e = parse("[kv_transfer]\nprefer = [\"quic\", \"pigeon\"]\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: kv_transfer.prefer: unknown transport \"pigeon\""),
+        "{e}"
+    );
+    let e = parse("").unwrap_err().to_string();
+    assert!(e.contains("missing field `decode`"), "{e}");
+    let e = parse("[decode]\nengine = \"gpu9\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:2: decode.engine: \"gpu9\" is not an engine"),
+        "{e}"
+    );
+    let e = parse("[decode]\n[decode.autoscale]\nmin = 3\nmax = 2\n")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "cluster.toml:4: decode.autoscale.max: must be at least min (3)"
+    );
+    let e = parse("[decode]\n[decode.autoscale]\nmax = 2\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("decode.autoscale.max: autoscaling needs a target: set decode.slo.itl_p90_ms"),
+        "{e}"
+    );
+    let e = parse("[decode]\nengine = \"mock\"\n[decode.mock]\npreset = \"tpu\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:4: decode.mock.preset: unknown preset"),
+        "{e}"
+    );
+    let c = parse(
+        "[decode]\nengine = \"mock\"\n[decode.slo]\nitl_p90_ms = 50\n[decode.autoscale]\nmax = 4\n",
+    )
+    .unwrap();
+    assert_eq!(*c.decode.autoscale.unwrap().max.get_ref(), 4);
+}
