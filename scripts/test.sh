@@ -14,7 +14,9 @@ cd "$(dirname "$0")/.."
 need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++
   protobuf-compiler etcd-server)
 missing=()
-for p in "${need[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+for p in "${need[@]}"; do
+  [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
+done
 if [ ${#missing[@]} -gt 0 ]; then
   sudo=$([ "$(id -u)" = 0 ] || echo sudo)
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
