@@ -37,7 +37,10 @@ fn apply(registry: &Registry, c: Change) {
     match c {
         Change::All(all) => all.into_iter().for_each(|(id, v)| adopt(registry, id, &v)),
         Change::Put(id, v) => adopt(registry, id, &v),
-        Change::Delete(id) => registry.forget(id, "its etcd registration is gone"),
+        Change::Delete(id) => {
+            tracing::warn!(worker = id, "its etcd registration is gone");
+            registry.remove(id);
+        }
     }
 }
 

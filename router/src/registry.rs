@@ -149,6 +149,8 @@ pub struct Registry {
     next_id: AtomicU64,
     workers: Mutex<HashMap<u64, Worker>>,
     changed: watch::Sender<u64>,
+    /// Bumped when a worker is removed or marked stalled: what [`Registry::lost`] wakes on.
+    gone: watch::Sender<u64>,
     index: Mutex<KvIndex>,
     routing: Routing,
     /// Round-robin counters: prefill, decode.
@@ -184,6 +186,7 @@ impl Registry {
             next_id: AtomicU64::new(1),
             workers: Mutex::new(HashMap::new()),
             changed: watch::Sender::new(0),
+            gone: watch::Sender::new(0),
             index: Mutex::new(KvIndex::default()),
             routing,
             turns: Default::default(),
@@ -325,6 +328,7 @@ impl Registry {
         if self.lock().remove(&id).is_some() {
             self.index.lock().expect("index lock").remove_worker(id);
             tracing::warn!(worker = id, "worker removed");
+            self.gone.send_modify(|v| *v += 1);
             self.touch();
         }
     }
@@ -347,6 +351,7 @@ impl Registry {
         drop(index);
         if ws.len() != before {
             drop(ws);
+            self.gone.send_modify(|v| *v += 1);
             self.touch();
         }
     }
@@ -372,14 +377,15 @@ impl Registry {
             tracing::warn!(worker = id, name = %w.name, "worker stalled: a request saw no progress");
             w.stalled = true;
         }
+        self.gone.send_modify(|v| *v += 1);
         self.touch();
     }
 
     /// Resolves when worker `id` can no longer be counted on: removed, silent past the
     /// heartbeat timeout, or stalled. Sleeps to the moment its heartbeats would have to have
-    /// come or to the registry's next change, and looks again; never polls.
+    /// come or to the next removal or stall, and looks again; never polls.
     pub async fn lost(&self, id: u64) {
-        let mut changes = self.subscribe();
+        let mut changes = self.gone.subscribe();
         loop {
             let due = match self.lock().get(&id) {
                 Some(w) if !w.stalled => w.last_beat + self.liveness.heartbeat,
@@ -389,8 +395,8 @@ impl Registry {
                 self.prune();
                 return;
             }
-            // Or sooner, when the worker is removed (its etcd lease expired): looked at again on
-            // every change to the registry.
+            // Or sooner, when a worker is removed (its etcd lease expired, a call found it
+            // unreachable) or marked stalled: looked at again then.
             tokio::select! {
                 _ = tokio::time::sleep_until(due.into()) => {}
                 r = changes.changed() => if r.is_err() {
@@ -454,17 +460,6 @@ impl Registry {
         self.lock().insert(id, w);
         self.touch();
         Ok(id)
-    }
-
-    /// Drops worker `id` at once (its etcd lease expired or it deregistered): no request is
-    /// routed to it from now on, and its cached blocks leave the KV index.
-    pub fn forget(&self, id: u64, why: &str) {
-        let Some(w) = self.lock().remove(&id) else {
-            return;
-        };
-        tracing::warn!(worker = id, name = %w.name, "worker dropped: {why}");
-        self.index.lock().expect("index lock").remove_worker(id);
-        self.touch();
     }
 
     /// Records a heartbeat and its KV events; `NOT_FOUND` for a worker this router does not

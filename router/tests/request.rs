@@ -392,7 +392,7 @@ async fn a_worker_with_its_own_id_joins_once_and_forgetting_it_wakes_its_request
         "the worker is there (heartbeat timeout 60 s)"
     );
     // Its etcd key went: a request waiting on it hears at once, not at the heartbeat timeout.
-    st.registry.forget(0xfeed, "its etcd registration is gone");
+    st.registry.remove(0xfeed);
     tokio::time::timeout(Duration::from_secs(5), lost)
         .await
         .expect("woken by the removal")
