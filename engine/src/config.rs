@@ -209,7 +209,7 @@ impl ModelConfig {
         let dim = u("embedding_length")?;
         let n_heads = u("attention.head_count")?;
         let head_dim =
-            opt_u("attention.key_length").unwrap_or(if n_heads > 0 { dim / n_heads } else { 0 });
+            opt_u("attention.key_length").unwrap_or(dim.checked_div(n_heads).unwrap_or(0));
         if opt_u("attention.value_length").is_some_and(|v| v != head_dim) {
             return Err(EngineError::model(
                 g.path(),
@@ -283,38 +283,58 @@ impl ModelConfig {
         }
     }
 
-    /// Reads a Llama config from a Hugging Face `config.json`.
+    /// Reads a Hugging Face `config.json` of a text model: `llama` (Llama 3.x's `rope_scaling`
+    /// of type `llama3` included), `qwen2`, `qwen3` or `gemma3_text` — each maps onto the same
+    /// description as its GGUF metadata does. What tandem cannot run (other RoPE scalings, MLP
+    /// biases, Qwen2's sliding window) is refused by name, never ignored.
     pub fn from_hf_json(path: &Path, json: &serde_json::Value) -> Result<ModelConfig> {
-        let arch_ok = json["architectures"]
-            .as_array()
-            .is_some_and(|a| a.iter().any(|v| v == "LlamaForCausalLM"))
-            || json["model_type"] == "llama";
-        if !arch_ok {
-            return Err(EngineError::model(
-                path,
-                format!(
-                    "unsupported architecture {} (tandem runs LlamaForCausalLM)",
+        let bad = |m: String| EngineError::model(path, m);
+        let model_type = json["model_type"].as_str().unwrap_or_default();
+        let arch = match model_type {
+            "llama" | "qwen2" | "qwen3" => model_type,
+            "gemma3_text" => "gemma3",
+            "gemma3" => {
+                return Err(bad(
+                    "model_type gemma3 is the multimodal model; tandem runs the text model \
+                     (gemma3_text)"
+                        .into(),
+                ))
+            }
+            _ => {
+                return Err(bad(format!(
+                    "unsupported architecture {} / model_type {model_type:?} (tandem runs \
+                     llama, qwen2, qwen3, gemma3_text)",
                     json["architectures"]
-                ),
-            ));
-        }
+                )))
+            }
+        };
         let u = |k: &str| {
             json[k]
                 .as_u64()
                 .map(|v| v as usize)
-                .ok_or_else(|| EngineError::model(path, format!("missing or non-integer key {k}")))
+                .ok_or_else(|| bad(format!("missing or non-integer key {k}")))
         };
+        let f = |k: &str, d: f64| json[k].as_f64().unwrap_or(d) as f32;
+        for (key, what) in [
+            ("mlp_bias", "biases in the MLP"),
+            ("use_sliding_window", "Qwen2's sliding window"),
+        ] {
+            if json[key] == true {
+                return Err(bad(format!("{key} = true: {what} are not supported")));
+            }
+        }
         let dim = u("hidden_size")?;
         let n_heads = u("num_attention_heads")?;
-        if json["rope_scaling"].is_object() {
-            return Err(EngineError::model(path, "rope_scaling is not supported"));
-        }
-        ModelConfig::llama_like(
+        let head_dim = json["head_dim"]
+            .as_u64()
+            .map_or(dim.checked_div(n_heads).unwrap_or(0), |v| v as usize);
+        let rope_base = f("rope_theta", 10000.0);
+        let mut c = ModelConfig::llama_like(
             json["_name_or_path"]
                 .as_str()
-                .unwrap_or("hf-llama")
+                .unwrap_or(&format!("hf-{arch}"))
                 .to_string(),
-            "llama",
+            arch,
             u("num_hidden_layers")?,
             dim,
             u("intermediate_size")?,
@@ -322,17 +342,106 @@ impl ModelConfig {
             json["num_key_value_heads"]
                 .as_u64()
                 .map_or(n_heads, |v| v as usize),
-            json["head_dim"]
-                .as_u64()
-                .map_or(if n_heads > 0 { dim / n_heads } else { 0 }, |v| v as usize),
+            head_dim,
             u("vocab_size")?,
             u("max_position_embeddings")?,
-            json["rope_theta"].as_f64().unwrap_or(10000.0) as f32,
+            rope_base,
             RopeStyle::Halves,
-            json["rms_norm_eps"].as_f64().unwrap_or(1e-5) as f32,
-        )
-        .check(path)
+            f("rms_norm_eps", 1e-5),
+        );
+        c.qkv_bias = arch == "qwen2" || json["attention_bias"] == true;
+        c.qk_norm = arch == "qwen3";
+        if arch == "gemma3" {
+            c.hf_gemma3(path, json)?;
+        }
+        c.rope_freq_factors = hf_rope_scaling(path, json, rope_base, head_dim)?;
+        c.check(path)
     }
+
+    /// Gemma 3's additions from its `config.json`: the window and which layers use it
+    /// (`layer_types`, else every sixth layer global), the local RoPE base, the query scale.
+    fn hf_gemma3(&mut self, path: &Path, json: &serde_json::Value) -> Result<()> {
+        self.gemma3(json["sliding_window"].as_u64().map(|v| v as usize));
+        if let Some(act) = json["hidden_activation"].as_str() {
+            if act != "gelu_pytorch_tanh" {
+                return Err(EngineError::model(
+                    path,
+                    format!("hidden_activation {act:?} is not supported (gelu_pytorch_tanh)"),
+                ));
+            }
+        }
+        if let Some(s) = json["query_pre_attn_scalar"].as_f64() {
+            self.attn_scale = (1.0 / s.sqrt()) as f32;
+        }
+        let local = json["rope_local_base_freq"].as_f64().unwrap_or(10_000.0) as f32;
+        let window = self.layers[0].window;
+        let types = json["layer_types"].as_array();
+        for (i, l) in self.layers.iter_mut().enumerate() {
+            let sliding = match types.and_then(|t| t.get(i)).and_then(|t| t.as_str()) {
+                Some(t) => t == "sliding_attention",
+                None => i % 6 < 5,
+            };
+            *l = match sliding {
+                true => LayerAttention {
+                    window,
+                    rope_base: local,
+                },
+                false => LayerAttention {
+                    window: None,
+                    rope_base: self.rope_base,
+                },
+            };
+        }
+        Ok(())
+    }
+}
+
+/// The per-pair RoPE divisors of `rope_scaling` (the values llama.cpp's converter writes as
+/// `rope_freqs.weight`): Llama 3.x's `llama3` type; none without scaling; other types refused.
+fn hf_rope_scaling(
+    path: &Path,
+    json: &serde_json::Value,
+    base: f32,
+    head_dim: usize,
+) -> Result<Option<Vec<f32>>> {
+    let rs = &json["rope_scaling"];
+    if rs.is_null() {
+        return Ok(None);
+    }
+    let kind = rs["rope_type"]
+        .as_str()
+        .or(rs["type"].as_str())
+        .unwrap_or_default();
+    if kind == "default" {
+        return Ok(None);
+    }
+    let g = |k: &str| {
+        rs[k].as_f64().ok_or_else(|| {
+            EngineError::model(path, format!("rope_scaling.{k} is missing or not a number"))
+        })
+    };
+    if kind != "llama3" {
+        return Err(EngineError::model(
+            path,
+            format!("rope_scaling type {kind:?} is not supported (llama3 is)"),
+        ));
+    }
+    let (factor, low, high) = (g("factor")?, g("low_freq_factor")?, g("high_freq_factor")?);
+    let old = g("original_max_position_embeddings")?;
+    let (low_wavelen, high_wavelen) = (old / low, old / high);
+    let pairs = (0..head_dim / 2).map(|i| {
+        let freq = (base as f64).powf(-((2 * i) as f64) / head_dim as f64);
+        let wavelen = 2.0 * std::f64::consts::PI / freq;
+        if wavelen < high_wavelen {
+            1.0
+        } else if wavelen > low_wavelen {
+            factor as f32
+        } else {
+            let smooth = (old / wavelen - low) / (high - low);
+            (1.0 / ((1.0 - smooth) / factor + smooth)) as f32
+        }
+    });
+    Ok(Some(pairs.collect()))
 }
 
 /// Whether `path` is a model directory (Hugging Face layout) rather than a single file.

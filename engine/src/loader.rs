@@ -14,6 +14,7 @@ use crate::model::{Model, Names, TensorSource, Weights};
 use crate::tokenizer::Tokenizer;
 
 const GGUF_NAMES: Names = Names {
+    norm_offset: 0.0,
     embed: "token_embd.weight",
     norm: "output_norm.weight",
     output: "output.weight",
@@ -41,6 +42,7 @@ const GGUF_NAMES: Names = Names {
 };
 
 const HF_NAMES: Names = Names {
+    norm_offset: 0.0,
     embed: "model.embed_tokens.weight",
     norm: "model.norm.weight",
     output: "lm_head.weight",
@@ -59,11 +61,24 @@ const HF_NAMES: Names = Names {
             "q_bias" => "self_attn.q_proj.bias",
             "k_bias" => "self_attn.k_proj.bias",
             "v_bias" => "self_attn.v_proj.bias",
-            // Hugging Face directories are read for the Llama architecture only (config.rs).
             _ => "mlp.down_proj.weight",
         };
         format!("model.layers.{i}.{t}")
     },
+};
+
+/// Gemma 3's Hugging Face names: its block has four norms (Llama's `post_attention_layernorm`
+/// is Gemma's norm on the attention output), and its checkpoints store each RMSNorm weight as
+/// `w` for a norm that multiplies by `1 + w` (GGUF stores `1 + w`).
+const HF_GEMMA3_NAMES: Names = Names {
+    norm_offset: 1.0,
+    layer: |i, s| match s {
+        "ffn_norm" => format!("model.layers.{i}.pre_feedforward_layernorm.weight"),
+        "post_attn_norm" => format!("model.layers.{i}.post_attention_layernorm.weight"),
+        "post_ffn_norm" => format!("model.layers.{i}.post_feedforward_layernorm.weight"),
+        _ => (HF_NAMES.layer)(i, s),
+    },
+    ..HF_NAMES
 };
 
 impl TensorSource for Gguf {
@@ -197,8 +212,12 @@ pub fn load(path: &Path, device: Device) -> Result<(Model, Tokenizer)> {
     if crate::config::is_dir(path)? {
         let (config, json) = crate::config::read_hf_config(path)?;
         let src = SafetensorsDir::open(path)?;
-        let mut weights = Weights::load(&src, &HF_NAMES, &config)?;
-        if json["tie_word_embeddings"] == false && !src.has(HF_NAMES.output) {
+        let names = match config.arch.as_str() {
+            "gemma3" => &HF_GEMMA3_NAMES,
+            _ => &HF_NAMES,
+        };
+        let mut weights = Weights::load(&src, names, &config)?;
+        if json["tie_word_embeddings"] == false && !src.has(names.output) {
             return Err(EngineError::model(
                 path,
                 "tie_word_embeddings is false but lm_head.weight is missing",

@@ -83,6 +83,8 @@ pub(crate) struct Names {
     pub norm: &'static str,
     pub output: &'static str,
     pub layer: fn(usize, &str) -> String,
+    /// Added to every RMSNorm weight as it is read (a format that stores `w` for `1 + w`).
+    pub norm_offset: f32,
 }
 
 impl Weights {
@@ -116,7 +118,13 @@ impl Weights {
         let layers = (0..cfg.n_layers)
             .map(|i| {
                 let n = |s: &str| (names.layer)(i, s);
-                let v = |s: &str, len: usize| src.vector(&n(s), len);
+                let v = |s: &str, len: usize| {
+                    let mut w = src.vector(&n(s), len)?;
+                    if s.ends_with("norm") {
+                        w.iter_mut().for_each(|x| *x += names.norm_offset);
+                    }
+                    Ok::<_, EngineError>(w)
+                };
                 let hd = cfg.head_dim;
                 let extra = LayerExtras {
                     q_norm: cfg.qk_norm.then(|| v("q_norm", hd)).transpose()?,
@@ -136,12 +144,12 @@ impl Weights {
                 };
                 Ok(LayerWeights {
                     extra,
-                    attn_norm: src.vector(&n("attn_norm"), d)?,
+                    attn_norm: v("attn_norm", d)?,
                     wq: shape(&n("q"), qd, d)?,
                     wk: shape(&n("k"), kvw, d)?,
                     wv: shape(&n("v"), kvw, d)?,
                     wo: shape(&n("o"), d, qd)?,
-                    ffn_norm: src.vector(&n("ffn_norm"), d)?,
+                    ffn_norm: v("ffn_norm", d)?,
                     w_gate: shape(&n("gate"), ff, d)?,
                     w_up: shape(&n("up"), ff, d)?,
                     w_down: shape(&n("down"), d, ff)?,
@@ -151,7 +159,11 @@ impl Weights {
         Ok(Weights {
             embed,
             layers,
-            norm: src.vector(names.norm, d)?,
+            norm: {
+                let mut w = src.vector(names.norm, d)?;
+                w.iter_mut().for_each(|x| *x += names.norm_offset);
+                w
+            },
             output,
         })
     }
