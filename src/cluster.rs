@@ -64,7 +64,7 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .context("starting the async runtime")
 }
 
-fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
+pub(crate) fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
     let cfg = ClusterConfig::load(path)?;
     let model = match &cfg.model.path {
         Some(p) => p.clone(),
@@ -124,16 +124,7 @@ fn worker_settings(
         device: pool.device.get_ref().clone(),
         mock: mock_timing(pool),
         threads: *pool.threads.get_ref() as usize,
-        engine: EngineConfig {
-            block_size: *cfg.model.block_size.get_ref() as usize,
-            num_blocks: *pool.kv_blocks.get_ref() as usize,
-            max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
-            max_running: *pool.max_running.get_ref() as usize,
-            prefix_cache: pool.prefix_cache,
-            // Blocks reserved for KV that never comes go when their sender stops renewing
-            // them, even if the router is gone too (it cancels abandoned requests itself).
-            kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
-        },
+        engine: engine_config(cfg, pool),
         host: a.host.clone().unwrap_or_else(|| pool.host.clone()),
         router: control_endpoint(cfg, a),
         name: a.name.clone().unwrap_or_else(|| role.into()),
@@ -148,6 +139,29 @@ fn worker_settings(
     })
 }
 
+/// The engine of every worker of `pool`.
+pub(crate) fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineConfig {
+    EngineConfig {
+        block_size: *cfg.model.block_size.get_ref() as usize,
+        num_blocks: *pool.kv_blocks.get_ref() as usize,
+        max_batch_tokens: *pool.max_batch_tokens.get_ref() as usize,
+        max_running: *pool.max_running.get_ref() as usize,
+        prefix_cache: pool.prefix_cache,
+        // Blocks reserved for KV that never comes go when their sender stops renewing
+        // them, even if the router is gone too (it cancels abandoned requests itself).
+        kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
+    }
+}
+
+/// The router's routing policy from `[router]`.
+pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
+    router::routing::Routing {
+        policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
+            .expect("validated with the config"),
+        prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
+    }
+}
+
 /// `[discovery]` as the members use it.
 fn discovery(cfg: &ClusterConfig) -> Option<discovery::Config> {
     let d = cfg.discovery.as_ref()?;
@@ -159,7 +173,7 @@ fn discovery(cfg: &ClusterConfig) -> Option<discovery::Config> {
 }
 
 /// The mock engine's timing for a pool with `engine = "mock"` (a preset, then the fields set).
-fn mock_timing(pool: &PoolSection) -> Option<engine::MockTiming> {
+pub(crate) fn mock_timing(pool: &PoolSection) -> Option<engine::MockTiming> {
     if pool.engine.get_ref() != "mock" {
         return None;
     }
@@ -177,7 +191,7 @@ fn mock_timing(pool: &PoolSection) -> Option<engine::MockTiming> {
 }
 
 /// What the router's planner scales: each pool with an `[<pool>.autoscale]` section.
-fn scaling(cfg: &ClusterConfig) -> Vec<router::planner::Scaling> {
+pub(crate) fn scaling(cfg: &ClusterConfig) -> Vec<router::planner::Scaling> {
     use router::planner::{Pool, Scaling};
     let pools = [
         (Pool::Prefill, cfg.prefill.as_ref()),
@@ -253,11 +267,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
         disaggregated: cfg.disaggregated(),
         local_prefill_max_tokens: cfg.router.local_prefill_max_tokens,
         local_prefill_busy_max_tokens: cfg.router.local_prefill_busy_max_tokens,
-        routing: router::routing::Routing {
-            policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
-                .expect("validated with the config"),
-            prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
-        },
+        routing: routing(&cfg),
         liveness: router::registry::Liveness {
             heartbeat: std::time::Duration::from_millis(*cfg.router.heartbeat_timeout_ms.get_ref()),
             stall: std::time::Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),

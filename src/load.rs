@@ -23,6 +23,13 @@ pub struct LoadArgs {
     /// Model name to send.
     #[arg(long, default_value = "SmolLM2-135M-Instruct.Q4_1")]
     model: String,
+    #[command(flatten)]
+    work: Workload,
+}
+
+/// The load and its targets: what `tandem bench load` sends and `tandem simulate` replays.
+#[derive(Args, Debug, Clone)]
+pub struct Workload {
     /// Poisson arrival rate (requests/s) when no trace is given.
     #[arg(long, default_value_t = 2.0)]
     rate: f64,
@@ -38,6 +45,9 @@ pub struct LoadArgs {
     /// Replay this Mooncake-format trace instead.
     #[arg(long)]
     trace: Option<PathBuf>,
+    /// Start at this request of the trace (its time becomes 0).
+    #[arg(long, default_value_t = 0)]
+    skip: usize,
     /// Multiply trace timestamps by this (e.g. 0.1 to replay 10x faster).
     #[arg(long, default_value_t = 1.0)]
     time_scale: f64,
@@ -58,20 +68,10 @@ pub struct LoadArgs {
     json: Option<PathBuf>,
 }
 
-struct Planned {
-    at: Duration,
-    prompt: Vec<u32>,
-    output: usize,
-}
-
-#[derive(Debug, Default, Clone)]
-struct Outcome {
-    ttft: Option<Duration>,
-    gaps: Vec<Duration>,
-    e2e: Duration,
-    tokens: usize,
-    error: Option<String>,
-}
+/// What one request saw (one type for the load generator and the simulator).
+pub use sim::Outcome;
+/// One request of the load (the simulator's request type: the same schedule either way).
+pub use sim::SimRequest as Planned;
 
 /// splitmix64: deterministic prompts and arrivals from the seed.
 fn mix(mut z: u64) -> u64 {
@@ -86,18 +86,21 @@ fn token(key: u64, i: u64) -> u32 {
     100 + (mix(key.wrapping_mul(1_000_003).wrapping_add(i)) % 40_000) as u32
 }
 
-fn plan(a: &LoadArgs) -> Result<Vec<Planned>> {
+/// The requests of a workload: a trace replayed with its scales, or Poisson arrivals.
+pub fn plan(a: &Workload) -> Result<Vec<Planned>> {
     let mut out = Vec::new();
     match &a.trace {
         Some(path) => {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let block = ((512.0 * a.length_scale).round() as usize).max(1);
+            let mut t0 = None;
             for (n, line) in text
                 .lines()
                 .filter(|l| !l.trim().is_empty())
-                .take(a.requests)
                 .enumerate()
+                .skip(a.skip)
+                .take(a.requests)
             {
                 let v: serde_json::Value = serde_json::from_str(line)
                     .with_context(|| format!("{}:{}: not JSON", path.display(), n + 1))?;
@@ -120,8 +123,10 @@ fn plan(a: &LoadArgs) -> Result<Vec<Planned>> {
                 prompt.truncate(input);
                 let rest = input - prompt.len();
                 prompt.extend((0..rest as u64).map(|i| token(u64::MAX - n as u64, i)));
+                let ts = field("timestamp")?;
+                let t0 = *t0.get_or_insert(ts);
                 out.push(Planned {
-                    at: Duration::from_secs_f64(field("timestamp")? / 1e3 * a.time_scale),
+                    at: Duration::from_secs_f64((ts - t0) / 1e3 * a.time_scale),
                     prompt,
                     output,
                 });
@@ -267,7 +272,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .addr
         .parse()
         .with_context(|| format!("--addr {:?} is not host:port", a.addr))?;
-    let planned = plan(&a)?;
+    let planned = plan(&a.work)?;
     if planned.is_empty() {
         bail!("no requests to send");
     }
@@ -299,6 +304,25 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let cache = before
         .zip(after)
         .map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
+    let report = report(
+        &a.work,
+        &outcomes,
+        elapsed.as_secs_f64(),
+        sent_prompt,
+        cache,
+    );
+    finish(&a.work, &report)
+}
+
+/// The report of a run (`tandem-bench-load/2`, documented in README.md): `outcomes` over
+/// `secs`, the prompt tokens sent and the engines' (admitted, cached) prompt tokens.
+pub fn report(
+    a: &Workload,
+    outcomes: &[Outcome],
+    secs: f64,
+    sent_prompt: usize,
+    cache: Option<(u64, u64)>,
+) -> serde_json::Value {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();
@@ -313,9 +337,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
         })
         .count();
     let tokens: usize = ok.iter().map(|o| o.tokens).sum();
-    let secs = elapsed.as_secs_f64();
-    // The report's schema is versioned by `format` and documented in README.md.
-    let report = serde_json::json!({
+    serde_json::json!({
         "format": "tandem-bench-load/2",
         "requests": outcomes.len(), "completed": ok.len(), "errors": outcomes.len() - ok.len(),
         "duration_s": secs, "output_tokens_per_s": tokens as f64 / secs, "requests_per_s": ok.len() as f64 / secs,
@@ -327,17 +349,27 @@ pub fn run(a: LoadArgs) -> Result<()> {
         "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
         "prompt_tokens_sent": sent_prompt,
+        "prompt_tokens_admitted": cache.map(|(p, _)| p),
         "prefix_hit_ratio": cache.map(|(p, h)| if p == 0 { 0.0 } else { h as f64 / p as f64 }),
         "computed_prompt_ratio": cache.map(|(p, h)| (p - h) as f64 / sent_prompt.max(1) as f64),
-    });
+    })
+}
+
+/// Prints `report` and writes it as JSON where the workload asks.
+pub fn finish(a: &Workload, report: &serde_json::Value) -> Result<()> {
+    let f = |k: &str| report[k].as_f64().unwrap_or(f64::NAN);
+    let n = |k: &str| report[k].as_u64().unwrap_or(0);
     println!(
-        "requests {} completed {} errors {} in {secs:.1} s",
-        outcomes.len(),
-        ok.len(),
-        outcomes.len() - ok.len()
+        "requests {} completed {} errors {} in {:.1} s",
+        n("requests"),
+        n("completed"),
+        n("errors"),
+        f("duration_s")
     );
-    println!("throughput {:.1} output tokens/s, {:.2} requests/s, goodput {:.2} requests/s (TTFT <= {} ms, ITL p90 <= {} ms)",
-        tokens as f64 / secs, ok.len() as f64 / secs, good as f64 / secs, a.ttft_slo_ms, a.itl_slo_ms);
+    println!(
+        "throughput {:.1} output tokens/s, {:.2} requests/s, goodput {:.2} requests/s (TTFT <= {} ms, ITL p90 <= {} ms)",
+        f("output_tokens_per_s"), f("requests_per_s"), f("goodput_requests_per_s"), a.ttft_slo_ms, a.itl_slo_ms
+    );
     println!("| metric | p50 | p90 | p99 |\n|---|---:|---:|---:|");
     for k in ["ttft_ms", "itl_ms", "e2e_ms"] {
         let r = &report[k];
@@ -348,20 +380,22 @@ pub fn run(a: LoadArgs) -> Result<()> {
             r["p99"].as_f64().unwrap_or(f64::NAN)
         );
     }
-    if let Some((p, h)) = cache {
+    if let Some(p) = report["prompt_tokens_admitted"].as_u64() {
+        let sent = n("prompt_tokens_sent");
+        let h = (f("prefix_hit_ratio") * p as f64).round() as u64;
         println!(
             "prefix cache: {h} of {p} prompt tokens the engines admitted were cached ({:.1}%); \
-             they computed {} of the {sent_prompt} sent ({:.1}%)",
+             they computed {} of the {sent} sent ({:.1}%)",
             100.0 * h as f64 / p.max(1) as f64,
             p - h,
-            100.0 * (p - h) as f64 / sent_prompt.max(1) as f64
+            100.0 * (p - h) as f64 / sent.max(1) as f64
         );
     }
     if let Some(e) = report["first_error"].as_str() {
         eprintln!("first error: {e}");
     }
     if let Some(p) = &a.json {
-        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+        std::fs::write(p, serde_json::to_string_pretty(report)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
     Ok(())

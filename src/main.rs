@@ -4,6 +4,7 @@
 
 mod cluster;
 mod load;
+mod simulate;
 mod supervise;
 
 use std::io::Write;
@@ -49,6 +50,8 @@ enum Cmd {
     /// Benchmarks.
     #[command(subcommand)]
     Bench(BenchCmd),
+    /// Simulate the cluster of cluster.toml on a virtual clock under a load (mock engines).
+    Simulate(simulate::SimulateArgs),
 }
 
 #[derive(Subcommand)]
@@ -153,6 +156,7 @@ fn main() -> Result<()> {
         Cmd::Model(m) => model(m),
         Cmd::Bench(BenchCmd::Engine(a)) => bench(a),
         Cmd::Bench(BenchCmd::Load(a)) => load::run(a),
+        Cmd::Simulate(a) => simulate::run(a),
     }
 }
 

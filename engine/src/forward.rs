@@ -28,6 +28,12 @@ pub trait Forward: Send + Sync {
         Ok(())
     }
 
+    /// Whether the KV cache needs memory for the values (the simulator's mock keeps only the
+    /// block accounting).
+    fn kv_backed(&self) -> bool {
+        true
+    }
+
     /// Tokens `0..n` of `table` were written into `kv` on the host (KV from a prefill worker).
     fn kv_written(&self, _c: &ModelConfig, _kv: &KvCache, _table: &[u32], _n: usize) -> Result<()> {
         Ok(())

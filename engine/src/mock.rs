@@ -94,12 +94,18 @@ fn wait_layer(t0: Instant, total: Duration, l: usize, n: usize) {
 pub struct MockForward {
     /// How long each step takes.
     pub timing: MockTiming,
+    /// On a virtual clock: steps do not sleep; each leaves its time here (nanoseconds).
+    pub clock: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
 }
 
 #[cfg(feature = "runtime")]
 impl crate::forward::Forward for MockForward {
     fn name(&self) -> String {
         "mock".into()
+    }
+
+    fn kv_backed(&self) -> bool {
+        self.clock.is_none()
     }
 
     fn forward(
@@ -118,6 +124,11 @@ impl crate::forward::Forward for MockForward {
             attended += s.start_pos + s.tokens.len();
         }
         let total = self.timing.step_time(prefill, decode, attended);
+        if let Some(clock) = &self.clock {
+            let ns = total.as_nanos() as u64;
+            clock.store(ns, std::sync::atomic::Ordering::Relaxed);
+            return Ok(one_hot(c, batch));
+        }
         let t0 = Instant::now();
         // The step's time is spread over four groups of layers (layer-wise streaming still sees
         // layers arrive over the step) rather than one sleep a layer, whose wake-ups would add
@@ -131,20 +142,26 @@ impl crate::forward::Forward for MockForward {
                 sink(l, kv);
             }
         }
-        Ok(batch
-            .iter()
-            .map(|s| {
-                let rows = s.logits.rows(s.tokens.len());
-                (!rows.is_empty()).then(|| {
-                    let mut l = vec![0f32; rows.len() * c.vocab_size];
-                    for (r, j) in rows.enumerate() {
-                        let end = s.start_pos + j + 1;
-                        let next = next_token(s.tokens[j], end, c.vocab_size) as usize;
-                        l[r * c.vocab_size + next] = 1.0;
-                    }
-                    l
-                })
-            })
-            .collect())
+        Ok(one_hot(c, batch))
     }
+}
+
+/// Each logits row of the batch one-hot at the mock's next token.
+#[cfg(feature = "runtime")]
+fn one_hot(c: &crate::ModelConfig, batch: &[crate::SeqChunk<'_>]) -> Vec<Option<Vec<f32>>> {
+    batch
+        .iter()
+        .map(|s| {
+            let rows = s.logits.rows(s.tokens.len());
+            (!rows.is_empty()).then(|| {
+                let mut l = vec![0f32; rows.len() * c.vocab_size];
+                for (r, j) in rows.enumerate() {
+                    let end = s.start_pos + j + 1;
+                    let next = next_token(s.tokens[j], end, c.vocab_size) as usize;
+                    l[r * c.vocab_size + next] = 1.0;
+                }
+                l
+            })
+        })
+        .collect()
 }

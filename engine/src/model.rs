@@ -253,8 +253,26 @@ impl Model {
     /// A model of this shape run by the mock engine: no weights, no kernels; each step takes
     /// `timing`'s time and yields deterministic tokens (see [`crate::mock`]).
     pub fn mock(config: ModelConfig, timing: crate::mock::MockTiming) -> Model {
-        let forward = Box::new(crate::mock::MockForward { timing });
+        let forward = Box::new(crate::mock::MockForward {
+            timing,
+            clock: None,
+        });
         Model { config, forward }
+    }
+
+    /// The mock engine on a virtual clock (the simulator's workers): a step takes no time but
+    /// leaves the time it would take in the returned cell (nanoseconds), and the KV cache keeps
+    /// its block accounting and prefix cache without memory for the values.
+    pub fn mock_virtual(
+        config: ModelConfig,
+        timing: crate::mock::MockTiming,
+    ) -> (Model, std::sync::Arc<std::sync::atomic::AtomicU64>) {
+        let clock = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let forward = Box::new(crate::mock::MockForward {
+            timing,
+            clock: Some(clock.clone()),
+        });
+        (Model { config, forward }, clock)
     }
 
     /// The weights, where the forward has them (the mock engine has none).
@@ -271,7 +289,12 @@ impl Model {
     /// per model).
     pub fn new_kv_cache(&self, block_size: usize, num_blocks: usize) -> Result<KvCache> {
         let c = &self.config;
-        let kv = KvCache::new(c.n_layers, c.kv_width(), block_size, num_blocks)?;
+        let layers = if self.forward.kv_backed() {
+            c.n_layers
+        } else {
+            0
+        };
+        let kv = KvCache::new(layers, c.kv_width(), block_size, num_blocks)?;
         self.forward.prepare_kv(c, block_size, num_blocks)?;
         Ok(kv)
     }

@@ -402,6 +402,24 @@ impl Engine {
         Some(layers)
     }
 
+    /// The simulator's transfer: frees a completed prefill-only request's blocks without
+    /// copying its KV out (the virtual mock's cache holds no values); returns the tokens it
+    /// would have sent.
+    pub fn discard_prefilled(&mut self, id: u64) -> Option<usize> {
+        let i = self.prefilled.iter().position(|s| s.id == id)?;
+        let seq = self.prefilled.remove(i);
+        let sent = seq.prompt_len - seq.send_from;
+        self.kv.release(seq.table);
+        Some(sent)
+    }
+
+    /// The simulator's arrival: admits reserved request `id` as if its remote KV had been
+    /// written (see [`Engine::discard_prefilled`]).
+    pub fn admit_simulated(&mut self, id: u64) -> Result<()> {
+        let (i, range) = self.awaiting_kv(id, self.model.config.n_layers, "simulated KV")?;
+        self.admit(i, range.end)
+    }
+
     /// Prefix-cache blocks registered (`true`) and forgotten (`false`) since the last call, by
     /// name ([`crate::block_hash`]).
     pub fn take_kv_events(&mut self) -> Vec<(bool, u64)> {

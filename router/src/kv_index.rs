@@ -93,9 +93,13 @@ impl KvIndex {
         };
         let mut live: Vec<u64> = first.clone();
         for (i, h) in blocks.iter().enumerate() {
-            let holders = self.holders.get(h);
+            // Each candidate's own set, not the block's holder list: a block every worker holds
+            // (a shared system prompt) costs one lookup a worker, not a scan of the list.
             live.retain(|w| {
-                let keep = holders.is_some_and(|hs| hs.contains(w));
+                let keep = self
+                    .workers
+                    .get(w)
+                    .is_some_and(|held| held.blocks.contains(h));
                 if !keep {
                     out.insert(*w, i);
                 }

@@ -23,6 +23,9 @@ pub mod response;
 pub mod routing;
 pub mod tokenize;
 
+/// How long a request may wait for a decode worker with room before it is refused (503).
+pub const ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
@@ -172,7 +175,7 @@ impl State {
             vocab_size: config.vocab_size,
             disaggregated,
             signals: Arc::new(planner::Signals::new(window)),
-            admission_wait: Duration::from_secs(30),
+            admission_wait: ADMISSION_WAIT,
             block_seed,
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,

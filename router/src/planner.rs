@@ -277,48 +277,69 @@ impl PoolPlan {
     }
 }
 
-/// One tick's inputs of `pool` with `live` replicas (`starting` more on their way), read from
-/// the router's signals and the workers' heartbeats — each pool from its own signals only.
-fn inputs(
-    pool: Pool,
-    signals: &Signals,
-    workers: &[crate::registry::Worker],
-    live: u32,
-    starting: u32,
-    now: Instant,
-) -> Inputs {
-    let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
-    match pool {
-        Pool::Prefill => {
-            // The queue's prediction: prompt tokens not yet prefilled over what the live
-            // replicas measure they compute per second of engine time.
-            let pending = signals.prefill_pending_tokens.load(Ordering::SeqCst);
-            let capacity: f64 = workers
-                .iter()
-                .filter(|w| w.pool == Pool::Prefill && !w.draining)
-                .map(|w| w.load.prompt_tokens_per_s as f64)
-                .sum();
-            let predicted = (capacity > 0.0 && pending > 0)
-                .then(|| Duration::from_secs_f64(pending as f64 / capacity));
-            Inputs {
-                live,
-                starting,
-                p90: p90(&signals.prefill_ttft),
-                predicted,
-                queued: pending,
+/// What one tick observes of the cluster, the I/O done: the router's signals and the workers'
+/// heartbeats, read once ([`observe`]) — or a simulation's (the `sim` crate).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Observed {
+    /// Prompt tokens sent to the prefill pool and not yet done.
+    pub prefill_pending_tokens: u64,
+    /// Prompt tokens per second of engine time the live prefill replicas measure, summed.
+    pub prefill_capacity: f64,
+    /// p90 of the prefill TTFT window.
+    pub prefill_ttft_p90: Option<Duration>,
+    /// p90 of the inter-token latency window.
+    pub itl_p90: Option<Duration>,
+    /// p90 of the admission wait window.
+    pub admission_p90: Option<Duration>,
+    /// Requests waiting right now for a decode worker with room.
+    pub decode_waiting: u64,
+}
+
+impl Observed {
+    /// One tick's inputs of `pool` with `live` replicas (`starting` more on their way) — each
+    /// pool from its own signals only.
+    pub fn inputs(&self, pool: Pool, live: u32, starting: u32) -> Inputs {
+        match pool {
+            Pool::Prefill => {
+                // The queue's prediction: prompt tokens not yet prefilled over what the live
+                // replicas measure they compute per second of engine time.
+                let (pending, capacity) = (self.prefill_pending_tokens, self.prefill_capacity);
+                let predicted = (capacity > 0.0 && pending > 0)
+                    .then(|| Duration::from_secs_f64(pending as f64 / capacity));
+                Inputs {
+                    live,
+                    starting,
+                    p90: self.prefill_ttft_p90,
+                    predicted,
+                    queued: pending,
+                }
             }
-        }
-        Pool::Decode => {
-            let waiting = signals.decode_waiting.load(Ordering::SeqCst) as u64;
-            Inputs {
+            Pool::Decode => Inputs {
                 live,
                 starting,
-                p90: p90(&signals.itl),
+                p90: self.itl_p90,
                 // Requests queued for room now will have waited at least this long.
-                predicted: p90(&signals.admission).filter(|_| waiting > 0),
-                queued: waiting,
-            }
+                predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
+                queued: self.decode_waiting,
+            },
         }
+    }
+}
+
+/// What the router's signals and the workers' heartbeats say at `now`.
+fn observe(signals: &Signals, workers: &[crate::registry::Worker], now: Instant) -> Observed {
+    let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
+    Observed {
+        prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
+        prefill_capacity: workers
+            .iter()
+            .filter(|w| w.pool == Pool::Prefill && !w.draining)
+            .map(|w| w.load.prompt_tokens_per_s as f64)
+            .sum(),
+        prefill_ttft_p90: p90(&signals.prefill_ttft),
+        itl_p90: p90(&signals.itl),
+        admission_p90: p90(&signals.admission),
+        decode_waiting: signals.decode_waiting.load(Ordering::SeqCst) as u64,
     }
 }
 
@@ -386,6 +407,7 @@ pub async fn run(
         }
         let now = Instant::now();
         let workers = registry.workers();
+        let observed = observe(&state.signals, &workers, now);
         for plan in &mut plans {
             let pool = plan.scaling.pool;
             let live = workers
@@ -393,7 +415,7 @@ pub async fn run(
                 .filter(|w| w.pool == pool && !w.draining)
                 .count() as u32;
             let on_way = starting.get(&pool).copied().unwrap_or(0);
-            let inputs = inputs(pool, &state.signals, &workers, live, on_way, now);
+            let inputs = observed.inputs(pool, live, on_way);
             let d = plan.decide(now, inputs);
             report(pool, &inputs, &d, tick);
             starting.insert(pool, actuator.reconcile(pool, d.desired, &registry).await);

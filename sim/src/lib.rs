@@ -1,0 +1,679 @@
+//! A whole tandem cluster on a virtual clock (`tandem simulate`).
+//!
+//! What runs is the cluster's own code, with no I/O and no sleeping: each worker is a real
+//! [`engine::Engine`] — its scheduler, continuous batching, block accounting and prefix cache —
+//! over the mock engine's timing model on a virtual clock ([`engine::Model::mock_virtual`]: a
+//! step takes no time and says how long it would take); the router's routing policy
+//! ([`router::routing`]) picks workers from the router's own KV index ([`router::KvIndex`]),
+//! fed by the workers' prefix-cache events. What is modelled, not run: the HTTP and gRPC hops
+//! (free), the KV transfer (its bytes over a link's bandwidth plus its latency), and the
+//! router's request phases, which [`Sim::arrive`] and the event handlers follow step by step
+//! (reserve on a decode worker, prefill here or on a prefill worker, the KV's arrival, tokens).
+//!
+//! Events are processed in time order (ties in the order they were scheduled), so a run is a
+//! function of its configuration and requests, apart from the routing policy's random
+//! tie-breaks.
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use engine::{Engine, EngineConfig, MockTiming, ModelConfig, SamplingParams};
+use proto::grpc::KvEvents;
+use proto::Pool;
+use router::kv_index::KvIndex;
+use router::planner::{PoolPlan, Scaling};
+use router::routing::{self, Candidate, Routing};
+
+mod planner;
+pub use planner::Sample;
+
+/// One pool: how many workers, each engine's configuration and step timing.
+#[derive(Debug, Clone)]
+pub struct PoolSpec {
+    /// Workers in the pool.
+    pub replicas: usize,
+    /// Each worker's engine.
+    pub engine: EngineConfig,
+    /// Each worker's step time.
+    pub timing: MockTiming,
+    /// Added to every step: what a real worker spends beside the timing model's time (the
+    /// engine's own work, the wake-ups of the mock's sleeps; measured, see BENCHMARKS.md).
+    pub step_overhead: Duration,
+}
+
+/// The link a KV transfer crosses: `latency + bytes / bandwidth`.
+#[derive(Debug, Clone, Copy)]
+pub struct Link {
+    /// Bytes per second.
+    pub bandwidth: f64,
+    /// Fixed cost of one transfer (connection, first byte).
+    pub latency: Duration,
+}
+
+/// A cluster to simulate.
+#[derive(Debug, Clone)]
+pub struct SimConfig {
+    /// The model's shape (KV bytes per token, the block names' seed, the vocabulary).
+    pub model: ModelConfig,
+    /// The prefill pool; without one, decode workers prefill their own requests (colocated).
+    pub prefill: Option<PoolSpec>,
+    /// The decode pool.
+    pub decode: PoolSpec,
+    /// The router's routing policy.
+    pub routing: Routing,
+    /// A decode worker prefills a request itself when this few of its prompt's tokens are
+    /// uncached (`[router] local_prefill_max_tokens`).
+    pub local_prefill_max_tokens: usize,
+    /// Prefill to decode worker.
+    pub link: Link,
+    /// The pools the planner scales (`[<pool>.autoscale]`); none: a static fleet.
+    pub scaling: Vec<Scaling>,
+    /// From the planner's decision to a new replica serving.
+    pub start_up: Duration,
+    /// One call between the router and a worker (the reservation, the prefill's dispatch, a
+    /// token's way out).
+    pub hop: Duration,
+}
+
+/// One request of the load: when it arrives, its prompt, how many tokens it generates.
+#[derive(Debug, Clone)]
+pub struct SimRequest {
+    /// Arrival, from the start of the run.
+    pub at: Duration,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Output tokens (generated to the end: the mock never stops early).
+    pub output: usize,
+}
+
+/// What one request saw, as a client measures it.
+#[derive(Debug, Clone, Default)]
+pub struct Outcome {
+    /// Arrival to first token.
+    pub ttft: Option<Duration>,
+    /// Gaps between tokens.
+    pub gaps: Vec<Duration>,
+    /// Arrival to last token.
+    pub e2e: Duration,
+    /// Tokens received.
+    pub tokens: usize,
+    /// Why it failed, if it did.
+    pub error: Option<String>,
+}
+
+/// A run's results.
+#[derive(Debug, Clone, Default)]
+pub struct SimResult {
+    /// Per request, in the order given.
+    pub outcomes: Vec<Outcome>,
+    /// Virtual time from the start to the last event.
+    pub duration: Duration,
+    /// Prompt tokens the engines admitted, and of those found in their prefix caches.
+    pub prompt_tokens: u64,
+    /// See `prompt_tokens`.
+    pub prefix_hit_tokens: u64,
+    /// KV bytes moved from prefill to decode workers.
+    pub kv_bytes: u64,
+    /// Where each request was prefilled, by the router's reason names.
+    pub decisions: BTreeMap<&'static str, u64>,
+    /// Worker-seconds per pool: each worker from joining to leaving (or the run's end).
+    pub worker_seconds: BTreeMap<&'static str, f64>,
+    /// Forward steps run, all workers.
+    pub steps: u64,
+    /// Per pool: steps run and their time (timing model plus overhead), seconds.
+    pub step_time: BTreeMap<&'static str, (u64, f64)>,
+    /// Each planner tick of each scaled pool.
+    pub series: Vec<Sample>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Event {
+    Arrive(usize),
+    StepDone(usize),
+    KvArrived {
+        req: usize,
+        decode: usize,
+    },
+    Dispatch {
+        req: usize,
+        decode: usize,
+        cached: usize,
+    },
+    Tick,
+    WorkerUp(Pool),
+}
+
+struct Worker {
+    pool: Pool,
+    engine: Engine,
+    overhead: u64,
+    /// The step time the virtual mock left (ns).
+    clock: Arc<AtomicU64>,
+    /// A step is running (its results are delivered at its end).
+    busy: bool,
+    /// The running step's tokens, delivered at its end.
+    pending: Vec<engine::TokenEvent>,
+    /// Requests the router has in flight on it.
+    in_flight: usize,
+    /// Prefill: prompt tokens sent and not yet done; computed so far and the busy time (its
+    /// measured rate).
+    queued_tokens: u64,
+    computed: u64,
+    busy_ns: u64,
+    /// The next KV event number (what its heartbeats would carry).
+    kv_next: u64,
+    /// Let go by the planner: takes no new requests.
+    draining: bool,
+    /// When it joined and when it left (virtual ns).
+    started: u64,
+    stopped: Option<u64>,
+}
+
+impl Worker {
+    /// It takes new requests.
+    fn serving(&self) -> bool {
+        !self.draining && self.stopped.is_none()
+    }
+
+    /// Prefill: the prompt tokens per second of engine time it has measured (0 before any).
+    fn rate(&self) -> f64 {
+        match self.busy_ns {
+            0 => 0.0,
+            b => self.computed as f64 / (b as f64 / 1e9),
+        }
+    }
+}
+
+#[derive(Default)]
+struct Req {
+    at: u64,
+    first: Option<u64>,
+    last: u64,
+    gaps: Vec<Duration>,
+    tokens: usize,
+    decode: Option<usize>,
+    prefill_tokens: u64,
+    /// When a decode worker reserved it, for a remote prefill (the prefill pool's TTFT runs
+    /// from here).
+    reserved: Option<u64>,
+    /// Its prompt's block names (all but the last token), computed once.
+    blocks: Option<Vec<u64>>,
+    error: Option<String>,
+}
+
+/// The simulation state.
+pub struct Sim {
+    cfg: SimConfig,
+    seed: u64,
+    now: u64,
+    seq: u64,
+    queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
+    workers: Vec<Worker>,
+    index: KvIndex,
+    requests: Vec<SimRequest>,
+    reqs: Vec<Req>,
+    /// Requests waiting for a decode worker with room.
+    admission: VecDeque<usize>,
+    rr: usize,
+    result: SimResult,
+    /// The virtual clock's zero as an instant.
+    base: Instant,
+    /// The planner's period (its shortest pool tick).
+    tick_every: Duration,
+    plans: Vec<PoolPlan>,
+    signals: planner::Signals,
+    /// Replicas asked for and not joined yet.
+    starting: Vec<Pool>,
+    series: Vec<Sample>,
+    /// Requests not finished (or failed) yet.
+    open: usize,
+}
+
+/// The simulated engines' vocabulary: a decoded token's logits are a row of this many floats
+/// (the model's own 49k–262k would make the sampler the simulation's cost); prompt ids are
+/// folded into it, which keeps equal prompts equal and different 16-token blocks different.
+const VOCAB: usize = 1024;
+
+fn ns(d: Duration) -> u64 {
+    d.as_nanos() as u64
+}
+
+impl Sim {
+    /// A cluster of `cfg` about to receive `requests`.
+    pub fn new(mut cfg: SimConfig, mut requests: Vec<SimRequest>) -> engine::Result<Sim> {
+        cfg.model.vocab_size = VOCAB;
+        for r in &mut requests {
+            r.prompt.iter_mut().for_each(|t| *t %= VOCAB as u32);
+        }
+        let seed = engine::block_hash::identity_seed(&cfg.model, cfg.decode.engine.block_size);
+        let mut sim = Sim {
+            seed,
+            now: 0,
+            seq: 0,
+            queue: BinaryHeap::new(),
+            workers: Vec::new(),
+            index: KvIndex::default(),
+            reqs: (0..requests.len()).map(|_| Req::default()).collect(),
+            requests,
+            admission: VecDeque::new(),
+            rr: 0,
+            result: SimResult::default(),
+            base: Instant::now(),
+            tick_every: Duration::from_secs(1),
+            plans: cfg.scaling.iter().cloned().map(PoolPlan::new).collect(),
+            signals: planner::Signals::new(
+                cfg.scaling
+                    .first()
+                    .map_or(Duration::from_secs(10), |s| s.window),
+            ),
+            starting: Vec::new(),
+            series: Vec::new(),
+            open: 0,
+            cfg,
+        };
+        let pools = [
+            (Pool::Prefill, sim.cfg.prefill.clone()),
+            (Pool::Decode, Some(sim.cfg.decode.clone())),
+        ];
+        for (pool, spec) in pools {
+            let Some(spec) = spec else { continue };
+            // A scaled pool starts at the planner's initial count.
+            let n = match sim.plans.iter().find(|p| p.scaling.pool == pool) {
+                Some(p) => p.desired() as usize,
+                None => spec.replicas,
+            };
+            for _ in 0..n {
+                sim.add_worker(pool, &spec)?;
+            }
+        }
+        for i in 0..sim.requests.len() {
+            // The router's call to the decode worker: one hop after the request arrives.
+            let at = ns(sim.requests[i].at) + ns(sim.cfg.hop);
+            sim.reqs[i].at = ns(sim.requests[i].at);
+            sim.schedule(at, Event::Arrive(i));
+        }
+        sim.open = sim.requests.len();
+        if let Some(tick) = sim.cfg.scaling.iter().map(|s| s.tick).min() {
+            sim.schedule(0, Event::Tick);
+            sim.tick_every = tick;
+        }
+        Ok(sim)
+    }
+
+    fn add_worker(&mut self, pool: Pool, spec: &PoolSpec) -> engine::Result<()> {
+        let (model, clock) = engine::Model::mock_virtual(self.cfg.model.clone(), spec.timing);
+        let engine = Engine::new(Arc::new(model), spec.engine.clone(), Vec::new())?;
+        let w = self.workers.len() as u64;
+        // Its first heartbeat: an empty snapshot of its cache.
+        let snapshot = KvEvents {
+            snapshot: true,
+            ..Default::default()
+        };
+        self.index.apply(w, &snapshot);
+        self.workers.push(Worker {
+            pool,
+            engine,
+            overhead: ns(spec.step_overhead),
+            clock,
+            busy: false,
+            pending: Vec::new(),
+            in_flight: 0,
+            queued_tokens: 0,
+            computed: 0,
+            busy_ns: 0,
+            kv_next: 0,
+            draining: false,
+            started: self.now,
+            stopped: None,
+        });
+        Ok(())
+    }
+
+    fn schedule(&mut self, at: u64, ev: Event) {
+        self.seq += 1;
+        self.queue.push(Reverse((at, self.seq, ev)));
+    }
+
+    /// Runs every request to its end.
+    pub fn run(mut self) -> SimResult {
+        while let Some(Reverse((at, _, ev))) = self.queue.pop() {
+            self.now = at;
+            match ev {
+                Event::Arrive(r) => self.arrive(r),
+                Event::StepDone(w) => self.step_done(w),
+                Event::KvArrived { req, decode } => self.kv_arrived(req, decode),
+                Event::Dispatch {
+                    req,
+                    decode,
+                    cached,
+                } => self.prefill(req, decode, cached),
+                Event::Tick => self.tick(self.tick_every),
+                Event::WorkerUp(pool) => self.worker_up(pool),
+            }
+        }
+        self.finish()
+    }
+
+    /// A request reaches the router: a decode worker is picked by the policy and reserves its
+    /// blocks (or, colocated, takes the whole request); with no room anywhere it waits for a
+    /// worker to free some.
+    fn arrive(&mut self, r: usize) {
+        let bs = self.cfg.decode.engine.block_size;
+        if self.now - self.reqs[r].at > ns(router::ADMISSION_WAIT) {
+            let why = format!(
+                "no decode worker had room within {:?}",
+                router::ADMISSION_WAIT
+            );
+            return self.fail(r, why);
+        }
+        let overlap = self.overlap(r);
+        let decode: Vec<usize> = self.pool(Pool::Decode);
+        let cands: Vec<Candidate> = decode
+            .iter()
+            .map(|&w| Candidate {
+                load: self.workers[w].in_flight,
+                cached: overlap.get(&(w as u64)).copied().unwrap_or(0) * bs,
+                queued_tokens: 0,
+                rate: 0.0,
+            })
+            .collect();
+        self.rr += 1;
+        let Some(pick) = routing::decode(self.cfg.routing.policy, &cands, self.rr) else {
+            // None serving (all draining): it waits, as for room.
+            self.admission.push_back(r);
+            return;
+        };
+        let w = decode[pick];
+        let params = SamplingParams {
+            max_tokens: Some(self.requests[r].output),
+            ignore_eos: true,
+            ..Default::default()
+        };
+        let prompt = self.requests[r].prompt.clone();
+        let colocated = self.cfg.prefill.is_none() || prompt.len() < 2;
+        let added = if colocated {
+            self.workers[w]
+                .engine
+                .add(r as u64, prompt, params)
+                .map(|()| None)
+        } else {
+            self.workers[w]
+                .engine
+                .reserve_remote(r as u64, prompt, params)
+                .map(Some)
+        };
+        match added {
+            Ok(cached) => {
+                self.workers[w].in_flight += 1;
+                self.reqs[r].decode = Some(w);
+                let now = self.instant();
+                let waited = Duration::from_nanos(self.now - self.reqs[r].at);
+                self.signals.admission.record(now, waited);
+                if let Some(cached) = cached {
+                    // The reservation's way back to the router, the router's call to a prefill
+                    // worker: two hops (a decode worker prefilling itself decides at once).
+                    let known = self.requests[r].prompt.len() - 1;
+                    if known - cached <= self.cfg.local_prefill_max_tokens {
+                        self.prefill(r, w, cached);
+                    } else {
+                        let at = self.now + 2 * ns(self.cfg.hop);
+                        self.schedule(
+                            at,
+                            Event::Dispatch {
+                                req: r,
+                                decode: w,
+                                cached,
+                            },
+                        );
+                    }
+                }
+                self.kick(w);
+            }
+            Err(engine::EngineError::OutOfBlocks(_)) => self.admission.push_back(r),
+            Err(e) => self.fail(r, e.to_string()),
+        }
+    }
+
+    /// The reserved request `r` on decode worker `d`, which holds `cached` of its prompt:
+    /// prefilled there when nothing (or little enough) is left to compute, else on the prefill
+    /// worker the policy picks, which computes what its own cache lacks.
+    fn prefill(&mut self, r: usize, d: usize, cached: usize) {
+        let known = self.requests[r].prompt.len() - 1;
+        let overlap = self.overlap(r);
+        let local = known - cached <= self.cfg.local_prefill_max_tokens;
+        let prefill = self.pool(Pool::Prefill);
+        if local || prefill.is_empty() {
+            let why = if local {
+                "local: short suffix"
+            } else {
+                "local: no prefill worker"
+            };
+            *self.result.decisions.entry(why).or_default() += 1;
+            let _ = self.workers[d].engine.prefill_here(r as u64);
+            return;
+        }
+        let bs = self.cfg.decode.engine.block_size;
+        let cands: Vec<Candidate> = prefill
+            .iter()
+            .map(|&w| {
+                let wk = &self.workers[w];
+                Candidate {
+                    load: wk.in_flight,
+                    cached: overlap.get(&(w as u64)).copied().unwrap_or(0) * bs,
+                    queued_tokens: wk.queued_tokens,
+                    rate: match wk.busy_ns {
+                        0 => 0.0,
+                        b => wk.computed as f64 / (b as f64 / 1e9),
+                    },
+                }
+            })
+            .collect();
+        let pick = routing::prefill(&self.cfg.routing, &cands, known, self.rr)
+            .expect("a prefill worker exists");
+        let p = prefill[pick];
+        let tokens = self.requests[r].prompt[..known].to_vec();
+        let rest = (known - cached) as u64;
+        *self.result.decisions.entry("remote").or_default() += 1;
+        match self.workers[p]
+            .engine
+            .add_prefill_only(r as u64, tokens, cached)
+        {
+            Ok(()) => {
+                self.workers[p].in_flight += 1;
+                self.workers[p].queued_tokens += rest;
+                self.reqs[r].prefill_tokens = rest;
+                self.reqs[r].reserved = Some(self.now);
+                self.kick(p);
+            }
+            Err(e) => self.fail(r, e.to_string()),
+        }
+    }
+
+    fn fail(&mut self, r: usize, why: String) {
+        if self.reqs[r].error.is_none() {
+            self.reqs[r].error = Some(why);
+            self.open -= 1;
+        }
+    }
+
+    /// For each worker caching the start of request `r`'s prompt, how many of its leading
+    /// blocks (the router's index, by the blocks' names).
+    fn overlap(&mut self, r: usize) -> std::collections::HashMap<u64, usize> {
+        let bs = self.cfg.decode.engine.block_size;
+        let prompt = &self.requests[r].prompt;
+        let known = &prompt[..prompt.len().saturating_sub(1)];
+        let seed = self.seed;
+        let blocks = self.reqs[r]
+            .blocks
+            .get_or_insert_with(|| engine::block_hash::prompt_hashes(seed, bs, known));
+        self.index.overlap(blocks)
+    }
+
+    /// Worker indices of `pool` that take new requests.
+    fn pool(&self, pool: Pool) -> Vec<usize> {
+        (0..self.workers.len())
+            .filter(|&w| self.workers[w].pool == pool && self.workers[w].serving())
+            .collect()
+    }
+
+    /// Starts worker `w`'s next step if it is idle and has work: the engine runs the step now,
+    /// its results are delivered when the step's time has passed.
+    fn kick(&mut self, w: usize) {
+        let wk = &mut self.workers[w];
+        if wk.busy || !wk.engine.has_work() {
+            return;
+        }
+        match wk.engine.step() {
+            Ok(events) => {
+                let d = wk.clock.load(Ordering::Relaxed) + wk.overhead;
+                let t = self.result.step_time.entry(wk.pool.name()).or_default();
+                *t = (t.0 + 1, t.1 + d as f64 / 1e9);
+                wk.busy = true;
+                wk.busy_ns += d;
+                wk.computed += wk.engine.last_step().0 as u64;
+                wk.pending = events;
+                self.result.steps += 1;
+                let at = self.now + d;
+                self.schedule(at, Event::StepDone(w));
+            }
+            Err(e) => panic!("simulated engine step failed: {e}"),
+        }
+    }
+
+    /// Worker `w`'s step ended: its tokens reach their clients, finished prefills start their
+    /// transfers, its cache events reach the index; then its next step, and the requests
+    /// waiting for room try again.
+    fn step_done(&mut self, w: usize) {
+        self.workers[w].busy = false;
+        let mut finished = false;
+        for ev in std::mem::take(&mut self.workers[w].pending) {
+            finished |= ev.finish.is_some();
+            self.token(ev);
+        }
+        for id in self.workers[w].engine.take_prefilled() {
+            let Some(sent) = self.workers[w].engine.discard_prefilled(id) else {
+                continue;
+            };
+            let r = id as usize;
+            let wk = &mut self.workers[w];
+            wk.in_flight -= 1;
+            wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
+            self.retire(w);
+            let bytes = sent as u64 * self.kv_bytes_per_token();
+            self.result.kv_bytes += bytes;
+            let link = self.cfg.link;
+            let at = self.now + ns(link.latency) + (bytes as f64 / link.bandwidth * 1e9) as u64;
+            let decode = self.reqs[r].decode.expect("reserved before its prefill");
+            self.schedule(at, Event::KvArrived { req: r, decode });
+        }
+        self.heartbeat(w);
+        self.kick(w);
+        self.retire(w);
+        // Blocks are freed when a request ends: then the requests waiting for room try again
+        // (the real router asks again on the worker's next heartbeat).
+        if finished && self.workers[w].pool == Pool::Decode {
+            self.retry_admission();
+        }
+    }
+
+    /// The requests waiting for room try again.
+    fn retry_admission(&mut self) {
+        for r in std::mem::take(&mut self.admission) {
+            self.arrive(r);
+        }
+    }
+
+    /// Worker `w`'s prefix-cache events, as its heartbeat carries them to the index.
+    fn heartbeat(&mut self, w: usize) {
+        let events = self.workers[w].engine.take_kv_events();
+        if events.is_empty() {
+            return;
+        }
+        let first = self.workers[w].kv_next;
+        let next = first + events.len() as u64;
+        self.workers[w].kv_next = next;
+        let ev = KvEvents {
+            first,
+            hashes: events.iter().map(|e| e.1).collect(),
+            stored: events.iter().map(|e| e.0).collect(),
+            snapshot: false,
+            next,
+        };
+        self.index.apply(w as u64, &ev);
+    }
+
+    fn kv_arrived(&mut self, r: usize, d: usize) {
+        if let Err(e) = self.workers[d].engine.admit_simulated(r as u64) {
+            self.fail(r, e.to_string());
+            return;
+        }
+        self.kick(d);
+    }
+
+    fn token(&mut self, ev: engine::TokenEvent) {
+        let r = ev.id as usize;
+        // The client sees it a hop later (the router's signals see it then too).
+        let now = self.now + ns(self.cfg.hop);
+        let at = self.base + Duration::from_nanos(now);
+        let q = &mut self.reqs[r];
+        match q.first {
+            None => {
+                q.first = Some(now);
+                if let Some(t) = q.reserved {
+                    self.signals
+                        .prefill_ttft
+                        .record(at, Duration::from_nanos(now - t));
+                }
+            }
+            Some(_) => {
+                let gap = Duration::from_nanos(now - q.last);
+                q.gaps.push(gap);
+                self.signals.itl.record(at, gap);
+            }
+        }
+        q.last = now;
+        q.tokens += 1;
+        if ev.finish.is_some() {
+            self.open -= 1;
+            if let Some(d) = q.decode {
+                self.workers[d].in_flight -= 1;
+                self.retire(d);
+            }
+        }
+    }
+
+    fn kv_bytes_per_token(&self) -> u64 {
+        // Keys and values, f16, every layer.
+        (self.cfg.model.n_layers * self.cfg.model.kv_width() * 2 * 2) as u64
+    }
+
+    fn finish(mut self) -> SimResult {
+        // The run ends with its last token (a planner tick may come after it).
+        let end = self.reqs.iter().map(|q| q.last).max().unwrap_or(self.now);
+        for (r, q) in self.reqs.iter().enumerate() {
+            let error = q.error.clone().or_else(|| {
+                (q.tokens < self.requests[r].output).then(|| "did not finish".to_string())
+            });
+            self.result.outcomes.push(Outcome {
+                ttft: q.first.map(|t| Duration::from_nanos(t - q.at)),
+                gaps: q.gaps.clone(),
+                e2e: Duration::from_nanos(q.last.saturating_sub(q.at)),
+                tokens: q.tokens,
+                error,
+            });
+        }
+        for w in &self.workers {
+            let load = w.engine.load();
+            self.result.prompt_tokens += load.prompt_tokens;
+            self.result.prefix_hit_tokens += load.prefix_hit_tokens;
+            let lived = w.stopped.unwrap_or(end).saturating_sub(w.started);
+            *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
+        }
+        self.result.duration = Duration::from_nanos(end);
+        self.result.series = self.series;
+        self.result
+    }
+}

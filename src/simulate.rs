@@ -1,0 +1,112 @@
+//! `tandem simulate`: the cluster of a `cluster.toml` on a virtual clock (see the `sim` crate),
+//! under the same workloads as `tandem bench load`, with the same report.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use clap::Args;
+
+use crate::cluster;
+use crate::load::{self, Workload};
+
+/// Arguments of `tandem simulate`.
+#[derive(Args, Debug)]
+pub struct SimulateArgs {
+    /// The cluster to simulate (pools, replicas, engines, routing policy).
+    #[arg(long, default_value = "cluster.toml")]
+    config: PathBuf,
+    #[command(flatten)]
+    work: Workload,
+    /// KV transfer bandwidth, GB/s (prefill to decode worker).
+    #[arg(long, default_value_t = 2.0)]
+    link_gbytes_per_s: f64,
+    /// Fixed cost of one KV transfer, µs.
+    #[arg(long, default_value_t = 200)]
+    link_latency_us: u64,
+    /// From the planner asking for a replica to its serving, ms (pools with `[<pool>.autoscale]`).
+    #[arg(long, default_value_t = 1000)]
+    start_up_ms: u64,
+    /// Added to each prefill worker step, µs (what a real worker spends beside the timing
+    /// model's time; `scripts/sim_fidelity.py` measures it).
+    #[arg(long, default_value_t = 0)]
+    prefill_step_overhead_us: u64,
+    /// Added to each decode worker step, µs.
+    #[arg(long, default_value_t = 0)]
+    decode_step_overhead_us: u64,
+    /// One call between the router and a worker, µs.
+    #[arg(long, default_value_t = 0)]
+    hop_us: u64,
+    /// The simulated model's context, tokens (default: the model file's); prompts and outputs
+    /// longer fail as they would on the cluster.
+    #[arg(long)]
+    context_len: Option<usize>,
+}
+
+/// Simulates the cluster and prints the report.
+pub fn run(a: SimulateArgs) -> Result<()> {
+    let (cfg, model) = cluster::load(&a.config)?;
+    if a.link_gbytes_per_s <= 0.0 {
+        bail!("--link-gbytes-per-s must be positive");
+    }
+    let (mut shape, _) = engine::inspect(&model)?;
+    if let Some(c) = a.context_len {
+        shape.context_len = c;
+    }
+    let pool = |p: &proto::config::PoolSection, name: &str, overhead_us: u64| {
+        let timing = cluster::mock_timing(p).unwrap_or(engine::MockTiming::CPU_SMOLLM2);
+        if p.engine.get_ref() != "mock" {
+            eprintln!("simulate: the {name} pool runs the real engine; simulated with the mock's cpu-smollm2 timing");
+        }
+        sim::PoolSpec {
+            replicas: *p.replicas.get_ref() as usize,
+            engine: cluster::engine_config(&cfg, p),
+            timing,
+            step_overhead: Duration::from_micros(overhead_us),
+        }
+    };
+    let config = sim::SimConfig {
+        model: shape,
+        prefill: cfg
+            .prefill
+            .as_ref()
+            .map(|p| pool(p, "prefill", a.prefill_step_overhead_us)),
+        decode: pool(&cfg.decode, "decode", a.decode_step_overhead_us),
+        routing: cluster::routing(&cfg),
+        local_prefill_max_tokens: cfg.router.local_prefill_max_tokens as usize,
+        link: sim::Link {
+            bandwidth: a.link_gbytes_per_s * 1e9,
+            latency: Duration::from_micros(a.link_latency_us),
+        },
+        scaling: cluster::scaling(&cfg),
+        start_up: Duration::from_millis(a.start_up_ms),
+        hop: Duration::from_micros(a.hop_us),
+    };
+    let planned = load::plan(&a.work)?;
+    if planned.is_empty() {
+        bail!("no requests to simulate");
+    }
+    let sent: usize = planned.iter().map(|p| p.prompt.len()).sum();
+    let started = std::time::Instant::now();
+    let r = sim::Sim::new(config, planned)?.run();
+    let wall = started.elapsed().as_secs_f64();
+    let secs = r.duration.as_secs_f64();
+    let cache = Some((r.prompt_tokens, r.prefix_hit_tokens));
+    let mut report = load::report(&a.work, &r.outcomes, secs, sent, cache);
+    report["simulation"] = serde_json::json!({
+        "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
+        "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
+        "step_seconds": r.step_time.iter().map(|(k, (n, t))| (k.to_string(), serde_json::json!({"count": n, "sum": t})))
+            .collect::<serde_json::Map<_, _>>(),
+        "series": r.series.iter().map(|s| serde_json::json!({
+            "t_s": s.t, "pool": s.pool, "live": s.live, "starting": s.starting, "desired": s.desired,
+            "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action,
+        })).collect::<Vec<_>>(),
+    });
+    println!(
+        "simulated {secs:.1} s of the cluster in {wall:.1} s ({} engine steps, {:.1} MB of KV moved)",
+        r.steps,
+        r.kv_bytes as f64 / 1e6
+    );
+    load::finish(&a.work, &report)
+}
