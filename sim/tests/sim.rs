@@ -89,3 +89,61 @@ fn colocated_requests_move_no_kv() {
     );
     assert_eq!(r.worker_seconds.len(), 1);
 }
+
+/// The planner in the loop: a decode pool of 1 (up to 3) under a burst its one worker cannot
+/// hold (4 sequences at a time) scales up — the series records the router's own decision with
+/// its inputs, the new replicas join after the start-up time and take requests — and the
+/// worker-seconds count each replica from its joining.
+#[test]
+fn the_planner_scales_the_decode_pool_up_under_a_queue() {
+    let mut cfg = cluster(1, 1);
+    cfg.decode.engine.max_running = 4;
+    cfg.decode.engine.num_blocks = 64;
+    cfg.scaling = vec![router::planner::Scaling {
+        pool: proto::Pool::Decode,
+        target: Duration::from_millis(20),
+        min: 1,
+        max: 3,
+        initial: 1,
+        tick: Duration::from_millis(100),
+        cooldown: Duration::from_secs(60),
+        window: Duration::from_secs(5),
+    }];
+    cfg.start_up = Duration::from_millis(300);
+    let reqs: Vec<SimRequest> = (0..40)
+        .map(|i| {
+            request(
+                10 * i,
+                (0..40).map(|t| 2000 * i as u32 + t + 300).collect(),
+                100,
+            )
+        })
+        .collect();
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    assert!(
+        r.outcomes.iter().all(|o| o.error.is_none()),
+        "{:?}",
+        r.outcomes[0].error
+    );
+    let up = r
+        .series
+        .iter()
+        .find(|s| s.action == "up")
+        .expect("a scale-up");
+    assert!(up.queued > 0, "decided on the admission queue: {up:?}");
+    let joined = r
+        .series
+        .iter()
+        .find(|s| s.live > 1)
+        .expect("a replica joined");
+    assert!(
+        joined.t >= up.t + 0.3,
+        "after the start-up time: {up:?} then {joined:?}"
+    );
+    let decode_s = r.worker_seconds["decode"];
+    let run_s = r.duration.as_secs_f64();
+    assert!(
+        decode_s > run_s + 0.1 && decode_s < 3.0 * run_s,
+        "{decode_s} over {run_s} s"
+    );
+}
