@@ -276,6 +276,15 @@ pub fn router(a: RoleArgs) -> Result<()> {
         limits: limits(&cfg)?,
         request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),
+        slo: router::status::Targets {
+            ttft_p90: cfg
+                .prefill
+                .as_ref()
+                .and_then(|p| p.slo.ttft_p90_ms)
+                .or(cfg.decode.slo.ttft_p90_ms)
+                .map(Duration::from_millis),
+            itl_p90: cfg.decode.slo.itl_p90_ms.map(Duration::from_millis),
+        },
         peers: peers(&cfg, &a.peers)?,
         discovery: discovery(&cfg),
         actuator: {

@@ -77,7 +77,8 @@ fn known_key(keys: &HashSet<String>, given: &str) -> bool {
 }
 
 /// Middleware: headers within `max_header_bytes`, and, where the router has API keys, a known
-/// `Authorization: Bearer` key on everything but `/health` and `/metrics`.
+/// `Authorization: Bearer` key on everything but `/health`, `/metrics` and the status page
+/// (`/`, `/status`, `/status.json`: what an operator reads, like the metrics).
 pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next) -> Response {
     let limits = &state.limits;
     let size: usize = req
@@ -90,7 +91,10 @@ pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next
         return ApiError::HeadersTooLarge(format!("the request's headers exceed {max} bytes"))
             .into_response();
     }
-    let open = matches!(req.uri().path(), "/health" | "/metrics");
+    let open = matches!(
+        req.uri().path(),
+        "/health" | "/metrics" | "/" | "/status" | "/status.json"
+    );
     if let (Some(keys), false) = (&limits.api_keys, open) {
         let given = req
             .headers()

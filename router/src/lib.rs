@@ -21,6 +21,7 @@ pub mod registry;
 pub mod request;
 pub mod response;
 pub mod routing;
+pub mod status;
 pub mod tokenize;
 
 /// How long a request may wait for a decode worker with room before it is refused (503).
@@ -72,6 +73,8 @@ pub struct RouterConfig {
     pub request_timeout: Duration,
     /// Pools the planner scales (empty: fixed pools).
     pub scaling: Vec<planner::Scaling>,
+    /// Each pool's latency target (the status page's reference lines).
+    pub slo: status::Targets,
     /// How the planner acts.
     pub actuator: ActuatorConfig,
     /// Other models' routers this one answers for: (model name, `host:port`).
@@ -150,6 +153,8 @@ pub struct State {
     pub request_timeout: Duration,
     /// Other models' routers this one answers for.
     pub peers: peers::Peers,
+    /// What the status page shows beside the registry and the signals.
+    pub board: status::Board,
     next_id: AtomicU64,
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
@@ -183,6 +188,7 @@ impl State {
             limits: guard::Limits::default(),
             request_timeout: Duration::from_secs(600),
             peers: peers::Peers::default(),
+            board: status::Board::new(status::Targets::default()),
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
@@ -255,6 +261,9 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/health", get(http::health))
         .route("/debug/workers", get(http::workers))
         .route("/metrics", get(http::metrics))
+        .route("/", get(status::page))
+        .route("/status", get(status::page))
+        .route("/status.json", get(status::status_json))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
@@ -300,7 +309,9 @@ pub async fn run(
         return Err(RouterError::OwnModelAsPeer(own.clone()));
     }
     state.peers = peers::Peers::new(&cfg.peers, cfg.request_timeout);
+    state.board = status::Board::new(cfg.slo);
     let state = Arc::new(state);
+    tokio::spawn(status::sampler(state.clone()));
     let http_l = tokio::net::TcpListener::bind(&cfg.listen)
         .await
         .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;

@@ -36,6 +36,11 @@ impl Window {
         }
     }
 
+    /// How far back it looks.
+    pub fn span(&self) -> Duration {
+        self.window
+    }
+
     /// Records a latency at `now`.
     pub fn record(&mut self, now: Instant, value: Duration) {
         let fresh = self
@@ -77,6 +82,8 @@ impl Window {
 
 /// What the router measures for the planner (recorded on the request path, read each tick).
 pub struct Signals {
+    /// Every request: arrival at the router to its first token (what clients see).
+    pub ttft: Mutex<Window>,
     /// Prefill pool: decode reservation to first token, remote prefills only.
     pub prefill_ttft: Mutex<Window>,
     /// Decode pool: gaps between tokens.
@@ -93,6 +100,7 @@ impl Signals {
     /// Signals over `window`.
     pub fn new(window: Duration) -> Signals {
         Signals {
+            ttft: Mutex::new(Window::new(window)),
             prefill_ttft: Mutex::new(Window::new(window)),
             itl: Mutex::new(Window::new(window)),
             admission: Mutex::new(Window::new(window)),
@@ -418,6 +426,7 @@ pub async fn run(
             let inputs = observed.inputs(pool, live, on_way);
             let d = plan.decide(now, inputs);
             report(pool, &inputs, &d, tick);
+            state.board.decided(now, pool, &inputs, &d);
             starting.insert(pool, actuator.reconcile(pool, d.desired, &registry).await);
         }
     }

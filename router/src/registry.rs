@@ -39,6 +39,8 @@ pub struct Worker {
     pub last_prefill_us: (u64, u64),
     /// Where the worker serves Prometheus metrics (`host:port`).
     pub metrics_endpoint: String,
+    /// What its engine computes on.
+    pub device: String,
     /// Being drained by the planner: takes no new requests.
     pub draining: bool,
     /// Its last heartbeat's load.
@@ -444,6 +446,7 @@ impl Registry {
             kv_transfers: BTreeMap::new(),
             last_prefill_us: (0, 0),
             metrics_endpoint: j.metrics_endpoint,
+            device: j.device,
             draining: false,
             load: WorkerLoad {
                 kv_blocks_free: j.kv_blocks_total,

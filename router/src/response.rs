@@ -84,7 +84,11 @@ impl Texter {
         let (tok, finish) = (t.id, t.finish);
         let now = Instant::now();
         match self.last {
-            None => metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start),
+            None => {
+                metrics::histogram!("tandem_router_ttft_seconds").record(now - self.start);
+                let mut w = self.state.signals.ttft.lock().expect("window lock");
+                w.record(now, now - self.start);
+            }
             Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
         }
         self.last = Some(now);

@@ -1,6 +1,7 @@
 //! Shared helpers for tandem's end-to-end tests: the default model (fetched into the cache on
 //! first use) and the llama.cpp golden file.
 
+pub mod chromium;
 pub mod cluster;
 pub mod etcd;
 pub mod netns;

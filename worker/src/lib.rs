@@ -183,6 +183,7 @@ pub async fn serve<C: Send + 'static>(
         kv_blocks_total: s.engine.num_blocks as u32,
         metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
         worker_id: 0,
+        device: loaded.model.device_name(),
     };
     let period = Duration::from_millis(250);
     match &s.discovery {

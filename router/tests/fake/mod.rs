@@ -75,6 +75,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
         kv_blocks_total: 64,
         metrics_endpoint: String::new(),
         worker_id: 0,
+        device: "mock".into(),
     };
     state.registry.join(req).expect("joins")
 }

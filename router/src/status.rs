@@ -1,0 +1,261 @@
+//! What an operator sees: `GET /status` (one embedded HTML page, no build step, no CDN) and
+//! `GET /status.json`, the picture it draws — pools and workers from their heartbeats, the
+//! prefix-hit ratio, TTFT and ITL against each pool's target with their recent history, the
+//! planner's recent decisions with their inputs, and transfers by transport.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::State as AxState;
+use axum::response::{Html, IntoResponse, Response};
+use axum::Json;
+use proto::Pool;
+use serde::Serialize;
+use serde_json::{json, Value};
+
+use crate::planner::{Decision, Inputs, Window};
+use crate::State;
+
+/// The page itself (HTML, CSS and JS in one file; charts are inline SVG).
+const PAGE: &str = include_str!("status.html");
+
+/// How many planner decisions (other than holds) the page lists.
+const DECISIONS_KEPT: usize = 40;
+/// How often the history takes a sample, and how many it keeps (ten minutes).
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(2);
+const SAMPLES_KEPT: usize = 300;
+
+/// Each pool's latency target (`[prefill.slo] ttft_p90_ms`, `[decode.slo] itl_p90_ms`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Targets {
+    /// p90 time to first token.
+    pub ttft_p90: Option<Duration>,
+    /// p90 inter-token latency.
+    pub itl_p90: Option<Duration>,
+}
+
+/// One planner decision as the page lists it.
+#[derive(Debug, Clone, Serialize)]
+pub struct DecisionRecord {
+    /// Seconds since the router started.
+    pub at_s: f64,
+    /// "prefill" or "decode".
+    pub pool: &'static str,
+    /// "up", "down" or "hold".
+    pub action: &'static str,
+    /// Replicas wanted after it.
+    pub desired: u32,
+    /// Why, with the numbers.
+    pub why: String,
+    /// Replicas serving when it was taken.
+    pub live: u32,
+    /// Replicas on their way.
+    pub starting: u32,
+    /// The pool's p90 over the window, ms.
+    pub p90_ms: Option<f64>,
+    /// What the queue predicted, ms.
+    pub predicted_ms: Option<f64>,
+    /// Work queued in front of the pool.
+    pub queued: u64,
+}
+
+/// One sample of the history the page charts.
+#[derive(Debug, Clone, Serialize)]
+struct Sample {
+    at_s: f64,
+    ttft_p50_ms: Option<f64>,
+    ttft_p90_ms: Option<f64>,
+    itl_p50_ms: Option<f64>,
+    itl_p90_ms: Option<f64>,
+    prefill_workers: usize,
+    decode_workers: usize,
+}
+
+/// What the status page keeps beside the router's state: the targets, the planner's last
+/// decisions and the sampled history.
+pub struct Board {
+    started: Instant,
+    targets: Targets,
+    decisions: Mutex<VecDeque<DecisionRecord>>,
+    last_decision: Mutex<BTreeMap<&'static str, DecisionRecord>>,
+    history: Mutex<VecDeque<Sample>>,
+}
+
+fn ms(d: Option<Duration>) -> Option<f64> {
+    d.map(|d| d.as_secs_f64() * 1e3)
+}
+
+impl Board {
+    /// A board for a router started now, judging latency against `targets`.
+    pub fn new(targets: Targets) -> Board {
+        Board {
+            started: Instant::now(),
+            targets,
+            decisions: Mutex::new(VecDeque::new()),
+            last_decision: Mutex::new(BTreeMap::new()),
+            history: Mutex::new(VecDeque::new()),
+        }
+    }
+
+    fn since_start(&self, t: Instant) -> f64 {
+        t.saturating_duration_since(self.started).as_secs_f64()
+    }
+
+    /// Records a planner decision (holds only as the pool's latest).
+    pub fn decided(&self, now: Instant, pool: Pool, inputs: &Inputs, d: &Decision) {
+        let r = DecisionRecord {
+            at_s: self.since_start(now),
+            pool: pool.name(),
+            action: d.action,
+            desired: d.desired,
+            why: d.why.clone(),
+            live: inputs.live,
+            starting: inputs.starting,
+            p90_ms: ms(inputs.p90),
+            predicted_ms: ms(inputs.predicted),
+            queued: inputs.queued,
+        };
+        let mut last = self.last_decision.lock().expect("board lock");
+        last.insert(r.pool, r.clone());
+        if d.action != "hold" {
+            let mut all = self.decisions.lock().expect("board lock");
+            all.push_back(r);
+            while all.len() > DECISIONS_KEPT {
+                all.pop_front();
+            }
+        }
+    }
+
+    /// Takes one sample of the router's latency windows and pool sizes.
+    pub fn sample(&self, state: &State) {
+        let now = Instant::now();
+        let (ttft, itl) = latencies(state, now);
+        let workers = state.registry.workers();
+        let count = |p: Pool| workers.iter().filter(|w| w.pool == p).count();
+        let s = Sample {
+            at_s: self.since_start(now),
+            ttft_p50_ms: ttft.0,
+            ttft_p90_ms: ttft.1,
+            itl_p50_ms: itl.0,
+            itl_p90_ms: itl.1,
+            prefill_workers: count(Pool::Prefill),
+            decode_workers: count(Pool::Decode),
+        };
+        let mut h = self.history.lock().expect("board lock");
+        h.push_back(s);
+        while h.len() > SAMPLES_KEPT {
+            h.pop_front();
+        }
+    }
+}
+
+/// Samples the history every [`SAMPLE_EVERY`] for as long as the router runs.
+pub async fn sampler(state: Arc<State>) {
+    let mut every = tokio::time::interval(SAMPLE_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        every.tick().await;
+        state.board.sample(&state);
+    }
+}
+
+type P50P90 = (Option<f64>, Option<f64>);
+
+/// (p50, p90) of the client TTFT and of the ITL windows, ms.
+fn latencies(state: &State, now: Instant) -> (P50P90, P50P90) {
+    let q = |w: &Mutex<Window>| {
+        let mut w = w.lock().expect("window lock");
+        (ms(w.quantile(now, 0.5).0), ms(w.quantile(now, 0.9).0))
+    };
+    (q(&state.signals.ttft), q(&state.signals.itl))
+}
+
+/// A worker's health as the router judges it.
+fn health(w: &crate::registry::Worker) -> &'static str {
+    match (w.draining, w.stalled) {
+        (true, _) => "draining",
+        (_, true) => "stalled",
+        _ => "ok",
+    }
+}
+
+/// One worker's row.
+fn worker(w: &crate::registry::Worker, now: Instant) -> Value {
+    let l = &w.load;
+    let used = l.kv_blocks_total.saturating_sub(l.kv_blocks_free);
+    let transports: Vec<&str> = w.offers.iter().map(|o| o.transport.as_str()).collect();
+    json!({
+        "id": w.id, "name": w.name, "role": w.pool.name(), "endpoint": w.endpoint,
+        "device": w.device, "health": health(w),
+        "heartbeat_age_ms": now.saturating_duration_since(w.last_beat()).as_millis() as u64,
+        "running": l.running, "waiting": l.waiting, "in_flight": w.in_flight(),
+        "kv_blocks": {
+            "total": l.kv_blocks_total, "used": used, "cached": l.kv_blocks_cached,
+            "free": l.kv_blocks_free.saturating_sub(l.kv_blocks_cached),
+        },
+        "kv_offers": transports, "kv_transfers": w.kv_transfers,
+        "prompt_tokens_per_s": l.prompt_tokens_per_s,
+        "prompt_tokens": l.prompt_tokens, "prefix_hit_tokens": l.prefix_hit_tokens,
+    })
+}
+
+/// The whole picture at `now`.
+pub fn snapshot(state: &State, now: Instant) -> Value {
+    let b = &state.board;
+    let workers = state.registry.workers();
+    let rows: Vec<Value> = workers.iter().map(|w| worker(w, now)).collect();
+    let (prompt, hit) = workers.iter().fold((0u64, 0u64), |(p, h), w| {
+        (p + w.load.prompt_tokens, h + w.load.prefix_hit_tokens)
+    });
+    let mut transfers: BTreeMap<String, u64> = BTreeMap::new();
+    for w in &workers {
+        for (t, n) in &w.kv_transfers {
+            *transfers.entry(t.clone()).or_default() += n;
+        }
+    }
+    let pool = |p: Pool, target: Option<Duration>, signal: &str| {
+        let ws = workers.iter().filter(|w| w.pool == p);
+        json!({
+            "workers": ws.clone().count(),
+            "healthy": ws.filter(|w| health(w) == "ok").count(),
+            "target_p90_ms": ms(target), "signal": signal,
+        })
+    };
+    let (ttft, itl) = latencies(state, now);
+    let window = state.signals.itl.lock().expect("window lock").span();
+    json!({
+        "model": state.model_id, "disaggregated": state.disaggregated,
+        "uptime_s": b.since_start(now),
+        "pools": {
+            "prefill": pool(Pool::Prefill, b.targets.ttft_p90, "ttft"),
+            "decode": pool(Pool::Decode, b.targets.itl_p90, "itl"),
+        },
+        "workers": rows,
+        "prefix": {
+            "prompt_tokens": prompt, "hit_tokens": hit,
+            "hit_ratio": if prompt == 0 { None } else { Some(hit as f64 / prompt as f64) },
+        },
+        "latency": {
+            "window_s": window.as_secs_f64(),
+            "ttft": {"p50_ms": ttft.0, "p90_ms": ttft.1, "target_p90_ms": ms(b.targets.ttft_p90)},
+            "itl": {"p50_ms": itl.0, "p90_ms": itl.1, "target_p90_ms": ms(b.targets.itl_p90)},
+        },
+        "history": &*b.history.lock().expect("board lock"),
+        "planner": {
+            "decisions": &*b.decisions.lock().expect("board lock"),
+            "latest": &*b.last_decision.lock().expect("board lock"),
+        },
+        "transfers": transfers,
+    })
+}
+
+/// `GET /status`: the page.
+pub async fn page() -> Response {
+    ([("cache-control", "no-store")], Html(PAGE)).into_response()
+}
+
+/// `GET /status.json`: what the page draws.
+pub async fn status_json(AxState(state): AxState<Arc<State>>) -> Json<Value> {
+    Json(snapshot(&state, Instant::now()))
+}

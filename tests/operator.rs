@@ -1,0 +1,126 @@
+//! What an operator sees (issue 18): the router's status page in headless Chromium over a real
+//! cluster of mock-engine workers — every worker shown, the page following a join and a death
+//! without reloading, a screenshot that shows something — and the Grafana dashboard's queries
+//! naming only metrics a live cluster exports.
+
+use std::net::SocketAddr;
+
+use serde_json::json;
+use tandem_tests::chromium::{png_summary, Browser};
+use tandem_tests::cluster::{post_json, Cluster};
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+const MOCK_CLUSTER: &str = r#"
+[router]
+listen = "127.0.0.1:0"
+control = "127.0.0.1:0"
+heartbeat_timeout_ms = 1500
+
+[prefill]
+engine = "mock"
+kv_blocks = 512
+[prefill.slo]
+ttft_p90_ms = 800
+
+[decode]
+engine = "mock"
+kv_blocks = 1024
+[decode.slo]
+itl_p90_ms = 100
+"#;
+
+/// One completion of `n` prompt tokens (ids), 8 tokens long.
+fn complete(http: SocketAddr, n: u32) {
+    let prompt: Vec<u32> = (0..n).map(|i| 1_000 + i * 7 % 20_000).collect();
+    let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true});
+    let (status, v) = post_json(http, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+}
+
+/// JS: resolves with the page's worker rows (`name:role:health`, sorted) on the first redraw
+/// for which `cond(rows)` holds; rejects after 30 s with what the page last showed.
+fn rows_when(cond: &str) -> String {
+    format!(
+        r#"new Promise((resolve, reject) => {{
+  const rows = () => [...document.querySelectorAll('#workers tr[data-worker]')]
+    .map(r => r.dataset.worker + ':' + r.dataset.role + ':' + r.dataset.health).sort();
+  const cond = {cond};
+  const check = () => {{ if (cond(rows())) {{ window.removeEventListener('tandem-status', check); resolve(rows()); }} }};
+  window.addEventListener('tandem-status', check);
+  check();
+  setTimeout(() => reject(new Error('page still shows ' + JSON.stringify(rows()))), 30000);
+}})"#
+    )
+}
+
+#[test]
+fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
+    let mut c = Cluster::start_toml(EXE.as_ref(), MOCK_CLUSTER, 1, 1);
+    complete(c.http, 200);
+    c.wait_transfers("tcp", 1);
+    let mut b = Browser::open(&format!("http://{}/status", c.http), 1400, 1000);
+
+    let shown = b
+        .eval(&rows_when("r => r.length === 2"))
+        .expect("the page shows the cluster's workers");
+    assert_eq!(
+        shown,
+        json!(["decode-0:decode:ok", "prefill-0:prefill:ok"]),
+        "{shown}"
+    );
+    // The rest of the picture: the transfer by its transport, the devices, the targets.
+    let picture = b
+        .eval(
+            r#"({
+  transports: [...document.querySelectorAll('#transfers tr[data-transport]')].map(r => r.dataset.transport),
+  devices: [...document.querySelectorAll('#workers tr[data-worker] td:nth-child(4)')].map(td => td.textContent),
+  pools: document.getElementById('pools').textContent,
+  charts: document.querySelectorAll('#ttft-chart path, #itl-chart path').length,
+})"#,
+        )
+        .unwrap();
+    assert_eq!(picture["transports"], json!(["tcp"]), "{picture}");
+    assert_eq!(picture["devices"], json!(["mock", "mock"]), "{picture}");
+    let pools = picture["pools"].as_str().unwrap();
+    assert!(
+        pools.contains("target 800 ms") && pools.contains("target 100 ms"),
+        "{pools}"
+    );
+    // The page marks its window, so a reload would show as the mark gone.
+    b.eval("window.__loaded_once = true").unwrap();
+
+    let png = b.screenshot();
+    let out = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("status-page.png");
+    std::fs::write(&out, &png).unwrap();
+    let (w, h, colours, ink) = png_summary(&png);
+    assert_eq!((w, h), (1400, 1000), "screenshot size ({})", out.display());
+    // A blank or unstyled page has a handful of colours and almost no ink.
+    assert!(
+        colours >= 32 && ink > 0.05,
+        "the screenshot ({}) shows too little: {colours} colours, {:.1}% not background",
+        out.display(),
+        ink * 100.0
+    );
+
+    // A worker joins: the open page shows it.
+    let cfg = c.dir().join("cluster.toml");
+    c.add_worker("decode", "decode-1", &cfg);
+    let shown = b
+        .eval(&rows_when("r => r.some(x => x.startsWith('decode-1:'))"))
+        .expect("the page shows the worker that joined");
+    assert_eq!(shown.as_array().unwrap().len(), 3, "{shown}");
+    // It dies: the router drops it after the heartbeat timeout, and so does the page.
+    c.kill_worker("decode-1");
+    let shown = b
+        .eval(&rows_when("r => !r.some(x => x.startsWith('decode-1:'))"))
+        .expect("the page drops the worker that died");
+    assert_eq!(shown.as_array().unwrap().len(), 2, "{shown}");
+    assert_eq!(
+        b.eval("window.__loaded_once === true && Number(document.body.dataset.updates) > 2")
+            .unwrap(),
+        json!(true),
+        "the page updated itself, without reloading"
+    );
+}
