@@ -10,9 +10,10 @@ cd "$(dirname "$0")/.."
 # and its tests run here, though this machine has no RDMA device); nftables for the multi-host
 # fault test's packet loss and corruption; prometheus for promtool, which checks every /metrics;
 # g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here; protobuf-compiler is
-# what etcd-client's build script runs; etcd-server is the real etcd the discovery tests start.
+# what etcd-client's build script runs; etcd-server is the real etcd the discovery tests start;
+# chromium is the headless browser the status page's test drives.
 need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++
-  protobuf-compiler etcd-server)
+  protobuf-compiler etcd-server chromium)
 missing=()
 for p in "${need[@]}"; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")

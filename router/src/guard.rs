@@ -77,8 +77,9 @@ fn known_key(keys: &HashSet<String>, given: &str) -> bool {
 }
 
 /// Middleware: headers within `max_header_bytes`, and, where the router has API keys, a known
-/// `Authorization: Bearer` key on everything but `/health`, `/metrics` and the status page
-/// (`/`, `/status`, `/status.json`: what an operator reads, like the metrics).
+/// `Authorization: Bearer` key on everything but `/health`, `/metrics` (and its workers'
+/// discovery, `/prometheus/targets`) and the status page (`/`, `/status`, `/status.json`: what
+/// an operator reads, like the metrics).
 pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next) -> Response {
     let limits = &state.limits;
     let size: usize = req
@@ -93,7 +94,7 @@ pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next
     }
     let open = matches!(
         req.uri().path(),
-        "/health" | "/metrics" | "/" | "/status" | "/status.json"
+        "/health" | "/metrics" | "/prometheus/targets" | "/" | "/status" | "/status.json"
     );
     if let (Some(keys), false) = (&limits.api_keys, open) {
         let given = req

@@ -264,6 +264,7 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/", get(status::page))
         .route("/status", get(status::page))
         .route("/status.json", get(status::status_json))
+        .route("/prometheus/targets", get(status::prometheus_targets))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))

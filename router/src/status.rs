@@ -255,6 +255,23 @@ pub async fn page() -> Response {
     ([("cache-control", "no-store")], Html(PAGE)).into_response()
 }
 
+/// `GET /prometheus/targets`: every joined worker's metrics endpoint in Prometheus's HTTP
+/// service-discovery format (`http_sd_configs`), labelled with its name and role — so a
+/// Prometheus pointed at the router scrapes the workers as they come and go.
+pub async fn prometheus_targets(AxState(state): AxState<Arc<State>>) -> Json<Value> {
+    let groups: Vec<Value> = state
+        .registry
+        .workers()
+        .iter()
+        .filter(|w| !w.metrics_endpoint.is_empty())
+        .map(|w| {
+            json!({"targets": [w.metrics_endpoint],
+                   "labels": {"tandem_worker": w.name, "tandem_role": w.pool.name()}})
+        })
+        .collect();
+    Json(Value::Array(groups))
+}
+
 /// `GET /status.json`: what the page draws.
 pub async fn status_json(AxState(state): AxState<Arc<State>>) -> Json<Value> {
     Json(snapshot(&state, Instant::now()))
