@@ -66,6 +66,16 @@ pub struct Workload {
     /// Also write the report as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Also draw the run here (SVG): TTFT and ITL CDFs, throughput and SLO attainment over
+    /// time (and a simulation's replicas and planner p90 per pool).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// This run's name in the plot's legends.
+    #[arg(long, default_value = "this run")]
+    label: String,
+    /// Draw an earlier run over this one: LABEL=REPORT.json (its --json; repeatable).
+    #[arg(long = "plot-with", value_name = "LABEL=REPORT.json")]
+    plot_with: Vec<String>,
 }
 
 /// What one request saw (one type for the load generator and the simulator).
@@ -88,6 +98,10 @@ fn token(key: u64, i: u64) -> u32 {
 
 /// The requests of a workload: a trace replayed with its scales, or Poisson arrivals.
 pub fn plan(a: &Workload) -> Result<Vec<Planned>> {
+    // Earlier runs to plot are read now, so a bad one fails before the run, not after.
+    for spec in &a.plot_with {
+        crate::plot::earlier(spec)?;
+    }
     let mut out = Vec::new();
     match &a.trace {
         Some(path) => {
@@ -281,6 +295,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .enable_all()
         .build()?;
     let sent_prompt: usize = planned.iter().map(|p| p.prompt.len()).sum();
+    let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let http = reqwest::Client::new();
     let before = rt.block_on(cache_counts(&http, addr));
     let (outcomes, elapsed) = rt.block_on(async {
@@ -306,6 +321,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
     let report = report(
         &a.work,
+        &at,
         &outcomes,
         elapsed.as_secs_f64(),
         sent_prompt,
@@ -314,10 +330,58 @@ pub fn run(a: LoadArgs) -> Result<()> {
     finish(&a.work, &report)
 }
 
-/// The report of a run (`tandem-bench-load/2`, documented in README.md): `outcomes` over
-/// `secs`, the prompt tokens sent and the engines' (admitted, cached) prompt tokens.
+/// Whether a finished request met both targets: its TTFT, and the p90 of its gaps.
+fn meets(a: &Workload, o: &Outcome) -> bool {
+    let ms = |d: &Duration| d.as_secs_f64() * 1e3;
+    let mut g: Vec<f64> = o.gaps.iter().map(ms).collect();
+    o.error.is_none()
+        && o.ttft.is_some_and(|t| ms(&t) <= a.ttft_slo_ms as f64)
+        && (g.is_empty() || pct(&mut g, 0.9) <= a.itl_slo_ms as f64)
+}
+
+/// The distribution at every percent, 0 to 100 (what `--plot` draws as a CDF).
+fn cdf(v: &mut [f64]) -> Vec<f64> {
+    (0..=100).map(|p| pct(v, p as f64 / 100.0)).collect()
+}
+
+/// The run over time in about 60 bins (at least a second each): output tokens per second by
+/// when they arrived, and the share of the requests arriving in each bin that met both targets.
+fn timeline(a: &Workload, at: &[Duration], outcomes: &[Outcome], secs: f64) -> serde_json::Value {
+    let bin = (secs / 60.0).max(1.0);
+    let n = ((secs / bin).ceil() as usize).max(1);
+    let index = |t: Duration| ((t.as_secs_f64() / bin) as usize).min(n - 1);
+    let (mut tokens, mut arrived, mut good) = (vec![0u64; n], vec![0u64; n], vec![0u64; n]);
+    for (&t, o) in at.iter().zip(outcomes) {
+        arrived[index(t)] += 1;
+        good[index(t)] += meets(a, o) as u64;
+        if let (Some(first), None) = (o.ttft, &o.error) {
+            let mut tt = t + first;
+            tokens[index(tt)] += 1;
+            for g in &o.gaps {
+                tt += *g;
+                tokens[index(tt)] += 1;
+            }
+        }
+    }
+    let attainment: Vec<Option<f64>> = good
+        .iter()
+        .zip(&arrived)
+        .map(|(&g, &n)| (n > 0).then(|| g as f64 / n as f64))
+        .collect();
+    serde_json::json!({
+        "bin_s": bin,
+        "output_tokens_per_s": tokens.iter().map(|&t| t as f64 / bin).collect::<Vec<_>>(),
+        "arrived": arrived,
+        "slo_attainment": attainment,
+    })
+}
+
+/// The report of a run (`tandem-bench-load/3`, documented in README.md): `outcomes` (of
+/// requests sent at `at`) over `secs`, the prompt tokens sent and the engines' (admitted,
+/// cached) prompt tokens.
 pub fn report(
     a: &Workload,
+    at: &[Duration],
     outcomes: &[Outcome],
     secs: f64,
     sent_prompt: usize,
@@ -328,17 +392,10 @@ pub fn report(
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();
     let mut itl: Vec<f64> = ok.iter().flat_map(|o| o.gaps.iter().map(ms)).collect();
     let mut e2e: Vec<f64> = ok.iter().map(|o| ms(&o.e2e)).collect();
-    let good = ok
-        .iter()
-        .filter(|o| {
-            let mut g: Vec<f64> = o.gaps.iter().map(ms).collect();
-            o.ttft.is_some_and(|t| ms(&t) <= a.ttft_slo_ms as f64)
-                && (g.is_empty() || pct(&mut g, 0.9) <= a.itl_slo_ms as f64)
-        })
-        .count();
+    let good = outcomes.iter().filter(|o| meets(a, o)).count();
     let tokens: usize = ok.iter().map(|o| o.tokens).sum();
     serde_json::json!({
-        "format": "tandem-bench-load/2",
+        "format": "tandem-bench-load/3",
         "requests": outcomes.len(), "completed": ok.len(), "errors": outcomes.len() - ok.len(),
         "duration_s": secs, "output_tokens_per_s": tokens as f64 / secs, "requests_per_s": ok.len() as f64 / secs,
         "goodput_requests_per_s": good as f64 / secs,
@@ -347,6 +404,8 @@ pub fn report(
         "ttft_ms": {"p50": pct(&mut ttft, 0.5), "p90": pct(&mut ttft, 0.9), "p99": pct(&mut ttft, 0.99)},
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p90": pct(&mut itl, 0.9), "p99": pct(&mut itl, 0.99)},
         "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},
+        "ttft_cdf_ms": cdf(&mut ttft), "itl_cdf_ms": cdf(&mut itl),
+        "timeline": timeline(a, at, outcomes, secs),
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
         "prompt_tokens_sent": sent_prompt,
         "prompt_tokens_admitted": cache.map(|(p, _)| p),
@@ -397,6 +456,14 @@ pub fn finish(a: &Workload, report: &serde_json::Value) -> Result<()> {
     if let Some(p) = &a.json {
         std::fs::write(p, serde_json::to_string_pretty(report)?)
             .with_context(|| format!("writing {}", p.display()))?;
+    }
+    if let Some(p) = &a.plot {
+        let mut runs = vec![(a.label.clone(), report.clone())];
+        for spec in &a.plot_with {
+            runs.push(crate::plot::earlier(spec)?);
+        }
+        crate::plot::write(p, &runs).with_context(|| format!("writing {}", p.display()))?;
+        println!("plot: {}", p.display());
     }
     Ok(())
 }

@@ -4,6 +4,7 @@
 
 mod cluster;
 mod load;
+mod plot;
 mod simulate;
 mod supervise;
 

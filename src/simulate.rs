@@ -87,12 +87,13 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         bail!("no requests to simulate");
     }
     let sent: usize = planned.iter().map(|p| p.prompt.len()).sum();
+    let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let started = std::time::Instant::now();
     let r = sim::Sim::new(config, planned)?.run();
     let wall = started.elapsed().as_secs_f64();
     let secs = r.duration.as_secs_f64();
     let cache = Some((r.prompt_tokens, r.prefix_hit_tokens));
-    let mut report = load::report(&a.work, &r.outcomes, secs, sent, cache);
+    let mut report = load::report(&a.work, &at, &r.outcomes, secs, sent, cache);
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
