@@ -556,6 +556,7 @@ pub fn up(config: PathBuf) -> Result<()> {
         let (p, d) = stacks.iter().map(|s| wanted(&s.cfg)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         let models = stacks.len();
         say(format_args!("tandem is up: {p} prefill + {d} decode workers ({models} model(s)) behind http://{http}"));
+        say(format_args!("status page: http://{http}/status (or `tandem status --addr {http} --watch`)"));
         // A base model (no chat template) is asked through /v1/completions.
         let chat = engine::inspect(&model).map_or(true, |(_, t)| t.chat_template().is_some());
         if chat {

@@ -6,6 +6,7 @@ mod cluster;
 mod load;
 mod plot;
 mod simulate;
+mod status;
 mod supervise;
 
 use std::io::Write;
@@ -53,6 +54,8 @@ enum Cmd {
     Bench(BenchCmd),
     /// Simulate the cluster of cluster.toml on a virtual clock under a load (mock engines).
     Simulate(simulate::SimulateArgs),
+    /// A running cluster's pools and workers, from its router (the status page as a table).
+    Status(status::StatusArgs),
 }
 
 #[derive(Subcommand)]
@@ -158,6 +161,7 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Engine(a)) => bench(a),
         Cmd::Bench(BenchCmd::Load(a)) => load::run(a),
         Cmd::Simulate(a) => simulate::run(a),
+        Cmd::Status(a) => status::run(a),
     }
 }
 

@@ -113,6 +113,17 @@ fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
         .eval(&rows_when("r => r.some(x => x.startsWith('decode-1:'))"))
         .expect("the page shows the worker that joined");
     assert_eq!(shown.as_array().unwrap().len(), 3, "{shown}");
+    // `tandem status` prints the same picture in the terminal.
+    let out = std::process::Command::new(EXE)
+        .args(["status", "--addr", &c.http.to_string()])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for w in ["prefill-0", "decode-0", "decode-1"] {
+        assert!(text.contains(w), "tandem status lacks {w}:\n{text}");
+    }
+    assert!(text.contains("KV transfers: tcp 1"), "{text}");
     // It dies: the router drops it after the heartbeat timeout, and so does the page.
     c.kill_worker("decode-1");
     let shown = b
