@@ -6,7 +6,10 @@ colocated workers (each prefilling and decoding) — the same two cores either w
 Two `tandem bench load` runs go at once against `tandem up`: the decode-heavy stream (short
 prompts, long answers) whose ITL is reported, and long prompts (one output token) whose TTFT is.
 
-    cargo build --release && python3 scripts/bench_interference.py [--decode-rate 5]
+    cargo build --release && python3 scripts/bench_interference.py [--decode-rate 5] [--plot out.svg]
+
+With --plot, the colocated run's decode-stream report is drawn under the disaggregated one's
+(`tandem bench load --plot ... --plot-with colocated=...`).
 """
 import argparse
 import json
@@ -27,7 +30,7 @@ def config(colocated):
     return c
 
 
-def run(colocated, rate):
+def run(colocated, rate, plot=()):
     d = tempfile.mkdtemp(prefix="tandem-interference-")
     cfg = os.path.join(d, "cluster.toml")
     open(cfg, "w").write(config(colocated))
@@ -39,7 +42,8 @@ def run(colocated, rate):
             p = subprocess.Popen([EXE, "bench", "load", "--addr", http, "--json", out, *args],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return p, out
-        decode = bench("decode", "--rate", str(rate), "--requests", str(int(12 * rate)), "--prompt-tokens", "32", "--output-tokens", "64")
+        decode = bench("decode", "--rate", str(rate), "--requests", str(int(12 * rate)), "--prompt-tokens", "32",
+                       "--output-tokens", "64", "--ttft-slo-ms", "1000", "--itl-slo-ms", "100", *plot)
         prompts = bench("prompts", "--rate", "0.5", "--requests", "6", "--prompt-tokens", "1024", "--output-tokens", "1")
         for p, _ in (decode, prompts):
             p.wait()
@@ -55,11 +59,20 @@ def run(colocated, rate):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--decode-rate", type=float, default=5.0, help="decode-heavy requests per second")
+    ap.add_argument("--plot", help="draw both clusters' decode streams into this SVG")
     args = ap.parse_args()
+    keep = tempfile.mkdtemp(prefix="tandem-interference-reports-")
     print("| cluster (2 cores) | decode stream ITL p50 ms | ITL p90 ms | ITL p99 ms | long-prompt TTFT p50 ms | errors |")
     print("|---|---:|---:|---:|---:|---:|")
-    for name, colocated in (("disaggregated: 1 prefill + 1 decode", False), ("colocated: 2 workers", True)):
-        d, p = run(colocated, args.decode_rate)
+    colocated_json = os.path.join(keep, "colocated.json")
+    for name, colocated in (("colocated: 2 workers", True), ("disaggregated: 1 prefill + 1 decode", False)):
+        plot = ()
+        if args.plot and not colocated:
+            plot = ("--plot", args.plot, "--label", "disaggregated (1 prefill + 1 decode)",
+                    "--plot-with", f"colocated (2 workers)={colocated_json}")
+        d, p = run(colocated, args.decode_rate, plot)
+        if colocated:
+            json.dump(d, open(colocated_json, "w"))
         print(f"| {name} | {d['itl_ms']['p50']:.1f} | {d['itl_ms']['p90']:.1f} | {d['itl_ms']['p99']:.1f} | "
               f"{p['ttft_ms']['p50']:.0f} | {d['errors'] + p['errors']} |")
 

@@ -6,12 +6,17 @@ computed prompt tokens from an ideal cache of the prefill pool's size (scripts/i
 Several time scales (a rate sweep) give one table each and the goodput of kv over cache-off.
 
     cargo build --release && python3 scripts/bench_prefix_trace.py [--requests 400]
-        [--time-scale 0.1,0.05] [--configs kv,round-robin,off]
+        [--time-scale 0.1,0.05] [--configs kv,round-robin,off] [--plot out.svg]
+
+With --plot, the last configuration's `tandem bench load` draws its run with the earlier ones'
+reports over it (`--plot-with`): one SVG per time scale (`out-<scale>.svg` when several).
 """
 import argparse
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 
 from tandem_cluster import EXE, ROOT, cluster
 
@@ -25,14 +30,16 @@ def config(policy, cache, a):
             '[kv_transfer]\nprefer = ["tcp"]\n')
 
 
-def run(policy, cache, a, time_scale):
+def run(policy, cache, a, time_scale, keep, plot=()):
+    """One replay; its report is also copied to `keep` (for a later run's --plot-with)."""
     with cluster(config(policy, cache, a), "tandem-prefix-") as (http, d):
         out = os.path.join(d, "load.json")
         subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", a.trace,
                         "--requests", str(a.requests), "--time-scale", str(time_scale),
                         "--length-scale", str(a.length_scale), "--ttft-slo-ms", "200",
-                        "--itl-slo-ms", "50", "--json", out],
+                        "--itl-slo-ms", "50", "--json", out, *plot],
                        check=True, stdout=subprocess.DEVNULL)
+        shutil.copy(out, keep)
         return json.load(open(out))
 
 
@@ -46,7 +53,10 @@ def main():
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--prefill-blocks", type=int, default=4096, help="KV blocks per prefill worker")
     ap.add_argument("--decode-blocks", type=int, default=4096, help="KV blocks per decode worker")
+    ap.add_argument("--plot", help="draw each time scale's runs into this SVG")
     a = ap.parse_args()
+    keep = tempfile.mkdtemp(prefix="tandem-prefix-reports-")
+    scales = [float(t) for t in a.time_scale.split(",")]
     floor = json.loads(subprocess.run(
         ["python3", os.path.join(ROOT, "scripts", "ideal_cache.py"), "--trace", a.trace,
          "--requests", str(a.requests), "--length-scale", str(a.length_scale),
@@ -56,16 +66,26 @@ def main():
           f"{floor['floor_computed_ratio']:.1%} of {floor['prompt_tokens_sent']} prompt tokens, "
           f"hit ratio {floor['floor_prefix_hit_ratio']:.1%}")
     configs = {"kv": ("kv", True), "round-robin": ("round-robin", True), "off": ("kv", False)}
-    for ts in [float(t) for t in a.time_scale.split(",")]:
+    for ts in scales:
         print(f"\ntime x {ts}:")
         print("| cluster | prefix-hit ratio | computed / sent | over the floor | goodput req/s | TTFT p90 ms | errors |")
         print("|---|---:|---:|---:|---:|---:|---:|")
         goodput = {}
-        for name in a.configs.split(","):
+        names = a.configs.split(",")
+        for i, name in enumerate(names):
             policy, cache = configs[name]
-            r = run(policy, cache, a, ts)
-            goodput[name] = r["goodput_requests_per_s"]
             label = f"policy = {policy}" + ("" if cache else ", prefix cache off")
+            report = os.path.join(keep, f"{name}-{ts}.json")
+            plot = ()
+            if a.plot and i == len(names) - 1:
+                svg = a.plot if len(scales) == 1 else a.plot.replace(".svg", f"-{ts}.svg")
+                plot = ["--plot", svg, "--label", label]
+                for n in names[:-1]:
+                    p, c = configs[n]
+                    plot += ["--plot-with", f"policy = {p}" + ("" if c else ", prefix cache off")
+                             + "=" + os.path.join(keep, f"{n}-{ts}.json")]
+            r = run(policy, cache, a, ts, report, plot)
+            goodput[name] = r["goodput_requests_per_s"]
             computed = r["computed_prompt_ratio"]
             print(f"| {label} | {r['prefix_hit_ratio']:.1%} | {computed:.1%} | "
                   f"{computed / floor['floor_computed_ratio']:.3f}x | {goodput[name]:.2f} | "

