@@ -36,8 +36,9 @@ fn floats(v: &Value) -> Vec<Option<f64>> {
 
 /// Reads `LABEL=path` (`--plot-with`): an earlier run's report.
 pub fn earlier(spec: &str) -> Result<Run> {
+    // The label may hold `=` itself ("policy = kv"); the path is after the last one.
     let (label, path) = spec
-        .split_once('=')
+        .rsplit_once('=')
         .ok_or_else(|| anyhow!("--plot-with {spec:?}: expected LABEL=REPORT.json"))?;
     let text = std::fs::read_to_string(path).with_context(|| format!("reading {path}"))?;
     let report: Value =
