@@ -41,6 +41,17 @@ pub struct SimulateArgs {
     /// longer fail as they would on the cluster.
     #[arg(long)]
     context_len: Option<usize>,
+    /// A fault (repeatable): kill:POOL:N|P%@WHEN (workers die), freeze:POOL:N|P%@WHEN+FOR,
+    /// link:rackK:P%@WHEN[+FOR] (links to a rack at P% of their bandwidth), cut:rackK@WHEN[+FOR];
+    /// WHEN is a time (20m, 90s) or `random` (within the arrivals; `random*5`: five of them).
+    #[arg(long = "fault", value_name = "SPEC")]
+    faults: Vec<sim::FaultSpec>,
+    /// Racks the workers are spread over (worker i in rack i % racks), for link faults.
+    #[arg(long, default_value_t = 1)]
+    racks: usize,
+    /// Seed of the faults' random times and of which workers they take.
+    #[arg(long, default_value_t = 1)]
+    fault_seed: u64,
 }
 
 /// Simulates the cluster and prints the report.
@@ -81,11 +92,34 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         scaling: cluster::scaling(&cfg),
         start_up: Duration::from_millis(a.start_up_ms),
         hop: Duration::from_micros(a.hop_us),
+        liveness: sim::Liveness {
+            stall: Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
+            transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
+            migration_limit: cfg.router.migration_limit,
+            racks: a.racks,
+            fault_seed: a.fault_seed,
+        },
+        faults: Vec::new(),
     };
     let planned = load::plan(&a.work)?;
     if planned.is_empty() {
         bail!("no requests to simulate");
     }
+    if a.racks == 0 {
+        bail!("--racks must be at least 1");
+    }
+    if let Some(r) = a.faults.iter().find_map(|f| match f.kind {
+        sim::FaultKind::Link { rack, .. } if rack >= a.racks => Some(rack),
+        _ => None,
+    }) {
+        bail!(
+            "--fault names rack{r}, but there are {} racks (--racks)",
+            a.racks
+        );
+    }
+    let horizon = planned.last().map_or(Duration::ZERO, |p| p.at);
+    let mut config = config;
+    config.faults = sim::schedule_faults(&a.faults, a.fault_seed, horizon);
     let sent: usize = planned.iter().map(|p| p.prompt.len()).sum();
     let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let started = std::time::Instant::now();
@@ -97,6 +131,8 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
+        "migrations": r.migrations, "deaths": r.deaths, "stalls": r.stalls,
+        "faults": r.faults.iter().map(|(t, f)| serde_json::json!({"t_s": t, "fault": f})).collect::<Vec<_>>(),
         "step_seconds": r.step_time.iter().map(|(k, (n, t))| (k.to_string(), serde_json::json!({"count": n, "sum": t})))
             .collect::<serde_json::Map<_, _>>(),
         "series": r.series.iter().map(|s| serde_json::json!({

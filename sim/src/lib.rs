@@ -27,7 +27,9 @@ use router::kv_index::KvIndex;
 use router::planner::{PoolPlan, Scaling};
 use router::routing::{self, Candidate, Routing};
 
+mod faults;
 mod planner;
+pub use faults::{schedule as schedule_faults, Count, Fault, FaultKind, FaultSpec};
 pub use planner::Sample;
 
 /// One pool: how many workers, each engine's configuration and step timing.
@@ -76,6 +78,38 @@ pub struct SimConfig {
     /// One call between the router and a worker (the reservation, the prefill's dispatch, a
     /// token's way out).
     pub hop: Duration,
+    /// How the router notices failures and what it does about them.
+    pub liveness: Liveness,
+    /// What goes wrong, and when.
+    pub faults: Vec<Fault>,
+}
+
+/// The router's failure handling (`[router]` and `[kv_transfer]` of cluster.toml) and where
+/// the faults land.
+#[derive(Debug, Clone, Copy)]
+pub struct Liveness {
+    /// A worker holding work with no step for this long is stalled (`stall_timeout_ms`).
+    pub stall: Duration,
+    /// A transfer that has not completed by then has failed (`transfer_timeout_ms`).
+    pub transfer_timeout: Duration,
+    /// How many times a request may move to another decode worker (`migration_limit`).
+    pub migration_limit: u32,
+    /// Racks the workers are spread over (worker `i` in rack `i % racks`), for link faults.
+    pub racks: usize,
+    /// Which workers a fault takes.
+    pub fault_seed: u64,
+}
+
+impl Default for Liveness {
+    fn default() -> Liveness {
+        Liveness {
+            stall: Duration::from_secs(10),
+            transfer_timeout: Duration::from_secs(30),
+            migration_limit: 1,
+            racks: 1,
+            fault_seed: 1,
+        }
+    }
 }
 
 /// One request of the load: when it arrives, its prompt, how many tokens it generates.
@@ -127,6 +161,14 @@ pub struct SimResult {
     pub step_time: BTreeMap<&'static str, (u64, f64)>,
     /// Each planner tick of each scaled pool.
     pub series: Vec<Sample>,
+    /// Requests moved to another decode worker.
+    pub migrations: u64,
+    /// Workers that died, and that the router found stalled.
+    pub deaths: u64,
+    /// See `deaths`.
+    pub stalls: u64,
+    /// Each fault as it struck: virtual seconds, what.
+    pub faults: Vec<(f64, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -136,14 +178,27 @@ enum Event {
     KvArrived {
         req: usize,
         decode: usize,
+        attempt: u32,
+    },
+    TransferFailed {
+        req: usize,
+        attempt: u32,
     },
     Dispatch {
         req: usize,
         decode: usize,
         cached: usize,
+        attempt: u32,
     },
     Tick,
     WorkerUp(Pool),
+    Fault(usize),
+    StallCheck {
+        worker: usize,
+        serial: u64,
+    },
+    Thaw(usize),
+    LinkRestored(usize),
 }
 
 struct Worker {
@@ -167,15 +222,22 @@ struct Worker {
     kv_next: u64,
     /// Let go by the planner: takes no new requests.
     draining: bool,
-    /// When it joined and when it left (virtual ns).
+    /// When it joined and when it left — drained or dead (virtual ns).
     started: u64,
     stopped: Option<u64>,
+    /// Frozen: no step ends until it thaws; the step that would have ended meanwhile ends then.
+    frozen: bool,
+    deferred: bool,
+    /// Freezes so far (a stall check belongs to one).
+    freezes: u64,
+    /// The router found it stalled: no new requests until it thaws.
+    stalled: bool,
 }
 
 impl Worker {
     /// It takes new requests.
     fn serving(&self) -> bool {
-        !self.draining && self.stopped.is_none()
+        !self.draining && self.stopped.is_none() && !self.stalled
     }
 
     /// Prefill: the prompt tokens per second of engine time it has measured (0 before any).
@@ -202,6 +264,18 @@ struct Req {
     /// Its prompt's block names (all but the last token), computed once.
     blocks: Option<Vec<u64>>,
     error: Option<String>,
+    /// Its last token has been delivered.
+    done: bool,
+    /// The prefill worker computing its prompt.
+    prefill_on: Option<usize>,
+    /// Its prompt as sent (a migrated request's prompt has its streamed tokens after it).
+    prompt_len: usize,
+    /// Its admission deadline counts from here (its arrival, or its last migration).
+    admit_from: u64,
+    /// Migrations so far; each migration or recomputation is a new attempt, and the events of
+    /// an older one are ignored.
+    migrations: u32,
+    attempt: u32,
 }
 
 /// The simulation state.
@@ -230,6 +304,10 @@ pub struct Sim {
     series: Vec<Sample>,
     /// Requests not finished (or failed) yet.
     open: usize,
+    /// The faults, in time order.
+    faults: Vec<Fault>,
+    /// Per rack, the share of the link's bandwidth left.
+    link_share: Vec<f64>,
 }
 
 /// The simulated engines' vocabulary: a decoded token's logits are a row of this many floats
@@ -272,6 +350,8 @@ impl Sim {
             starting: Vec::new(),
             series: Vec::new(),
             open: 0,
+            faults: cfg.faults.clone(),
+            link_share: vec![1.0; cfg.liveness.racks.max(1)],
             cfg,
         };
         let pools = [
@@ -293,7 +373,12 @@ impl Sim {
             // The router's call to the decode worker: one hop after the request arrives.
             let at = ns(sim.requests[i].at) + ns(sim.cfg.hop);
             sim.reqs[i].at = ns(sim.requests[i].at);
+            sim.reqs[i].admit_from = sim.reqs[i].at;
+            sim.reqs[i].prompt_len = sim.requests[i].prompt.len();
             sim.schedule(at, Event::Arrive(i));
+        }
+        for i in 0..sim.faults.len() {
+            sim.schedule(ns(sim.faults[i].at), Event::Fault(i));
         }
         sim.open = sim.requests.len();
         if let Some(tick) = sim.cfg.scaling.iter().map(|s| s.tick).min() {
@@ -328,6 +413,10 @@ impl Sim {
             draining: false,
             started: self.now,
             stopped: None,
+            frozen: false,
+            deferred: false,
+            freezes: 0,
+            stalled: false,
         });
         Ok(())
     }
@@ -344,14 +433,32 @@ impl Sim {
             match ev {
                 Event::Arrive(r) => self.arrive(r),
                 Event::StepDone(w) => self.step_done(w),
-                Event::KvArrived { req, decode } => self.kv_arrived(req, decode),
+                Event::KvArrived {
+                    req,
+                    decode,
+                    attempt,
+                } => self.kv_arrived(req, decode, attempt),
+                Event::TransferFailed { req, attempt } => {
+                    if self.reqs[req].attempt == attempt {
+                        self.recompute(req, "recomputed: transfer failed");
+                    }
+                }
                 Event::Dispatch {
                     req,
                     decode,
                     cached,
-                } => self.prefill(req, decode, cached),
+                    attempt,
+                } => {
+                    if self.reqs[req].attempt == attempt && self.reqs[req].decode == Some(decode) {
+                        self.prefill(req, decode, cached)
+                    }
+                }
                 Event::Tick => self.tick(self.tick_every),
                 Event::WorkerUp(pool) => self.worker_up(pool),
+                Event::Fault(i) => self.strike(i),
+                Event::StallCheck { worker, serial } => self.stall_check(worker, serial),
+                Event::Thaw(w) => self.thaw(w),
+                Event::LinkRestored(rack) => self.link_share[rack] = 1.0,
             }
         }
         self.finish()
@@ -362,7 +469,10 @@ impl Sim {
     /// worker to free some.
     fn arrive(&mut self, r: usize) {
         let bs = self.cfg.decode.engine.block_size;
-        if self.now - self.reqs[r].at > ns(router::ADMISSION_WAIT) {
+        if self.reqs[r].error.is_some() || self.reqs[r].done {
+            return;
+        }
+        if self.now - self.reqs[r].admit_from > ns(router::ADMISSION_WAIT) {
             let why = format!(
                 "no decode worker had room within {:?}",
                 router::ADMISSION_WAIT
@@ -388,7 +498,8 @@ impl Sim {
         };
         let w = decode[pick];
         let params = SamplingParams {
-            max_tokens: Some(self.requests[r].output),
+            // What is left of it (a migrated request streamed the rest already).
+            max_tokens: Some(self.requests[r].output - self.reqs[r].tokens),
             ignore_eos: true,
             ..Default::default()
         };
@@ -420,12 +531,14 @@ impl Sim {
                         self.prefill(r, w, cached);
                     } else {
                         let at = self.now + 2 * ns(self.cfg.hop);
+                        let attempt = self.reqs[r].attempt;
                         self.schedule(
                             at,
                             Event::Dispatch {
                                 req: r,
                                 decode: w,
                                 cached,
+                                attempt,
                             },
                         );
                     }
@@ -486,6 +599,7 @@ impl Sim {
                 self.workers[p].queued_tokens += rest;
                 self.reqs[r].prefill_tokens = rest;
                 self.reqs[r].reserved = Some(self.now);
+                self.reqs[r].prefill_on = Some(p);
                 self.kick(p);
             }
             Err(e) => self.fail(r, e.to_string()),
@@ -523,7 +637,7 @@ impl Sim {
     /// its results are delivered when the step's time has passed.
     fn kick(&mut self, w: usize) {
         let wk = &mut self.workers[w];
-        if wk.busy || !wk.engine.has_work() {
+        if wk.busy || wk.frozen || wk.stopped.is_some() || !wk.engine.has_work() {
             return;
         }
         match wk.engine.step() {
@@ -546,10 +660,23 @@ impl Sim {
     /// Worker `w`'s step ended: its tokens reach their clients, finished prefills start their
     /// transfers, its cache events reach the index; then its next step, and the requests
     /// waiting for room try again.
-    fn step_done(&mut self, w: usize) {
-        self.workers[w].busy = false;
+    pub(crate) fn step_done(&mut self, w: usize) {
+        let wk = &mut self.workers[w];
+        if wk.stopped.is_some() {
+            // Dead: what its last step did went with it (a drained worker has no step left).
+            return;
+        }
+        if wk.frozen {
+            wk.deferred = true;
+            return;
+        }
+        wk.busy = false;
         let mut finished = false;
         for ev in std::mem::take(&mut self.workers[w].pending) {
+            // Tokens of a request that has left this worker (migrated) are dropped.
+            if self.reqs[ev.id as usize].decode != Some(w) {
+                continue;
+            }
             finished |= ev.finish.is_some();
             self.token(ev);
         }
@@ -558,16 +685,15 @@ impl Sim {
                 continue;
             };
             let r = id as usize;
+            if self.reqs[r].prefill_on != Some(w) {
+                continue;
+            }
+            self.reqs[r].prefill_on = None;
             let wk = &mut self.workers[w];
             wk.in_flight -= 1;
             wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
             self.retire(w);
-            let bytes = sent as u64 * self.kv_bytes_per_token();
-            self.result.kv_bytes += bytes;
-            let link = self.cfg.link;
-            let at = self.now + ns(link.latency) + (bytes as f64 / link.bandwidth * 1e9) as u64;
-            let decode = self.reqs[r].decode.expect("reserved before its prefill");
-            self.schedule(at, Event::KvArrived { req: r, decode });
+            self.transfer(r, sent);
         }
         self.heartbeat(w);
         self.kick(w);
@@ -579,10 +705,19 @@ impl Sim {
         }
     }
 
-    /// The requests waiting for room try again.
+    /// The requests waiting for room try again, in arrival order, until one finds none: it
+    /// keeps its place at the head and the rest wait behind it (one request's worth of work a
+    /// freed request, not the whole queue's — a queue of thousands retried on every finish
+    /// made a large simulation quadratic).
     fn retry_admission(&mut self) {
-        for r in std::mem::take(&mut self.admission) {
+        while let Some(r) = self.admission.pop_front() {
+            let waiting = self.admission.len();
             self.arrive(r);
+            if self.admission.len() > waiting {
+                let back = self.admission.pop_back().expect("it went back to waiting");
+                self.admission.push_front(back);
+                break;
+            }
         }
     }
 
@@ -605,7 +740,37 @@ impl Sim {
         self.index.apply(w as u64, &ev);
     }
 
-    fn kv_arrived(&mut self, r: usize, d: usize) {
+    /// Request `r`'s `tokens` of KV leave for its decode worker over the link to its rack.
+    fn transfer(&mut self, r: usize, tokens: usize) {
+        let Some(decode) = self.reqs[r].decode else {
+            return;
+        };
+        let attempt = self.reqs[r].attempt;
+        let bytes = tokens as u64 * self.kv_bytes_per_token();
+        let link = self.cfg.link;
+        let share = self.link_share[self.rack(decode)];
+        if share <= 0.0 {
+            // A cut link: the transfer fails at its deadline, and the prompt is recomputed.
+            let at = self.now + ns(self.cfg.liveness.transfer_timeout);
+            return self.schedule(at, Event::TransferFailed { req: r, attempt });
+        }
+        self.result.kv_bytes += bytes;
+        let wire = bytes as f64 / (link.bandwidth * share) * 1e9;
+        let at = self.now + ns(link.latency) + wire as u64;
+        self.schedule(
+            at,
+            Event::KvArrived {
+                req: r,
+                decode,
+                attempt,
+            },
+        );
+    }
+
+    fn kv_arrived(&mut self, r: usize, d: usize, attempt: u32) {
+        if self.reqs[r].attempt != attempt || self.reqs[r].decode != Some(d) {
+            return;
+        }
         if let Err(e) = self.workers[d].engine.admit_simulated(r as u64) {
             self.fail(r, e.to_string());
             return;
@@ -637,6 +802,7 @@ impl Sim {
         q.last = now;
         q.tokens += 1;
         if ev.finish.is_some() {
+            q.done = true;
             self.open -= 1;
             if let Some(d) = q.decode {
                 self.workers[d].in_flight -= 1;

@@ -27,6 +27,8 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         scaling: Vec::new(),
         start_up: Duration::from_secs(1),
         hop: Duration::ZERO,
+        liveness: sim::Liveness::default(),
+        faults: Vec::new(),
     }
 }
 
@@ -146,4 +148,123 @@ fn the_planner_scales_the_decode_pool_up_under_a_queue() {
         decode_s > run_s + 0.1 && decode_s < 3.0 * run_s,
         "{decode_s} over {run_s} s"
     );
+}
+
+fn fault(spec: &str, horizon: Duration) -> Vec<sim::Fault> {
+    sim::schedule_faults(&[spec.parse().unwrap()], 1, horizon)
+}
+
+/// Distinct 40-token prompts, one every `every_ms`, each `output` tokens long.
+fn burst(n: u32, every_ms: u64, output: usize) -> Vec<SimRequest> {
+    (0..n)
+        .map(|i| {
+            let prompt = (0..40).map(|t| 2000 * i + t + 300).collect();
+            request(every_ms * i as u64, prompt, output)
+        })
+        .collect()
+}
+
+/// A decode worker dies mid-decode: its requests migrate to the other one (prompt plus the
+/// tokens streamed) and finish there, each with all its tokens and one long gap; the dead one
+/// comes back after the start-up time. Without a migration allowed, they fail instead.
+#[test]
+fn a_dead_decode_workers_requests_migrate_and_finish_elsewhere() {
+    let mut cfg = cluster(1, 2);
+    cfg.faults = fault("kill:decode:1@50ms", Duration::ZERO);
+    let r = Sim::new(cfg.clone(), burst(8, 1, 100)).unwrap().run();
+    assert_eq!(r.deaths, 1);
+    assert!(r.migrations > 0 && r.migrations < 8, "{}", r.migrations);
+    for o in &r.outcomes {
+        assert_eq!((o.error.as_deref(), o.tokens), (None, 100), "{o:?}");
+    }
+    let worst = r.outcomes.iter().flat_map(|o| &o.gaps).max().unwrap();
+    assert!(
+        *worst > Duration::from_millis(5),
+        "a migration's gap: {worst:?}"
+    );
+    cfg.liveness.migration_limit = 0;
+    let r = Sim::new(cfg, burst(8, 1, 100)).unwrap().run();
+    let failed: Vec<&str> = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.error.as_deref())
+        .collect();
+    assert!(
+        !failed.is_empty() && failed.iter().all(|e| e.contains("migration_limit = 0")),
+        "{failed:?}"
+    );
+}
+
+/// A freeze shorter than the stall timeout only delays (no migration: one gap of the freeze);
+/// a longer one is found stalled at the timeout and its requests move.
+#[test]
+fn a_frozen_worker_is_waited_for_up_to_the_stall_timeout_then_left() {
+    let mut cfg = cluster(1, 2);
+    cfg.liveness.stall = Duration::from_millis(500);
+    // The 8 prompts are prefilled in one ~330 ms step; decoding runs from then to about 1 s.
+    cfg.faults = fault("freeze:decode:1@500ms+200ms", Duration::ZERO);
+    let r = Sim::new(cfg.clone(), burst(8, 1, 100)).unwrap().run();
+    assert_eq!((r.migrations, r.stalls), (0, 0));
+    assert!(r
+        .outcomes
+        .iter()
+        .all(|o| o.error.is_none() && o.tokens == 100));
+    let worst = r.outcomes.iter().flat_map(|o| &o.gaps).max().unwrap();
+    assert!(
+        *worst >= Duration::from_millis(190),
+        "the freeze shows in a gap: {worst:?}"
+    );
+    cfg.faults = fault("freeze:decode:1@500ms+5s", Duration::ZERO);
+    let r = Sim::new(cfg, burst(8, 1, 100)).unwrap().run();
+    assert_eq!(r.stalls, 1);
+    assert!(r.migrations > 0);
+    assert!(r
+        .outcomes
+        .iter()
+        .all(|o| o.error.is_none() && o.tokens == 100));
+    // They moved at the stall timeout, not after the thaw.
+    let worst = r.outcomes.iter().flat_map(|o| &o.gaps).max().unwrap();
+    assert!(*worst < Duration::from_secs(1), "{worst:?}");
+}
+
+/// A cut link fails the transfers to its rack at the transfer timeout: those prompts are
+/// recomputed on their decode workers; a slowed link only makes them slower; a dead prefill
+/// worker's prompts are recomputed too.
+#[test]
+fn cut_links_and_dead_prefill_workers_mean_recomputation_on_the_decode_worker() {
+    let mut cfg = cluster(1, 2);
+    cfg.liveness.racks = 2;
+    cfg.liveness.transfer_timeout = Duration::from_millis(300);
+    cfg.faults = fault("cut:rack1@0ms", Duration::ZERO);
+    let r = Sim::new(cfg.clone(), burst(8, 60, 4)).unwrap().run();
+    let recomputed = r
+        .decisions
+        .get("recomputed: transfer failed")
+        .copied()
+        .unwrap_or(0);
+    // Worker 2 (the second decode worker) is in rack 0; worker 1, the first, in rack 1.
+    assert!(recomputed > 0 && recomputed < 8, "{:?}", r.decisions);
+    assert!(r
+        .outcomes
+        .iter()
+        .all(|o| o.error.is_none() && o.tokens == 4));
+    let slow = r
+        .outcomes
+        .iter()
+        .filter_map(|o| o.ttft)
+        .filter(|t| *t > Duration::from_millis(300))
+        .count();
+    assert_eq!(slow as u64, recomputed, "each waited out the timeout");
+
+    cfg.faults = fault("kill:prefill:1@30ms", Duration::ZERO);
+    let r = Sim::new(cfg, burst(8, 10, 4)).unwrap().run();
+    assert!(
+        r.decisions.get("recomputed: prefill worker lost").is_some(),
+        "{:?}",
+        r.decisions
+    );
+    assert!(r
+        .outcomes
+        .iter()
+        .all(|o| o.error.is_none() && o.tokens == 4));
 }
