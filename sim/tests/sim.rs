@@ -259,7 +259,7 @@ fn cut_links_and_dead_prefill_workers_mean_recomputation_on_the_decode_worker() 
     cfg.faults = fault("kill:prefill:1@30ms", Duration::ZERO);
     let r = Sim::new(cfg, burst(8, 10, 4)).unwrap().run();
     assert!(
-        r.decisions.get("recomputed: prefill worker lost").is_some(),
+        r.decisions.contains_key("recomputed: prefill worker lost"),
         "{:?}",
         r.decisions
     );
