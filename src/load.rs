@@ -54,18 +54,19 @@ pub struct Workload {
     /// Multiply trace lengths by this (to fit a small cluster).
     #[arg(long, default_value_t = 1.0)]
     length_scale: f64,
-    /// TTFT target for goodput.
-    #[arg(long, default_value_t = 1000)]
-    ttft_slo_ms: u64,
-    /// ITL target for goodput (p90 of a request's gaps).
-    #[arg(long, default_value_t = 100)]
-    itl_slo_ms: u64,
+    /// TTFT target for goodput (a request meets it with its TTFT at most this; `tandem plan`
+    /// takes it as --ttft-p90-ms: 90% of requests within it).
+    #[arg(long, visible_alias = "ttft-p90-ms", default_value_t = 1000)]
+    pub(crate) ttft_slo_ms: u64,
+    /// ITL target for goodput (the p90 of a request's gaps at most this).
+    #[arg(long, visible_alias = "itl-p90-ms", default_value_t = 100)]
+    pub(crate) itl_slo_ms: u64,
     /// Random seed for arrivals and prompts.
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Also write the report as JSON here.
     #[arg(long)]
-    json: Option<PathBuf>,
+    pub(crate) json: Option<PathBuf>,
     /// Also draw the run here (SVG): TTFT and ITL CDFs, throughput and SLO attainment over
     /// time (and a simulation's replicas and planner p90 per pool).
     #[arg(long)]

@@ -5,6 +5,7 @@
 mod cluster;
 mod download;
 mod load;
+mod plan;
 mod plot;
 mod simulate;
 mod status;
@@ -57,6 +58,9 @@ enum Cmd {
     Simulate(simulate::SimulateArgs),
     /// A running cluster's pools and workers, from its router (the status page as a table).
     Status(status::StatusArgs),
+    /// The cheapest static fleets that meet TTFT and ITL targets under a load, against the
+    /// planner (by simulation).
+    Plan(plan::PlanArgs),
 }
 
 #[derive(Subcommand)]
@@ -163,6 +167,7 @@ fn main() -> Result<()> {
         Cmd::Bench(BenchCmd::Load(a)) => load::run(a),
         Cmd::Simulate(a) => simulate::run(a),
         Cmd::Status(a) => status::run(a),
+        Cmd::Plan(a) => plan::run(a),
     }
 }
 

@@ -17,7 +17,7 @@ pub struct SimulateArgs {
     #[arg(long, default_value = "cluster.toml")]
     config: PathBuf,
     #[command(flatten)]
-    work: Workload,
+    pub(crate) work: Workload,
     /// KV transfer bandwidth, GB/s (prefill to decode worker).
     #[arg(long, default_value_t = 2.0)]
     link_gbytes_per_s: f64,
@@ -56,9 +56,37 @@ pub struct SimulateArgs {
 
 /// Simulates the cluster and prints the report.
 pub fn run(a: SimulateArgs) -> Result<()> {
+    let (config, planned) = build(&a)?;
+    let (_, report) = simulate(&a.work, config, planned)?;
+    let sim = &report["simulation"];
+    println!(
+        "simulated {:.1} s of the cluster in {:.1} s ({} engine steps, {:.1} MB of KV moved)",
+        report["duration_s"].as_f64().unwrap_or(0.0),
+        sim["wall_s"].as_f64().unwrap_or(0.0),
+        sim["steps"],
+        sim["kv_bytes"].as_f64().unwrap_or(0.0) / 1e6
+    );
+    load::finish(&a.work, &report)
+}
+
+/// The simulation `a` describes: the cluster of its file, its faults, and the requests of
+/// its workload.
+pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
     let (cfg, model) = cluster::load(&a.config)?;
     if a.link_gbytes_per_s <= 0.0 {
         bail!("--link-gbytes-per-s must be positive");
+    }
+    if a.racks == 0 {
+        bail!("--racks must be at least 1");
+    }
+    if let Some(r) = a.faults.iter().find_map(|f| match f.kind {
+        sim::FaultKind::Link { rack, .. } if rack >= a.racks => Some(rack),
+        _ => None,
+    }) {
+        bail!(
+            "--fault names rack{r}, but there are {} racks (--racks)",
+            a.racks
+        );
     }
     let (mut shape, _) = engine::inspect(&model)?;
     if let Some(c) = a.context_len {
@@ -76,6 +104,11 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             step_overhead: Duration::from_micros(overhead_us),
         }
     };
+    let planned = load::plan(&a.work)?;
+    if planned.is_empty() {
+        bail!("no requests to simulate");
+    }
+    let horizon = planned.last().map_or(Duration::ZERO, |p| p.at);
     let config = sim::SimConfig {
         model: shape,
         prefill: cfg
@@ -99,27 +132,17 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             racks: a.racks,
             fault_seed: a.fault_seed,
         },
-        faults: Vec::new(),
+        faults: sim::schedule_faults(&a.faults, a.fault_seed, horizon),
     };
-    let planned = load::plan(&a.work)?;
-    if planned.is_empty() {
-        bail!("no requests to simulate");
-    }
-    if a.racks == 0 {
-        bail!("--racks must be at least 1");
-    }
-    if let Some(r) = a.faults.iter().find_map(|f| match f.kind {
-        sim::FaultKind::Link { rack, .. } if rack >= a.racks => Some(rack),
-        _ => None,
-    }) {
-        bail!(
-            "--fault names rack{r}, but there are {} racks (--racks)",
-            a.racks
-        );
-    }
-    let horizon = planned.last().map_or(Duration::ZERO, |p| p.at);
-    let mut config = config;
-    config.faults = sim::schedule_faults(&a.faults, a.fault_seed, horizon);
+    Ok((config, planned))
+}
+
+/// Runs one simulation and reports it as `tandem bench load` would, plus its `simulation`.
+pub fn simulate(
+    work: &Workload,
+    config: sim::SimConfig,
+    planned: Vec<load::Planned>,
+) -> Result<(sim::SimResult, serde_json::Value)> {
     let sent: usize = planned.iter().map(|p| p.prompt.len()).sum();
     let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let started = std::time::Instant::now();
@@ -127,7 +150,7 @@ pub fn run(a: SimulateArgs) -> Result<()> {
     let wall = started.elapsed().as_secs_f64();
     let secs = r.duration.as_secs_f64();
     let cache = Some((r.prompt_tokens, r.prefix_hit_tokens));
-    let mut report = load::report(&a.work, &at, &r.outcomes, secs, sent, cache);
+    let mut report = load::report(work, &at, &r.outcomes, secs, sent, cache);
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
@@ -140,10 +163,5 @@ pub fn run(a: SimulateArgs) -> Result<()> {
             "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action,
         })).collect::<Vec<_>>(),
     });
-    println!(
-        "simulated {secs:.1} s of the cluster in {wall:.1} s ({} engine steps, {:.1} MB of KV moved)",
-        r.steps,
-        r.kv_bytes as f64 / 1e6
-    );
-    load::finish(&a.work, &report)
+    Ok((r, report))
 }
