@@ -15,11 +15,62 @@ struct Held {
     blocks: HashSet<u64>,
 }
 
+/// The workers holding one block: a short list, or a set once it is long — a block every
+/// worker holds (a shared system prompt's) is then forgotten by each in one lookup, not a scan
+/// of a thousand entries.
+#[derive(Debug)]
+enum Holders {
+    Few(Vec<u64>),
+    Many(HashSet<u64>),
+}
+
+/// Holders past this many are kept as a set.
+const MANY: usize = 16;
+
+impl Holders {
+    fn insert(&mut self, w: u64) {
+        match self {
+            Holders::Few(v) => {
+                v.push(w);
+                if v.len() > MANY {
+                    *self = Holders::Many(v.drain(..).collect());
+                }
+            }
+            Holders::Many(s) => {
+                s.insert(w);
+            }
+        }
+    }
+
+    /// Removes `w`; whether none is left.
+    fn remove(&mut self, w: u64) -> bool {
+        match self {
+            Holders::Few(v) => {
+                if let Some(i) = v.iter().position(|&x| x == w) {
+                    v.swap_remove(i);
+                }
+                v.is_empty()
+            }
+            Holders::Many(s) => {
+                s.remove(&w);
+                s.is_empty()
+            }
+        }
+    }
+
+    fn to_vec(&self) -> Vec<u64> {
+        match self {
+            Holders::Few(v) => v.clone(),
+            Holders::Many(s) => s.iter().copied().collect(),
+        }
+    }
+}
+
 /// The index.
 #[derive(Debug, Default)]
 pub struct KvIndex {
     /// Block name → workers holding it.
-    holders: HashMap<u64, Vec<u64>>,
+    holders: HashMap<u64, Holders>,
     workers: HashMap<u64, Held>,
 }
 
@@ -52,7 +103,10 @@ impl KvIndex {
 
     fn store(&mut self, w: u64, h: u64) {
         if self.workers.entry(w).or_default().blocks.insert(h) {
-            self.holders.entry(h).or_default().push(w);
+            self.holders
+                .entry(h)
+                .or_insert_with(|| Holders::Few(Vec::new()))
+                .insert(w);
         }
     }
 
@@ -61,11 +115,12 @@ impl KvIndex {
         if !held.blocks.remove(&h) {
             return;
         }
-        if let Some(ws) = self.holders.get_mut(&h) {
-            ws.retain(|&x| x != w);
-            if ws.is_empty() {
-                self.holders.remove(&h);
-            }
+        self.unhold(w, h);
+    }
+
+    fn unhold(&mut self, w: u64, h: u64) {
+        if self.holders.get_mut(&h).is_some_and(|ws| ws.remove(w)) {
+            self.holders.remove(&h);
         }
     }
 
@@ -75,23 +130,25 @@ impl KvIndex {
             return;
         };
         for h in held.blocks {
-            if let Some(ws) = self.holders.get_mut(&h) {
-                ws.retain(|&x| x != w);
-                if ws.is_empty() {
-                    self.holders.remove(&h);
-                }
-            }
+            self.unhold(w, h);
         }
     }
 
     /// For each worker holding the first of `blocks` (a prompt's block names, in order), how
     /// many leading blocks it holds.
     pub fn overlap(&self, blocks: &[u64]) -> HashMap<u64, usize> {
+        self.overlap_in(blocks, |_| true)
+    }
+
+    /// [`KvIndex::overlap`] for the workers `among` keeps only (a pool's candidates: the
+    /// others' leading blocks are not counted).
+    pub fn overlap_in(&self, blocks: &[u64], among: impl Fn(u64) -> bool) -> HashMap<u64, usize> {
         let mut out: HashMap<u64, usize> = HashMap::new();
         let Some(first) = blocks.first().and_then(|h| self.holders.get(h)) else {
             return out;
         };
-        let mut live: Vec<u64> = first.clone();
+        let mut live: Vec<u64> = first.to_vec();
+        live.retain(|&w| among(w));
         for (i, h) in blocks.iter().enumerate() {
             // Each candidate's own set, not the block's holder list: a block every worker holds
             // (a shared system prompt) costs one lookup a worker, not a scan of the list.
@@ -177,5 +234,8 @@ mod tests {
         assert!(!ix.overlap(&[10]).contains_key(&2));
         assert_eq!(ix.len(), 2);
         assert!(ix.overlap(&[99]).is_empty());
+        // Among some workers only: the others are not counted.
+        let among = ix.overlap_in(&[10, 11, 12, 13], |w| w == 1);
+        assert_eq!(among.keys().collect::<Vec<_>>(), vec![&1]);
     }
 }

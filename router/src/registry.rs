@@ -244,14 +244,6 @@ impl Registry {
     /// for `route`.
     fn candidates(&self, pool: Pool, exclude: &[u64], route: &Route) -> (Vec<u64>, Vec<Candidate>) {
         self.prune();
-        let overlap = if self.routing.policy == Policy::Kv {
-            self.index
-                .lock()
-                .expect("index lock")
-                .overlap(&route.blocks)
-        } else {
-            HashMap::new()
-        };
         let bs = self.identity.block_size as usize;
         let ws = self.lock();
         let mut ws: Vec<&Worker> = ws
@@ -259,6 +251,15 @@ impl Registry {
             .filter(|w| w.pool == pool && w.usable() && !exclude.contains(&w.id))
             .collect();
         ws.sort_by_key(|w| w.id);
+        // The candidates' cached prefixes only (the index lock after the workers', as in
+        // `prune`).
+        let overlap = if self.routing.policy == Policy::Kv {
+            let ids: std::collections::HashSet<u64> = ws.iter().map(|w| w.id).collect();
+            let index = self.index.lock().expect("index lock");
+            index.overlap_in(&route.blocks, |w| ids.contains(&w))
+        } else {
+            HashMap::new()
+        };
         let c = ws
             .iter()
             .map(|w| Candidate {

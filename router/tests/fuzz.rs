@@ -249,6 +249,9 @@ fn check(status: u16, bytes: &[u8], what: &str) {
             text.trim_end().ends_with("data: [DONE]"),
             "{what}: a stream must end: {text}"
         );
+    } else if text.starts_with("<!doctype html>") {
+        // The status page (GET / or /status).
+        assert!(text.contains("tandem-status"), "{what}: {text}");
     } else if !text.is_empty() && !text.starts_with('#') {
         serde_json::from_slice::<Value>(bytes).unwrap_or_else(|e| panic!("{what}: {e}: {text}"));
     }

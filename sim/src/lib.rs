@@ -479,7 +479,7 @@ impl Sim {
             );
             return self.fail(r, why);
         }
-        let overlap = self.overlap(r);
+        let overlap = self.overlap(r, Pool::Decode);
         let decode: Vec<usize> = self.pool(Pool::Decode);
         let cands: Vec<Candidate> = decode
             .iter()
@@ -555,7 +555,6 @@ impl Sim {
     /// worker the policy picks, which computes what its own cache lacks.
     fn prefill(&mut self, r: usize, d: usize, cached: usize) {
         let known = self.requests[r].prompt.len() - 1;
-        let overlap = self.overlap(r);
         let local = known - cached <= self.cfg.local_prefill_max_tokens;
         let prefill = self.pool(Pool::Prefill);
         if local || prefill.is_empty() {
@@ -568,6 +567,7 @@ impl Sim {
             let _ = self.workers[d].engine.prefill_here(r as u64);
             return;
         }
+        let overlap = self.overlap(r, Pool::Prefill);
         let bs = self.cfg.decode.engine.block_size;
         let cands: Vec<Candidate> = prefill
             .iter()
@@ -613,9 +613,9 @@ impl Sim {
         }
     }
 
-    /// For each worker caching the start of request `r`'s prompt, how many of its leading
-    /// blocks (the router's index, by the blocks' names).
-    fn overlap(&mut self, r: usize) -> std::collections::HashMap<u64, usize> {
+    /// For each serving worker of `pool` caching the start of request `r`'s prompt, how many
+    /// of its leading blocks (the router's index, by the blocks' names).
+    fn overlap(&mut self, r: usize, pool: Pool) -> std::collections::HashMap<u64, usize> {
         let bs = self.cfg.decode.engine.block_size;
         let prompt = &self.requests[r].prompt;
         let known = &prompt[..prompt.len().saturating_sub(1)];
@@ -623,7 +623,10 @@ impl Sim {
         let blocks = self.reqs[r]
             .blocks
             .get_or_insert_with(|| engine::block_hash::prompt_hashes(seed, bs, known));
-        self.index.overlap(blocks)
+        let workers = &self.workers;
+        self.index.overlap_in(blocks, |w| {
+            workers[w as usize].pool == pool && workers[w as usize].serving()
+        })
     }
 
     /// Worker indices of `pool` that take new requests.

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The simulator at scale (issue 17, acceptance 2): the whole Mooncake conversation trace
+# (12,031 requests over about an hour, time x 0.02 so that its load fits) on a cluster of
+# 500 prefill + 500 decode mock workers with H200-like timings; prints the report and the wall
+# time the simulation took (its "simulated ... in N s" line).
+#   cargo build --release && scripts/sim_scale.sh [extra tandem simulate flags]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+model=$(./target/release/tandem model path)
+cat > "$dir/cluster.toml" <<TOML
+[model]
+path = "$model"
+[router]
+policy = "kv"
+[prefill]
+replicas = 500
+engine = "mock"
+kv_blocks = 16384
+max_batch_tokens = 8192
+[prefill.mock]
+preset = "h200-llama8b"
+[decode]
+replicas = 500
+engine = "mock"
+kv_blocks = 16384
+max_batch_tokens = 8192
+[decode.mock]
+preset = "h200-llama8b"
+TOML
+time ./target/release/tandem simulate --config "$dir/cluster.toml" \
+  --trace ../shared/traces/mooncake_conversation_trace.jsonl --requests 100000 \
+  --time-scale 0.02 --context-len 131072 "$@"
