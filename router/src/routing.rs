@@ -8,8 +8,6 @@
 //! cache) plus the tokens queued ahead of them, over its measured rate. Ties break at random.
 //! `least-loaded` and `round-robin` ignore the caches, for comparison.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 /// How the router picks workers.
@@ -74,9 +72,14 @@ pub struct Candidate {
     pub rate: f64,
 }
 
-/// A random tie-break key.
-fn coin() -> u64 {
-    RandomState::new().build_hasher().finish()
+/// Candidate `i`'s tie-break key for the pool's `turn`-th pick: ties fall on a different
+/// worker each turn (no worker is always the first among equals), and a pick is a function of
+/// its inputs (the simulator replays the same run twice alike).
+fn coin(turn: usize, i: usize) -> u64 {
+    let mut z = ((turn as u64) << 32 ^ i as u64).wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// The index in `c` of the worker to take a decode request, `rr` the pool's round-robin count.
@@ -84,10 +87,10 @@ pub fn decode(policy: Policy, c: &[Candidate], rr: usize) -> Option<usize> {
     let min = c.iter().map(|x| x.load).min()?;
     match policy {
         Policy::RoundRobin => Some(rr % c.len()),
-        Policy::LeastLoaded => (0..c.len()).min_by_key(|&i| (c[i].load, coin())),
+        Policy::LeastLoaded => (0..c.len()).min_by_key(|&i| (c[i].load, coin(rr, i))),
         Policy::Kv => (0..c.len())
             .filter(|&i| c[i].load <= min + BUSY_SLACK)
-            .max_by_key(|&i| (c[i].cached, std::cmp::Reverse(c[i].load), coin())),
+            .max_by_key(|&i| (c[i].cached, std::cmp::Reverse(c[i].load), coin(rr, i))),
     }
 }
 
@@ -125,7 +128,7 @@ pub fn prefill(r: &Routing, c: &[Candidate], prompt: usize, rr: usize) -> Option
         .min_by(|&a, &b| {
             (c[b].cached.cmp(&c[a].cached))
                 .then(ttft[a].total_cmp(&ttft[b]))
-                .then_with(|| coin().cmp(&coin()))
+                .then_with(|| coin(rr, a).cmp(&coin(rr, b)))
         })
 }
 
@@ -154,12 +157,14 @@ mod tests {
         );
         assert_eq!(decode(Policy::LeastLoaded, &busy, 0), Some(0));
         assert_eq!(decode(Policy::RoundRobin, &busy, 4), Some(1));
-        // Ties break at random: both idle, empty workers get picked.
+        // Ties break by the turn: both idle, empty workers get picked over the turns, and the
+        // same turn picks the same one.
         let even = [cand(0, 0), cand(0, 0)];
         let picks: std::collections::HashSet<_> = (0..64)
-            .filter_map(|_| decode(Policy::Kv, &even, 0))
+            .filter_map(|turn| decode(Policy::Kv, &even, turn))
             .collect();
         assert_eq!(picks.len(), 2);
+        assert_eq!(decode(Policy::Kv, &even, 7), decode(Policy::Kv, &even, 7));
     }
 
     #[test]

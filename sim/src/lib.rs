@@ -10,9 +10,9 @@
 //! router's request phases, which [`Sim::arrive`] and the event handlers follow step by step
 //! (reserve on a decode worker, prefill here or on a prefill worker, the KV's arrival, tokens).
 //!
-//! Events are processed in time order (ties in the order they were scheduled), so a run is a
-//! function of its configuration and requests, apart from the routing policy's random
-//! tie-breaks.
+//! Events are processed in time order (ties in the order they were scheduled), and the routing
+//! policy breaks ties by the pick's turn, so a run is a function of its configuration and
+//! requests: the same run twice gives the same report.
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap, VecDeque};
