@@ -318,7 +318,7 @@ fn bench(a: BenchArgs) -> Result<()> {
         let chunk = engine::SeqChunk {
             tokens: &prompt[..a.prompt_len],
             start_pos: 0,
-            block_table: table.blocks(),
+            block_table: &table,
             logits: engine::Logits::Last,
         };
         model.forward(&mut kv, &[chunk])?;
@@ -349,7 +349,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                     &[engine::SeqChunk {
                         tokens: p,
                         start_pos: 0,
-                        block_table: t.blocks(),
+                        block_table: &t,
                         logits: engine::Logits::None,
                     }],
                 )?;
@@ -366,7 +366,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                     .map(|(t, tok)| engine::SeqChunk {
                         tokens: std::slice::from_ref(tok),
                         start_pos: 32 + step,
-                        block_table: t.blocks(),
+                        block_table: &t,
                         logits: engine::Logits::Last,
                     })
                     .collect();

@@ -203,16 +203,17 @@ fn a_client_gone_during_the_prefill_frees_the_prefill_workers_blocks_too() {
 }
 
 /// A second architecture end to end: Gemma 3 270M (SentencePiece, sliding windows, K-quants)
-/// on a disaggregated CPU cluster answers a 367-token raw prompt through `/v1/completions`
-/// with the tokens the engine alone produces, its KV moved over TCP (counted by the prefill
-/// worker); a chat request is a clear 400 (a base model has no chat template).
+/// on a disaggregated CPU cluster answers a 655-token raw prompt (past the 512-token window)
+/// through `/v1/completions` with the tokens the engine alone produces, its KV moved over TCP
+/// with the windowed layers' window only (the bytes counted by the prefill worker); a chat
+/// request is a clear 400 (a base model has no chat template).
 #[test]
 fn a_cluster_serves_gemma3_through_completions() {
     let g = tandem_tests::gemma3_golden();
     let case = g
         .cases
         .iter()
-        .find(|c| c.prompt_ids.len() > 300 && c.prompt_ids.len() < 500)
+        .find(|c| c.prompt_ids.len() > 600 && c.prompt_ids.len() < 1000)
         .unwrap();
     let (model, tok) = tandem_tests::load_gemma3();
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
@@ -222,7 +223,7 @@ fn a_cluster_serves_gemma3_through_completions() {
         .decode(&e.run_to_completion().unwrap().remove(&0).unwrap(), true)
         .unwrap();
     drop(e);
-    let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 64\n\n[decode]\nthreads = 1\nkv_blocks = 64\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
+    let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 128\n\n[decode]\nthreads = 1\nkv_blocks = 128\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
     let c = Cluster::start_model_toml(EXE.as_ref(), &tandem_tests::gemma3_path(), toml, 1, 1);
     let body = json!({"model": "gemma-3-270m-q4_k_m", "prompt": case.text, "max_tokens": 12, "temperature": 0});
     let (status, v) = post_json(c.http, "/v1/completions", &body);
@@ -234,6 +235,25 @@ fn a_cluster_serves_gemma3_through_completions() {
         "the router's tokenisation"
     );
     c.wait_transfers("tcp", 1);
+    // All but the last prompt token: 3 global layers whole, 15 windowed ones their 511 tokens
+    // (width 256, f16 keys and values).
+    let n = case.prompt_ids.len() - 1;
+    let window_only = 4 * 256 * (3 * n + 15 * 511);
+    let ws = c.workers();
+    let prefill = ws.iter().find(|w| w["role"] == "prefill").unwrap();
+    let at = prefill["metrics_endpoint"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let sent =
+        tandem_tests::cluster::metric_at(at, "tandem_kv_sent_bytes_total{transport=\"tcp\"}");
+    assert_eq!(
+        sent as usize,
+        window_only,
+        "every layer whole would be {}",
+        4 * 256 * 18 * n
+    );
     let chat =
         json!({"model": "gemma-3-270m-q4_k_m", "messages": [{"role": "user", "content": "hi"}]});
     let (status, v) = post_json(c.http, "/v1/chat/completions", &chat);

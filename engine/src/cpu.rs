@@ -19,30 +19,41 @@ pub struct CpuForward {
     pub device: Device,
 }
 
-/// Where each token of a batch sits: its position, its cache slot, and its attention query for
-/// each attention window the model's layers use.
+/// Where each token of a batch sits: its position, its cache slot in each layer group, and
+/// its attention query for each (layer group, attention window) the model's layers use.
 struct Rows<'a> {
     positions: Vec<usize>,
-    slots: Vec<usize>,
-    queries: Vec<(Option<usize>, Vec<Query<'a>>)>,
+    slots: Vec<Vec<usize>>,
+    queries: Vec<(QueryKey, Vec<Query<'a>>)>,
 }
+
+/// A layer's queries differ by its group (block table) and window.
+type QueryKey = (usize, Option<usize>);
 
 impl<'a> Rows<'a> {
     fn new(c: &ModelConfig, kv: &KvCache, batch: &[SeqChunk<'a>]) -> Rows<'a> {
+        let positions = batch
+            .iter()
+            .flat_map(|s| s.start_pos..s.start_pos + s.tokens.len())
+            .collect();
+        let slots = (0..kv.groups())
+            .map(|g| {
+                let slot = |s: &SeqChunk<'a>, p| kv.slot(s.block_table.group(g), p);
+                batch
+                    .iter()
+                    .flat_map(|s| (s.start_pos..s.start_pos + s.tokens.len()).map(move |p| (s, p)))
+                    .map(|(s, p)| slot(s, p).expect("checked by Model::step"))
+                    .collect()
+            })
+            .collect();
         let mut r = Rows {
-            positions: Vec::new(),
-            slots: Vec::new(),
+            positions,
+            slots,
             queries: Vec::new(),
         };
-        for s in batch {
-            for p in s.start_pos..s.start_pos + s.tokens.len() {
-                r.positions.push(p);
-                r.slots
-                    .push(kv.slot(s.block_table, p).expect("checked by Model::step"));
-            }
-        }
-        for l in &c.layers {
-            if r.queries.iter().any(|(w, _)| *w == l.window) {
+        for (l, la) in c.layers.iter().enumerate() {
+            let key = (kv.group_of(l), la.window);
+            if r.queries.iter().any(|(k, _)| *k == key) {
                 continue;
             }
             let qs = batch
@@ -50,22 +61,22 @@ impl<'a> Rows<'a> {
                 .flat_map(|s| {
                     (s.start_pos..s.start_pos + s.tokens.len()).map(|pos| Query {
                         pos,
-                        first: Query::first_in_window(pos, l.window),
-                        block_table: s.block_table,
+                        first: Query::first_in_window(pos, la.window),
+                        block_table: s.block_table.group(key.0),
                     })
                 })
                 .collect();
-            r.queries.push((l.window, qs));
+            r.queries.push((key, qs));
         }
         r
     }
 
-    fn queries(&self, window: Option<usize>) -> &[Query<'a>] {
+    fn queries(&self, key: QueryKey) -> &[Query<'a>] {
         let (_, q) = self
             .queries
             .iter()
-            .find(|(w, _)| *w == window)
-            .expect("one list per window");
+            .find(|(k, _)| *k == key)
+            .expect("one list per group and window");
         q
     }
 }
@@ -185,8 +196,9 @@ impl CpuForward {
             c.rope_style,
             ff,
         );
+        let slots = &r.slots[kv.group_of(l)];
         let layer = kv.layer_mut(l);
-        be.store_kv(&mut layer.k, &mut layer.v, &r.slots, &s.k, &s.v, kvw);
+        be.store_kv(&mut layer.k, &mut layer.v, slots, &s.k, &s.v, kvw);
         if let Some(sink) = sink.as_deref_mut() {
             sink(l, kv);
         }
@@ -198,7 +210,7 @@ impl CpuForward {
             n_kv_heads: c.n_kv_heads,
             head_dim: hd,
         };
-        let queries = r.queries(la.window);
+        let queries = r.queries((kv.group_of(l), la.window));
         be.attention(&s.q, queries, paged, c.n_heads, c.attn_scale, &mut s.att);
         be.matmul(&w.wo, &s.att, t, &mut s.o)?;
         residual(

@@ -5,7 +5,7 @@
 
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{SeqChunk, Weights};
 
 /// Where a step's KV goes when it must leave the worker: called with each layer's index as
@@ -35,7 +35,13 @@ pub trait Forward: Send + Sync {
     }
 
     /// Tokens `0..n` of `table` were written into `kv` on the host (KV from a prefill worker).
-    fn kv_written(&self, _c: &ModelConfig, _kv: &KvCache, _table: &[u32], _n: usize) -> Result<()> {
+    fn kv_written(
+        &self,
+        _c: &ModelConfig,
+        _kv: &KvCache,
+        _table: &BlockTable,
+        _n: usize,
+    ) -> Result<()> {
         Ok(())
     }
 

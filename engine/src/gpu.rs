@@ -16,7 +16,7 @@ use kernels::cuda::Gpu;
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 use crate::forward::{Forward, LayerSink};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{Model, SeqChunk, Weights};
 
 /// `model` on `gpu`: its weights uploaded, with a device KV pool of `num_blocks` blocks of
@@ -102,7 +102,13 @@ impl Forward for GpuForward {
         Ok(())
     }
 
-    fn kv_written(&self, c: &ModelConfig, kv: &KvCache, table: &[u32], n: usize) -> Result<()> {
+    fn kv_written(
+        &self,
+        c: &ModelConfig,
+        kv: &KvCache,
+        table: &BlockTable,
+        n: usize,
+    ) -> Result<()> {
         self.upload(kv, c.n_layers, table, n)
     }
 
@@ -117,7 +123,7 @@ impl Forward for GpuForward {
     ) -> Result<Vec<Option<Vec<f32>>>> {
         let max_blocks = batch
             .iter()
-            .map(|s| s.block_table.len())
+            .map(|s| s.block_table.blocks().len())
             .max()
             .unwrap_or(1)
             .max(1);
@@ -132,11 +138,11 @@ impl Forward for GpuForward {
                     c.context_len
                 )));
             }
-            tables[i * max_blocks..i * max_blocks + s.block_table.len()]
-                .copy_from_slice(s.block_table);
+            let blocks = s.block_table.blocks();
+            tables[i * max_blocks..i * max_blocks + blocks.len()].copy_from_slice(blocks);
             for (j, &t) in s.tokens.iter().enumerate() {
                 let p = s.start_pos + j;
-                let slot = kv.slot(s.block_table, p).ok_or_else(|| {
+                let slot = kv.slot(blocks, p).ok_or_else(|| {
                     EngineError::InvalidRequest(format!("block table does not cover position {p}"))
                 })?;
                 if t as usize >= c.vocab_size {
@@ -226,18 +232,18 @@ impl GpuForward {
 
     /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
     /// on the host).
-    fn upload(&self, kv: &KvCache, n_layers: usize, table: &[u32], n: usize) -> Result<()> {
+    fn upload(&self, kv: &KvCache, n_layers: usize, table: &BlockTable, n: usize) -> Result<()> {
         let mut g = self.pool.lock().expect("gpu lock");
         let Some(g) = g.as_mut() else { return Ok(()) };
         let mut bytes = Vec::new();
         for l in 0..n_layers {
             bytes.clear();
-            kv.read_tokens(table, l, n, &mut bytes);
+            kv.read_range(table, l, 0..n, &mut bytes);
             let wire: Vec<u16> = bytes
                 .chunks_exact(2)
                 .map(|b| u16::from_le_bytes([b[0], b[1]]))
                 .collect();
-            g.upload_kv(l, table, &wire, n)?;
+            g.upload_kv(l, table.blocks(), &wire, n)?;
         }
         Ok(())
     }

@@ -12,17 +12,54 @@ use half::f16;
 use crate::error::{EngineError, Result};
 use crate::prefix::{BlockPool, PoolCounts};
 
-/// The blocks one sequence holds, in token order: token `j` lives in `blocks[j / block_size]`.
+/// A block-table entry for a block this sequence no longer holds: its tokens are outside
+/// every window of the group's layers.
+const GONE: u32 = u32::MAX;
+
+/// One layer group's blocks of a sequence, in token order: token `j` lives in
+/// `blocks[j / block_size]` (`GONE` before the group's window).
+#[derive(Debug, Default)]
+struct GroupBlocks {
+    blocks: Vec<u32>,
+    /// Blocks this sequence may still take without asking (its reservation, see
+    /// [`KvCache::reserve`]).
+    promised: usize,
+    /// Tokens before this one may be missing from the group's blocks (a transfer sends a
+    /// windowed layer only its window): blocks before it are never registered as a prefix.
+    valid_from: usize,
+}
+
+/// The blocks one sequence holds: one table per layer group (see [`KvCache`]).
 #[derive(Debug, Default)]
 pub struct BlockTable {
-    blocks: Vec<u32>,
+    groups: Vec<GroupBlocks>,
 }
 
 impl BlockTable {
-    /// Block ids, in token order.
+    /// Group 0's block ids, in token order: the layers that see every token (on a model whose
+    /// layers all do, the whole table).
     pub fn blocks(&self) -> &[u32] {
-        &self.blocks
+        self.group(0)
     }
+
+    /// Layer group `g`'s block ids, in token order (`u32::MAX` where the sequence no longer
+    /// holds a block: its tokens are outside the group's window).
+    pub fn group(&self, g: usize) -> &[u32] {
+        self.groups.get(g).map_or(&[], |t| &t.blocks)
+    }
+
+    /// Blocks held, over all groups.
+    pub fn held(&self) -> usize {
+        let held = |t: &GroupBlocks| t.blocks.iter().filter(|&&b| b != GONE).count();
+        self.groups.iter().map(held).sum()
+    }
+}
+
+/// Layers that keep the same tokens: the same attention window (`None`: every token). A
+/// page of the pool holds one block of tokens of one group's layers.
+#[derive(Debug, Clone)]
+struct Group {
+    window: Option<usize>,
 }
 
 /// One pool of f16 values whose memory can be handed to a device (an RDMA registration):
@@ -74,7 +111,8 @@ impl std::ops::DerefMut for PoolBuf {
     }
 }
 
-/// One layer's keys and values, `[num_blocks, block_size, n_kv_heads * head_dim]` as f16.
+/// One storage position's keys and values, `[pages, block_size, n_kv_heads * head_dim]` as
+/// f16: the `j`th layer of every group lives here, each group in its own pages.
 pub struct LayerKv {
     /// Keys.
     pub k: PoolBuf,
@@ -82,31 +120,100 @@ pub struct LayerKv {
     pub v: PoolBuf,
 }
 
-/// The KV cache of all layers plus its block pool (with the prefix cache, see
+/// The KV cache of all layers plus its page pool (with the prefix cache, see
 /// [`crate::prefix`]).
+///
+/// Layers are cut into groups of equal size whose layers share an attention window (Gemma 3
+/// 270M's 18 layers: one group of its 3 global layers, five of 3 sliding-window layers each;
+/// a model without windows: one group of all layers). A page holds one block of tokens of one
+/// group, so every page is the same size and all groups draw on one pool. Each sequence has a
+/// block table per group; a windowed group's blocks leave the table (back to the pool, cached
+/// when they hold a registered prefix) as soon as no later query's window reaches them, so a
+/// long sequence holds a window's worth of pages in those groups instead of all of them.
 pub struct KvCache {
     block_size: usize,
     width: usize,
+    /// One per position in a group: layer `l` is stored at `layer_at[l].1`.
     layers: Vec<LayerKv>,
+    groups: Vec<Group>,
+    /// Each layer's (group, storage position).
+    layer_at: Vec<(usize, usize)>,
+    /// Most tokens of one sequence a forward step runs (what a windowed group must hold beside
+    /// its window).
+    max_chunk: usize,
     pool: BlockPool,
+    /// Pages promised to reservations and not taken yet.
+    promised: usize,
+}
+
+/// The groups of layers with windows `windows` (see [`KvCache`]): group 0 sees the most
+/// tokens. Returns the groups and each layer's (group, position in its group).
+fn groups_of(windows: &[Option<usize>]) -> (Vec<Group>, Vec<(usize, usize)>) {
+    let mut classes: Vec<Option<usize>> = windows.to_vec();
+    classes.sort_by_key(|w| std::cmp::Reverse(w.unwrap_or(usize::MAX)));
+    classes.dedup();
+    let count = |c: &Option<usize>| windows.iter().filter(|w| *w == c).count();
+    let size = classes.iter().map(count).fold(0, gcd).max(1);
+    let (mut groups, mut at) = (Vec::new(), vec![(0, 0); windows.len()]);
+    for c in &classes {
+        let mine: Vec<usize> = (0..windows.len()).filter(|&l| windows[l] == *c).collect();
+        for chunk in mine.chunks(size) {
+            for (j, &l) in chunk.iter().enumerate() {
+                at[l] = (groups.len(), j);
+            }
+            groups.push(Group { window: *c });
+        }
+    }
+    if groups.is_empty() {
+        groups.push(Group { window: None });
+    }
+    (groups, at)
+}
+
+/// How many groups layers with windows `windows` make (see [`KvCache`]).
+pub fn group_count(windows: &[Option<usize>]) -> usize {
+    groups_of(windows).0.len()
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
 }
 
 impl KvCache {
     /// A cache of `num_blocks` blocks of `block_size` tokens for `n_layers` layers of `width`
-    /// (= KV heads × head dim) values per token.
+    /// (= KV heads × head dim) values per token, every layer seeing every token.
     pub fn new(
         n_layers: usize,
         width: usize,
         block_size: usize,
         num_blocks: usize,
     ) -> Result<KvCache> {
+        KvCache::with_windows(&vec![None; n_layers], width, block_size, num_blocks, 1)
+    }
+
+    /// A cache for layers with attention windows `windows` (one per layer), the memory of
+    /// `num_blocks` blocks of every layer, for steps of at most `max_chunk` tokens a sequence.
+    pub fn with_windows(
+        windows: &[Option<usize>],
+        width: usize,
+        block_size: usize,
+        num_blocks: usize,
+        max_chunk: usize,
+    ) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
             return Err(EngineError::InvalidRequest(
                 "KV cache needs at least one block of at least one token".into(),
             ));
         }
-        let per_layer = num_blocks * block_size * width;
-        let layers = (0..n_layers)
+        let (groups, layer_at) = groups_of(windows);
+        let per_group = windows.len() / groups.len();
+        let pages = num_blocks * groups.len();
+        let per_layer = pages * block_size * width;
+        let layers = (0..per_group)
             .map(|_| LayerKv {
                 k: PoolBuf::zeroed(per_layer),
                 v: PoolBuf::zeroed(per_layer),
@@ -116,7 +223,11 @@ impl KvCache {
             block_size,
             width,
             layers,
-            pool: BlockPool::new(num_blocks),
+            groups,
+            layer_at,
+            max_chunk: max_chunk.max(1),
+            pool: BlockPool::new(pages),
+            promised: 0,
         })
     }
 
@@ -128,87 +239,224 @@ impl KvCache {
     pub fn width(&self) -> usize {
         self.width
     }
-    /// Blocks in the pool.
+    /// Pages in the pool (one block of one layer group each).
     pub fn total_blocks(&self) -> usize {
         self.pool.total()
     }
-    /// Blocks not held by any table: free, or cached and evictable.
+    /// Pages a new reservation can take: free, or cached and evictable, less those promised.
     pub fn free_blocks(&self) -> usize {
-        self.pool.available()
+        self.pool.available() - self.promised
+    }
+    /// Layer groups (see [`KvCache`]).
+    pub fn groups(&self) -> usize {
+        self.groups.len()
+    }
+    /// The group layer `l` belongs to.
+    pub fn group_of(&self, l: usize) -> usize {
+        self.layer_at[l].0
     }
     /// Prefixes registered and forgotten since the last call (see [`BlockPool::take_events`]).
     pub fn take_events(&mut self) -> Vec<(bool, u64)> {
         self.pool.take_events()
     }
 
-    /// Blocks by state (held, cached and unreferenced, free).
+    /// Pages by state (held, cached and unreferenced, free).
     pub fn block_counts(&self) -> PoolCounts {
         self.pool.counts()
     }
-    /// Blocks needed to hold `tokens` tokens.
+    /// Blocks needed to hold `tokens` tokens in one group.
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
+    /// Pages a sequence of `tokens` tokens holds at most, over all groups.
+    pub fn pages_for(&self, tokens: usize) -> usize {
+        (0..self.groups.len()).map(|g| self.quota(g, tokens)).sum()
+    }
     /// One layer's storage.
     pub fn layer(&self, l: usize) -> &LayerKv {
-        &self.layers[l]
+        &self.layers[self.layer_at[l].1]
     }
     /// One layer's storage, writable.
     pub fn layer_mut(&mut self, l: usize) -> &mut LayerKv {
-        &mut self.layers[l]
+        &mut self.layers[self.layer_at[l].1]
     }
 
-    /// Grows `table` to cover `tokens` tokens. All or nothing: on failure the table is unchanged.
+    /// Blocks group `g` of a sequence of `tokens` tokens holds at most: all of them, or on a
+    /// windowed group those a step's queries reach — the window behind a chunk and the chunk,
+    /// one more for a window that does not start on a block.
+    fn quota(&self, g: usize, tokens: usize) -> usize {
+        let n = self.blocks_for(tokens);
+        match self.groups[g].window {
+            None => n,
+            Some(w) => n.min((w + self.max_chunk - 1).div_ceil(self.block_size) + 1),
+        }
+    }
+
+    /// The first block of group `g` a query at `pos` (or any later one) reads.
+    fn first_kept(&self, g: usize, pos: usize) -> usize {
+        kernels::Query::first_in_window(pos, self.groups[g].window) / self.block_size
+    }
+
+    /// Reserves `table` the pages of `tokens` tokens: a full group's blocks now, a windowed
+    /// group's as a promise taken as its tokens come ([`KvCache::ensure`]). All or nothing: on
+    /// failure the table is unchanged.
     pub fn reserve(&mut self, table: &mut BlockTable, tokens: usize) -> Result<()> {
-        let need = self.blocks_for(tokens).saturating_sub(table.blocks.len());
-        if need > self.pool.available() {
+        table
+            .groups
+            .resize_with(self.groups.len(), Default::default);
+        let (mut now, mut promise) = (vec![0; self.groups.len()], vec![0; self.groups.len()]);
+        for (g, t) in table.groups.iter().enumerate() {
+            let quota = self.quota(g, tokens);
+            match self.groups[g].window {
+                None => now[g] = quota.saturating_sub(t.blocks.len()),
+                Some(_) => {
+                    let held = t.blocks.iter().filter(|&&b| b != GONE).count();
+                    promise[g] = quota.saturating_sub(held + t.promised);
+                }
+            }
+        }
+        let need: usize = now.iter().sum::<usize>() + promise.iter().sum::<usize>();
+        if need > self.free_blocks() {
             return Err(EngineError::OutOfBlocks(format!(
-                "{need} more blocks needed for {tokens} tokens, {} free of {}",
-                self.pool.available(),
+                "{need} more KV pages needed for {tokens} tokens, {} free of {}",
+                self.free_blocks(),
                 self.total_blocks()
             )));
         }
-        for _ in 0..need {
-            table.blocks.push(self.pool.alloc().expect("counted above"));
+        for (g, t) in table.groups.iter_mut().enumerate() {
+            for _ in 0..now[g] {
+                t.blocks.push(self.pool.alloc().expect("counted above"));
+            }
+            t.promised += promise[g];
+            self.promised += promise[g];
         }
         Ok(())
     }
 
-    /// Returns every block of `table` to the pool (a block holding a known prefix stays cached
-    /// until its space is needed). Last block first: among a sequence's cached blocks the
-    /// tail is evicted before the head, so no cached block outlives the parent it extends
-    /// (a block whose parent is gone can never be found again).
-    pub fn release(&mut self, table: BlockTable) {
-        for b in table.blocks.into_iter().rev() {
-            self.pool.release(b);
+    /// Gives `table`'s windowed groups the blocks a step over tokens `start..end` writes and
+    /// reads, from the table's reservation.
+    pub fn ensure(&mut self, table: &mut BlockTable, start: usize, end: usize) -> Result<()> {
+        let hi = self.blocks_for(end);
+        for g in 0..self.groups.len() {
+            let lo = self.first_kept(g, start);
+            let t = &mut table.groups[g];
+            if t.blocks.len() < hi {
+                t.blocks.resize(hi, GONE);
+            }
+            for i in lo..hi {
+                if t.blocks[i] != GONE {
+                    continue;
+                }
+                if t.promised == 0 {
+                    return Err(EngineError::OutOfBlocks(format!(
+                        "group {g} needs block {i} for tokens {start}..{end} beyond its reservation"
+                    )));
+                }
+                t.blocks[i] = self.pool.alloc().expect("promised pages are available");
+                t.promised -= 1;
+                self.promised -= 1;
+            }
+        }
+        Ok(())
+    }
+
+    /// Returns the blocks of `table`'s windowed groups that no query at `next` or later reads
+    /// (cached where they hold a registered prefix); they go back to the table's promise.
+    pub fn trim(&mut self, table: &mut BlockTable, next: usize) {
+        for g in 0..table.groups.len() {
+            let lo = self.first_kept(g, next).min(table.groups[g].blocks.len());
+            let t = &mut table.groups[g];
+            for b in t.blocks[..lo].iter_mut().rev() {
+                if *b != GONE {
+                    self.pool.release(*b);
+                    *b = GONE;
+                    t.promised += 1;
+                    self.promised += 1;
+                }
+            }
         }
     }
 
-    /// Cached blocks evicted for new owners so far.
+    /// Returns every block of `table` to the pool (a block holding a known prefix stays cached
+    /// until its space is needed) and its promise. Last block first: among a sequence's cached
+    /// blocks the tail is evicted before the head, so no cached block outlives the parent it
+    /// extends (a block whose parent is gone can never be found again).
+    pub fn release(&mut self, table: BlockTable) {
+        let len = table
+            .groups
+            .iter()
+            .map(|t| t.blocks.len())
+            .max()
+            .unwrap_or(0);
+        for i in (0..len).rev() {
+            for t in &table.groups {
+                match t.blocks.get(i) {
+                    Some(&b) if b != GONE => self.pool.release(b),
+                    _ => {}
+                }
+            }
+        }
+        self.promised -= table.groups.iter().map(|t| t.promised).sum::<usize>();
+    }
+
+    /// Cached pages evicted for new owners so far.
     pub fn evicted_blocks(&self) -> u64 {
         self.pool.evicted()
     }
 
     /// Starts an empty `table` with the cached blocks holding the longest prefix of `tokens`
-    /// in whole blocks (shared, not copied); returns how many tokens they cover and the last
-    /// block's hash (where registration continues).
+    /// in whole blocks (shared, not copied) that every group can continue from: group 0's
+    /// blocks from the first, each windowed group's within its window of the next token;
+    /// returns how many tokens they cover and the last block's hash (where registration
+    /// continues).
     pub fn share_prefix(
         &mut self,
         seed: u64,
         table: &mut BlockTable,
         tokens: &[u32],
     ) -> (usize, u64) {
-        debug_assert!(table.blocks.is_empty());
-        let (found, last) = self.pool.lookup(seed, self.block_size, tokens);
-        for &b in &found {
-            self.pool.retain(b);
+        debug_assert!(table.groups.iter().all(|t| t.blocks.is_empty()));
+        let bs = self.block_size;
+        let chain = self.pool.lookup(seed, bs, tokens);
+        // Per group, each block of the chain found or not, and runs of found blocks.
+        let found: Vec<Vec<Option<u32>>> = (0..self.groups.len())
+            .map(|g| {
+                let block = |(i, &(b, hash)): (usize, &(u32, u64))| match g {
+                    0 => Some(b),
+                    _ => self
+                        .pool
+                        .find(g as u32, hash, &tokens[i * bs..(i + 1) * bs]),
+                };
+                chain.iter().enumerate().map(block).collect()
+            })
+            .collect();
+        let reaches = |g: usize, m: usize| {
+            let lo = self.first_kept(g, m * bs);
+            found[g][lo..m].iter().all(Option::is_some)
+        };
+        let m = (0..=chain.len())
+            .rev()
+            .find(|&m| (0..self.groups.len()).all(|g| reaches(g, m)))
+            .unwrap_or(0);
+        table
+            .groups
+            .resize_with(self.groups.len(), Default::default);
+        for (g, t) in table.groups.iter_mut().enumerate() {
+            let lo = self.first_kept(g, m * bs);
+            t.blocks = vec![GONE; lo];
+            for b in found[g][lo..m].iter().flatten() {
+                self.pool.retain(*b);
+                t.blocks.push(*b);
+            }
+            t.valid_from = lo * bs;
         }
-        table.blocks = found;
-        (table.blocks.len() * self.block_size, last)
+        let last = m.checked_sub(1).map_or(crate::prefix::ROOT, |i| chain[i].1);
+        (m * bs, last)
     }
 
     /// Registers the blocks of `table` that `computed` tokens of `tokens` fill, from block
-    /// `chain.0` on, whose parent hash is `chain.1`; advances `chain`.
+    /// `chain.0` on, whose parent hash is `chain.1`; advances `chain`. A windowed group's
+    /// block is registered where the group still holds it whole.
     pub fn register(
         &mut self,
         seed: u64,
@@ -220,36 +468,59 @@ impl KvCache {
         let bs = self.block_size;
         while (chain.0 + 1) * bs <= computed.min(tokens.len()) {
             let i = chain.0;
-            let hash = self.pool.register(
-                seed,
-                table.blocks[i],
-                chain.1,
-                &tokens[i * bs..(i + 1) * bs],
-            );
+            let block = &tokens[i * bs..(i + 1) * bs];
+            let hash = crate::prefix::chain(seed, chain.1, block);
+            for (g, t) in table.groups.iter().enumerate() {
+                match t.blocks.get(i) {
+                    Some(&b) if b != GONE && i * bs >= t.valid_from => {
+                        self.pool.register_in(g as u32, b, hash, block)
+                    }
+                    _ => {}
+                }
+            }
             *chain = (i + 1, hash);
         }
     }
 
-    /// Appends tokens `0..n` of a sequence's layer `layer` to `out` as little-endian f16: all
-    /// keys (`n * width` values) followed by all values. This is the wire layout of KV transfer.
-    pub fn read_tokens(&self, table: &[u32], layer: usize, n: usize, out: &mut Vec<u8>) {
-        self.read_range(table, layer, 0..n, out)
+    /// Records that KV for tokens `from..to` arrived for `table`: a windowed layer gets only
+    /// its window of `to`, so tokens between `from` and that window are missing there.
+    pub fn arrived(&mut self, table: &mut BlockTable, from: usize, to: usize) {
+        for (g, t) in table.groups.iter_mut().enumerate() {
+            let start = kernels::Query::first_in_window(to, self.groups[g].window);
+            if start > from {
+                t.valid_from = t.valid_from.max(start);
+            }
+        }
     }
 
-    /// [`KvCache::read_tokens`] for the tokens in `range` only (a delta transfer: the receiver
+    /// The tokens of `range` layer `layer` keeps: all of them, or on a windowed layer those in
+    /// the window of a query at `range.end` (what a transfer sends: the receiver's next query
+    /// is there).
+    pub fn kept(&self, layer: usize, range: std::ops::Range<usize>) -> std::ops::Range<usize> {
+        let w = self.groups[self.layer_at[layer].0].window;
+        range
+            .start
+            .max(kernels::Query::first_in_window(range.end, w))..range.end
+    }
+
+    /// Appends layer `layer`'s KV of tokens `range` (those it keeps, [`KvCache::kept`]) of a
+    /// sequence to `out` as little-endian f16: all keys then all values. This is the wire
+    /// layout of KV transfer; a range after the first token is a delta transfer (the receiver
     /// holds the tokens before it).
     pub fn read_range(
         &self,
-        table: &[u32],
+        table: &BlockTable,
         layer: usize,
         range: std::ops::Range<usize>,
         out: &mut Vec<u8>,
     ) {
+        let range = self.kept(layer, range);
         let w = self.width;
-        let lk = &self.layers[layer];
+        let lk = self.layer(layer);
+        let blocks = table.group(self.layer_at[layer].0);
         out.reserve(4 * range.len() * w);
         for src in [&lk.k, &lk.v] {
-            for (slot, run) in self.runs(table, range.clone()) {
+            for (slot, run) in self.runs(blocks, range.clone()) {
                 extend_le(out, &src[slot * w..(slot + run) * w]);
             }
         }
@@ -257,11 +528,11 @@ impl KvCache {
 
     /// The cache slots of `range`'s tokens as (first slot, tokens) runs: a block's tokens are
     /// contiguous in the pool.
-    fn runs(&self, table: &[u32], range: std::ops::Range<usize>) -> Vec<(usize, usize)> {
+    fn runs(&self, blocks: &[u32], range: std::ops::Range<usize>) -> Vec<(usize, usize)> {
         let mut out = Vec::new();
         let mut p = range.start;
         while p < range.end {
-            let slot = self.slot(table, p).expect("table covers the tokens");
+            let slot = self.slot(blocks, p).expect("table covers the tokens");
             let run = (self.block_size - p % self.block_size).min(range.end - p);
             out.push((slot, run));
             p += run;
@@ -269,26 +540,16 @@ impl KvCache {
         out
     }
 
-    /// Writes tokens `0..n` of layer `layer` from `data` (the layout of [`KvCache::read_tokens`]).
-    pub fn write_tokens(
-        &mut self,
-        table: &[u32],
-        layer: usize,
-        n: usize,
-        data: &[u8],
-    ) -> Result<()> {
-        self.write_range(table, layer, 0..n, data)
-    }
-
-    /// [`KvCache::write_tokens`] for the tokens in `range` (the layout of
-    /// [`KvCache::read_range`]).
+    /// Writes layer `layer`'s tokens `range` (those it keeps) from `data`, the layout of
+    /// [`KvCache::read_range`].
     pub fn write_range(
         &mut self,
-        table: &[u32],
+        table: &BlockTable,
         layer: usize,
         range: std::ops::Range<usize>,
         data: &[u8],
     ) -> Result<()> {
+        let range = self.kept(layer, range);
         let (w, n) = (self.width, range.len());
         if data.len() != 4 * n * w {
             return Err(EngineError::InvalidRequest(format!(
@@ -297,15 +558,15 @@ impl KvCache {
                 4 * n * w
             )));
         }
-        if self.blocks_for(range.end) > table.len() {
+        let blocks = table.group(self.layer_at[layer].0);
+        if let Some(p) = range.clone().find(|&p| self.slot(blocks, p).is_none()) {
             return Err(EngineError::InvalidRequest(format!(
-                "tokens up to {} do not fit in {} blocks",
-                range.end,
-                table.len()
+                "layer {layer}: the block table does not hold token {p}"
             )));
         }
-        let runs = self.runs(table, range);
-        let lk = &mut self.layers[layer];
+        let runs = self.runs(blocks, range);
+        let at = self.layer_at[layer].1;
+        let lk = &mut self.layers[at];
         for (half, dst) in [&mut lk.k, &mut lk.v].into_iter().enumerate() {
             let mut src = &data[half * n * w * 2..(half + 1) * n * w * 2];
             for &(slot, run) in &runs {
@@ -325,11 +586,22 @@ impl KvCache {
             .collect()
     }
 
+    /// Whether every layer keeps every token in one group: what in-place (RDMA) writes need,
+    /// which address one block table and whole layers.
+    pub fn one_table(&self) -> bool {
+        self.groups.len() == 1 && self.groups[0].window.is_none()
+    }
+
     /// The pools as raw memory, for registration with an RDMA device: per layer, (address,
-    /// bytes) of the keys and of the values. The pools never move or reallocate after `new`;
-    /// [`KvCache::owners`] keeps them allocated.
-    pub fn raw_regions(&mut self) -> Vec<[(usize, usize); 2]> {
-        self.layers
+    /// bytes) of the keys and of the values, where [`KvCache::one_table`] holds (`None`
+    /// otherwise). The pools never move or reallocate after `new`; [`KvCache::owners`] keeps
+    /// them allocated.
+    pub fn raw_regions(&mut self) -> Option<Vec<[(usize, usize); 2]>> {
+        if !self.one_table() {
+            return None;
+        }
+        let regions = self
+            .layers
             .iter_mut()
             .map(|l| {
                 [
@@ -337,7 +609,8 @@ impl KvCache {
                     (l.v.as_mut_ptr() as usize, l.v.len() * 2),
                 ]
             })
-            .collect()
+            .collect();
+        Some(regions)
     }
 
     /// Bytes of one block in one pool.
@@ -345,11 +618,12 @@ impl KvCache {
         self.block_size * self.width * 2
     }
 
-    /// The cache slot (block × block_size + offset) of token `pos` of a sequence.
-    pub fn slot(&self, table: &[u32], pos: usize) -> Option<usize> {
-        table
-            .get(pos / self.block_size)
-            .map(|&b| b as usize * self.block_size + pos % self.block_size)
+    /// The cache slot (block × block_size + offset) of token `pos` in one group's `blocks`.
+    pub fn slot(&self, blocks: &[u32], pos: usize) -> Option<usize> {
+        match blocks.get(pos / self.block_size) {
+            Some(&b) if b != GONE => Some(b as usize * self.block_size + pos % self.block_size),
+            _ => None,
+        }
     }
 }
 
@@ -417,5 +691,82 @@ mod tests {
         assert_eq!(kv.evicted_blocks(), 1);
         kv.release(b);
         kv.release(c);
+    }
+
+    #[test]
+    fn layers_group_by_window_in_groups_of_one_size() {
+        // Gemma 3 270M: five windowed layers, then a global one, three times.
+        let gemma: Vec<Option<usize>> = (0..18).map(|l| (l % 6 != 5).then_some(512)).collect();
+        let (groups, at) = groups_of(&gemma);
+        assert_eq!(groups.len(), 6);
+        assert_eq!(groups[0].window, None, "group 0 sees every token");
+        assert_eq!((at[5], at[11], at[17]), ((0, 0), (0, 1), (0, 2)));
+        assert_eq!(
+            (at[0], at[2], at[3], at[6]),
+            ((1, 0), (1, 2), (2, 0), (2, 2))
+        );
+        // Counts without a common divisor: one layer a group.
+        let odd = [None, Some(8), Some(8), None, Some(8)];
+        assert_eq!(groups_of(&odd).0.len(), 5);
+        assert_eq!(groups_of(&[None; 4]).0.len(), 1);
+    }
+
+    #[test]
+    fn a_windowed_group_holds_its_window_and_its_pages_are_promised() {
+        // One global layer and two windowed ones (window 4), blocks of 2, chunks of 2.
+        let windows = [None, Some(4), Some(4)];
+        let mut kv = KvCache::with_windows(&windows, 1, 2, 8, 2).unwrap();
+        assert_eq!((kv.groups(), kv.total_blocks()), (3, 24));
+        let mut t = BlockTable::default();
+        kv.reserve(&mut t, 10).unwrap();
+        // 5 blocks now for the global group; 4 promised each (window 4 + chunk 2 - 1 → 3, +1).
+        assert_eq!((t.held(), kv.free_blocks()), (5, 24 - 5 - 8));
+        let tokens: Vec<u32> = (1..=10).collect();
+        let mut chain = (0, crate::prefix::ROOT);
+        for start in (0..10).step_by(2) {
+            kv.ensure(&mut t, start, start + 2).unwrap();
+            kv.register(3, &t, &tokens, start + 2, &mut chain);
+            kv.trim(&mut t, start + 2);
+            assert_eq!(
+                kv.free_blocks(),
+                24 - 5 - 8,
+                "a trimmed block returns to the promise"
+            );
+        }
+        // The next query (at 10) reads keys 7..: blocks 3 and 4 of each windowed group.
+        assert_eq!(&t.group(1)[..3], &[GONE; 3]);
+        assert_eq!(t.held(), 5 + 2 + 2);
+        kv.release(t);
+        assert_eq!(kv.free_blocks(), 24);
+        // A later sequence with the same first 9 tokens: 4 whole blocks, whose windowed groups
+        // need blocks 2 and 3 (the window of a query at 8): cached though trimmed.
+        let mut u = BlockTable::default();
+        assert_eq!(kv.share_prefix(3, &mut u, &tokens[..9]).0, 8);
+        assert_eq!(u.group(0).len(), 4);
+        assert!(u.group(1)[..2].iter().all(|&b| b == GONE));
+        assert_eq!(u.held(), 4 + 2 + 2);
+        kv.release(u);
+        assert_eq!(kv.free_blocks(), 24);
+    }
+
+    #[test]
+    fn a_windowed_layer_reads_and_writes_its_window_only() {
+        let windows = [None, Some(3)];
+        let mut kv = KvCache::with_windows(&windows, 1, 2, 8, 4).unwrap();
+        let mut t = BlockTable::default();
+        kv.reserve(&mut t, 8).unwrap();
+        kv.ensure(&mut t, 8, 8).unwrap();
+        assert_eq!(kv.kept(1, 0..8), 6..8, "a query at 8 sees 6, 7 and itself");
+        assert_eq!(kv.kept(0, 2..8), 2..8);
+        let data = vec![1u8; 4 * 2];
+        kv.write_range(&t, 1, 0..8, &data).unwrap();
+        let mut out = Vec::new();
+        kv.read_range(&t, 1, 0..8, &mut out);
+        assert_eq!(out, data);
+        assert!(
+            kv.write_range(&t, 1, 0..8, &[0; 12]).is_err(),
+            "sizes are checked"
+        );
+        kv.release(t);
     }
 }

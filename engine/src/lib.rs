@@ -71,6 +71,14 @@ pub fn identity_of(c: &ModelConfig, block_size: usize) -> proto::ModelIdentity {
         n_layers: c.n_layers as u32,
         n_kv_heads: c.n_kv_heads as u32,
         head_dim: c.head_dim as u32,
+        windows: match c.layers.iter().any(|l| l.window.is_some()) {
+            true => c
+                .layers
+                .iter()
+                .map(|l| l.window.unwrap_or(0) as u32)
+                .collect(),
+            false => Vec::new(),
+        },
     }
 }
 

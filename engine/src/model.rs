@@ -13,7 +13,7 @@ use kernels::{Device, Matrix};
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
 pub use crate::forward::{Forward, LayerSink};
-use crate::kv_cache::KvCache;
+use crate::kv_cache::{BlockTable, KvCache};
 
 /// Weights of one transformer block.
 pub struct LayerWeights {
@@ -196,8 +196,8 @@ pub struct SeqChunk<'a> {
     pub tokens: &'a [u32],
     /// Position of the first token (= number of tokens already in the cache).
     pub start_pos: usize,
-    /// The sequence's blocks; must cover every position of this chunk.
-    pub block_table: &'a [u32],
+    /// The sequence's blocks; must cover every position of this chunk in every layer group.
+    pub block_table: &'a BlockTable,
     /// Which of the chunk's logits to return.
     pub logits: Logits,
 }
@@ -285,23 +285,49 @@ impl Model {
         self.forward.name()
     }
 
-    /// A KV cache shaped for this model (on a GPU device, with its device mirror: one cache
-    /// per model).
+    /// A KV cache shaped for this model in which every layer keeps every token (on a GPU
+    /// device, with its device mirror: one cache per model).
     pub fn new_kv_cache(&self, block_size: usize, num_blocks: usize) -> Result<KvCache> {
+        self.kv_cache(block_size, num_blocks, None)
+    }
+
+    /// A KV cache whose sliding-window layers keep only their window (see [`KvCache`]), for
+    /// steps of at most `max_chunk` tokens a sequence: what an [`crate::Engine`] serves from.
+    pub fn new_windowed_kv_cache(
+        &self,
+        block_size: usize,
+        num_blocks: usize,
+        max_chunk: usize,
+    ) -> Result<KvCache> {
+        self.kv_cache(block_size, num_blocks, Some(max_chunk))
+    }
+
+    /// Pages of an engine's cache of `num_blocks` blocks (see [`Model::new_windowed_kv_cache`]).
+    pub fn kv_pages(&self, num_blocks: usize) -> usize {
+        num_blocks * crate::kv_cache::group_count(&self.windows(true))
+    }
+
+    /// Each layer's window as the cache keeps it (`windowed`), or every token.
+    fn windows(&self, windowed: bool) -> Vec<Option<usize>> {
         let c = &self.config;
-        let layers = if self.forward.kv_backed() {
-            c.n_layers
-        } else {
-            0
-        };
-        let kv = KvCache::new(layers, c.kv_width(), block_size, num_blocks)?;
-        self.forward.prepare_kv(c, block_size, num_blocks)?;
+        match (self.forward.kv_backed(), windowed) {
+            (false, _) => Vec::new(),
+            (true, true) => c.layers.iter().map(|l| l.window).collect(),
+            (true, false) => vec![None; c.n_layers],
+        }
+    }
+
+    fn kv_cache(&self, bs: usize, num_blocks: usize, chunk: Option<usize>) -> Result<KvCache> {
+        let c = &self.config;
+        let windows = self.windows(chunk.is_some());
+        let kv = KvCache::with_windows(&windows, c.kv_width(), bs, num_blocks, chunk.unwrap_or(1))?;
+        self.forward.prepare_kv(c, bs, kv.total_blocks())?;
         Ok(kv)
     }
 
     /// Tells the model that tokens `0..n` of `table` were written into `kv` on the host (KV
     /// from a prefill worker), so a GPU copy of the pool follows.
-    pub fn kv_written(&self, kv: &KvCache, table: &[u32], n: usize) -> Result<()> {
+    pub fn kv_written(&self, kv: &KvCache, table: &BlockTable, n: usize) -> Result<()> {
         self.forward.kv_written(&self.config, kv, table, n)
     }
 
@@ -342,11 +368,15 @@ fn check(c: &ModelConfig, kv: &KvCache, batch: &[SeqChunk<'_>]) -> Result<()> {
                 c.context_len
             )));
         }
-        if end > 0 && kv.slot(s.block_table, end - 1).is_none() {
+        let groups = (0..kv.groups()).map(|g| s.block_table.group(g));
+        if let Some(g) = groups
+            .map(|blocks| (s.start_pos..end).find(|&p| kv.slot(blocks, p).is_none()))
+            .position(|p| p.is_some())
+        {
             return Err(EngineError::InvalidRequest(format!(
-                "block table of {} blocks does not cover position {}",
-                s.block_table.len(),
-                end - 1
+                "the block table of layer group {g} ({} blocks) does not cover positions {}..{end}",
+                s.block_table.group(g).len(),
+                s.start_pos
             )));
         }
         if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {

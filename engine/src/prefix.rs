@@ -16,6 +16,9 @@ pub use crate::block_hash::{chain, seed, ROOT};
 
 #[derive(Debug)]
 struct Cached {
+    /// The layer group whose KV the block holds (see [`crate::KvCache`]): a prefix is
+    /// cached once per group, each group's blocks under its own key.
+    group: u32,
     hash: u64,
     tokens: Box<[u32]>,
 }
@@ -36,7 +39,7 @@ pub struct PoolCounts {
 pub struct BlockPool {
     refs: Vec<u32>,
     free: Vec<u32>,
-    by_hash: HashMap<u64, u32>,
+    by_hash: HashMap<(u32, u64), u32>,
     meta: Vec<Option<Cached>>,
     /// Unreferenced cached blocks by the tick they were last released at (oldest first).
     lru: BTreeMap<u64, u32>,
@@ -100,8 +103,10 @@ impl BlockPool {
                 let old = self.meta[b as usize]
                     .take()
                     .expect("an LRU block is cached");
-                self.by_hash.remove(&old.hash);
-                self.events.push((false, old.hash));
+                self.by_hash.remove(&(old.group, old.hash));
+                if old.group == 0 {
+                    self.events.push((false, old.hash));
+                }
                 self.evicted += 1;
                 b
             }
@@ -142,15 +147,25 @@ impl BlockPool {
     /// (and is freed, not cached, when released).
     pub fn register(&mut self, seed: u64, b: u32, parent: u64, tokens: &[u32]) -> u64 {
         let hash = chain(seed, parent, tokens);
-        if self.meta[b as usize].is_none() && !self.by_hash.contains_key(&hash) {
-            self.by_hash.insert(hash, b);
+        self.register_in(0, b, hash, tokens);
+        hash
+    }
+
+    /// [`BlockPool::register`] for layer group `group`'s block `b`, whose prefix hashes to
+    /// `hash`. Only group 0's prefixes are reported as events (the router's index names a
+    /// prefix once, whatever groups a worker's model has).
+    pub fn register_in(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32]) {
+        if self.meta[b as usize].is_none() && !self.by_hash.contains_key(&(group, hash)) {
+            self.by_hash.insert((group, hash), b);
             self.meta[b as usize] = Some(Cached {
+                group,
                 hash,
                 tokens: tokens.into(),
             });
-            self.events.push((true, hash));
+            if group == 0 {
+                self.events.push((true, hash));
+            }
         }
-        hash
     }
 
     /// The prefixes registered (`true`) and forgotten (`false`) since the last call, in order:
@@ -159,26 +174,29 @@ impl BlockPool {
         std::mem::take(&mut self.events)
     }
 
-    /// The cached blocks holding the longest prefix of `tokens` in whole blocks of
-    /// `block_size`, in order (not yet retained), and the last one's hash ([`ROOT`] for none).
-    pub fn lookup(&self, seed: u64, block_size: usize, tokens: &[u32]) -> (Vec<u32>, u64) {
+    /// Group 0's cached blocks holding the longest prefix of `tokens` in whole blocks of
+    /// `block_size`, in order (not yet retained), each with its prefix's hash.
+    pub fn lookup(&self, seed: u64, block_size: usize, tokens: &[u32]) -> Vec<(u32, u64)> {
         let mut parent = ROOT;
         let mut out = Vec::new();
         for block in tokens.chunks_exact(block_size) {
             let hash = chain(seed, parent, block);
-            let Some(&b) = self.by_hash.get(&hash) else {
+            let Some(b) = self.find(0, hash, block) else {
                 break;
             };
-            let same = self.meta[b as usize]
-                .as_ref()
-                .is_some_and(|c| &*c.tokens == block);
-            if !same {
-                break;
-            }
-            out.push(b);
+            out.push((b, hash));
             parent = hash;
         }
-        (out, parent)
+        out
+    }
+
+    /// Group `group`'s cached block of the prefix hashed `hash` whose last block is `tokens`.
+    pub fn find(&self, group: u32, hash: u64, tokens: &[u32]) -> Option<u32> {
+        let &b = self.by_hash.get(&(group, hash))?;
+        let same = self.meta[b as usize]
+            .as_ref()
+            .is_some_and(|c| &*c.tokens == tokens);
+        same.then_some(b)
     }
 }
 
@@ -186,18 +204,25 @@ impl BlockPool {
 mod tests {
     use super::*;
 
+    fn blocks(p: &BlockPool, seed: u64, tokens: &[u32]) -> Vec<u32> {
+        p.lookup(seed, 2, tokens)
+            .into_iter()
+            .map(|(b, _)| b)
+            .collect()
+    }
+
     #[test]
     fn shared_blocks_are_counted_cached_when_unreferenced_and_evicted_oldest_first() {
         let mut p = BlockPool::new(3);
         let (a, b) = (p.alloc().unwrap(), p.alloc().unwrap());
         let ha = p.register(7, a, ROOT, &[1, 2]);
         p.register(7, b, ha, &[3, 4]);
-        assert_eq!(p.lookup(7, 2, &[1, 2, 3, 4, 5]).0, vec![a, b]);
+        assert_eq!(blocks(&p, 7, &[1, 2, 3, 4, 5]), vec![a, b]);
         assert!(
-            p.lookup(8, 2, &[1, 2]).0.is_empty(),
+            blocks(&p, 8, &[1, 2]).is_empty(),
             "another model's seed shares nothing"
         );
-        assert!(p.lookup(7, 2, &[1, 9]).0.is_empty());
+        assert!(blocks(&p, 7, &[1, 9]).is_empty());
         p.retain(a); // a second sequence shares block a
         p.release(a);
         p.release(a);
@@ -211,15 +236,12 @@ mod tests {
             }
         );
         assert_eq!(p.available(), 3, "cached blocks are reclaimable");
-        assert_eq!(p.lookup(7, 2, &[1, 2, 3, 4]).0, vec![a, b], "still cached");
+        assert_eq!(blocks(&p, 7, &[1, 2, 3, 4]), vec![a, b], "still cached");
         p.retain(b); // reuse takes b out of the LRU
         let (c, d) = (p.alloc().unwrap(), p.alloc().unwrap());
         assert_eq!(c, 2, "free blocks go first");
         assert_eq!(d, a, "then the least recently released cached block");
-        assert!(
-            p.lookup(7, 2, &[1, 2]).0.is_empty(),
-            "a's prefix is forgotten"
-        );
+        assert!(blocks(&p, 7, &[1, 2]).is_empty(), "a's prefix is forgotten");
         assert!(p.alloc().is_none(), "b is held, c and d too");
         let hb = chain(7, ha, &[3, 4]);
         assert_eq!(
@@ -238,7 +260,7 @@ mod tests {
         p.register(1, b, ROOT, &[5]);
         p.release(b);
         assert_eq!(p.counts().free, 1, "the duplicate is not cached");
-        assert_eq!(p.lookup(1, 1, &[5]).0, vec![a]);
+        assert_eq!(p.lookup(1, 1, &[5]), vec![(a, chain(1, ROOT, &[5]))]);
     }
 
     #[test]

@@ -145,7 +145,11 @@ impl Engine {
                 "max_batch_tokens and max_running must be positive".into(),
             ));
         }
-        let kv = model.new_kv_cache(config.block_size, config.num_blocks)?;
+        let kv = model.new_windowed_kv_cache(
+            config.block_size,
+            config.num_blocks,
+            config.max_batch_tokens,
+        )?;
         // Seeded by the model's KV identity: blocks of two models or layouts never match.
         let seed = crate::block_hash::identity_seed(&model.config, config.block_size);
         let prefix_seed = config.prefix_cache.then_some(seed);
@@ -260,8 +264,7 @@ impl Engine {
             return Err(e);
         }
         let lease = self.config.kv_lease.map(|d| Instant::now() + d);
-        self.ledger
-            .reserve(id, seq.table.blocks().len() as u32, lease);
+        self.ledger.reserve(id, seq.table.held() as u32, lease);
         let cached = seq.computed;
         self.awaiting.push(seq);
         Ok(cached)
@@ -309,7 +312,7 @@ impl Engine {
     fn admit(&mut self, i: usize, n: usize) -> Result<()> {
         // A GPU model's device pool follows the host cache the KV was written into.
         self.model
-            .kv_written(&self.kv, self.awaiting[i].table.blocks(), n)?;
+            .kv_written(&self.kv, &self.awaiting[i].table, n)?;
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
         if let Some(seed) = self.prefix_seed {
@@ -326,10 +329,14 @@ impl Engine {
     /// generate from its last prompt token.
     pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
         let (i, range) = self.awaiting_kv(id, layers.len(), "KV")?;
+        let table = &mut self.awaiting[i].table;
+        // A windowed layer's blocks before its window of the first query go back first.
+        self.kv.trim(table, range.end);
+        self.kv.ensure(table, range.end, range.end)?;
         for (l, data) in layers.iter().enumerate() {
-            let table = self.awaiting[i].table.blocks();
             self.kv.write_range(table, l, range.clone(), data)?;
         }
+        self.kv.arrived(table, range.start, range.end);
         self.admit(i, range.end)
     }
 
@@ -339,6 +346,13 @@ impl Engine {
         let seq = self.awaiting.iter().find(|s| s.id == id).ok_or_else(|| {
             EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
         })?;
+        if !self.kv.one_table() {
+            return Err(EngineError::InvalidRequest(format!(
+                "in-place KV transfers address one block table of whole layers; this model's \
+                 cache has {} layer groups (sliding-window layers keep their own blocks)",
+                self.kv.groups()
+            )));
+        }
         let from = seq.computed;
         if from + n_tokens + 1 != seq.prompt_len {
             return Err(EngineError::InvalidRequest(format!(
@@ -357,7 +371,7 @@ impl Engine {
         let mut buf = Vec::new();
         for (l, &want) in crcs.iter().enumerate() {
             buf.clear();
-            let table = self.awaiting[i].table.blocks();
+            let table = &self.awaiting[i].table;
             self.kv.read_range(table, l, range.clone(), &mut buf);
             let got = crc32fast::hash(&buf);
             if got != want {
@@ -371,13 +385,19 @@ impl Engine {
     }
 
     /// The KV pool as raw memory for RDMA registration (see [`KvCache::raw_regions`]), with
-    /// what keeps it allocated.
-    pub fn kv_regions(&mut self) -> proto::KvRegions {
-        proto::KvRegions {
-            layers: self.kv.raw_regions(),
+    /// what keeps it allocated; `None` where in-place writes cannot address it (several layer
+    /// groups).
+    pub fn kv_regions(&mut self) -> Option<proto::KvRegions> {
+        Some(proto::KvRegions {
+            layers: self.kv.raw_regions()?,
             block_bytes: self.kv.block_bytes(),
             owners: self.kv.owners(),
-        }
+        })
+    }
+
+    /// Layer groups of the KV cache (see [`KvCache`]).
+    pub fn kv_groups(&self) -> usize {
+        self.kv.groups()
     }
 
     /// Ids of prefill-only requests whose KV is complete and not yet exported.
@@ -394,7 +414,7 @@ impl Engine {
             .map(|l| {
                 let mut buf = Vec::new();
                 let range = seq.send_from..seq.prompt_len;
-                self.kv.read_range(seq.table.blocks(), l, range, &mut buf);
+                self.kv.read_range(&seq.table, l, range, &mut buf);
                 buf
             })
             .collect();
@@ -490,12 +510,12 @@ impl Engine {
             .chain(&self.waiting)
             .chain(&self.prefilled)
             .find(|s| s.id == id)
-            .map_or(0, |s| s.table.blocks().len())
+            .map_or(0, |s| s.table.held())
     }
 
     /// Blocks held by requests still waiting for their KV from a prefill worker.
     pub fn awaiting_blocks(&self) -> usize {
-        self.awaiting.iter().map(|s| s.table.blocks().len()).sum()
+        self.awaiting.iter().map(|s| s.table.held()).sum()
     }
 
     fn new_seq(
@@ -531,10 +551,10 @@ impl Engine {
                 prompt.len()
             )));
         }
-        let need = self.kv.blocks_for(prompt.len() + max_tokens);
+        let need = self.kv.pages_for(prompt.len() + max_tokens);
         if need > self.kv.total_blocks() {
             return Err(EngineError::OutOfBlocks(format!(
-                "the request needs {need} KV blocks; the cache has {} in all",
+                "the request needs {need} KV pages; the cache has {} in all",
                 self.kv.total_blocks()
             )));
         }
@@ -722,6 +742,10 @@ impl Engine {
             return Ok(Vec::new());
         }
         self.steps += 1;
+        for &(i, start, n) in &plan {
+            self.kv
+                .ensure(&mut self.running[i].table, start, start + n)?;
+        }
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(i, start, n)| {
@@ -729,7 +753,7 @@ impl Engine {
                 SeqChunk {
                     tokens: &s.tokens[start..start + n],
                     start_pos: start,
-                    block_table: s.table.blocks(),
+                    block_table: &s.table,
                     logits: if s.prefill_only {
                         Logits::None
                     } else if s.prompt_lp.is_some() && start < s.prompt_len {
@@ -744,7 +768,7 @@ impl Engine {
             .collect();
         // Prefill-only requests whose prompt completes in this step stream their layers.
         let streamed = sink.is_some();
-        let completing: Vec<(u64, Vec<u32>, Range<usize>)> = match sink {
+        let completing: Vec<(u64, &BlockTable, Range<usize>)> = match sink {
             Some(_) => plan
                 .iter()
                 .filter(|&&(i, start, n)| {
@@ -752,7 +776,7 @@ impl Engine {
                 })
                 .map(|&(i, _, _)| {
                     let s = &self.running[i];
-                    (s.id, s.table.blocks().to_vec(), s.send_from..s.prompt_len)
+                    (s.id, &s.table, s.send_from..s.prompt_len)
                 })
                 .collect(),
             None => Vec::new(),
@@ -782,6 +806,7 @@ impl Engine {
                 self.kv
                     .register(seed, &s.table, &s.tokens, s.computed, &mut s.chain);
             }
+            self.kv.trim(&mut s.table, s.computed);
             if s.prefill_only && s.computed == s.prompt_len {
                 finished.push(s.id);
             }

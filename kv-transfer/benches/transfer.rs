@@ -83,6 +83,7 @@ async fn main() {
             n_layers: layout.n_layers,
             n_kv_heads: layout.n_kv_heads,
             head_dim: layout.head_dim,
+            windows: vec![],
         };
         let local = Local::open(identity);
         let width = layout.n_kv_heads * layout.head_dim;

@@ -190,6 +190,10 @@ impl Frame {
                 for v in [i.block_size, i.n_layers, i.n_kv_heads, i.head_dim] {
                     p.extend(v.to_le_bytes());
                 }
+                p.extend((i.windows.len() as u32).to_le_bytes());
+                for w in &i.windows {
+                    p.extend(w.to_le_bytes());
+                }
             }
             Frame::HelloOk => {}
             Frame::Challenge(n) => p.extend(n),
@@ -285,6 +289,13 @@ impl Frame {
                 let kv_dtype = r.string()?;
                 let (block_size, n_layers, n_kv_heads, head_dim) =
                     (r.u32()?, r.u32()?, r.u32()?, r.u32()?);
+                let n = r.u32()?;
+                if n != 0 && n != n_layers {
+                    return Err(FrameError(format!(
+                        "{n} layer windows for {n_layers} layers"
+                    )));
+                }
+                let windows = (0..n).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
                 Frame::Hello {
                     version,
                     identity: ModelIdentity {
@@ -294,6 +305,7 @@ impl Frame {
                         n_layers,
                         n_kv_heads,
                         head_dim,
+                        windows,
                     },
                 }
             }
@@ -371,6 +383,7 @@ mod tests {
             n_layers: 2,
             n_kv_heads: 3,
             head_dim: 64,
+            windows: vec![0, 512],
         };
         roundtrip(Frame::Hello {
             version: 1,

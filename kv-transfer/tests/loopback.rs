@@ -19,6 +19,7 @@ fn identity(block_size: u32) -> ModelIdentity {
         n_layers: 3,
         n_kv_heads: 2,
         head_dim: 8,
+        windows: vec![],
     }
 }
 

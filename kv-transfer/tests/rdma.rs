@@ -38,6 +38,7 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
         n_layers: 3,
         n_kv_heads: 2,
         head_dim: 8,
+        windows: vec![],
     };
     let (width, bs, blocks_total) = (16usize, 16usize, 32usize);
     let block_bytes = bs * width * 2;

@@ -81,7 +81,7 @@ pub struct KvRegions {
 }
 
 /// Version of tandem's control and KV-transfer protocols; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// What a worker computes with: two workers can exchange KV only if these agree.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -98,6 +98,9 @@ pub struct ModelIdentity {
     pub n_kv_heads: u32,
     /// Values per head.
     pub head_dim: u32,
+    /// Per layer, the attention window whose keys the layer keeps (0: every token); empty
+    /// when no layer has one.
+    pub windows: Vec<u32>,
 }
 
 impl From<grpc::ModelIdentity> for ModelIdentity {
@@ -109,6 +112,7 @@ impl From<grpc::ModelIdentity> for ModelIdentity {
             n_layers: g.n_layers,
             n_kv_heads: g.n_kv_heads,
             head_dim: g.head_dim,
+            windows: g.windows,
         }
     }
 }
@@ -122,6 +126,7 @@ impl From<ModelIdentity> for grpc::ModelIdentity {
             n_layers: m.n_layers,
             n_kv_heads: m.n_kv_heads,
             head_dim: m.head_dim,
+            windows: m.windows,
         }
     }
 }
@@ -152,6 +157,11 @@ impl ModelIdentity {
                 self.head_dim.to_string(),
                 other.head_dim.to_string(),
             ),
+            (
+                "windows",
+                format!("{:?}", self.windows),
+                format!("{:?}", other.windows),
+            ),
         ];
         let diffs: Vec<String> = fields
             .into_iter()
@@ -175,6 +185,7 @@ mod tests {
             n_layers: 30,
             n_kv_heads: 3,
             head_dim: 64,
+            windows: vec![],
         };
         assert_eq!(a.incompatibility(&a.clone()), None);
         let b = ModelIdentity {

@@ -45,7 +45,7 @@ pub fn decode_by_hand(
         let chunk = engine::SeqChunk {
             tokens: &seq[start..],
             start_pos: start,
-            block_table: table.blocks(),
+            block_table: &table,
             logits: engine::Logits::Last,
         };
         let l = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();
@@ -289,7 +289,7 @@ pub fn prompt_rows(model: &engine::Model, prompt: &[u32]) -> Vec<f32> {
     let chunk = engine::SeqChunk {
         tokens: prompt,
         start_pos: 0,
-        block_table: table.blocks(),
+        block_table: &table,
         logits: engine::Logits::All,
     };
     model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap()

@@ -49,7 +49,7 @@ fn run(model: &Model, kv: &mut KvCache, seqs: &[Vec<u32>], chunk: usize) -> Vec<
             .map(|&(i, s, n)| SeqChunk {
                 tokens: &toks[i][s..s + n],
                 start_pos: s,
-                block_table: tables[i].blocks(),
+                block_table: &tables[i],
                 logits: if s + n == toks[i].len() {
                     engine::Logits::Last
                 } else {

@@ -50,7 +50,7 @@ fn all_logits(
             .map(|p| SeqChunk {
                 tokens: &seq[p..p + 1],
                 start_pos: p,
-                block_table: table.blocks(),
+                block_table: &table,
                 logits: engine::Logits::Last,
             })
             .collect();
@@ -168,7 +168,7 @@ fn logits_are_bitwise_the_same_however_the_prompt_is_chunked_or_batched() {
             let mut batch = vec![SeqChunk {
                 tokens: &ids[start..end],
                 start_pos: start,
-                block_table: table.blocks(),
+                block_table: &table,
                 logits: engine::Logits::Last,
             }];
             if with_other && start == 0 {
@@ -177,7 +177,7 @@ fn logits_are_bitwise_the_same_however_the_prompt_is_chunked_or_batched() {
                     SeqChunk {
                         tokens: short,
                         start_pos: 0,
-                        block_table: other.blocks(),
+                        block_table: &other,
                         logits: engine::Logits::Last,
                     },
                 );

@@ -56,7 +56,7 @@ fn teacher_forced_logits_match_llama_cpp() {
             let chunk = SeqChunk {
                 tokens: &seq[start..],
                 start_pos: start,
-                block_table: table.blocks(),
+                block_table: &table,
                 logits: engine::Logits::Last,
             };
             let logits = model.forward(&mut kv, &[chunk]).unwrap().remove(0).unwrap();

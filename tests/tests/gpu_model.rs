@@ -39,7 +39,11 @@ fn gpu_forward_matches_the_cpu_engine_on_the_golden_prompts() {
     for case in &golden.cases {
         let mut gm = engine::gpu::gpu_llama(&model, &gpu, bs, blocks).expect("weights upload");
         let mut kv = model.new_kv_cache(bs, blocks).unwrap();
-        let table: Vec<u32> = (0..blocks as u32).collect();
+        let mut table = engine::BlockTable::default();
+        kv.reserve(&mut table, blocks * bs).unwrap();
+        // A fresh pool hands out its blocks in order: slot = position on both sides.
+        let ids = table.blocks().to_vec();
+        assert!(ids.iter().enumerate().all(|(i, &b)| b as usize == i));
         let mut tokens = case.prompt_ids.clone();
         let mut start = 0;
         for step in 0..16 {
@@ -64,7 +68,7 @@ fn gpu_forward_matches_the_cpu_engine_on_the_golden_prompts() {
                     positions: &positions,
                     slots: &positions,
                     seq: &vec![0; chunk.len()],
-                    block_tables: &table,
+                    block_tables: &ids,
                     max_blocks: blocks,
                     logit_rows: &[chunk.len() as u32 - 1],
                 })

@@ -180,7 +180,7 @@ pub async fn serve<C: Send + 'static>(
         endpoint: format!("http://{grpc_addr}"),
         kv_offers: announce.kv_offers,
         identity: Some(loaded.identity.clone().into()),
-        kv_blocks_total: s.engine.num_blocks as u32,
+        kv_blocks_total: loaded.model.kv_pages(s.engine.num_blocks) as u32,
         metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
         worker_id: 0,
         device: loaded.model.device_name(),

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use proto::ModelIdentity;
 
-use super::{again, layer_bytes, prove, Timeouts};
+use super::{again, layer_sizes, prove, Timeouts};
 use crate::frame::Frame;
 use crate::TransferError;
 
@@ -48,7 +48,8 @@ enum State {
 
 struct Outgoing {
     n_layers: u32,
-    layer_bytes: u64,
+    /// Each layer's bytes.
+    layer_bytes: Vec<u64>,
     blocks: usize,
     next: u32,
     granted: bool,
@@ -150,7 +151,7 @@ impl Client {
             request_id,
             Outgoing {
                 n_layers: self.identity.n_layers,
-                layer_bytes: layer_bytes(&self.identity, n_tokens),
+                layer_bytes: layer_sizes(&self.identity, n_tokens),
                 blocks: (n_tokens as usize).div_ceil(self.identity.block_size.max(1) as usize),
                 next: 0,
                 granted: false,
@@ -189,10 +190,11 @@ impl Client {
                 "request {request_id}: no blocks granted yet"
             )));
         }
-        if layer != t.next || layer >= t.n_layers || len != t.layer_bytes {
+        let want = t.layer_bytes.get(t.next as usize).copied().unwrap_or(0);
+        if layer != t.next || layer >= t.n_layers || len != want {
             return Err(TransferError::Protocol(format!(
-                "request {request_id}: layer {layer} of {len} bytes, expected layer {} of {}",
-                t.next, t.layer_bytes
+                "request {request_id}: layer {layer} of {len} bytes, expected layer {} of {want}",
+                t.next
             )));
         }
         t.next += 1;
@@ -209,7 +211,9 @@ impl Client {
     /// In-place transfers: `layer` has been written into the granted blocks (its writes are
     /// complete); queues `Written` with the CRC32 of its bytes in the wire layout.
     pub fn written(&mut self, request_id: u64, layer: u32, crc: u32) -> Result<(), TransferError> {
-        let len = self.transfers.get(&request_id).map_or(0, |t| t.layer_bytes);
+        let len = self.transfers.get(&request_id).map_or(0, |t| {
+            t.layer_bytes.get(layer as usize).copied().unwrap_or(0)
+        });
         self.next_layer(request_id, layer, len, true)?;
         self.out.push_back(Frame::Written {
             request_id,

@@ -83,9 +83,22 @@ fn verify(secret: &[u8], nonce: &[u8; 16], identity: &ModelIdentity, tag: &[u8])
     ring::hmac::verify(&key, &proof_message(nonce, identity), tag).is_ok()
 }
 
-/// Bytes of one layer of `n_tokens` tokens in the wire layout (keys then values, f16).
-pub fn layer_bytes(identity: &ModelIdentity, n_tokens: u32) -> u64 {
-    4 * n_tokens as u64 * identity.n_kv_heads as u64 * identity.head_dim as u64
+/// Bytes of layer `layer` of a transfer of `n_tokens` tokens in the wire layout (keys then
+/// values, f16): a layer with an attention window carries the tokens a query after the last
+/// one sees, its window less one.
+pub fn layer_bytes(identity: &ModelIdentity, layer: usize, n_tokens: u32) -> u64 {
+    let tokens = match identity.windows.get(layer) {
+        Some(&w) if w > 0 => n_tokens.min(w - 1),
+        _ => n_tokens,
+    };
+    4 * tokens as u64 * identity.n_kv_heads as u64 * identity.head_dim as u64
+}
+
+/// [`layer_bytes`] of every layer.
+fn layer_sizes(identity: &ModelIdentity, n_tokens: u32) -> Vec<u64> {
+    (0..identity.n_layers as usize)
+        .map(|l| layer_bytes(identity, l, n_tokens))
+        .collect()
 }
 
 /// The same error again, for each of the transfers a connection failure ends.

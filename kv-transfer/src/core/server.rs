@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use proto::ModelIdentity;
 
-use super::{again, layer_bytes, verify, Timeouts};
+use super::{again, layer_sizes, verify, Timeouts};
 use crate::frame::Frame;
 use crate::TransferError;
 
@@ -83,7 +83,8 @@ enum State {
 struct Incoming {
     n_tokens: u32,
     n_layers: u32,
-    layer_bytes: u64,
+    /// Each layer's bytes.
+    layer_bytes: Vec<u64>,
     layers: Vec<Vec<u8>>,
     crcs: Vec<u32>,
     granted: bool,
@@ -263,7 +264,7 @@ impl Server {
             Incoming {
                 n_tokens,
                 n_layers,
-                layer_bytes: layer_bytes(&self.identity, n_tokens),
+                layer_bytes: layer_sizes(&self.identity, n_tokens),
                 layers: Vec::new(),
                 crcs: Vec::new(),
                 granted: false,
@@ -291,8 +292,9 @@ impl Server {
                 "layer {layer} of request {request_id}, which did not begin"
             )));
         };
+        let want = t.layer_bytes.get(t.arrived()).copied().unwrap_or(0);
         let fits = match &kv {
-            Ok(data) => !in_place && data.len() as u64 == t.layer_bytes,
+            Ok(data) => !in_place && data.len() as u64 == want,
             Err(_) => in_place && t.granted,
         };
         if t.complete || layer as usize != t.arrived() || !fits {
@@ -301,9 +303,8 @@ impl Server {
                 Err(_) => "an in-place write".into(),
             };
             let msg = format!(
-                "request {request_id}: layer {layer} with {got}; expected layer {} with {} bytes",
+                "request {request_id}: layer {layer} with {got}; expected layer {} with {want} bytes",
                 t.arrived(),
-                t.layer_bytes
             );
             return self.close(TransferError::Protocol(msg));
         }

@@ -22,6 +22,8 @@ fn identity() -> ModelIdentity {
         n_layers: 4,
         n_kv_heads: 2,
         head_dim: 8,
+        // Two sliding-window layers: their transfers carry 3 tokens at most.
+        windows: vec![0, 4, 4, 0],
     }
 }
 
@@ -257,7 +259,7 @@ impl Sim {
 
     /// Sends layer `l` of a request inline (as the TCP driver does).
     fn send_layer(&mut self, request_id: u64, l: u32, n_tokens: u32) {
-        let data = vec![l as u8; layer_bytes(&identity(), n_tokens) as usize];
+        let data = vec![l as u8; layer_bytes(&identity(), l as usize, n_tokens) as usize];
         // Frames the client queued (its Begin) leave before the layer, as in the drivers.
         while let Some(f) = self.client.poll_transmit() {
             self.c2s.send(self.now, Some(f.encode()));
@@ -317,7 +319,8 @@ fn handshake_and_interleaved_transfers_arrive_whole_after_exact_virtual_delays()
             _ => None,
         })
         .collect();
-    assert_eq!(bytes, vec![4 * 20 * 64, 4 * 3 * 64]);
+    // Width 16; the windowed layers 1 and 2 carry 3 of request 1's 20 tokens.
+    assert_eq!(bytes, vec![4 * (20 + 3 + 3 + 20) * 16, 4 * 3 * 64]);
     let received: Vec<usize> = s
         .server_events
         .iter()
