@@ -10,27 +10,7 @@ cd "$(dirname "$0")/.."
 out=${1:-docs/plots/sim-faults.svg}
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-model=$(./target/release/tandem model path)
-cat > "$dir/cluster.toml" <<TOML
-[model]
-path = "$model"
-[router]
-policy = "kv"
-[prefill]
-replicas = 400
-engine = "mock"
-kv_blocks = 16384
-max_batch_tokens = 8192
-[prefill.mock]
-preset = "h200-llama8b"
-[decode]
-replicas = 50
-engine = "mock"
-kv_blocks = 8192
-max_batch_tokens = 8192
-[decode.mock]
-preset = "h200-llama8b"
-TOML
+scripts/sim_cluster.sh "$dir/cluster.toml" 400 50 8192
 sim=(./target/release/tandem simulate --config "$dir/cluster.toml"
   --trace ../shared/traces/mooncake_conversation_trace.jsonl --requests 100000 --time-scale 0.04
   --context-len 131072 --racks 10 --start-up-ms 20000 --ttft-slo-ms 3000)

@@ -8,27 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
-model=$(./target/release/tandem model path)
-cat > "$dir/cluster.toml" <<TOML
-[model]
-path = "$model"
-[router]
-policy = "kv"
-[prefill]
-replicas = 500
-engine = "mock"
-kv_blocks = 16384
-max_batch_tokens = 8192
-[prefill.mock]
-preset = "h200-llama8b"
-[decode]
-replicas = 500
-engine = "mock"
-kv_blocks = 16384
-max_batch_tokens = 8192
-[decode.mock]
-preset = "h200-llama8b"
-TOML
+scripts/sim_cluster.sh "$dir/cluster.toml" 500 500 16384
 time ./target/release/tandem simulate --config "$dir/cluster.toml" \
   --trace ../shared/traces/mooncake_conversation_trace.jsonl --requests 100000 \
   --time-scale 0.02 --context-len 131072 "$@"

@@ -210,7 +210,7 @@ pub fn download(m: &KnownModel, dir: &Path) -> engine::Result<()> {
     match direct(m, dir, &index_url()) {
         Ok(()) => Ok(()),
         Err(Failure::Download(e)) => Err(engine::EngineError::model(
-            &engine::fetch::cache_dir().join(m.file),
+            engine::fetch::cache_dir().join(m.file),
             format!("download failed: {e}"),
         )),
         Err(Failure::Index(e)) => {

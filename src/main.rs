@@ -366,7 +366,7 @@ fn bench(a: BenchArgs) -> Result<()> {
                     .map(|(t, tok)| engine::SeqChunk {
                         tokens: std::slice::from_ref(tok),
                         start_pos: 32 + step,
-                        block_table: &t,
+                        block_table: t,
                         logits: engine::Logits::Last,
                     })
                     .collect();

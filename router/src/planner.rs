@@ -69,14 +69,25 @@ impl Window {
 
     /// The `q` quantile (0..1) of the window at `now` and how many samples it has.
     pub fn quantile(&mut self, now: Instant, q: f64) -> (Option<Duration>, u64) {
+        let ([v], n) = self.quantiles(now, [q]);
+        (v, n)
+    }
+
+    /// Several quantiles of the window at `now` from one merge of its slices, and how many
+    /// samples it has.
+    pub fn quantiles<const N: usize>(
+        &mut self,
+        now: Instant,
+        qs: [f64; N],
+    ) -> ([Option<Duration>; N], u64) {
         self.expire(now);
         let mut all = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds");
         for (_, h) in &self.slices {
             let _ = all.add(h);
         }
         let n = all.len();
-        let v = (n > 0).then(|| Duration::from_micros(all.value_at_quantile(q)));
-        (v, n)
+        let at = |q: f64| (n > 0).then(|| Duration::from_micros(all.value_at_quantile(q)));
+        (qs.map(at), n)
     }
 }
 

@@ -35,29 +35,31 @@ pub struct Targets {
     pub itl_p90: Option<Duration>,
 }
 
-/// One planner decision as the page lists it.
-#[derive(Debug, Clone, Serialize)]
+/// One planner decision as the page lists it: when, for which pool, what it saw and decided.
+#[derive(Debug, Clone)]
 pub struct DecisionRecord {
     /// Seconds since the router started.
     pub at_s: f64,
     /// "prefill" or "decode".
     pub pool: &'static str,
-    /// "up", "down" or "hold".
-    pub action: &'static str,
-    /// Replicas wanted after it.
-    pub desired: u32,
-    /// Why, with the numbers.
-    pub why: String,
-    /// Replicas serving when it was taken.
-    pub live: u32,
-    /// Replicas on their way.
-    pub starting: u32,
-    /// The pool's p90 over the window, ms.
-    pub p90_ms: Option<f64>,
-    /// What the queue predicted, ms.
-    pub predicted_ms: Option<f64>,
-    /// Work queued in front of the pool.
-    pub queued: u64,
+    /// What the planner saw.
+    pub inputs: Inputs,
+    /// What it decided.
+    pub decision: Decision,
+}
+
+impl Serialize for DecisionRecord {
+    /// Flat, in milliseconds: what the page reads.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let (i, d) = (&self.inputs, &self.decision);
+        json!({
+            "at_s": self.at_s, "pool": self.pool,
+            "action": d.action, "desired": d.desired, "why": d.why,
+            "live": i.live, "starting": i.starting, "queued": i.queued,
+            "p90_ms": ms(i.p90), "predicted_ms": ms(i.predicted),
+        })
+        .serialize(s)
+    }
 }
 
 /// One sample of the history the page charts.
@@ -107,14 +109,8 @@ impl Board {
         let r = DecisionRecord {
             at_s: self.since_start(now),
             pool: pool.name(),
-            action: d.action,
-            desired: d.desired,
-            why: d.why.clone(),
-            live: inputs.live,
-            starting: inputs.starting,
-            p90_ms: ms(inputs.p90),
-            predicted_ms: ms(inputs.predicted),
-            queued: inputs.queued,
+            inputs: *inputs,
+            decision: d.clone(),
         };
         let mut last = self.last_decision.lock().expect("board lock");
         last.insert(r.pool, r.clone());
@@ -165,8 +161,8 @@ type P50P90 = (Option<f64>, Option<f64>);
 /// (p50, p90) of the client TTFT and of the ITL windows, ms.
 fn latencies(state: &State, now: Instant) -> (P50P90, P50P90) {
     let q = |w: &Mutex<Window>| {
-        let mut w = w.lock().expect("window lock");
-        (ms(w.quantile(now, 0.5).0), ms(w.quantile(now, 0.9).0))
+        let ([p50, p90], _) = w.lock().expect("window lock").quantiles(now, [0.5, 0.9]);
+        (ms(p50), ms(p90))
     };
     (q(&state.signals.ttft), q(&state.signals.itl))
 }
