@@ -338,8 +338,12 @@ impl KvCache {
     pub fn ensure(&mut self, table: &mut BlockTable, start: usize, end: usize) -> Result<()> {
         let hi = self.blocks_for(end);
         for g in 0..self.groups.len() {
-            let lo = self.first_kept(g, start);
             let t = &mut table.groups[g];
+            // A full group's blocks were all taken at reservation.
+            if self.groups[g].window.is_none() && t.blocks.len() >= hi {
+                continue;
+            }
+            let lo = self.first_kept(g, start);
             if t.blocks.len() < hi {
                 t.blocks.resize(hi, GONE);
             }
@@ -366,13 +370,12 @@ impl KvCache {
         for g in 0..table.groups.len() {
             let lo = self.first_kept(g, next).min(table.groups[g].blocks.len());
             let t = &mut table.groups[g];
-            for b in t.blocks[..lo].iter_mut().rev() {
-                if *b != GONE {
-                    self.pool.release(*b);
-                    *b = GONE;
-                    t.promised += 1;
-                    self.promised += 1;
-                }
+            // Blocks before the first one gone went at an earlier trim (or were never held).
+            for b in t.blocks[..lo].iter_mut().rev().take_while(|b| **b != GONE) {
+                self.pool.release(*b);
+                *b = GONE;
+                t.promised += 1;
+                self.promised += 1;
             }
         }
     }

@@ -10,7 +10,9 @@
 //! refuses work it could evict for. A lookup compares the block's tokens too, so a hash
 //! collision can never hand out the wrong KV.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use crate::block_hash::NameMap;
 
 pub use crate::block_hash::{chain, seed, ROOT};
 
@@ -39,7 +41,7 @@ pub struct PoolCounts {
 pub struct BlockPool {
     refs: Vec<u32>,
     free: Vec<u32>,
-    by_hash: HashMap<(u32, u64), u32>,
+    by_hash: NameMap<(u32, u64), u32>,
     meta: Vec<Option<Cached>>,
     /// Unreferenced cached blocks by the tick they were last released at (oldest first).
     lru: BTreeMap<u64, u32>,
@@ -58,7 +60,7 @@ impl BlockPool {
             refs: vec![0; n],
             // Pop from the end: hand out low ids first.
             free: (0..n as u32).rev().collect(),
-            by_hash: HashMap::new(),
+            by_hash: NameMap::default(),
             meta: (0..n).map(|_| None).collect(),
             lru: BTreeMap::new(),
             released_at: vec![0; n],

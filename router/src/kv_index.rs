@@ -4,7 +4,9 @@
 //! worker that leaves takes its entries with it. Memory is bounded by the blocks actually
 //! cached.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
+
+use engine::block_hash::{NameMap, NameSet};
 
 use proto::grpc::KvEvents;
 
@@ -12,7 +14,7 @@ use proto::grpc::KvEvents;
 struct Held {
     /// The next event number expected; `None` until a snapshot arrives.
     next: Option<u64>,
-    blocks: HashSet<u64>,
+    blocks: NameSet,
 }
 
 /// The workers holding one block: a short list, or a set once it is long — a block every
@@ -21,7 +23,7 @@ struct Held {
 #[derive(Debug)]
 enum Holders {
     Few(Vec<u64>),
-    Many(HashSet<u64>),
+    Many(NameSet),
 }
 
 /// Holders past this many are kept as a set.
@@ -70,7 +72,7 @@ impl Holders {
 #[derive(Debug, Default)]
 pub struct KvIndex {
     /// Block name → workers holding it.
-    holders: HashMap<u64, Holders>,
+    holders: NameMap<u64, Holders>,
     workers: HashMap<u64, Held>,
 }
 
