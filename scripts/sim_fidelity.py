@@ -4,10 +4,12 @@
 `tandem up` by `tandem bench load` and simulated by `tandem simulate`, side by side; prints the
 TTFT and ITL p50/p90 of both and the simulator's error.
 
-The machine's own costs — what a real worker's step takes beside the timing model's time, and a
-KV transfer's exposed wait — are measured first on another slice of the trace (the requests
+The machine's own costs — what a real worker's step takes beside the timing model's time, a
+KV transfer's exposed wait, and a decode engine's time writing arrived KV into its cache (its
+running batch waits for it) — are measured first on another slice of the trace (the requests
 after the compared ones) from the workers' and the router's metrics, and given to the simulator
-as `--prefill/--decode-step-overhead-us` and `--link-latency-us`; then both run the compared
+as `--prefill/--decode-step-overhead-us`, `--link-latency-us` and `--kv-write-ns-per-byte`;
+then both run the compared
 slice.
 
     cargo build --release && python3 scripts/sim_fidelity.py [--requests 300] [--time-scale 0.05]
@@ -78,7 +80,12 @@ def calibrate(a):
         model = steps[p]["sum"] / steps[p]["count"]
         over[p] = max(0, round((real - model) * 1e6))
     wait = mean([router], "tandem_kv_exposed_wait_seconds")
-    return {"prefill_us": over["prefill"], "decode_us": over["decode"], "link_us": round(wait * 1e6)}
+    # The decode engines' time writing arrived KV into their caches, per byte received.
+    written = sum(m.get("tandem_decode_kv_admit_seconds_sum", 0) for m in per_pool["decode"])
+    received = sum(m.get("tandem_kv_received_bytes_total", 0) for m in per_pool["decode"])
+    write_ns = written * 1e9 / received if received else 0.0
+    return {"prefill_us": over["prefill"], "decode_us": over["decode"], "link_us": round(wait * 1e6),
+            "write_ns": write_ns}
 
 
 def main():
@@ -92,10 +99,11 @@ def main():
     a = ap.parse_args()
     cal = calibrate(a)
     print(f"calibrated on requests {a.requests}..{2 * a.requests}: step overhead prefill {cal['prefill_us']} µs, "
-          f"decode {cal['decode_us']} µs; KV exposed wait {cal['link_us']} µs")
+          f"decode {cal['decode_us']} µs; KV exposed wait {cal['link_us']} µs; "
+          f"KV written into the decode cache at {cal['write_ns']:.3f} ns/byte")
     sim_flags = ["--prefill-step-overhead-us", str(cal["prefill_us"]), "--decode-step-overhead-us",
                  str(cal["decode_us"]), "--link-latency-us", str(cal["link_us"]),
-                 "--link-gbytes-per-s", "1000"]
+                 "--link-gbytes-per-s", "1000", "--kv-write-ns-per-byte", f"{cal['write_ns']:.4f}"]
     with cluster(config(a), "tandem-fidelity-") as (http, d):
         out = os.path.join(d, "real.json")
         subprocess.run([EXE, "bench", "load", "--addr", http] + workload(a, out), check=True,

@@ -24,6 +24,10 @@ pub struct SimulateArgs {
     /// Fixed cost of one KV transfer, µs.
     #[arg(long, default_value_t = 200)]
     link_latency_us: u64,
+    /// A decode engine's time to write arrived KV into its cache, ns a byte (its next step
+    /// waits for it; `scripts/sim_fidelity.py` measures it). 0: free (RDMA writes in place).
+    #[arg(long, default_value_t = 0.0)]
+    kv_write_ns_per_byte: f64,
     /// From the planner asking for a replica to its serving, ms (pools with `[<pool>.autoscale]`).
     #[arg(long, default_value_t = 1000)]
     start_up_ms: u64,
@@ -76,6 +80,9 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
     if a.link_gbytes_per_s <= 0.0 {
         bail!("--link-gbytes-per-s must be positive");
     }
+    if !(a.kv_write_ns_per_byte >= 0.0 && a.kv_write_ns_per_byte.is_finite()) {
+        bail!("--kv-write-ns-per-byte must be a number of at least 0");
+    }
     if a.racks == 0 {
         bail!("--racks must be at least 1");
     }
@@ -121,6 +128,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         link: sim::Link {
             bandwidth: a.link_gbytes_per_s * 1e9,
             latency: Duration::from_micros(a.link_latency_us),
+            write_ns_per_byte: a.kv_write_ns_per_byte,
         },
         scaling: cluster::scaling(&cfg),
         start_up: Duration::from_millis(a.start_up_ms),

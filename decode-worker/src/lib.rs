@@ -174,11 +174,14 @@ impl Decoder {
                         "request {id} is not waiting for KV here (cancelled?)"
                     ))
                 } else {
-                    match &kv.in_place {
+                    let t0 = std::time::Instant::now();
+                    let r = match &kv.in_place {
                         Some(crcs) => self.engine.admit_in_place(id, crcs),
                         None => self.engine.admit_remote(id, &kv.layers),
-                    }
-                    .map_err(|e| e.to_string())
+                    };
+                    metrics::histogram!("tandem_decode_kv_admit_seconds")
+                        .record(t0.elapsed().as_secs_f64());
+                    r.map_err(|e| e.to_string())
                 };
                 kv.answer(r);
             }
@@ -457,5 +460,6 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_decode_step_seconds", Histogram, "Duration of one decode step (the inter-token latency of its batch)."),
     ("tandem_decode_tokens_total", Counter, "Tokens generated."),
     ("tandem_kv_received_bytes_total", Counter, "KV bytes received from prefill workers, by transport."),
+    ("tandem_decode_kv_admit_seconds", Histogram, "Engine-thread time to admit one request's arrived KV (written into the cache, or checked in place); the batch's next step waits for it."),
     ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
 ];

@@ -53,6 +53,10 @@ pub struct Link {
     pub bandwidth: f64,
     /// Fixed cost of one transfer (connection, first byte).
     pub latency: Duration,
+    /// The receiving decode engine's time to write arrived KV into its cache, ns a byte: its
+    /// next step waits for it, as a real decode worker's engine thread does (measured, see
+    /// `scripts/sim_fidelity.py`).
+    pub write_ns_per_byte: f64,
 }
 
 /// A cluster to simulate.
@@ -205,6 +209,8 @@ struct Worker {
     pool: Pool,
     engine: Engine,
     overhead: u64,
+    /// Engine time owed to KV writes since its last step (ns): its next step starts later.
+    writes: u64,
     /// The step time the virtual mock left (ns).
     clock: Arc<AtomicU64>,
     /// A step is running (its results are delivered at its end).
@@ -258,6 +264,8 @@ struct Req {
     tokens: usize,
     decode: Option<usize>,
     prefill_tokens: u64,
+    /// Bytes of its KV transfer under way.
+    kv_bytes: u64,
     /// When a decode worker reserved it, for a remote prefill (the prefill pool's TTFT runs
     /// from here).
     reserved: Option<u64>,
@@ -402,6 +410,7 @@ impl Sim {
             pool,
             engine,
             overhead: ns(spec.step_overhead),
+            writes: 0,
             clock,
             busy: false,
             pending: Vec::new(),
@@ -645,7 +654,8 @@ impl Sim {
         }
         match wk.engine.step() {
             Ok(events) => {
-                let d = wk.clock.load(Ordering::Relaxed) + wk.overhead;
+                let d =
+                    wk.clock.load(Ordering::Relaxed) + wk.overhead + std::mem::take(&mut wk.writes);
                 let t = self.result.step_time.entry(wk.pool.name()).or_default();
                 *t = (t.0 + 1, t.1 + d as f64 / 1e9);
                 wk.busy = true;
@@ -758,6 +768,7 @@ impl Sim {
             return self.schedule(at, Event::TransferFailed { req: r, attempt });
         }
         self.result.kv_bytes += bytes;
+        self.reqs[r].kv_bytes = bytes;
         let wire = bytes as f64 / (link.bandwidth * share) * 1e9;
         let at = self.now + ns(link.latency) + wire as u64;
         self.schedule(
@@ -778,6 +789,8 @@ impl Sim {
             self.fail(r, e.to_string());
             return;
         }
+        let write = self.reqs[r].kv_bytes as f64 * self.cfg.link.write_ns_per_byte;
+        self.workers[d].writes += write as u64;
         self.kick(d);
     }
 

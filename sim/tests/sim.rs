@@ -23,6 +23,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         link: Link {
             bandwidth: 2e9,
             latency: Duration::from_micros(200),
+            write_ns_per_byte: 0.0,
         },
         scaling: Vec::new(),
         start_up: Duration::from_secs(1),
@@ -70,6 +71,24 @@ fn a_request_takes_the_time_the_timing_model_gives_and_the_second_reuses_the_pre
     assert_eq!((r.prompt_tokens, r.prefix_hit_tokens), (2 * 99, 96));
     let second = r.outcomes[1].ttft.unwrap().as_secs_f64() * 1e6;
     assert!(second < 10_000.0, "a 3-token prefill: {second} µs");
+}
+
+/// A decode engine's time writing arrived KV delays its next step: the first token comes that
+/// much later (99 tokens' KV at 2 ns a byte), the gaps after it do not.
+#[test]
+fn writing_arrived_kv_delays_the_decode_workers_next_step() {
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let ttft = |write_ns_per_byte: f64| {
+        let mut c = cluster(1, 1);
+        c.link.write_ns_per_byte = write_ns_per_byte;
+        let r = Sim::new(c, vec![request(0, prompt.clone(), 4)]).unwrap().run();
+        let o = &r.outcomes[0];
+        assert!(o.gaps.iter().all(|g| (g.as_secs_f64() * 1e6 - 2500.0).abs() < 1.0));
+        o.ttft.unwrap().as_secs_f64() * 1e6
+    };
+    let delay = ttft(2.0) - ttft(0.0);
+    let want = (99 * KV_BYTES) as f64 * 2.0 / 1e3;
+    assert!((delay - want).abs() < 1.0, "{delay} µs, by hand {want} µs");
 }
 
 /// Colocated (no prefill pool), the decode workers prefill their own requests: a burst of 8
