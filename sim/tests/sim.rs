@@ -81,9 +81,14 @@ fn writing_arrived_kv_delays_the_decode_workers_next_step() {
     let ttft = |write_ns_per_byte: f64| {
         let mut c = cluster(1, 1);
         c.link.write_ns_per_byte = write_ns_per_byte;
-        let r = Sim::new(c, vec![request(0, prompt.clone(), 4)]).unwrap().run();
+        let r = Sim::new(c, vec![request(0, prompt.clone(), 4)])
+            .unwrap()
+            .run();
         let o = &r.outcomes[0];
-        assert!(o.gaps.iter().all(|g| (g.as_secs_f64() * 1e6 - 2500.0).abs() < 1.0));
+        assert!(o
+            .gaps
+            .iter()
+            .all(|g| (g.as_secs_f64() * 1e6 - 2500.0).abs() < 1.0));
         o.ttft.unwrap().as_secs_f64() * 1e6
     };
     let delay = ttft(2.0) - ttft(0.0);
