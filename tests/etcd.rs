@@ -237,10 +237,10 @@ fn two_routers_and_four_workers_find_each_other_through_etcd_and_survive_deaths(
     );
 
     // A worker killed: gone from both routers once its lease expires (their heartbeat timeout
-    // is 60 s: only etcd can have told them).
+    // is 60 s: within 30 s only etcd can have told them; a loaded machine has taken 6 s+).
     procs.kill("d1");
     for r in [a, b] {
-        let gone = wait_counts(r, (2, 1), Duration::from_millis(TTL_MS + 4000));
+        let gone = wait_counts(r, (2, 1), Duration::from_secs(30));
         eprintln!(
             "killed decode worker gone from router {r} after {gone:?} (lease TTL {TTL_MS} ms)"
         );

@@ -245,7 +245,7 @@ impl KvCache {
     }
     /// Pages a new reservation can take: free, or cached and evictable, less those promised.
     pub fn free_blocks(&self) -> usize {
-        self.pool.available() - self.promised
+        self.pool.available().saturating_sub(self.promised)
     }
     /// Layer groups (see [`KvCache`]).
     pub fn groups(&self) -> usize {
@@ -351,31 +351,42 @@ impl KvCache {
                 if t.blocks[i] != GONE {
                     continue;
                 }
-                if t.promised == 0 {
+                // Without a promise left (a trimmed block another sequence still shares did
+                // not come back), only a page nobody was promised will do.
+                let promised = t.promised > 0;
+                if !promised && self.pool.available() <= self.promised {
                     return Err(EngineError::OutOfBlocks(format!(
-                        "group {g} needs block {i} for tokens {start}..{end} beyond its reservation"
+                        "group {g} needs block {i} for tokens {start}..{end}: no page free now"
                     )));
                 }
-                t.blocks[i] = self.pool.alloc().expect("promised pages are available");
-                t.promised -= 1;
-                self.promised -= 1;
+                t.blocks[i] = self.pool.alloc().ok_or_else(|| {
+                    EngineError::OutOfBlocks(format!("no KV page for group {g}'s block {i}"))
+                })?;
+                if promised {
+                    t.promised -= 1;
+                    self.promised -= 1;
+                }
             }
         }
         Ok(())
     }
 
     /// Returns the blocks of `table`'s windowed groups that no query at `next` or later reads
-    /// (cached where they hold a registered prefix); they go back to the table's promise.
+    /// (cached where they hold a registered prefix); they go back to the table's promise — a
+    /// block another sequence still shares frees no page, so it comes back only if a page is
+    /// free (else the table asks [`KvCache::ensure`] for one when it needs it).
     pub fn trim(&mut self, table: &mut BlockTable, next: usize) {
         for g in 0..table.groups.len() {
             let lo = self.first_kept(g, next).min(table.groups[g].blocks.len());
             let t = &mut table.groups[g];
             // Blocks before the first one gone went at an earlier trim (or were never held).
             for b in t.blocks[..lo].iter_mut().rev().take_while(|b| **b != GONE) {
-                self.pool.release(*b);
+                let freed = self.pool.release(*b);
                 *b = GONE;
-                t.promised += 1;
-                self.promised += 1;
+                if freed || self.pool.available() > self.promised {
+                    t.promised += 1;
+                    self.promised += 1;
+                }
             }
         }
     }
@@ -394,7 +405,9 @@ impl KvCache {
         for i in (0..len).rev() {
             for t in &table.groups {
                 match t.blocks.get(i) {
-                    Some(&b) if b != GONE => self.pool.release(b),
+                    Some(&b) if b != GONE => {
+                        self.pool.release(b);
+                    }
                     _ => {}
                 }
             }
@@ -437,9 +450,19 @@ impl KvCache {
             let lo = self.first_kept(g, m * bs);
             found[g][lo..m].iter().all(Option::is_some)
         };
+        // Taking an unreferenced cached block takes a page others could allocate: no more of
+        // them than are free of promises.
+        let takes = |m: usize| {
+            (0..self.groups.len())
+                .flat_map(|g| found[g][self.first_kept(g, m * bs)..m].iter().flatten())
+                .filter(|&&b| self.pool.unreferenced(b))
+                .count()
+        };
         let m = (0..=chain.len())
             .rev()
-            .find(|&m| (0..self.groups.len()).all(|g| reaches(g, m)))
+            .find(|&m| {
+                (0..self.groups.len()).all(|g| reaches(g, m)) && takes(m) <= self.free_blocks()
+            })
             .unwrap_or(0);
         table
             .groups
@@ -771,5 +794,44 @@ mod tests {
             "sizes are checked"
         );
         kv.release(t);
+    }
+
+    #[test]
+    fn sequences_sharing_windowed_blocks_never_overdraw_the_pool() {
+        // A and B share a windowed prefix; A trims shared blocks B still holds. Every page a
+        // step asks for is there, the promises never exceed what is available, and all comes
+        // back. 7 blocks = 14 pages: A reserves 9, B 4 more.
+        let windows = [None, Some(4)];
+        let mut kv = KvCache::with_windows(&windows, 1, 2, 7, 2).unwrap();
+        let tokens: Vec<u32> = (1..=10).collect();
+        let sane = |kv: &KvCache| assert!(kv.pool.available() >= kv.promised);
+        let step = |kv: &mut KvCache, t: &mut BlockTable, chain: &mut (usize, u64), at: usize| {
+            kv.ensure(t, at, at + 2).unwrap();
+            kv.register(5, t, &tokens, at + 2, chain);
+            kv.trim(t, at + 2);
+        };
+        let (mut a, mut ca) = (BlockTable::default(), (0, crate::prefix::ROOT));
+        kv.reserve(&mut a, 10).unwrap();
+        for at in [0, 2, 4] {
+            step(&mut kv, &mut a, &mut ca, at);
+            sane(&kv);
+        }
+        let mut b = BlockTable::default();
+        let (shared, last) = kv.share_prefix(5, &mut b, &tokens[..7]);
+        assert_eq!(shared, 6);
+        let mut cb = (3, last);
+        kv.reserve(&mut b, 10).unwrap();
+        sane(&kv);
+        for at in [6, 8] {
+            step(&mut kv, &mut a, &mut ca, at);
+            sane(&kv);
+        }
+        for at in [6, 8] {
+            step(&mut kv, &mut b, &mut cb, at);
+            sane(&kv);
+        }
+        kv.release(a);
+        kv.release(b);
+        assert_eq!((kv.free_blocks(), kv.promised), (14, 0));
     }
 }

@@ -127,13 +127,14 @@ impl BlockPool {
         self.refs[i] += 1;
     }
 
-    /// One owner fewer; at none, a cached block waits in the LRU, another is free.
-    pub fn release(&mut self, b: u32) {
+    /// One owner fewer; at none, a cached block waits in the LRU, another is free. Returns
+    /// whether it has no owner left (an allocation can take it).
+    pub fn release(&mut self, b: u32) -> bool {
         let i = b as usize;
         assert!(self.refs[i] > 0, "KV block {b} freed twice");
         self.refs[i] -= 1;
         if self.refs[i] > 0 {
-            return;
+            return false;
         }
         if self.meta[i].is_some() {
             self.tick += 1;
@@ -142,6 +143,12 @@ impl BlockPool {
         } else {
             self.free.push(b);
         }
+        true
+    }
+
+    /// Whether block `b` has no owner (free, or cached and evictable).
+    pub fn unreferenced(&self, b: u32) -> bool {
+        self.refs[b as usize] == 0
     }
 
     /// Records that held block `b` holds `tokens` after the prefix hashed `parent`; returns the

@@ -732,6 +732,18 @@ impl Engine {
                 budget -= n;
             }
         }
+        // A windowed group's next blocks; a sequence whose reservation came up short (a trimmed
+        // block another still shares) sits this step out until a page is free.
+        plan.retain(|&(i, start, n)| {
+            let s = &mut self.running[i];
+            match self.kv.ensure(&mut s.table, start, start + n) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::debug!(request = s.id, "waits for a KV page: {e}");
+                    false
+                }
+            }
+        });
         let decoding = plan
             .iter()
             .filter(|&&(i, _, _)| self.running[i].computed >= self.running[i].prompt_len)
@@ -742,10 +754,6 @@ impl Engine {
             return Ok(Vec::new());
         }
         self.steps += 1;
-        for &(i, start, n) in &plan {
-            self.kv
-                .ensure(&mut self.running[i].table, start, start + n)?;
-        }
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|&(i, start, n)| {
