@@ -263,22 +263,30 @@ pub fn matmul_many(
         });
         acts[f] = q;
     }
-    // Work items: (matrix, first row, end row), each a whole number of NR-row tiles, sized so
-    // that all matrices together make a few items per thread.
+    // Work items: (matrix, first row, end row), each a whole number of NR-row tiles. A single
+    // activation row (a batch-1 decode step, which streams the weights once) takes one item
+    // per thread: each thread reads one contiguous run of rows, which the prefetchers follow
+    // from start to end (4 or 8 items a thread, or items shrinking towards the end, measured
+    // slower: each new item starts a new stream and claims a shared counter). Otherwise a few
+    // equal items per thread.
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     let threads = crate::pool::threads();
-    let items = if m * total * k < 1 << 16 {
-        1
-    } else {
-        threads * 4
-    };
-    let chunk = total.div_ceil(items).div_ceil(crate::packed::GROUP).max(1) * crate::packed::GROUP;
+    let g = crate::packed::GROUP;
     let mut work = Vec::new();
-    for (i, (w, _)) in outs.iter().enumerate() {
-        let mut n0 = 0;
-        while n0 < w.rows {
-            work.push((i, n0, (n0 + chunk).min(w.rows)));
-            n0 += chunk;
+    if m * total * k < 1 << 16 || threads == 1 {
+        for (i, (w, _)) in outs.iter().enumerate() {
+            work.push((i, 0, w.rows));
+        }
+    } else {
+        let chunk = total.div_ceil(threads * 4).div_ceil(g).max(1) * g;
+        let per_thread = total.div_ceil(threads).div_ceil(g) * g;
+        for (i, (w, _)) in outs.iter().enumerate() {
+            let mut n0 = 0;
+            while n0 < w.rows {
+                let n1 = (n0 + if m == 1 { per_thread } else { chunk }).min(w.rows);
+                work.push((i, n0, n1));
+                n0 = n1;
+            }
         }
     }
     type Job = (
