@@ -4,13 +4,15 @@
 `tandem up` by `tandem bench load` and simulated by `tandem simulate`, side by side; prints the
 TTFT and ITL p50/p90 of both and the simulator's error.
 
-The machine's own costs — what a real worker's step takes beside the timing model's time, a
-KV transfer's exposed wait, and a decode engine's time writing arrived KV into its cache (its
-running batch waits for it) — are measured first on another slice of the trace (the requests
-after the compared ones) from the workers' and the router's metrics, and given to the simulator
-as `--prefill/--decode-step-overhead-us`, `--link-latency-us` and `--kv-write-ns-per-byte`;
-then both run the compared
-slice.
+The machine's own costs — what a real worker's steps take beside the timing model's time (its
+`tandem_{pool}_step_overhead_seconds` histogram: the simulator draws each step's overhead from
+it, `--step-overheads`; `--overhead mean` gives it the means instead), a KV transfer's exposed
+wait, and a decode engine's time writing arrived KV into its cache (its running batch waits for
+it) — are read from the workers' and the router's metrics, two ways: over the compared run
+itself (`same`: what the machine cost while it ran — this 2-core machine's costs move by 2-5x
+between runs of one slice, with the other processes on it), and over the next slice of the
+trace, run on the same cluster right after (`next`: held out). The simulator runs the compared
+slice with each.
 
     cargo build --release && python3 scripts/sim_fidelity.py [--requests 300] [--time-scale 0.05]
         [--length-scale 0.05] [--preset cpu-smollm2]
@@ -21,6 +23,7 @@ import json
 import os
 import re
 import subprocess
+import tempfile
 
 from tandem_cluster import EXE, ROOT, cluster, get_json
 
@@ -40,52 +43,99 @@ def workload(a, out, skip=0):
             "--time-scale", str(a.time_scale), "--length-scale", str(a.length_scale), "--json", out]
 
 
-def scrape(addr):
-    """Prometheus text from host:port/metrics as {name{labels}: value}."""
+def fetch_metrics(addr):
+    """Prometheus text from host:port/metrics."""
     host, port = addr.rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=30)
     c.request("GET", "/metrics")
-    text = c.getresponse().read().decode()
-    out = {}
-    for line in text.splitlines():
-        m = re.match(r"^([a-z_]+)(\{[^}]*\})? ([0-9.eE+-]+)$", line)
-        if m:
-            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(3))
-    return out
+    return c.getresponse().read().decode()
 
 
-def mean(metrics, name):
-    n = sum(m.get(name + "_count", 0) for m in metrics)
-    return sum(m.get(name + "_sum", 0) for m in metrics) / n if n else 0.0
+SAMPLE = re.compile(r"^([a-z_]+(?:\{[^}]*\})?) ([0-9.eE+-]+)$")
 
 
-def calibrate(a):
-    """Per-step overheads of each pool and the KV transfer's exposed wait, measured on the
-    trace's next `a.requests` requests."""
-    with cluster(config(a), "tandem-calibrate-") as (http, d):
-        load = workload(a, os.path.join(d, "real.json"), skip=a.requests)
+def samples(text):
+    """Prometheus text as {name{labels}: value}."""
+    return {m.group(1): float(m.group(2)) for line in text.splitlines() if (m := SAMPLE.match(line))}
+
+
+def since(after, before):
+    """The counters and histograms of `after` less those of `before` (what happened between
+    two scrapes of one process), as Prometheus text."""
+    b = samples(before)
+    return "".join(f"{k} {v - b.get(k, 0.0)}\n" for k, v in samples(after).items())
+
+
+def total(text, name):
+    """`name` summed over its labels."""
+    return sum(v for k, v in samples(text).items() if k.split("{")[0] == name)
+
+
+def mean(texts, name):
+    n = sum(total(t, name + "_count") for t in texts)
+    return sum(total(t, name + "_sum") for t in texts) / n if n else 0.0
+
+
+def scrape_all(http, workers):
+    return {w["metrics_endpoint"]: fetch_metrics(w["metrics_endpoint"]) for w in workers} | \
+        {"router": fetch_metrics(http)}
+
+
+def costs(texts, workers, overheads):
+    """The machine's costs in one stretch of a cluster's metrics (`texts`: each process's
+    counters over it): the workers' step-overhead histograms (each step's time beyond the
+    timing model's; written to `overheads` for `--step-overheads`), their means, the KV
+    transfer's exposed wait and the decode engines' KV write cost per byte."""
+    per_pool = {p: [texts[w["metrics_endpoint"]] for w in workers if w["role"] == p]
+                for p in ["prefill", "decode"]}
+    with open(overheads, "w") as f:
+        f.write("".join(per_pool["prefill"] + per_pool["decode"]))
+    over = {p: mean(per_pool[p], f"tandem_{p}_step_overhead_seconds") * 1e6 for p in ["prefill", "decode"]}
+    wait = mean([texts["router"]], "tandem_kv_exposed_wait_seconds")
+    # The decode engines' time writing arrived KV into their caches, per byte received.
+    written = sum(total(t, "tandem_decode_kv_admit_seconds_sum") for t in per_pool["decode"])
+    received = sum(total(t, "tandem_kv_received_bytes_total") for t in per_pool["decode"])
+    return {"prefill_us": round(over["prefill"]), "decode_us": round(over["decode"]),
+            "link_us": round(wait * 1e6), "write_ns": written * 1e9 / received if received else 0.0,
+            "file": overheads}
+
+
+def run_real(a, scratch):
+    """The compared slice through a fresh `tandem up`, then — on the same cluster, right after —
+    the trace's next `a.requests` requests. The machine's costs are taken from each stretch's
+    own metrics: `same` from the compared run's (what this machine cost while it ran), `next`
+    from the slice after it (held out: the costs a moment later, on other requests)."""
+    with cluster(config(a), "tandem-fidelity-") as (http, d):
+        out = os.path.join(d, "real.json")
+        subprocess.run([EXE, "bench", "load", "--addr", http] + workload(a, out), check=True,
+                       stdout=subprocess.DEVNULL)
+        real = json.load(open(out))
+        workers = get_json(http, "/debug/workers")["workers"]
+        first = scrape_all(http, workers)
+        load = workload(a, os.path.join(d, "next.json"), skip=a.requests)
         subprocess.run([EXE, "bench", "load", "--addr", http] + load, check=True,
                        stdout=subprocess.DEVNULL)
-        workers = get_json(http, "/debug/workers")["workers"]
-        per_pool = {p: [scrape(w["metrics_endpoint"]) for w in workers if w["role"] == p]
-                    for p in ["prefill", "decode"]}
-        router = scrape(http)
-        out = os.path.join(d, "sim.json")
-        subprocess.run([EXE, "simulate", "--config", os.path.join(d, "cluster.toml")]
-                       + workload(a, out, skip=a.requests), check=True, stdout=subprocess.DEVNULL)
-        steps = json.load(open(out))["simulation"]["step_seconds"]
-    over = {}
-    for p in ["prefill", "decode"]:
-        real = mean(per_pool[p], f"tandem_{p}_step_seconds")
-        model = steps[p]["sum"] / steps[p]["count"]
-        over[p] = max(0, round((real - model) * 1e6))
-    wait = mean([router], "tandem_kv_exposed_wait_seconds")
-    # The decode engines' time writing arrived KV into their caches, per byte received.
-    written = sum(m.get("tandem_decode_kv_admit_seconds_sum", 0) for m in per_pool["decode"])
-    received = sum(m.get("tandem_kv_received_bytes_total", 0) for m in per_pool["decode"])
-    write_ns = written * 1e9 / received if received else 0.0
-    return {"prefill_us": over["prefill"], "decode_us": over["decode"], "link_us": round(wait * 1e6),
-            "write_ns": write_ns}
+        after = scrape_all(http, workers)
+        cfg = open(os.path.join(d, "cluster.toml")).read()
+    nxt = {k: since(after[k], first[k]) for k in after}
+    cal = {"same": costs(first, workers, os.path.join(scratch, "same-metrics.txt")),
+           "next": costs(nxt, workers, os.path.join(scratch, "next-metrics.txt"))}
+    return real, cal, cfg
+
+
+def simulate(a, cfg, cal, scratch, name):
+    """The compared slice in `tandem simulate` with the costs `cal`."""
+    if a.overhead == "drawn":
+        steps = ["--step-overheads", cal["file"]]
+    else:
+        steps = ["--prefill-step-overhead-us", str(cal["prefill_us"]),
+                 "--decode-step-overhead-us", str(cal["decode_us"])]
+    flags = steps + ["--link-latency-us", str(cal["link_us"]), "--link-gbytes-per-s", "1000",
+                     "--kv-write-ns-per-byte", f"{cal['write_ns']:.4f}"]
+    out = os.path.join(scratch, f"sim-{name}.json")
+    subprocess.run([EXE, "simulate", "--config", cfg] + workload(a, out) + flags,
+                   check=True, stdout=subprocess.DEVNULL)
+    return json.load(open(out))
 
 
 def main():
@@ -96,35 +146,33 @@ def main():
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--preset", default="cpu-smollm2")
+    ap.add_argument("--overhead", choices=["drawn", "mean"], default="drawn",
+                    help="simulated step overheads: drawn from the measured histograms, or their means")
     a = ap.parse_args()
-    cal = calibrate(a)
-    print(f"calibrated on requests {a.requests}..{2 * a.requests}: step overhead prefill {cal['prefill_us']} µs, "
-          f"decode {cal['decode_us']} µs; KV exposed wait {cal['link_us']} µs; "
-          f"KV written into the decode cache at {cal['write_ns']:.3f} ns/byte")
-    sim_flags = ["--prefill-step-overhead-us", str(cal["prefill_us"]), "--decode-step-overhead-us",
-                 str(cal["decode_us"]), "--link-latency-us", str(cal["link_us"]),
-                 "--link-gbytes-per-s", "1000", "--kv-write-ns-per-byte", f"{cal['write_ns']:.4f}"]
-    with cluster(config(a), "tandem-fidelity-") as (http, d):
-        out = os.path.join(d, "real.json")
-        subprocess.run([EXE, "bench", "load", "--addr", http] + workload(a, out), check=True,
-                       stdout=subprocess.DEVNULL)
-        real = json.load(open(out))
-        cfg = os.path.join(d, "cluster.toml")
-        out = os.path.join(d, "sim.json")
-        subprocess.run([EXE, "simulate", "--config", cfg] + workload(a, out) + sim_flags,
-                       check=True, stdout=subprocess.DEVNULL)
-        sim = json.load(open(out))
+    scratch = tempfile.mkdtemp(prefix="tandem-fidelity-")
+    real, cal, cfg_text = run_real(a, scratch)
+    cfg = os.path.join(scratch, "cluster.toml")
+    with open(cfg, "w") as f:
+        f.write(cfg_text)
+    sims = {}
+    for name in ["same", "next"]:
+        c = cal[name]
+        print(f"costs from the {name} run: step overhead prefill mean {c['prefill_us']} µs, decode mean "
+              f"{c['decode_us']} µs ({'drawn per step from ' + c['file'] if a.overhead == 'drawn' else 'the means'}); "
+              f"KV exposed wait {c['link_us']} µs; KV written into the decode cache at {c['write_ns']:.3f} ns/byte")
+        sims[name] = simulate(a, cfg, c, scratch, name)
     print(f"{a.requests} requests, time x{a.time_scale}, lengths x{a.length_scale}, preset {a.preset}; "
-          f"real errors {real['errors']}, simulated errors {sim['errors']}; "
-          f"simulated in {sim['simulation']['wall_s']:.2f} s")
-    print("| metric | real `tandem up` | `tandem simulate` | error |\n|---|---:|---:|---:|")
+          f"real errors {real['errors']}, simulated errors {sims['same']['errors']}, {sims['next']['errors']}; "
+          f"simulated in {sims['same']['simulation']['wall_s']:.2f} s")
+    print("| metric | real `tandem up` | simulated, costs of the same run | error | costs of the next slice | error |")
+    print("|---|---:|---:|---:|---:|---:|")
     for k in ["ttft_ms", "itl_ms", "e2e_ms"]:
         for q in ["p50", "p90"]:
-            r, s = real[k][q], sim[k][q]
-            print(f"| {k} {q} | {r:.1f} | {s:.1f} | {100 * (s - r) / r:+.1f}% |")
+            r = real[k][q]
+            cells = "".join(f" {sims[n][k][q]:.1f} | {100 * (sims[n][k][q] - r) / r:+.1f}% |" for n in ["same", "next"])
+            print(f"| {k} {q} | {r:.1f} |{cells}")
     for k in ["prefix_hit_ratio", "requests_per_s", "output_tokens_per_s"]:
-        print(f"| {k} | {real[k]:.3f} | {sim[k]:.3f} | |")
-
+        print(f"| {k} | {real[k]:.3f} | {sims['same'][k]:.3f} | | {sims['next'][k]:.3f} | |")
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,7 @@
 //! `tandem simulate`: the cluster of a `cluster.toml` on a virtual clock (see the `sim` crate),
 //! under the same workloads as `tandem bench load`, with the same report.
 
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -38,6 +39,12 @@ pub struct SimulateArgs {
     /// Added to each decode worker step, µs.
     #[arg(long, default_value_t = 0)]
     decode_step_overhead_us: u64,
+    /// Workers' Prometheus scrapes (one file, any number of workers' `/metrics` one after the
+    /// other): each pool's steps draw their overheads from its workers'
+    /// `tandem_{pool}_step_overhead_seconds` buckets instead of a fixed
+    /// `--{pool}-step-overhead-us` (mock workers measure them; `scripts/sim_fidelity.py`).
+    #[arg(long, value_name = "FILE")]
+    step_overheads: Option<PathBuf>,
     /// One call between the router and a worker, µs.
     #[arg(long, default_value_t = 0)]
     hop_us: u64,
@@ -99,7 +106,22 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
     if let Some(c) = a.context_len {
         shape.context_len = c;
     }
-    let pool = |p: &proto::config::PoolSection, name: &str, overhead_us: u64| {
+    let measured = match &a.step_overheads {
+        Some(path) => step_overheads(path)?,
+        None => Default::default(),
+    };
+    let overhead = |name: &str, us: u64| match measured.get(name) {
+        Some(_) if us > 0 => bail!(
+            "--step-overheads gives the {name} pool's overheads; --{name}-step-overhead-us {us} too"
+        ),
+        Some(o) => Ok(o.clone()),
+        None => Ok(sim::Overhead::fixed(Duration::from_micros(us))),
+    };
+    let (prefill_overhead, decode_overhead) = (
+        overhead("prefill", a.prefill_step_overhead_us)?,
+        overhead("decode", a.decode_step_overhead_us)?,
+    );
+    let pool = |p: &proto::config::PoolSection, name: &str, overhead: &sim::Overhead| {
         let timing = cluster::mock_timing(p).unwrap_or(engine::MockTiming::CPU_SMOLLM2);
         if p.engine.get_ref() != "mock" {
             eprintln!("simulate: the {name} pool runs the real engine; simulated with the mock's cpu-smollm2 timing");
@@ -108,7 +130,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
             replicas: *p.replicas.get_ref() as usize,
             engine: cluster::engine_config(&cfg, p),
             timing,
-            step_overhead: Duration::from_micros(overhead_us),
+            step_overhead: overhead.clone(),
         }
     };
     let planned = load::plan(&a.work)?;
@@ -121,8 +143,8 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         prefill: cfg
             .prefill
             .as_ref()
-            .map(|p| pool(p, "prefill", a.prefill_step_overhead_us)),
-        decode: pool(&cfg.decode, "decode", a.decode_step_overhead_us),
+            .map(|p| pool(p, "prefill", &prefill_overhead)),
+        decode: pool(&cfg.decode, "decode", &decode_overhead),
         routing: cluster::routing(&cfg),
         local_prefill_max_tokens: cfg.router.local_prefill_max_tokens as usize,
         link: sim::Link {
@@ -143,6 +165,63 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         faults: sim::schedule_faults(&a.faults, a.fault_seed, horizon),
     };
     Ok((config, planned))
+}
+
+/// Each pool's step overheads from Prometheus scrapes of its workers: the buckets of
+/// `tandem_{pool}_step_overhead_seconds`, summed over the workers (they share the bounds).
+/// Pools the file has no buckets for are left out.
+fn step_overheads(path: &std::path::Path) -> Result<HashMap<&'static str, sim::Overhead>> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| anyhow::anyhow!("--step-overheads {}: {e}", path.display()))?;
+    let mut out = HashMap::new();
+    for pool in ["prefill", "decode"] {
+        let name = format!("tandem_{pool}_step_overhead_seconds_bucket{{");
+        let mut sums: Vec<(f64, f64)> = Vec::new();
+        for (n, line) in text.lines().enumerate() {
+            let Some(rest) = line.strip_prefix(&name) else {
+                continue;
+            };
+            let bucket = (|| {
+                let le = rest.split("le=\"").nth(1)?.split('"').next()?;
+                let le: f64 = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().ok()?
+                };
+                let count: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+                Some((le, count))
+            })();
+            let Some((le, count)) = bucket else {
+                bail!(
+                    "{}:{}: not a histogram bucket line: {line}",
+                    path.display(),
+                    n + 1
+                );
+            };
+            match sums.iter_mut().find(|(l, _)| *l == le) {
+                Some(s) => s.1 += count,
+                None => sums.push((le, count)),
+            }
+        }
+        if sums.is_empty() {
+            continue;
+        }
+        sums.sort_by(|a, b| a.0.total_cmp(&b.0));
+        let o = sim::Overhead::from_buckets(&sums).map_err(|e| {
+            anyhow::anyhow!(
+                "--step-overheads {}: tandem_{pool}_step_overhead_seconds: {e}",
+                path.display()
+            )
+        })?;
+        out.insert(pool, o);
+    }
+    if out.is_empty() {
+        bail!(
+            "--step-overheads {}: no tandem_prefill_step_overhead_seconds or tandem_decode_step_overhead_seconds buckets (a mock worker's /metrics has them)",
+            path.display()
+        );
+    }
+    Ok(out)
 }
 
 /// Runs one simulation and reports it as `tandem bench load` would, plus its `simulation`.
@@ -172,4 +251,64 @@ pub fn simulate(
         })).collect::<Vec<_>>(),
     });
     Ok((r, report))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::step_overheads;
+
+    fn file(name: &str, text: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("tandem-overheads-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        p
+    }
+
+    /// Two decode workers' buckets are summed bound by bound: 3 of their 4 steps within 1 ms
+    /// (drawn below it three times in four), the fourth at 1..2 ms; no prefill buckets, so
+    /// the prefill pool is left to its fixed flag.
+    #[test]
+    fn scrapes_of_several_workers_sum_into_one_distribution() {
+        let b = "tandem_decode_step_overhead_seconds_bucket";
+        let text = format!(
+            "# TYPE x histogram\n{b}{{le=\"0.001\"}} 2\n{b}{{le=\"0.002\"}} 2\n{b}{{le=\"+Inf\"}} 2\n\
+             tandem_decode_step_overhead_seconds_sum 0.001\n\
+             {b}{{le=\"0.001\"}} 1\n{b}{{le=\"0.002\"}} 2\n{b}{{le=\"+Inf\"}} 2\n"
+        );
+        let got = step_overheads(&file("two.txt", &text)).unwrap();
+        assert!(!got.contains_key("prefill"));
+        let d = &got["decode"];
+        let below = (0..4000).filter(|&s| d.draw(0, s) < 1_000_000).count();
+        assert!((2800..3200).contains(&below), "{below} of 4000 below 1 ms");
+        assert!((0..4000).all(|s| d.draw(0, s) <= 2_000_000));
+    }
+
+    #[test]
+    fn bad_scrapes_say_where_and_why() {
+        let e =
+            step_overheads(&file("none.txt", "tandem_decode_step_seconds_sum 1\n")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no tandem_prefill_step_overhead_seconds"),
+            "{e}"
+        );
+        let bad = "tandem_prefill_step_overhead_seconds_bucket{le=\"x\"} 1\n";
+        let e = step_overheads(&file("bad.txt", bad)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("bad.txt:1: not a histogram bucket line"),
+            "{e}"
+        );
+        let down = "tandem_prefill_step_overhead_seconds_bucket{le=\"0.001\"} 5\n\
+                    tandem_prefill_step_overhead_seconds_bucket{le=\"0.002\"} 3\n";
+        let e = step_overheads(&file("down.txt", down)).unwrap_err();
+        assert!(e.to_string().contains("counts must not decrease"), "{e}");
+        let e = step_overheads(std::path::Path::new("/nonexistent/m.txt")).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("--step-overheads /nonexistent/m.txt"),
+            "{e}"
+        );
+    }
 }

@@ -210,7 +210,12 @@ impl worker::Role for Decoder {
     fn step(&mut self) {
         let t0 = Instant::now();
         let stepped = self.engine.step();
-        metrics::histogram!("tandem_decode_step_seconds").record(t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        metrics::histogram!("tandem_decode_step_seconds").record(took.as_secs_f64());
+        if let Some(modelled) = self.engine.model().take_modelled_time() {
+            metrics::histogram!("tandem_decode_step_overhead_seconds")
+                .record(took.saturating_sub(modelled).as_secs_f64());
+        }
         let events = match stepped {
             Ok(events) => events,
             Err(e) => {
@@ -460,6 +465,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_decode_step_seconds", Histogram, "Duration of one decode step (the inter-token latency of its batch)."),
     ("tandem_decode_tokens_total", Counter, "Tokens generated."),
     ("tandem_kv_received_bytes_total", Counter, "KV bytes received from prefill workers, by transport."),
+    ("tandem_decode_step_overhead_seconds", Histogram, "A mock engine's decode step beyond its timing model's time: what this machine adds (the simulator draws its steps' overheads from it)."),
     ("tandem_decode_kv_admit_seconds", Histogram, "Engine-thread time to admit one request's arrived KV (written into the cache, or checked in place); the batch's next step waits for it."),
     ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
 ];

@@ -45,6 +45,12 @@ pub trait Forward: Send + Sync {
         Ok(())
     }
 
+    /// The timing model's time of the last forward, taken (so `None` again until the next
+    /// one): the mock engine's; `None` for real kernels.
+    fn take_modelled_time(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// One step over a checked batch (see [`crate::Model::step`]).
     fn forward(
         &self,

@@ -96,6 +96,9 @@ pub struct MockForward {
     pub timing: MockTiming,
     /// On a virtual clock: steps do not sleep; each leaves its time here (nanoseconds).
     pub clock: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    /// The last step's modelled time (nanoseconds; 0: taken), for
+    /// [`crate::forward::Forward::take_modelled_time`].
+    pub modelled: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(feature = "runtime")]
@@ -106,6 +109,13 @@ impl crate::forward::Forward for MockForward {
 
     fn kv_backed(&self) -> bool {
         self.clock.is_none()
+    }
+
+    fn take_modelled_time(&self) -> Option<Duration> {
+        match self.modelled.swap(0, std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
     }
 
     fn forward(
@@ -124,6 +134,10 @@ impl crate::forward::Forward for MockForward {
             attended += s.start_pos + s.tokens.len();
         }
         let total = self.timing.step_time(prefill, decode, attended);
+        // At least 1 ns, so that a step of zero modelled time still counts as one.
+        let at_least = (total.as_nanos() as u64).max(1);
+        self.modelled
+            .store(at_least, std::sync::atomic::Ordering::Relaxed);
         if let Some(clock) = &self.clock {
             let ns = total.as_nanos() as u64;
             clock.store(ns, std::sync::atomic::Ordering::Relaxed);

@@ -256,6 +256,7 @@ impl Model {
         let forward = Box::new(crate::mock::MockForward {
             timing,
             clock: None,
+            modelled: Default::default(),
         });
         Model { config, forward }
     }
@@ -271,6 +272,7 @@ impl Model {
         let forward = Box::new(crate::mock::MockForward {
             timing,
             clock: Some(clock.clone()),
+            modelled: Default::default(),
         });
         (Model { config, forward }, clock)
     }
@@ -278,6 +280,13 @@ impl Model {
     /// The weights, where the forward has them (the mock engine has none).
     pub fn weights(&self) -> Option<&Weights> {
         self.forward.weights()
+    }
+
+    /// The timing model's time of the last step, taken: the mock engine's (a worker's step
+    /// beyond it is the machine's overhead, which the simulator draws from); `None` for real
+    /// kernels or when no step ran since the last call.
+    pub fn take_modelled_time(&self) -> Option<std::time::Duration> {
+        self.forward.take_modelled_time()
     }
 
     /// The forward's name (backend and device).

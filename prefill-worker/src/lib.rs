@@ -154,7 +154,12 @@ impl worker::Role for Prefiller {
     fn step(&mut self) {
         let t0 = Instant::now();
         let stepped = self.run_step();
-        self.measure(self.engine.last_step().0, t0.elapsed().as_secs_f64());
+        let took = t0.elapsed();
+        self.measure(self.engine.last_step().0, took.as_secs_f64());
+        if let Some(modelled) = self.engine.model().take_modelled_time() {
+            metrics::histogram!("tandem_prefill_step_overhead_seconds")
+                .record(took.saturating_sub(modelled).as_secs_f64());
+        }
         if let Err(e) = stepped {
             // Dropping the senders fails every transfer in progress; keep serving.
             tracing::error!("prefill step failed: {e}");
@@ -416,6 +421,11 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "tandem_prefill_step_seconds",
         Histogram,
         "Duration of one engine step.",
+    ),
+    (
+        "tandem_prefill_step_overhead_seconds",
+        Histogram,
+        "A mock engine's step beyond its timing model's time: what this machine adds (the simulator draws its steps' overheads from it).",
     ),
     (
         "tandem_prefill_batch_tokens",

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -12,6 +12,15 @@ pub const LATENCY_BUCKETS: [f64; 17] = [
     0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
     30.0, 60.0,
 ];
+
+/// Buckets of the workers' step overheads (`tandem_*_step_overhead_seconds`: a mock step's
+/// time beyond its timing model's), fine enough for the simulator to draw from: eight a decade,
+/// 10 µs to 1 s.
+pub fn overhead_buckets() -> Vec<f64> {
+    (0..=40)
+        .map(|i| 1e-5 * 10f64.powf(i as f64 / 8.0))
+        .collect()
+}
 
 /// What a metric is, for its `# TYPE` and `# HELP` lines.
 #[derive(Debug, Clone, Copy)]
@@ -41,6 +50,11 @@ pub fn describe(catalogue: &[(&'static str, Kind, &'static str)]) {
 pub fn install() -> Option<PrometheusHandle> {
     let handle = PrometheusBuilder::new()
         .set_buckets(&LATENCY_BUCKETS)
+        .ok()?
+        .set_buckets_for_metric(
+            Matcher::Suffix("_step_overhead_seconds".into()),
+            &overhead_buckets(),
+        )
         .ok()?
         .install_recorder()
         .ok()?;

@@ -28,8 +28,10 @@ use router::planner::{PoolPlan, Scaling};
 use router::routing::{self, Candidate, Routing};
 
 mod faults;
+mod overhead;
 mod planner;
 pub use faults::{schedule as schedule_faults, Count, Fault, FaultKind, FaultSpec};
+pub use overhead::{Overhead, OverheadError};
 pub use planner::Sample;
 
 /// One pool: how many workers, each engine's configuration and step timing.
@@ -41,9 +43,10 @@ pub struct PoolSpec {
     pub engine: EngineConfig,
     /// Each worker's step time.
     pub timing: MockTiming,
-    /// Added to every step: what a real worker spends beside the timing model's time (the
-    /// engine's own work, the wake-ups of the mock's sleeps; measured, see BENCHMARKS.md).
-    pub step_overhead: Duration,
+    /// Added to every step, drawn per step: what a real worker spends beside the timing
+    /// model's time (the engine's own work, the wake-ups of the mock's sleeps; measured, see
+    /// [`Overhead`] and BENCHMARKS.md).
+    pub step_overhead: Overhead,
 }
 
 /// The link a KV transfer crosses: `latency + bytes / bandwidth`.
@@ -208,7 +211,9 @@ enum Event {
 struct Worker {
     pool: Pool,
     engine: Engine,
-    overhead: u64,
+    overhead: Overhead,
+    /// Steps it has run (which overhead each draws).
+    stepped: u64,
     /// Engine time owed to KV writes since its last step (ns): its next step starts later.
     writes: u64,
     /// The step time the virtual mock left (ns).
@@ -409,7 +414,8 @@ impl Sim {
         self.workers.push(Worker {
             pool,
             engine,
-            overhead: ns(spec.step_overhead),
+            overhead: spec.step_overhead.clone(),
+            stepped: 0,
             writes: 0,
             clock,
             busy: false,
@@ -654,8 +660,10 @@ impl Sim {
         }
         match wk.engine.step() {
             Ok(events) => {
+                let overhead = wk.overhead.draw(w, wk.stepped);
+                wk.stepped += 1;
                 let d =
-                    wk.clock.load(Ordering::Relaxed) + wk.overhead + std::mem::take(&mut wk.writes);
+                    wk.clock.load(Ordering::Relaxed) + overhead + std::mem::take(&mut wk.writes);
                 let t = self.result.step_time.entry(wk.pool.name()).or_default();
                 *t = (t.0 + 1, t.1 + d as f64 / 1e9);
                 wk.busy = true;

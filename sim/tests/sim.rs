@@ -12,7 +12,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         replicas,
         engine: EngineConfig::default(),
         timing: MockTiming::CPU_SMOLLM2,
-        step_overhead: Duration::ZERO,
+        step_overhead: sim::Overhead::default(),
     };
     SimConfig {
         model,
@@ -94,6 +94,49 @@ fn writing_arrived_kv_delays_the_decode_workers_next_step() {
     let delay = ttft(2.0) - ttft(0.0);
     let want = (99 * KV_BYTES) as f64 * 2.0 / 1e3;
     assert!((delay - want).abs() < 1.0, "{delay} µs, by hand {want} µs");
+}
+
+/// Step overheads drawn from a measured histogram give the decode steps its spread: one
+/// request's gaps are the timing model's 2.5 ms plus draws that fill the histogram's buckets
+/// (half of the steps 0..1 ms over, a tenth 4..8 ms over), where the mean alone gives every
+/// gap the same time. The same inputs draw the same steps.
+#[test]
+fn step_overheads_drawn_from_a_histogram_spread_the_gaps() {
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let measured =
+        sim::Overhead::from_buckets(&[(0.001, 50.0), (0.004, 90.0), (0.008, 100.0)]).unwrap();
+    let gaps = |o: &sim::Overhead| {
+        let mut c = cluster(1, 1);
+        c.decode.step_overhead = o.clone();
+        let r = Sim::new(c, vec![request(0, prompt.clone(), 2001)])
+            .unwrap()
+            .run();
+        let us = |g: &Duration| g.as_secs_f64() * 1e6 - 2500.0;
+        r.outcomes[0].gaps.iter().map(us).collect::<Vec<f64>>()
+    };
+    let drawn = gaps(&measured);
+    assert_eq!(drawn.len(), 2000);
+    let share = |lo: f64, hi: f64| {
+        drawn.iter().filter(|&&g| g >= lo && g < hi).count() as f64 / drawn.len() as f64
+    };
+    assert!(
+        (share(-1.0, 1000.0) - 0.5).abs() < 0.04,
+        "{}",
+        share(-1.0, 1000.0)
+    );
+    assert!(
+        (share(4000.0, 8001.0) - 0.1).abs() < 0.03,
+        "{}",
+        share(4000.0, 8001.0)
+    );
+    assert_eq!(
+        drawn,
+        gaps(&measured),
+        "a simulation is a function of its inputs"
+    );
+    let mean = measured.mean_ns();
+    let fixed = gaps(&sim::Overhead::fixed(Duration::from_nanos(mean as u64)));
+    assert!(fixed.iter().all(|g| (g - mean / 1e3).abs() < 1.0));
 }
 
 /// Colocated (no prefill pool), the decode workers prefill their own requests: a burst of 8
