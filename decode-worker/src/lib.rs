@@ -328,7 +328,6 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     // Structured output: the vocabulary's token trie, built once.
     let grammars = engine::grammar::Grammars::new(&loaded.tokenizer)?;
     engine.set_grammars(std::sync::Arc::new(grammars));
-    let groups = engine.kv_groups();
     let regions = engine.kv_regions();
     let handle = worker::engine_thread::spawn(
         "decode-engine",
@@ -337,7 +336,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
             streams: HashMap::new(),
         },
     );
-    let (offers, detail) = kv_endpoints(&cfg, &loaded, (regions, groups), &handle).await?;
+    let (offers, detail) = kv_endpoints(&cfg, &loaded, regions, &handle).await?;
     let routes = tonic::service::Routes::new(DecodeServer::new(Service(handle.clone())));
     let announce = worker::Announce {
         pool: Pool::Decode,
@@ -362,7 +361,7 @@ fn offer(transport: &str, endpoint: String, cert_der: Vec<u8>) -> KvOffer {
 async fn kv_endpoints(
     cfg: &DecodeConfig,
     loaded: &worker::Loaded,
-    regions: (Option<kv_transfer::KvRegions>, usize),
+    regions: Result<kv_transfer::KvRegions, String>,
     engine: &EngineHandle<Cmd>,
 ) -> Result<(Vec<KvOffer>, String), WorkerError> {
     let s = &cfg.worker;
@@ -422,19 +421,18 @@ async fn kv_endpoints(
 /// in-place writes can address the pool (one layer group, see `engine::KvCache`).
 async fn rdma(
     s: &Settings,
-    (regions, groups): (Option<kv_transfer::KvRegions>, usize),
+    regions: Result<kv_transfer::KvRegions, String>,
 ) -> Result<Option<kv_transfer::rdma::RdmaKvReceiver>, WorkerError> {
     let (local, _) = kv_transfer::negotiate::local_transports();
     if !local.contains(&kv_transfer::Transport::Rdma) {
         return Ok(None);
     }
-    let Some(regions) = regions else {
-        tracing::warn!(
-            "RDMA not offered: in-place KV writes address one block table, and this model's \
-             cache has {groups} layer groups (sliding-window layers keep their own blocks); \
-             prefill workers send over TCP or QUIC"
-        );
-        return Ok(None);
+    let regions = match regions {
+        Ok(r) => r,
+        Err(why) => {
+            tracing::warn!("RDMA not offered: {why}; prefill workers send over TCP or QUIC");
+            return Ok(None);
+        }
     };
     let side = worker::bind(&s.host, "KV listener (rdma side channel)").await?;
     // SAFETY: the regions come from the engine's KV cache, and `regions.owners` are that

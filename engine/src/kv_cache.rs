@@ -53,6 +53,12 @@ impl BlockTable {
         let held = |t: &GroupBlocks| t.blocks.iter().filter(|&&b| b != GONE).count();
         self.groups.iter().map(held).sum()
     }
+
+    /// Blocks held or promised (see [`KvCache::reserve`]): what the sequence's reservation
+    /// keeps from others, over all groups.
+    pub fn reserved(&self) -> usize {
+        self.held() + self.groups.iter().map(|t| t.promised).sum::<usize>()
+    }
 }
 
 /// Layers that keep the same tokens: the same attention window (`None`: every token). A
@@ -508,15 +514,29 @@ impl KvCache {
         }
     }
 
-    /// Records that KV for tokens `from..to` arrived for `table`: a windowed layer gets only
-    /// its window of `to`, so tokens between `from` and that window are missing there.
-    pub fn arrived(&mut self, table: &mut BlockTable, from: usize, to: usize) {
+    /// KV of tokens `range` arrived for `table` (from a prefill worker): `layers`, one entry a
+    /// layer in the layout of [`KvCache::read_range`]. A windowed group's blocks before the
+    /// window of the next query (at `range.end`) go back, the blocks the range needs are taken,
+    /// every layer's tokens are written, and a windowed group records that the tokens before
+    /// its window are missing (it was sent only its window).
+    pub fn write_arrived(
+        &mut self,
+        table: &mut BlockTable,
+        range: std::ops::Range<usize>,
+        layers: &[Vec<u8>],
+    ) -> Result<()> {
+        self.trim(table, range.end);
+        self.ensure(table, range.end, range.end)?;
+        for (l, data) in layers.iter().enumerate() {
+            self.write_range(table, l, range.clone(), data)?;
+        }
         for (g, t) in table.groups.iter_mut().enumerate() {
-            let start = kernels::Query::first_in_window(to, self.groups[g].window);
-            if start > from {
+            let start = kernels::Query::first_in_window(range.end, self.groups[g].window);
+            if start > range.start {
                 t.valid_from = t.valid_from.max(start);
             }
         }
+        Ok(())
     }
 
     /// The tokens of `range` layer `layer` keeps: all of them, or on a windowed layer those in
@@ -747,6 +767,11 @@ mod tests {
         kv.reserve(&mut t, 10).unwrap();
         // 5 blocks now for the global group; 4 promised each (window 4 + chunk 2 - 1 → 3, +1).
         assert_eq!((t.held(), kv.free_blocks()), (5, 24 - 5 - 8));
+        assert_eq!(
+            t.reserved(),
+            5 + 8,
+            "the promises are part of the reservation"
+        );
         let tokens: Vec<u32> = (1..=10).collect();
         let mut chain = (0, crate::prefix::ROOT);
         for start in (0..10).step_by(2) {

@@ -264,7 +264,7 @@ impl Engine {
             return Err(e);
         }
         let lease = self.config.kv_lease.map(|d| Instant::now() + d);
-        self.ledger.reserve(id, seq.table.held() as u32, lease);
+        self.ledger.reserve(id, seq.table.reserved() as u32, lease);
         let cached = seq.computed;
         self.awaiting.push(seq);
         Ok(cached)
@@ -330,14 +330,20 @@ impl Engine {
     pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
         let (i, range) = self.awaiting_kv(id, layers.len(), "KV")?;
         let table = &mut self.awaiting[i].table;
-        // A windowed layer's blocks before its window of the first query go back first.
-        self.kv.trim(table, range.end);
-        self.kv.ensure(table, range.end, range.end)?;
-        for (l, data) in layers.iter().enumerate() {
-            self.kv.write_range(table, l, range.clone(), data)?;
-        }
-        self.kv.arrived(table, range.start, range.end);
+        self.kv.write_arrived(table, range.clone(), layers)?;
         self.admit(i, range.end)
+    }
+
+    /// Whether in-place (RDMA) transfers can address this cache, or why not.
+    fn in_place(&self) -> std::result::Result<(), String> {
+        match self.kv.one_table() {
+            true => Ok(()),
+            false => Err(format!(
+                "in-place KV transfers address one block table of whole layers; this model's \
+                 cache has {} layer groups (sliding-window layers keep their own blocks)",
+                self.kv.groups()
+            )),
+        }
     }
 
     /// In-place (RDMA) transfers: the blocks a reserved request's remote KV of `n_tokens`
@@ -346,13 +352,7 @@ impl Engine {
         let seq = self.awaiting.iter().find(|s| s.id == id).ok_or_else(|| {
             EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
         })?;
-        if !self.kv.one_table() {
-            return Err(EngineError::InvalidRequest(format!(
-                "in-place KV transfers address one block table of whole layers; this model's \
-                 cache has {} layer groups (sliding-window layers keep their own blocks)",
-                self.kv.groups()
-            )));
-        }
+        self.in_place().map_err(EngineError::InvalidRequest)?;
         let from = seq.computed;
         if from + n_tokens + 1 != seq.prompt_len {
             return Err(EngineError::InvalidRequest(format!(
@@ -385,19 +385,18 @@ impl Engine {
     }
 
     /// The KV pool as raw memory for RDMA registration (see [`KvCache::raw_regions`]), with
-    /// what keeps it allocated; `None` where in-place writes cannot address it (several layer
-    /// groups).
-    pub fn kv_regions(&mut self) -> Option<proto::KvRegions> {
-        Some(proto::KvRegions {
-            layers: self.kv.raw_regions()?,
+    /// what keeps it allocated; or why in-place writes cannot address it.
+    pub fn kv_regions(&mut self) -> std::result::Result<proto::KvRegions, String> {
+        self.in_place()?;
+        let layers = self
+            .kv
+            .raw_regions()
+            .ok_or("the KV pool has no raw regions")?;
+        Ok(proto::KvRegions {
+            layers,
             block_bytes: self.kv.block_bytes(),
             owners: self.kv.owners(),
         })
-    }
-
-    /// Layer groups of the KV cache (see [`KvCache`]).
-    pub fn kv_groups(&self) -> usize {
-        self.kv.groups()
     }
 
     /// Ids of prefill-only requests whose KV is complete and not yet exported.
@@ -511,11 +510,6 @@ impl Engine {
             .chain(&self.prefilled)
             .find(|s| s.id == id)
             .map_or(0, |s| s.table.held())
-    }
-
-    /// Blocks held by requests still waiting for their KV from a prefill worker.
-    pub fn awaiting_blocks(&self) -> usize {
-        self.awaiting.iter().map(|s| s.table.held()).sum()
     }
 
     fn new_seq(
