@@ -90,14 +90,39 @@ def costs(texts, workers, overheads):
                 for p in ["prefill", "decode"]}
     with open(overheads, "w") as f:
         f.write("".join(per_pool["prefill"] + per_pool["decode"]))
+    # The router's: the tokens' delays on their way out (`--token-delays`).
+    router = overheads.replace("-metrics", "-router")
+    with open(router, "w") as f:
+        f.write(texts["router"])
     over = {p: mean(per_pool[p], f"tandem_{p}_step_overhead_seconds") * 1e6 for p in ["prefill", "decode"]}
+    # The transfer's exposed wait ends at the decode worker's answer, so it holds the wait for
+    # the decode engine's step in progress and the KV's write into its cache, both of which
+    # the simulator has of its own: the link's latency is the rest.
     wait = mean([texts["router"]], "tandem_kv_exposed_wait_seconds")
+    queued = mean(per_pool["decode"], "tandem_decode_kv_queue_seconds")
+    admit = mean(per_pool["decode"], "tandem_decode_kv_admit_seconds")
     # The decode engines' time writing arrived KV into their caches, per byte received.
     written = sum(total(t, "tandem_decode_kv_admit_seconds_sum") for t in per_pool["decode"])
     received = sum(total(t, "tandem_kv_received_bytes_total") for t in per_pool["decode"])
     return {"prefill_us": round(over["prefill"]), "decode_us": round(over["decode"]),
-            "link_us": round(wait * 1e6), "write_ns": written * 1e9 / received if received else 0.0,
-            "file": overheads}
+            "link_us": round(max(wait - queued - admit, 0.0) * 1e6),
+            "wait_us": round(wait * 1e6), "queued_us": round(queued * 1e6),
+            "write_ns": written * 1e9 / received if received else 0.0,
+            "file": overheads, "router": router, "phases": phases(texts["router"]),
+            "token_delay_us": round(mean([texts["router"]], "tandem_router_token_delay_seconds") * 1e6)}
+
+
+PHASES = ["admission", "prefill", "first_token"]
+
+
+def phases(router):
+    """The router's mean TTFT phases (ms) from its `tandem_router_ttft_phase_seconds`."""
+    m = samples(router)
+    out = {}
+    for p in PHASES:
+        n = m.get(f'tandem_router_ttft_phase_seconds_count{{phase="{p}"}}', 0.0)
+        out[p] = 1e3 * m.get(f'tandem_router_ttft_phase_seconds_sum{{phase="{p}"}}', 0.0) / n if n else 0.0
+    return out
 
 
 def run_real(a, scratch):
@@ -130,6 +155,8 @@ def simulate(a, cfg, cal, scratch, name):
     else:
         steps = ["--prefill-step-overhead-us", str(cal["prefill_us"]),
                  "--decode-step-overhead-us", str(cal["decode_us"])]
+    if a.token_delays:
+        steps += ["--token-delays", cal["router"]]
     flags = steps + ["--link-latency-us", str(cal["link_us"]), "--link-gbytes-per-s", "1000",
                      "--kv-write-ns-per-byte", f"{cal['write_ns']:.4f}"]
     out = os.path.join(scratch, f"sim-{name}.json")
@@ -148,6 +175,8 @@ def main():
     ap.add_argument("--preset", default="cpu-smollm2")
     ap.add_argument("--overhead", choices=["drawn", "mean"], default="drawn",
                     help="simulated step overheads: drawn from the measured histograms, or their means")
+    ap.add_argument("--no-token-delays", dest="token_delays", action="store_false",
+                    help="tokens reach their clients as they are made (no measured delay drawn)")
     a = ap.parse_args()
     scratch = tempfile.mkdtemp(prefix="tandem-fidelity-")
     real, cal, cfg_text = run_real(a, scratch)
@@ -159,7 +188,9 @@ def main():
         c = cal[name]
         print(f"costs from the {name} run: step overhead prefill mean {c['prefill_us']} µs, decode mean "
               f"{c['decode_us']} µs ({'drawn per step from ' + c['file'] if a.overhead == 'drawn' else 'the means'}); "
-              f"KV exposed wait {c['link_us']} µs; KV written into the decode cache at {c['write_ns']:.3f} ns/byte")
+              f"KV exposed wait {c['wait_us']} µs, of which {c['queued_us']} µs waiting for a decode step's end "
+              f"(link latency {c['link_us']} µs); KV written into the decode cache at {c['write_ns']:.3f} ns/byte; "
+              f"a token's way to the router's HTTP response {c['token_delay_us']} µs on average")
         sims[name] = simulate(a, cfg, c, scratch, name)
     print(f"{a.requests} requests, time x{a.time_scale}, lengths x{a.length_scale}, preset {a.preset}; "
           f"real errors {real['errors']}, simulated errors {sims['same']['errors']}, {sims['next']['errors']}; "
@@ -173,6 +204,16 @@ def main():
             print(f"| {k} {q} | {r:.1f} |{cells}")
     for k in ["prefix_hit_ratio", "requests_per_s", "output_tokens_per_s"]:
         print(f"| {k} | {real[k]:.3f} | {sims['same'][k]:.3f} | | {sims['next'][k]:.3f} | |")
+    # Where the TTFT went (means, ms; the router's phases, and the simulator's of its own).
+    real_ph = cal["same"]["phases"]
+    for p in PHASES:
+        r = real_ph[p]
+        cells = ""
+        for n in ["same", "next"]:
+            c = sims[n]["simulation"]["ttft_phase_seconds"].get(p, {"count": 0, "sum": 0.0})
+            v = 1e3 * c["sum"] / c["count"] if c["count"] else 0.0
+            cells += f" {v:.1f} | {100 * (v - r) / r if r else 0.0:+.1f}% |"
+        print(f"| TTFT phase {p}, mean ms | {r:.1f} |{cells}")
 
 if __name__ == "__main__":
     main()

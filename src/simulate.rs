@@ -48,6 +48,11 @@ pub struct SimulateArgs {
     /// One call between the router and a worker, µs.
     #[arg(long, default_value_t = 0)]
     hop_us: u64,
+    /// A router's Prometheus scrape: each token's way to its client takes a delay drawn from
+    /// its `tandem_router_token_delay_seconds` buckets, besides `--hop-us`
+    /// (`scripts/sim_fidelity.py`).
+    #[arg(long, value_name = "FILE")]
+    token_delays: Option<PathBuf>,
     /// The simulated model's context, tokens (default: the model file's); prompts and outputs
     /// longer fail as they would on the cluster.
     #[arg(long)]
@@ -155,6 +160,10 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         scaling: cluster::scaling(&cfg),
         start_up: Duration::from_millis(a.start_up_ms),
         hop: Duration::from_micros(a.hop_us),
+        token_delay: match &a.token_delays {
+            Some(path) => token_delays(path)?,
+            None => sim::Overhead::default(),
+        },
         liveness: sim::Liveness {
             stall: Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
             transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
@@ -171,49 +180,13 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
 /// `tandem_{pool}_step_overhead_seconds`, summed over the workers (they share the bounds).
 /// Pools the file has no buckets for are left out.
 fn step_overheads(path: &std::path::Path) -> Result<HashMap<&'static str, sim::Overhead>> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| anyhow::anyhow!("--step-overheads {}: {e}", path.display()))?;
+    let text = scrape(path, "--step-overheads")?;
     let mut out = HashMap::new();
     for pool in ["prefill", "decode"] {
-        let name = format!("tandem_{pool}_step_overhead_seconds_bucket{{");
-        let mut sums: Vec<(f64, f64)> = Vec::new();
-        for (n, line) in text.lines().enumerate() {
-            let Some(rest) = line.strip_prefix(&name) else {
-                continue;
-            };
-            let bucket = (|| {
-                let le = rest.split("le=\"").nth(1)?.split('"').next()?;
-                let le: f64 = if le == "+Inf" {
-                    f64::INFINITY
-                } else {
-                    le.parse().ok()?
-                };
-                let count: f64 = rest.rsplit(' ').next()?.parse().ok()?;
-                Some((le, count))
-            })();
-            let Some((le, count)) = bucket else {
-                bail!(
-                    "{}:{}: not a histogram bucket line: {line}",
-                    path.display(),
-                    n + 1
-                );
-            };
-            match sums.iter_mut().find(|(l, _)| *l == le) {
-                Some(s) => s.1 += count,
-                None => sums.push((le, count)),
-            }
+        let name = format!("tandem_{pool}_step_overhead_seconds");
+        if let Some(o) = histogram(&text, path, "--step-overheads", &name)? {
+            out.insert(pool, o);
         }
-        if sums.is_empty() {
-            continue;
-        }
-        sums.sort_by(|a, b| a.0.total_cmp(&b.0));
-        let o = sim::Overhead::from_buckets(&sums).map_err(|e| {
-            anyhow::anyhow!(
-                "--step-overheads {}: tandem_{pool}_step_overhead_seconds: {e}",
-                path.display()
-            )
-        })?;
-        out.insert(pool, o);
     }
     if out.is_empty() {
         bail!(
@@ -222,6 +195,69 @@ fn step_overheads(path: &std::path::Path) -> Result<HashMap<&'static str, sim::O
         );
     }
     Ok(out)
+}
+
+/// The tokens' delays on their way out from a router's scrape: its
+/// `tandem_router_token_delay_seconds` buckets.
+fn token_delays(path: &std::path::Path) -> Result<sim::Overhead> {
+    let text = scrape(path, "--token-delays")?;
+    histogram(&text, path, "--token-delays", "tandem_router_token_delay_seconds")?.ok_or_else(
+        || {
+            anyhow::anyhow!(
+                "--token-delays {}: no tandem_router_token_delay_seconds buckets (a router's /metrics has them)",
+                path.display()
+            )
+        },
+    )
+}
+
+fn scrape(path: &std::path::Path, flag: &str) -> Result<String> {
+    std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{flag} {}: {e}", path.display()))
+}
+
+/// The distribution of histogram `name` in Prometheus text, its buckets summed over every
+/// series (they share the bounds); `None` where the text has none.
+fn histogram(
+    text: &str,
+    path: &std::path::Path,
+    flag: &str,
+    name: &str,
+) -> Result<Option<sim::Overhead>> {
+    let prefix = format!("{name}_bucket{{");
+    let mut sums: Vec<(f64, f64)> = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let Some(rest) = line.strip_prefix(&prefix) else {
+            continue;
+        };
+        let bucket = (|| {
+            let le = rest.split("le=\"").nth(1)?.split('"').next()?;
+            let le: f64 = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            let count: f64 = rest.rsplit(' ').next()?.parse().ok()?;
+            Some((le, count))
+        })();
+        let Some((le, count)) = bucket else {
+            bail!(
+                "{}:{}: not a histogram bucket line: {line}",
+                path.display(),
+                n + 1
+            );
+        };
+        match sums.iter_mut().find(|(l, _)| *l == le) {
+            Some(s) => s.1 += count,
+            None => sums.push((le, count)),
+        }
+    }
+    if sums.is_empty() {
+        return Ok(None);
+    }
+    sums.sort_by(|a, b| a.0.total_cmp(&b.0));
+    sim::Overhead::from_buckets(&sums)
+        .map(Some)
+        .map_err(|e| anyhow::anyhow!("{flag} {}: {name}: {e}", path.display()))
 }
 
 /// Runs one simulation and reports it as `tandem bench load` would, plus its `simulation`.
@@ -243,8 +279,8 @@ pub fn simulate(
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
         "migrations": r.migrations, "deaths": r.deaths, "stalls": r.stalls,
         "faults": r.faults.iter().map(|(t, f)| serde_json::json!({"t_s": t, "fault": f})).collect::<Vec<_>>(),
-        "step_seconds": r.step_time.iter().map(|(k, (n, t))| (k.to_string(), serde_json::json!({"count": n, "sum": t})))
-            .collect::<serde_json::Map<_, _>>(),
+        "ttft_phase_seconds": counted(&r.ttft_phases),
+        "step_seconds": counted(&r.step_time),
         "series": r.series.iter().map(|s| serde_json::json!({
             "t_s": s.t, "pool": s.pool, "live": s.live, "starting": s.starting, "desired": s.desired,
             "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action,
@@ -253,9 +289,17 @@ pub fn simulate(
     Ok((r, report))
 }
 
+/// Counts and sums by name, as `{name: {"count": n, "sum": seconds}}`.
+fn counted(m: &std::collections::BTreeMap<&'static str, (u64, f64)>) -> serde_json::Value {
+    m.iter()
+        .map(|(k, (n, t))| (k.to_string(), serde_json::json!({"count": n, "sum": t})))
+        .collect::<serde_json::Map<_, _>>()
+        .into()
+}
+
 #[cfg(test)]
 mod tests {
-    use super::step_overheads;
+    use super::{step_overheads, token_delays};
 
     fn file(name: &str, text: &str) -> std::path::PathBuf {
         let dir = std::env::temp_dir().join(format!("tandem-overheads-{}", std::process::id()));
@@ -308,6 +352,23 @@ mod tests {
         assert!(
             e.to_string()
                 .contains("--step-overheads /nonexistent/m.txt"),
+            "{e}"
+        );
+    }
+
+    /// A router's scrape gives the tokens' delays (every token under 1 ms here); one without
+    /// them, a worker's, is refused by name.
+    #[test]
+    fn token_delays_come_from_a_routers_scrape() {
+        let b = "tandem_router_token_delay_seconds_bucket";
+        let text = format!("{b}{{le=\"0.0005\"}} 3\n{b}{{le=\"0.001\"}} 4\n{b}{{le=\"+Inf\"}} 4\n");
+        let d = token_delays(&file("router.txt", &text)).unwrap();
+        assert!((0..1000).all(|t| d.draw_token(7, t) <= 1_000_000));
+        let worker = "tandem_decode_step_overhead_seconds_bucket{le=\"0.001\"} 1\n";
+        let e = token_delays(&file("worker.txt", worker)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("no tandem_router_token_delay_seconds buckets"),
             "{e}"
         );
     }

@@ -703,6 +703,15 @@ fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
     );
     assert_eq!(value("tandem_router_ttft_seconds_count"), 2.0);
     assert_eq!(value("tandem_router_itl_seconds_count"), 6.0);
+    // Where the TTFT went, each phase of both (remote) first tries; every token's way from
+    // the decode worker timed.
+    for phase in ["admission", "prefill", "first_token"] {
+        let n = value(&format!(
+            "tandem_router_ttft_phase_seconds_count{{phase=\"{phase}\"}}"
+        ));
+        assert_eq!(n, 2.0, "{phase}");
+    }
+    assert_eq!(value("tandem_router_token_delay_seconds_count"), 8.0);
     assert_eq!(value("tandem_kv_transfers_total{transport=\"tcp\"}"), 2.0);
     assert!(value("tandem_kv_transfer_bytes_total{transport=\"tcp\"}") > 0.0);
     assert!(

@@ -71,6 +71,7 @@ fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
             .flatten()
             .map(Into::into)
             .collect(),
+        sent_unix_us: proto::unix_us(std::time::SystemTime::now()),
     }
 }
 
@@ -175,6 +176,8 @@ impl Decoder {
                     ))
                 } else {
                     let t0 = std::time::Instant::now();
+                    metrics::histogram!("tandem_decode_kv_queue_seconds")
+                        .record(t0.saturating_duration_since(kv.landed).as_secs_f64());
                     let r = match &kv.in_place {
                         Some(crcs) => self.engine.admit_in_place(id, crcs),
                         None => self.engine.admit_remote(id, &kv.layers),
@@ -464,6 +467,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_decode_tokens_total", Counter, "Tokens generated."),
     ("tandem_kv_received_bytes_total", Counter, "KV bytes received from prefill workers, by transport."),
     ("tandem_decode_step_overhead_seconds", Histogram, "A mock engine's decode step beyond its timing model's time: what this machine adds (the simulator draws its steps' overheads from it)."),
+    ("tandem_decode_kv_queue_seconds", Histogram, "From a request's KV landing whole to the engine thread taking it (it takes arrivals between steps); the prefill's exposed wait includes it."),
     ("tandem_decode_kv_admit_seconds", Histogram, "Engine-thread time to admit one request's arrived KV (written into the cache, or checked in place); the batch's next step waits for it."),
     ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
 ];

@@ -510,6 +510,8 @@ pub struct IncomingKv {
     /// In-place transfers: the KV is already in the granted blocks (`layers` is empty); one
     /// CRC32 per layer to check it by before admitting.
     pub in_place: Option<Vec<u32>>,
+    /// When its last byte was here (the worker's engine thread takes it between steps).
+    pub landed: std::time::Instant,
     reply: Option<oneshot::Sender<Result<(), String>>>,
     pool: BufferPool,
 }
@@ -714,6 +716,7 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                         layers,
                         in_place: crcs,
                         transport,
+                        landed: std::time::Instant::now(),
                         reply: Some(reply),
                         pool: pool.clone(),
                     };

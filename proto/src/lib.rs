@@ -22,6 +22,19 @@ pub mod grpc {
 
 pub use cause::Cause;
 
+/// `t` in µs since the Unix epoch (0 before it).
+pub fn unix_us(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros() as u64)
+}
+
+/// A bound gRPC listener's connections, each with Nagle's algorithm off. tonic sets `TCP_NODELAY`
+/// only on the listeners it binds itself; on ours, a stream's small frames (a reservation, a
+/// token) waited for the peer's delayed ACK — up to 40 ms each on Linux.
+pub fn grpc_incoming(listener: tokio::net::TcpListener) -> tonic::transport::server::TcpIncoming {
+    tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true))
+}
+
 /// A worker pool, and so a worker's role: one type from cluster.toml through the control plane
 /// to the planner.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize)]
@@ -175,6 +188,19 @@ impl ModelIdentity {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Connections a gRPC server accepts through [`grpc_incoming`] do not wait for ACKs to
+    /// send small frames.
+    #[tokio::test]
+    async fn grpc_connections_have_nagle_off() {
+        use tokio_stream::StreamExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut incoming = grpc_incoming(l);
+        let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let accepted = incoming.next().await.unwrap().unwrap();
+        assert!(accepted.nodelay().unwrap());
+    }
 
     #[test]
     fn mismatches_are_named() {

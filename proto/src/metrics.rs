@@ -14,8 +14,8 @@ pub const LATENCY_BUCKETS: [f64; 17] = [
 ];
 
 /// Buckets of the workers' step overheads (`tandem_*_step_overhead_seconds`: a mock step's
-/// time beyond its timing model's), fine enough for the simulator to draw from: eight a decade,
-/// 10 µs to 1 s.
+/// time beyond its timing model's) and of the router's token delays, fine enough for the
+/// simulator to draw from: eight a decade, 10 µs to 1 s.
 pub fn overhead_buckets() -> Vec<f64> {
     (0..=40)
         .map(|i| 1e-5 * 10f64.powf(i as f64 / 8.0))
@@ -53,6 +53,11 @@ pub fn install() -> Option<PrometheusHandle> {
         .ok()?
         .set_buckets_for_metric(
             Matcher::Suffix("_step_overhead_seconds".into()),
+            &overhead_buckets(),
+        )
+        .ok()?
+        .set_buckets_for_metric(
+            Matcher::Full("tandem_router_token_delay_seconds".into()),
             &overhead_buckets(),
         )
         .ok()?

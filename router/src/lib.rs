@@ -38,7 +38,6 @@ use std::time::Duration;
 use axum::routing::{get, post};
 use engine::{EngineError, Tokenizer};
 use proto::grpc::control_server::ControlServer;
-use tokio_stream::wrappers::TcpListenerStream;
 
 use crate::registry::{ControlService, Registry};
 
@@ -330,7 +329,7 @@ pub async fn run(
     let app = app(state.clone());
     let control = tonic::transport::Server::builder()
         .add_service(ControlServer::new(ControlService(registry)))
-        .serve_with_incoming(TcpListenerStream::new(ctrl_l));
+        .serve_with_incoming(proto::grpc_incoming(ctrl_l));
     on_ready(http_addr, ctrl_addr);
     let router_id = discovery::random_id();
     if let Some(d) = &cfg.discovery {
@@ -385,6 +384,16 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "tandem_router_ttft_seconds",
         Histogram,
         "Time to first token, from arrival at the router (queueing included).",
+    ),
+    (
+        "tandem_router_ttft_phase_seconds",
+        Histogram,
+        "Where a first try's time to first token went: admission (to a decode worker's reservation), prefill (the prefill pool's part until the KV is in the decode worker's cache; remote prefills), first_token (from there to the first token).",
+    ),
+    (
+        "tandem_router_token_delay_seconds",
+        Histogram,
+        "A token's way from its decode worker handing it to its stream to the router's HTTP response (by the two machines' wall clocks; the simulator draws its tokens' delays from it).",
     ),
     (
         "tandem_router_itl_seconds",

@@ -52,6 +52,9 @@ pub struct Token {
     /// On the first token, when the request asked for them: the log-probabilities of the prompt
     /// tokens after the first.
     pub prompt_logprobs: Vec<engine::sampler::TokenLogprobs>,
+    /// The decode worker's wall clock as it sent the token, µs since the Unix epoch (0: not
+    /// stamped).
+    pub sent_unix_us: u64,
 }
 
 /// A generated token, or why the stream failed.
@@ -158,6 +161,7 @@ pub async fn start_on(
         streamed: Vec::new(),
         stream_from: 0,
         reserved: None,
+        prefilled: None,
         decode: None,
         stream: None,
         prefill: None,
@@ -236,6 +240,8 @@ struct Request {
     streamed: Vec<u32>,
     stream_from: usize,
     reserved: Option<Instant>,
+    /// When the prefill call answered (the KV is in the decode worker's cache).
+    prefilled: Option<Instant>,
     decode: Option<(Worker, InFlight)>,
     stream: Option<Streaming<GenerateEvent>>,
     prefill: Option<PrefillCall>,
@@ -515,6 +521,7 @@ impl Request {
             r = &mut call.task => match r {
                 Ok(Ok(reply)) => {
                     self.prefill = None;
+                    self.prefilled = Some(Instant::now());
                     tracing::debug!(request = self.id, kv_bytes = reply.kv_bytes, transport = %reply.transport, "prefill done");
                     Phase::Decoding
                 }
@@ -571,7 +578,9 @@ impl Request {
                 finish,
                 logprobs,
                 prompt_logprobs,
+                sent_unix_us,
             }) => Token {
+                sent_unix_us,
                 id: t,
                 finish: FinishReason::from_wire(finish),
                 logprobs: logprobs.map(Into::into),
@@ -600,6 +609,9 @@ impl Request {
     fn record_token(&mut self) {
         let now = Instant::now();
         let signals = &self.state.signals;
+        if self.last_token.is_none() {
+            self.record_ttft_phases(now);
+        }
         match (self.last_token, self.reserved) {
             (None, Some(reserved)) if self.disaggregated => {
                 let mut w = signals.prefill_ttft.lock().expect("window lock");
@@ -614,6 +626,34 @@ impl Request {
         }
         self.last_token = Some(now);
         self.tokens += 1;
+    }
+
+    /// Where a first try's time to first token went (`tandem_router_ttft_phase_seconds`):
+    /// finding a decode worker that reserved it (`admission`), the prefill pool's part until
+    /// its KV is in the decode worker's cache (`prefill`: queue, compute, transfer, admission;
+    /// remote prefills only), and from there to the first token (`first_token`: the decode
+    /// worker's next step, or its own prefill, and the token's way back). Migrated and
+    /// recomputed requests are left out: their phases overlap.
+    fn record_ttft_phases(&self, now: Instant) {
+        let Some(reserved) = self
+            .reserved
+            .filter(|_| self.migrations == 0 && !self.recomputed)
+        else {
+            return;
+        };
+        let phase = |name: &'static str, d: Duration| {
+            metrics::histogram!("tandem_router_ttft_phase_seconds", "phase" => name).record(d)
+        };
+        phase("admission", reserved - self.arrived);
+        // A token can overtake the prefill's reply (the reply follows the decode worker's ack).
+        let kv = match self.remote() {
+            true => self.prefilled.map_or(now, |p| p.min(now)),
+            false => reserved,
+        };
+        if self.remote() {
+            phase("prefill", kv - reserved);
+        }
+        phase("first_token", now - kv);
     }
 
     fn prefill_failed(&self, s: Status) -> ApiError {

@@ -91,6 +91,11 @@ impl Texter {
             }
             Some(prev) => metrics::histogram!("tandem_router_itl_seconds").record(now - prev),
         }
+        if t.sent_unix_us > 0 {
+            // Another machine's clock may run ahead: a token cannot arrive before it was sent.
+            let delay = proto::unix_us(std::time::SystemTime::now()).saturating_sub(t.sent_unix_us);
+            metrics::histogram!("tandem_router_token_delay_seconds").record(delay as f64 / 1e6);
+        }
         self.last = Some(now);
         let echoed = self.echo.take().map_or_else(String::new, |(text, ids)| {
             if let Some(out) = &mut self.lp {

@@ -85,6 +85,9 @@ pub struct SimConfig {
     /// One call between the router and a worker (the reservation, the prefill's dispatch, a
     /// token's way out).
     pub hop: Duration,
+    /// Added to each token's way out, drawn per token (a real router measures it:
+    /// `tandem_router_token_delay_seconds`); tokens still reach their client in order.
+    pub token_delay: Overhead,
     /// How the router notices failures and what it does about them.
     pub liveness: Liveness,
     /// What goes wrong, and when.
@@ -176,6 +179,9 @@ pub struct SimResult {
     pub stalls: u64,
     /// Each fault as it struck: virtual seconds, what.
     pub faults: Vec<(f64, String)>,
+    /// Where first tries' TTFT went, as the router's `tandem_router_ttft_phase_seconds`
+    /// measures it: per phase (admission, prefill, first_token), requests and seconds.
+    pub ttft_phases: BTreeMap<&'static str, (u64, f64)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -218,8 +224,12 @@ struct Worker {
     writes: u64,
     /// The step time the virtual mock left (ns).
     clock: Arc<AtomicU64>,
-    /// A step is running (its results are delivered at its end).
+    /// A step is running (its results are delivered at its end), until this virtual time.
     busy: bool,
+    busy_until: u64,
+    /// Decode: requests the router sent while it stepped (and their attempts): its engine
+    /// thread reserves them when the step ends.
+    reserving: Vec<(usize, u32)>,
     /// The running step's tokens, delivered at its end.
     pending: Vec<engine::TokenEvent>,
     /// Requests the router has in flight on it.
@@ -274,6 +284,10 @@ struct Req {
     /// When a decode worker reserved it, for a remote prefill (the prefill pool's TTFT runs
     /// from here).
     reserved: Option<u64>,
+    /// When the router heard of its reservation on a decode worker, and when its prompt's KV
+    /// was in that worker's cache (remote prefills): its TTFT phases.
+    admitted: Option<u64>,
+    kv_in: Option<u64>,
     /// Its prompt's block names (all but the last token), computed once.
     blocks: Option<Vec<u64>>,
     error: Option<String>,
@@ -419,6 +433,8 @@ impl Sim {
             writes: 0,
             clock,
             busy: false,
+            busy_until: 0,
+            reserving: Vec::new(),
             pending: Vec::new(),
             in_flight: 0,
             queued_tokens: 0,
@@ -512,6 +528,21 @@ impl Sim {
             return;
         };
         let w = decode[pick];
+        // The router counts it on the worker from its pick.
+        self.workers[w].in_flight += 1;
+        self.reqs[r].decode = Some(w);
+        if self.workers[w].busy {
+            // The worker's engine thread takes the reservation between steps.
+            let attempt = self.reqs[r].attempt;
+            self.workers[w].reserving.push((r, attempt));
+            return;
+        }
+        self.reserve(r, w);
+    }
+
+    /// Decode worker `w` reserves request `r`'s blocks (or, colocated, takes the whole
+    /// request); without room, the request waits for a worker to free some.
+    fn reserve(&mut self, r: usize, w: usize) {
         let params = SamplingParams {
             // What is left of it (a migrated request streamed the rest already).
             max_tokens: Some(self.requests[r].output - self.reqs[r].tokens),
@@ -531,37 +562,52 @@ impl Sim {
                 .reserve_remote(r as u64, prompt, params)
                 .map(Some)
         };
-        match added {
-            Ok(cached) => {
-                self.workers[w].in_flight += 1;
-                self.reqs[r].decode = Some(w);
-                let now = self.instant();
-                let waited = Duration::from_nanos(self.now - self.reqs[r].at);
-                self.signals.admission.record(now, waited);
-                if let Some(cached) = cached {
-                    // The reservation's way back to the router, the router's call to a prefill
-                    // worker: two hops (a decode worker prefilling itself decides at once).
-                    let known = self.requests[r].prompt.len() - 1;
-                    if known - cached <= self.cfg.local_prefill_max_tokens {
-                        self.prefill(r, w, cached);
-                    } else {
-                        let at = self.now + 2 * ns(self.cfg.hop);
-                        let attempt = self.reqs[r].attempt;
-                        self.schedule(
-                            at,
-                            Event::Dispatch {
-                                req: r,
-                                decode: w,
-                                cached,
-                                attempt,
-                            },
-                        );
-                    }
-                }
-                self.kick(w);
+        let Ok(cached) = added else {
+            self.workers[w].in_flight -= 1;
+            self.reqs[r].decode = None;
+            match added {
+                Err(engine::EngineError::OutOfBlocks(_)) => self.admission.push_back(r),
+                Err(e) => self.fail(r, e.to_string()),
+                Ok(_) => unreachable!(),
             }
-            Err(engine::EngineError::OutOfBlocks(_)) => self.admission.push_back(r),
-            Err(e) => self.fail(r, e.to_string()),
+            return;
+        };
+        let now = self.instant();
+        let waited = Duration::from_nanos(self.now - self.reqs[r].at);
+        self.signals.admission.record(now, waited);
+        // The router hears of a reservation a hop later.
+        self.reqs[r].admitted = Some(self.now + cached.map_or(0, |_| ns(self.cfg.hop)));
+        if let Some(cached) = cached {
+            // The reservation's way back to the router, the router's call to a prefill
+            // worker: two hops (a decode worker prefilling itself decides at once).
+            let known = self.requests[r].prompt.len() - 1;
+            if known - cached <= self.cfg.local_prefill_max_tokens {
+                self.prefill(r, w, cached);
+            } else {
+                let at = self.now + 2 * ns(self.cfg.hop);
+                let attempt = self.reqs[r].attempt;
+                self.schedule(
+                    at,
+                    Event::Dispatch {
+                        req: r,
+                        decode: w,
+                        cached,
+                        attempt,
+                    },
+                );
+            }
+        }
+        self.kick(w);
+    }
+
+    /// The reservations decode worker `w` took while it stepped, in the order they came
+    /// (those of requests that have left it since are dropped).
+    fn take_reservations(&mut self, w: usize) {
+        for (r, attempt) in std::mem::take(&mut self.workers[w].reserving) {
+            let q = &self.reqs[r];
+            if q.attempt == attempt && q.decode == Some(w) && q.error.is_none() {
+                self.reserve(r, w);
+            }
         }
     }
 
@@ -667,6 +713,7 @@ impl Sim {
                 let t = self.result.step_time.entry(wk.pool.name()).or_default();
                 *t = (t.0 + 1, t.1 + d as f64 / 1e9);
                 wk.busy = true;
+                wk.busy_until = self.now + d;
                 wk.busy_ns += d;
                 wk.computed += wk.engine.last_step().0 as u64;
                 wk.pending = events;
@@ -717,6 +764,7 @@ impl Sim {
             self.transfer(r, sent);
         }
         self.heartbeat(w);
+        self.take_reservations(w);
         self.kick(w);
         self.retire(w);
         // Blocks are freed when a request ends: then the requests waiting for room try again
@@ -799,18 +847,38 @@ impl Sim {
         }
         let write = self.reqs[r].kv_bytes as f64 * self.cfg.link.write_ns_per_byte;
         self.workers[d].writes += write as u64;
+        // The worker's engine thread takes the KV between steps, writes it, answers: the
+        // prefill's reply reaches the router a hop later.
+        let step_end = self.workers[d].busy_until.max(self.now);
+        self.reqs[r].kv_in = Some(step_end + write as u64 + ns(self.cfg.hop));
         self.kick(d);
     }
 
     fn token(&mut self, ev: engine::TokenEvent) {
         let r = ev.id as usize;
-        // The client sees it a hop later (the router's signals see it then too).
-        let now = self.now + ns(self.cfg.hop);
+        // The client sees it a hop and its drawn delay later, not before the one before it
+        // (the router's signals see it then too).
+        let delay = self.cfg.token_delay.draw_token(r, self.reqs[r].tokens);
+        let now = (self.now + ns(self.cfg.hop) + delay).max(self.reqs[r].last);
         let at = self.base + Duration::from_nanos(now);
         let q = &mut self.reqs[r];
         match q.first {
             None => {
                 q.first = Some(now);
+                if let (0, Some(admitted)) = (q.attempt, q.admitted) {
+                    let ph = &mut self.result.ttft_phases;
+                    let mut add = |name: &'static str, from: u64, to: u64| {
+                        let e = ph.entry(name).or_default();
+                        *e = (e.0 + 1, e.1 + to.saturating_sub(from) as f64 / 1e9);
+                    };
+                    add("admission", q.at, admitted);
+                    // A token can overtake the prefill's reply.
+                    let kv = q.kv_in.map_or(admitted, |k| k.min(now));
+                    if q.kv_in.is_some() {
+                        add("prefill", admitted, kv);
+                    }
+                    add("first_token", kv, now);
+                }
                 if let Some(t) = q.reserved {
                     self.signals
                         .prefill_ttft

@@ -74,8 +74,17 @@ impl Overhead {
     /// The overhead of step `step` of worker `worker`: a function of the two alone, so a
     /// simulation stays a function of its inputs.
     pub fn draw(&self, worker: usize, step: u64) -> u64 {
-        let u = (mix(0x6f76_6572_6865_6164 ^ (worker as u64) << 40 ^ step) >> 11) as f64
-            / (1u64 << 53) as f64;
+        self.draw_keyed(0x6f76_6572_6865_6164, worker, step)
+    }
+
+    /// The delay of token `token` of request `request` on its way to the client (drawn
+    /// apart from the steps' overheads).
+    pub fn draw_token(&self, request: usize, token: usize) -> u64 {
+        self.draw_keyed(0x746f_6b65_6e64_6c79, request, token as u64)
+    }
+
+    fn draw_keyed(&self, salt: u64, a: usize, b: u64) -> u64 {
+        let u = (mix(salt ^ (a as u64) << 40 ^ b) >> 11) as f64 / (1u64 << 53) as f64;
         self.at(u)
     }
 

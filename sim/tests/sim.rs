@@ -28,6 +28,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         scaling: Vec::new(),
         start_up: Duration::from_secs(1),
         hop: Duration::ZERO,
+        token_delay: Default::default(),
         liveness: sim::Liveness::default(),
         faults: Vec::new(),
     }
@@ -137,6 +138,69 @@ fn step_overheads_drawn_from_a_histogram_spread_the_gaps() {
     let mean = measured.mean_ns();
     let fixed = gaps(&sim::Overhead::fixed(Duration::from_nanos(mean as u64)));
     assert!(fixed.iter().all(|g| (g - mean / 1e3).abs() < 1.0));
+}
+
+/// A decode worker's engine thread takes a reservation between steps: a request that arrives
+/// while the worker steps for another is reserved when that step ends. The first request's
+/// KV lands at 104,460.48 µs (its prefill, 200 µs and 99 tokens' KV at 2 GB/s) and the decode
+/// worker steps every 2.5 ms from there; the second arrives at 110 ms, in the third step, and
+/// waits 1,960.48 µs for its end — its admission phase, as the router would measure it.
+#[test]
+fn a_reservation_waits_for_the_decode_workers_step_in_progress() {
+    let prompt = |base: u32| (0..100).map(|i| base + i).collect::<Vec<u32>>();
+    let reqs = vec![request(0, prompt(300), 50), request(110, prompt(5000), 4)];
+    let r = Sim::new(cluster(1, 1), reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    let (n, secs) = r.ttft_phases["admission"];
+    assert_eq!(n, 2, "both first tries");
+    assert!(
+        (secs * 1e6 - 1960.48).abs() < 1.0,
+        "admission {} µs in all, by hand 0 + 1,960.48 µs",
+        secs * 1e6
+    );
+    assert_eq!(r.ttft_phases["prefill"].0, 2);
+    assert_eq!(r.ttft_phases["first_token"].0, 2);
+}
+
+/// Each token's way out takes a delay drawn from a measured histogram (half under 0.5 ms,
+/// half 0.5..2 ms): the gaps spread around the step time both ways, their sum still the
+/// decode time (tokens arrive in order), and the first token comes later by its own draw.
+#[test]
+fn drawn_token_delays_spread_the_gaps_and_keep_the_tokens_in_order() {
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let delays = sim::Overhead::from_buckets(&[(0.0005, 50.0), (0.002, 100.0)]).unwrap();
+    let run = |d: &sim::Overhead| {
+        let mut c = cluster(1, 1);
+        c.token_delay = d.clone();
+        let r = Sim::new(c, vec![request(0, prompt.clone(), 1001)])
+            .unwrap()
+            .run();
+        r.outcomes[0].clone()
+    };
+    let (plain, drawn) = (run(&sim::Overhead::default()), run(&delays));
+    assert!(plain
+        .gaps
+        .iter()
+        .all(|g| (g.as_secs_f64() * 1e6 - 2500.0).abs() < 1.0));
+    let us: Vec<f64> = drawn.gaps.iter().map(|g| g.as_secs_f64() * 1e6).collect();
+    let share = |f: &dyn Fn(f64) -> bool| us.iter().filter(|&&g| f(g)).count() as f64 / 1000.0;
+    assert!(
+        share(&|g| g < 2200.0) > 0.2,
+        "some tokens gain on the one before"
+    );
+    assert!(share(&|g| g > 2800.0) > 0.2, "some lose");
+    let first = (drawn.ttft.unwrap() - plain.ttft.unwrap()).as_secs_f64() * 1e6;
+    assert!(
+        (0.0..=2000.0).contains(&first),
+        "first token {first} µs later"
+    );
+    let span = |o: &sim::Outcome| o.e2e - o.ttft.unwrap();
+    let moved = span(&drawn).as_secs_f64() * 1e6 - span(&plain).as_secs_f64() * 1e6;
+    assert!(
+        moved.abs() <= 2000.0,
+        "the span moves by two draws at most: {moved} µs"
+    );
+    assert_eq!(us.len(), 1000);
 }
 
 /// Colocated (no prefill pool), the decode workers prefill their own requests: a burst of 8

@@ -23,7 +23,6 @@ use std::time::Duration;
 use engine::{EngineConfig, EngineError, Model, Tokenizer};
 use proto::grpc::{self, KvOffer};
 use proto::{Cause, Pool};
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::Status;
 
 pub use engine_thread::{EngineHandle, Role};
@@ -170,7 +169,7 @@ pub async fn serve<C: Send + 'static>(
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_routes(routes)
-            .serve_with_incoming(TcpListenerStream::new(listener)),
+            .serve_with_incoming(proto::grpc_incoming(listener)),
     );
     let metrics_at = start_metrics(s, announce.pool, announce.metrics).await?;
     let join = grpc::JoinRequest {
