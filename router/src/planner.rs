@@ -91,6 +91,46 @@ impl Window {
     }
 }
 
+/// A counter's rate over the last `window`, from its totals read at ticks.
+#[derive(Debug)]
+pub struct Rate {
+    window: Duration,
+    points: VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    /// A rate over `window`.
+    pub fn new(window: Duration) -> Rate {
+        Rate {
+            window,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Notes the counter's `total` at `now`; its rate per second over the window, once the
+    /// readings span at least half of it.
+    pub fn observe(&mut self, now: Instant, total: u64) -> Option<f64> {
+        self.points.push_back((now, total));
+        while self
+            .points
+            .get(1)
+            .is_some_and(|(t, _)| now.duration_since(*t) >= self.window)
+        {
+            self.points.pop_front();
+        }
+        let &(t0, n0) = self.points.front()?;
+        let span = now.duration_since(t0);
+        (span >= self.window / 2).then(|| total.saturating_sub(n0) as f64 / span.as_secs_f64())
+    }
+}
+
+/// The share of its measured rate a prefill replica is sized to: room for the queueing that
+/// arrivals in bursts bring.
+pub const PREFILL_UTILISATION: f64 = 0.7;
+
+/// A pool sized down to its demand only while its latency is under this share of its target.
+pub const SIZED_DOWN_BELOW: f64 = 0.8;
+
 /// What the router measures for the planner (recorded on the request path, read each tick).
 pub struct Signals {
     /// Every request: arrival at the router to its first token (what clients see).
@@ -103,6 +143,8 @@ pub struct Signals {
     pub admission: Mutex<Window>,
     /// Prompt tokens sent to the prefill pool and not yet done.
     pub prefill_pending_tokens: AtomicU64,
+    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate).
+    pub prefill_sent_tokens: AtomicU64,
     /// Requests waiting right now for a decode worker with room.
     pub decode_waiting: AtomicUsize,
 }
@@ -116,6 +158,7 @@ impl Signals {
             itl: Mutex::new(Window::new(window)),
             admission: Mutex::new(Window::new(window)),
             prefill_pending_tokens: AtomicU64::new(0),
+            prefill_sent_tokens: AtomicU64::new(0),
             decode_waiting: AtomicUsize::new(0),
         }
     }
@@ -124,6 +167,7 @@ impl Signals {
     pub fn prefill_started(self: &Arc<Self>, tokens: u64) -> PendingPrefill {
         self.prefill_pending_tokens
             .fetch_add(tokens, Ordering::SeqCst);
+        self.prefill_sent_tokens.fetch_add(tokens, Ordering::SeqCst);
         PendingPrefill(self.clone(), tokens)
     }
 }
@@ -175,6 +219,10 @@ pub struct Inputs {
     pub predicted: Option<Duration>,
     /// Work queued in front of the pool (prompt tokens pending; requests waiting for room).
     pub queued: u64,
+    /// Replicas the measured demand needs, where the pool can tell (prefill: prompt tokens
+    /// arriving per second over the window, at [`PREFILL_UTILISATION`] of the replicas'
+    /// measured rate).
+    pub needed: Option<u32>,
 }
 
 /// What the planner decided and why.
@@ -277,6 +325,22 @@ impl PoolPlan {
             }
             return hold(self.desired, format!("over target at the maximum: {seen}"));
         }
+        // Far more replicas than the demand needs, and within target with a margin: down to
+        // what it needs at once (one a cooldown would take a fleet started large minutes to
+        // shed). Not "calm" as below: where prompts are long, their compute alone can keep a
+        // pool's TTFT over half its target at any size.
+        if let Some(n) = inp.needed.map(|n| n.max(s.min)) {
+            if n + 1 < self.desired && p90.max(predicted) / target < SIZED_DOWN_BELOW && cooled {
+                self.desired = n;
+                self.last_change = Some(now);
+                self.calm_since = Some(now);
+                return Decision {
+                    desired: n,
+                    action: "down",
+                    why: format!("the demand needs {n}: {seen}"),
+                };
+            }
+        }
         if p90.max(predicted) / target < 0.5 && inp.queued == 0 {
             let calm = *self.calm_since.get_or_insert(now);
             if self.desired > s.min && cooled && now.duration_since(calm) >= s.cooldown {
@@ -304,6 +368,10 @@ pub struct Observed {
     pub prefill_pending_tokens: u64,
     /// Prompt tokens per second of engine time the live prefill replicas measure, summed.
     pub prefill_capacity: f64,
+    /// How many of the live prefill replicas have measured a rate.
+    pub prefill_measured: u32,
+    /// Prompt tokens per second sent to the prefill pool over the window.
+    pub prefill_demand: Option<f64>,
     /// p90 of the prefill TTFT window.
     pub prefill_ttft_p90: Option<Duration>,
     /// p90 of the inter-token latency window.
@@ -320,17 +388,29 @@ impl Observed {
     pub fn inputs(&self, pool: Pool, live: u32, starting: u32) -> Inputs {
         match pool {
             Pool::Prefill => {
-                // The queue's prediction: prompt tokens not yet prefilled over what the live
-                // replicas measure they compute per second of engine time.
-                let (pending, capacity) = (self.prefill_pending_tokens, self.prefill_capacity);
+                // A replica's rate: the mean its measured peers compute per second of engine
+                // time (a replica that has computed nothing yet is counted at it, as routing
+                // does: `routing::fill_rates`).
+                let per_replica = match self.prefill_measured {
+                    0 => 0.0,
+                    n => self.prefill_capacity / n as f64,
+                };
+                let (pending, capacity) = (self.prefill_pending_tokens, per_replica * live as f64);
+                // The queue's prediction: prompt tokens not yet prefilled over the pool's rate.
                 let predicted = (capacity > 0.0 && pending > 0)
                     .then(|| Duration::from_secs_f64(pending as f64 / capacity));
+                // Replicas sized to the demand.
+                let needed = self
+                    .prefill_demand
+                    .filter(|_| per_replica > 0.0)
+                    .map(|d| (d / (per_replica * PREFILL_UTILISATION)).ceil() as u32);
                 Inputs {
                     live,
                     starting,
                     p90: self.prefill_ttft_p90,
                     predicted,
                     queued: pending,
+                    needed,
                 }
             }
             Pool::Decode => Inputs {
@@ -340,21 +420,31 @@ impl Observed {
                 // Requests queued for room now will have waited at least this long.
                 predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
                 queued: self.decode_waiting,
+                needed: None,
             },
         }
     }
 }
 
 /// What the router's signals and the workers' heartbeats say at `now`.
-fn observe(signals: &Signals, workers: &[crate::registry::Worker], now: Instant) -> Observed {
+fn observe(
+    signals: &Signals,
+    demand: &mut Rate,
+    workers: &[crate::registry::Worker],
+    now: Instant,
+) -> Observed {
     let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
-    Observed {
-        prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
-        prefill_capacity: workers
+    let sent = signals.prefill_sent_tokens.load(Ordering::SeqCst);
+    let live = || {
+        workers
             .iter()
             .filter(|w| w.pool == Pool::Prefill && !w.draining)
-            .map(|w| w.load.prompt_tokens_per_s as f64)
-            .sum(),
+    };
+    Observed {
+        prefill_demand: demand.observe(now, sent),
+        prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
+        prefill_capacity: live().map(|w| w.load.prompt_tokens_per_s as f64).sum(),
+        prefill_measured: live().filter(|w| w.load.prompt_tokens_per_s > 0.0).count() as u32,
         prefill_ttft_p90: p90(&signals.prefill_ttft),
         itl_p90: p90(&signals.itl),
         admission_p90: p90(&signals.admission),
@@ -411,6 +501,8 @@ pub async fn run(
         .unwrap_or(Duration::from_secs(1));
     let registry = state.registry.clone();
     let mut starting: std::collections::HashMap<Pool, u32> = Default::default();
+    let window = plans.iter().map(|p| p.scaling.window).max();
+    let mut demand = Rate::new(window.unwrap_or(Duration::from_secs(10)));
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -426,7 +518,7 @@ pub async fn run(
         }
         let now = Instant::now();
         let workers = registry.workers();
-        let observed = observe(&state.signals, &workers, now);
+        let observed = observe(&state.signals, &mut demand, &workers, now);
         for plan in &mut plans {
             let pool = plan.scaling.pool;
             let live = workers
@@ -467,6 +559,7 @@ mod tests {
             p90: p90_ms.map(Duration::from_millis),
             predicted: predicted_ms.map(Duration::from_millis),
             queued,
+            needed: None,
         }
     }
 
@@ -514,6 +607,52 @@ mod tests {
                 .desired,
             1
         );
+    }
+
+    /// A pool far larger than its demand needs sheds the surplus in one decision once it is
+    /// cooled and within 80% of its target (queue or not: a busy large pool always has
+    /// prompts in flight); near what it needs, or closer to its target, it does not.
+    #[test]
+    fn a_pool_far_over_its_demand_goes_down_to_it_at_once() {
+        let t0 = Instant::now();
+        let mut p = PoolPlan::new(Scaling {
+            max: 100,
+            initial: 40,
+            ..plan(Pool::Prefill).scaling
+        });
+        let sized = |live, p90_ms, needed| Inputs {
+            needed: Some(needed),
+            ..inp(live, Some(p90_ms), Some(20), 5000)
+        };
+        // Over 80% of the target: no.
+        assert_eq!(p.decide(t0, sized(40, 450, 6)).action, "hold");
+        let d = p.decide(t0 + Duration::from_secs(1), sized(40, 350, 6));
+        assert_eq!((d.desired, d.action), (6, "down"), "{}", d.why);
+        assert!(d.why.contains("the demand needs 6"), "{}", d.why);
+        // Not again within the cooldown, and not for a replica's difference.
+        assert_eq!(
+            p.decide(t0 + Duration::from_secs(2), sized(6, 100, 1))
+                .action,
+            "hold"
+        );
+        let d = p.decide(t0 + Duration::from_secs(4), sized(6, 100, 5));
+        assert_eq!((d.desired, d.action), (6, "hold"), "{}", d.why);
+    }
+
+    /// A counter's rate over the window, once readings span half of it.
+    #[test]
+    fn rates_are_taken_over_the_window() {
+        let t0 = Instant::now();
+        let mut r = Rate::new(Duration::from_secs(10));
+        assert_eq!(r.observe(t0, 0), None);
+        assert_eq!(r.observe(t0 + Duration::from_secs(4), 400), None);
+        assert_eq!(r.observe(t0 + Duration::from_secs(5), 500), Some(100.0));
+        // Older readings fall out: 20 s in, the rate of the last 10 s.
+        for s in 6..=20 {
+            r.observe(t0 + Duration::from_secs(s), 500 + (s - 5) * 10);
+        }
+        let last = r.observe(t0 + Duration::from_secs(21), 660).unwrap();
+        assert!((last - 10.0).abs() < 1e-9, "{last}");
     }
 
     #[test]

@@ -304,7 +304,8 @@ impl Registry {
     /// The prefill pool's predicted wait: the least time any prefill worker needs for the
     /// tokens already queued on it, with that worker's rate (tokens/s); `None` without one.
     pub fn prefill_wait(&self) -> Option<(Duration, f64)> {
-        let (_, c) = self.candidates(Pool::Prefill, &[], &Route::default());
+        let (_, mut c) = self.candidates(Pool::Prefill, &[], &Route::default());
+        routing::fill_rates(&mut c);
         c.iter()
             .map(|x| (x.wait_s(), x.rate_or_default()))
             .min_by(|a, b| a.0.total_cmp(&b.0))

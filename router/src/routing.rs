@@ -115,11 +115,28 @@ impl Candidate {
     }
 }
 
+/// Prefill candidates that have not measured a rate yet (joined, or scaled up, a moment ago)
+/// take their measured peers' mean: the same model on the same kind of machine. Estimated at
+/// [`DEFAULT_RATE`] instead, a new worker looks many times slower than its warm peers and is
+/// not chosen while they have any queue — so it never measures a rate.
+pub fn fill_rates(c: &mut [Candidate]) {
+    let measured: Vec<f64> = c.iter().map(|x| x.rate).filter(|&r| r > 0.0).collect();
+    if measured.is_empty() {
+        return;
+    }
+    let peers = measured.iter().sum::<f64>() / measured.len() as f64;
+    for x in c.iter_mut().filter(|x| x.rate <= 0.0) {
+        x.rate = peers;
+    }
+}
+
 /// The index in `c` of the worker to prefill a prompt of `prompt` tokens.
 pub fn prefill(r: &Routing, c: &[Candidate], prompt: usize, rr: usize) -> Option<usize> {
     if r.policy != Policy::Kv {
         return decode(r.policy, c, rr);
     }
+    let mut c = c.to_vec();
+    fill_rates(&mut c);
     let ttft: Vec<f64> = c.iter().map(|x| x.ttft_s(prompt)).collect();
     let best = ttft.iter().copied().min_by(f64::total_cmp)?;
     let within = best + r.prefill_slack.as_secs_f64();
@@ -178,6 +195,28 @@ mod tests {
         a.queued_tokens = 0;
         assert_eq!(prefill(&kv, &[a, b], 1100, 0), Some(0));
         assert_eq!(prefill(&kv, &[], 10, 0), None);
+    }
+
+    /// A worker that has computed nothing yet is estimated at its peers' rate: idle, it takes
+    /// the next prompt from warm workers with a queue (at the default 1,000 tokens/s it would
+    /// look 20 times slower and wait for a queue of that depth).
+    #[test]
+    fn a_new_prefill_worker_is_estimated_at_its_peers_rate() {
+        let kv = Routing::default();
+        let mut warm = cand(0, 0);
+        (warm.rate, warm.queued_tokens) = (20_000.0, 8_000);
+        let new = Candidate {
+            rate: 0.0,
+            ..cand(0, 0)
+        };
+        assert_eq!(prefill(&kv, &[warm, warm, new], 12_000, 0), Some(2));
+        let mut c = [warm, new];
+        fill_rates(&mut c);
+        assert_eq!(c[1].rate, 20_000.0);
+        // Nobody measured: the default for all.
+        let mut cold = [new, new];
+        fill_rates(&mut cold);
+        assert_eq!(cold[0].rate_or_default(), DEFAULT_RATE);
     }
 
     #[test]

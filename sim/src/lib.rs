@@ -638,10 +638,7 @@ impl Sim {
                     load: wk.in_flight,
                     cached: overlap.get(&(w as u64)).copied().unwrap_or(0) * bs,
                     queued_tokens: wk.queued_tokens,
-                    rate: match wk.busy_ns {
-                        0 => 0.0,
-                        b => wk.computed as f64 / (b as f64 / 1e9),
-                    },
+                    rate: wk.rate(),
                 }
             })
             .collect();
@@ -658,6 +655,8 @@ impl Sim {
             Ok(()) => {
                 self.workers[p].in_flight += 1;
                 self.workers[p].queued_tokens += rest;
+                // The router counts the prompt sent (less its last token) as the pool's demand.
+                self.signals.prefill_sent += known as u64;
                 self.reqs[r].prefill_tokens = rest;
                 self.reqs[r].reserved = Some(self.now);
                 self.reqs[r].prefill_on = Some(p);

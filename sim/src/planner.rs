@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use router::planner::{Observed, Window};
+use router::planner::{Observed, Rate, Window};
 
 use crate::{Event, Pool, Sim};
 
@@ -37,6 +37,9 @@ pub(crate) struct Signals {
     pub(crate) prefill_ttft: Window,
     pub(crate) itl: Window,
     pub(crate) admission: Window,
+    /// Prompt tokens sent to the prefill pool, ever, and their rate over the window.
+    pub(crate) prefill_sent: u64,
+    demand: Rate,
 }
 
 impl Signals {
@@ -45,6 +48,8 @@ impl Signals {
             prefill_ttft: Window::new(window),
             itl: Window::new(window),
             admission: Window::new(window),
+            prefill_sent: 0,
+            demand: Rate::new(window),
         }
     }
 }
@@ -65,6 +70,11 @@ impl Sim {
             .filter(|w| live(w))
             .map(|w| w.rate())
             .sum();
+        let prefill_measured = self
+            .workers
+            .iter()
+            .filter(|w| live(w) && w.rate() > 0.0)
+            .count() as u32;
         let prefill_pending_tokens = self
             .workers
             .iter()
@@ -73,8 +83,10 @@ impl Sim {
             .sum();
         let s = &mut self.signals;
         Observed {
+            prefill_demand: s.demand.observe(now, s.prefill_sent),
             prefill_pending_tokens,
             prefill_capacity,
+            prefill_measured,
             prefill_ttft_p90: s.prefill_ttft.quantile(now, 0.9).0,
             itl_p90: s.itl.quantile(now, 0.9).0,
             admission_p90: s.admission.quantile(now, 0.9).0,
