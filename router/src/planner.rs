@@ -143,7 +143,9 @@ pub struct Signals {
     pub admission: Mutex<Window>,
     /// Prompt tokens sent to the prefill pool and not yet done.
     pub prefill_pending_tokens: AtomicU64,
-    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate).
+    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate: cached ones
+    /// included, which errs on the side of more replicas — the index's view of the caches
+    /// said a mock pool needed one replica where it needed two).
     pub prefill_sent_tokens: AtomicU64,
     /// Requests waiting right now for a decode worker with room.
     pub decode_waiting: AtomicUsize,
@@ -221,7 +223,9 @@ pub struct Inputs {
     pub queued: u64,
     /// Replicas the measured demand needs, where the pool can tell (prefill: prompt tokens
     /// arriving per second over the window, at [`PREFILL_UTILISATION`] of the replicas'
-    /// measured rate).
+    /// measured rate). The decode pool has none: sized on the KV its requests held, a pool
+    /// filling up from idle looked ten times too large and was cut to its minimum in the
+    /// simulation of the whole trace.
     pub needed: Option<u32>,
 }
 
@@ -328,8 +332,10 @@ impl PoolPlan {
         // Far more replicas than the demand needs, and within target with a margin: down to
         // what it needs at once (one a cooldown would take a fleet started large minutes to
         // shed). Not "calm" as below: where prompts are long, their compute alone can keep a
-        // pool's TTFT over half its target at any size.
-        if let Some(n) = inp.needed.map(|n| n.max(s.min)) {
+        // pool's TTFT over half its target at any size. Only on a window with latencies in it:
+        // an idle pool's demand is no measure.
+        if let Some(n) = inp.needed.filter(|_| inp.p90.is_some()) {
+            let n = n.max(s.min);
             if n + 1 < self.desired && p90.max(predicted) / target < SIZED_DOWN_BELOW && cooled {
                 self.desired = n;
                 self.last_change = Some(now);

@@ -646,7 +646,8 @@ impl Sim {
             .expect("a prefill worker exists");
         let p = prefill[pick];
         let tokens = self.requests[r].prompt[..known].to_vec();
-        let rest = (known - cached) as u64;
+        // Queued on it as the router's registry counts it: less what it caches, by the index.
+        let rest = known.saturating_sub(cands[pick].cached) as u64;
         *self.result.decisions.entry("remote").or_default() += 1;
         match self.workers[p]
             .engine
@@ -655,7 +656,7 @@ impl Sim {
             Ok(()) => {
                 self.workers[p].in_flight += 1;
                 self.workers[p].queued_tokens += rest;
-                // The router counts the prompt sent (less its last token) as the pool's demand.
+                // The pool's demand, as the router counts it: the prompt sent.
                 self.signals.prefill_sent += known as u64;
                 self.reqs[r].prefill_tokens = rest;
                 self.reqs[r].reserved = Some(self.now);
