@@ -49,8 +49,8 @@ pub struct SimulateArgs {
     #[arg(long, default_value_t = 0)]
     hop_us: u64,
     /// A router's Prometheus scrape: each token's way to its client takes a delay drawn from
-    /// its `tandem_router_token_delay_seconds` buckets, besides `--hop-us`
-    /// (`scripts/sim_fidelity.py`).
+    /// its `tandem_router_token_delay_seconds` buckets (measured from the decode worker, so it
+    /// holds the hop: give `--hop-us` 0 with it; `scripts/sim_fidelity.py` does).
     #[arg(long, value_name = "FILE")]
     token_delays: Option<PathBuf>,
     /// The simulated model's context, tokens (default: the model file's); prompts and outputs

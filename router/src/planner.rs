@@ -335,7 +335,7 @@ impl PoolPlan {
         // pool's TTFT over half its target at any size. Only on a window with latencies in it:
         // an idle pool's demand is no measure.
         if let Some(n) = inp.needed.filter(|_| inp.p90.is_some()) {
-            let n = n.max(s.min);
+            let n = n.clamp(s.min, s.max);
             if n + 1 < self.desired && p90.max(predicted) / target < SIZED_DOWN_BELOW && cooled {
                 self.desired = n;
                 self.last_change = Some(now);
@@ -519,6 +519,8 @@ pub async fn run(
             metrics::gauge!("tandem_planner_leader").set(if leads { 1.0 } else { 0.0 });
             if !leads {
                 starting.clear();
+                // Leading again, it measures the demand afresh (not across the gap).
+                demand = Rate::new(demand.window);
                 continue;
             }
         }

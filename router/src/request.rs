@@ -645,12 +645,14 @@ impl Request {
             metrics::histogram!("tandem_router_ttft_phase_seconds", "phase" => name).record(d)
         };
         phase("admission", reserved - self.arrived);
-        // A token can overtake the prefill's reply (the reply follows the decode worker's ack).
-        let kv = match self.remote() {
+        // Sent to a prefill worker (not prefilled where it was reserved). A token can overtake
+        // the prefill's reply (the reply follows the decode worker's ack).
+        let sent = self.prefill.is_some() || self.prefilled.is_some();
+        let kv = match sent {
             true => self.prefilled.map_or(now, |p| p.min(now)),
             false => reserved,
         };
-        if self.remote() {
+        if sent {
             phase("prefill", kv - reserved);
         }
         phase("first_token", now - kv);
