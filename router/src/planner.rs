@@ -519,14 +519,17 @@ pub async fn run(
             metrics::gauge!("tandem_planner_leader").set(if leads { 1.0 } else { 0.0 });
             if !leads {
                 starting.clear();
-                // Leading again, it measures the demand afresh (not across the gap).
-                demand = Rate::new(demand.window);
                 continue;
             }
         }
         let now = Instant::now();
         let workers = registry.workers();
-        let observed = observe(&state.signals, &mut demand, &workers, now);
+        let mut observed = observe(&state.signals, &mut demand, &workers, now);
+        if leader.is_some() {
+            // Several routers may share the pools (etcd): this one sees only its own prompts,
+            // a fraction of the demand — too little to size a pool down by.
+            observed.prefill_demand = None;
+        }
         for plan in &mut plans {
             let pool = plan.scaling.pool;
             let live = workers
