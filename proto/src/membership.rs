@@ -5,6 +5,10 @@ use std::time::Duration;
 use crate::grpc::control_client::ControlClient;
 use crate::grpc::{Heartbeat, JoinRequest};
 
+/// How often a worker heartbeats (its load, its prefix-cache events): what the router knows of
+/// it is at most this old.
+pub const HEARTBEAT_PERIOD: Duration = Duration::from_millis(250);
+
 /// Why a worker could not join.
 #[derive(Debug, thiserror::Error)]
 pub enum JoinError {

@@ -379,30 +379,26 @@ impl Sim {
 
     /// Request `r` is released wherever it is held.
     fn leave(&mut self, r: usize) {
+        self.prefill_returned(r);
         let q = &mut self.reqs[r];
-        let (d, p) = (q.decode.take(), q.prefill_on.take());
-        for w in d.into_iter().chain(p) {
-            let wk = &mut self.workers[w];
+        if let Some(p) = q.prefill_on.take() {
+            self.workers[p].engine.release(r as u64, Release::Cancelled);
+        }
+        if let Some(d) = self.reqs[r].decode.take() {
+            let wk = &mut self.workers[d];
             wk.engine.release(r as u64, Release::Cancelled);
             wk.in_flight = wk.in_flight.saturating_sub(1);
-            if wk.pool == Pool::Prefill {
-                wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
-            }
-            self.retire(w);
+            self.retire(d);
         }
     }
 
     /// Request `r`'s prefill or transfer failed: its decode worker computes the prompt.
     pub(crate) fn recompute(&mut self, r: usize, why: &'static str) {
+        self.prefill_returned(r);
         let q = &mut self.reqs[r];
         q.attempt += 1;
         if let Some(p) = q.prefill_on.take() {
-            let tokens = q.prefill_tokens;
-            let wk = &mut self.workers[p];
-            wk.engine.release(r as u64, Release::Cancelled);
-            wk.in_flight = wk.in_flight.saturating_sub(1);
-            wk.queued_tokens = wk.queued_tokens.saturating_sub(tokens);
-            self.retire(p);
+            self.workers[p].engine.release(r as u64, Release::Cancelled);
         }
         let Some(d) = self.reqs[r].decode else { return };
         *self.result.decisions.entry(why).or_default() += 1;

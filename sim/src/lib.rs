@@ -210,8 +210,13 @@ enum Event {
         worker: usize,
         serial: u64,
     },
+    PrefillReturned {
+        req: usize,
+        attempt: u32,
+    },
     Thaw(usize),
     LinkRestored(usize),
+    Beat(usize),
 }
 
 struct Worker {
@@ -234,11 +239,17 @@ struct Worker {
     pending: Vec<engine::TokenEvent>,
     /// Requests the router has in flight on it.
     in_flight: usize,
-    /// Prefill: prompt tokens sent and not yet done; computed so far and the busy time (its
-    /// measured rate).
+    /// Prefill: prompt tokens sent and not yet done; computed so far and the busy time.
     queued_tokens: u64,
     computed: u64,
     busy_ns: u64,
+    /// Prefill: prompt tokens per second of engine time, a moving average over its steps (as
+    /// a real prefill worker measures it), and what its last heartbeat told the router.
+    capacity: f64,
+    reported: f64,
+    /// The router had a refusal from it (no room) since its last heartbeat: it is not asked
+    /// again until the next.
+    refused: bool,
     /// The next KV event number (what its heartbeats would carry).
     kv_next: u64,
     /// Let go by the planner: takes no new requests.
@@ -261,11 +272,19 @@ impl Worker {
         !self.draining && self.stopped.is_none() && !self.stalled
     }
 
-    /// Prefill: the prompt tokens per second of engine time it has measured (0 before any).
+    /// Prefill: the prompt tokens per second its last heartbeat reported (0 before any).
     fn rate(&self) -> f64 {
-        match self.busy_ns {
-            0 => 0.0,
-            b => self.computed as f64 / (b as f64 / 1e9),
+        self.reported
+    }
+
+    /// Prefill: a step of `tokens` prompt tokens took `ns` (the real worker's moving average).
+    fn measure(&mut self, tokens: usize, ns: u64) {
+        if tokens > 0 && ns > 0 {
+            let rate = tokens as f64 / (ns as f64 / 1e9);
+            self.capacity = match self.capacity {
+                c if c > 0.0 => 0.8 * c + 0.2 * rate,
+                _ => rate,
+            };
         }
     }
 }
@@ -295,10 +314,16 @@ struct Req {
     done: bool,
     /// The prefill worker computing its prompt.
     prefill_on: Option<usize>,
+    /// The prefill worker the router counts it on (its in-flight and queued tokens): from the
+    /// pick until the prefill call returns, after the transfer's answer.
+    prefill_counted: Option<usize>,
     /// Its prompt as sent (a migrated request's prompt has its streamed tokens after it).
     prompt_len: usize,
     /// Its admission deadline counts from here (its arrival, or its last migration).
     admit_from: u64,
+    /// It has found no decode worker with room on this attempt and not been reserved yet (the
+    /// router counts it waiting for room).
+    waiting: bool,
     /// Migrations so far; each migration or recomputation is a new attempt, and the events of
     /// an older one are ignored.
     migrations: u32,
@@ -316,8 +341,10 @@ pub struct Sim {
     index: KvIndex,
     requests: Vec<SimRequest>,
     reqs: Vec<Req>,
-    /// Requests waiting for a decode worker with room.
+    /// Requests waiting for a decode worker with room, and how many requests the router counts
+    /// waiting (those and the ones asking again after a heartbeat).
     admission: VecDeque<usize>,
+    waiting: u64,
     rr: usize,
     result: SimResult,
     /// The virtual clock's zero as an instant.
@@ -342,6 +369,9 @@ pub struct Sim {
 /// folded into it, which keeps equal prompts equal and different 16-token blocks different.
 const VOCAB: usize = 1024;
 
+/// A worker's heartbeat period (the real workers').
+const HEARTBEAT: Duration = proto::membership::HEARTBEAT_PERIOD;
+
 fn ns(d: Duration) -> u64 {
     d.as_nanos() as u64
 }
@@ -364,6 +394,7 @@ impl Sim {
             reqs: (0..requests.len()).map(|_| Req::default()).collect(),
             requests,
             admission: VecDeque::new(),
+            waiting: 0,
             rr: 0,
             result: SimResult::default(),
             base: Instant::now(),
@@ -440,6 +471,9 @@ impl Sim {
             queued_tokens: 0,
             computed: 0,
             busy_ns: 0,
+            capacity: 0.0,
+            reported: 0.0,
+            refused: false,
             kv_next: 0,
             draining: false,
             started: self.now,
@@ -449,7 +483,39 @@ impl Sim {
             freezes: 0,
             stalled: false,
         });
+        // Its heartbeats, every period from a phase of its own.
+        let phase = (w.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) % ns(HEARTBEAT);
+        self.schedule(self.now + phase, Event::Beat(w as usize));
         Ok(())
+    }
+
+    /// Worker `w`'s heartbeat: its prefix-cache events reach the index, its measured rate the
+    /// router; a refusal it gave is forgotten, and the requests waiting for room ask again
+    /// (the router wakes them on every heartbeat; only this worker is new to them).
+    fn beat(&mut self, w: usize) {
+        // (None once every request has ended: the run is over.)
+        if self.workers[w].stopped.is_some() || self.open == 0 {
+            return;
+        }
+        self.heartbeat(w);
+        let wk = &mut self.workers[w];
+        wk.reported = wk.capacity;
+        let refused = std::mem::take(&mut wk.refused);
+        self.schedule(self.now + ns(HEARTBEAT), Event::Beat(w));
+        if refused {
+            self.retry_admission();
+        }
+    }
+
+    /// Request `r` starts or stops waiting for room, as the router counts it.
+    pub(crate) fn set_waiting(&mut self, r: usize, waiting: bool) {
+        if self.reqs[r].waiting != waiting {
+            self.reqs[r].waiting = waiting;
+            match waiting {
+                true => self.waiting += 1,
+                false => self.waiting -= 1,
+            }
+        }
     }
 
     fn schedule(&mut self, at: u64, ev: Event) {
@@ -488,8 +554,14 @@ impl Sim {
                 Event::WorkerUp(pool) => self.worker_up(pool),
                 Event::Fault(i) => self.strike(i),
                 Event::StallCheck { worker, serial } => self.stall_check(worker, serial),
+                Event::PrefillReturned { req, attempt } => {
+                    if self.reqs[req].attempt == attempt {
+                        self.prefill_returned(req)
+                    }
+                }
                 Event::Thaw(w) => self.thaw(w),
                 Event::LinkRestored(rack) => self.link_share[rack] = 1.0,
+                Event::Beat(w) => self.beat(w),
             }
         }
         self.finish()
@@ -511,7 +583,9 @@ impl Sim {
             return self.fail(r, why);
         }
         let overlap = self.overlap(r, Pool::Decode);
-        let decode: Vec<usize> = self.pool(Pool::Decode);
+        // Not those that refused it (or another) since their last heartbeat.
+        let mut decode: Vec<usize> = self.pool(Pool::Decode);
+        decode.retain(|&w| !self.workers[w].refused);
         let cands: Vec<Candidate> = decode
             .iter()
             .map(|&w| Candidate {
@@ -523,8 +597,9 @@ impl Sim {
             .collect();
         self.rr += 1;
         let Some(pick) = routing::decode(self.cfg.routing.policy, &cands, self.rr) else {
-            // None serving (all draining): it waits, as for room.
+            // None to ask: it waits for a heartbeat or a new worker.
             self.admission.push_back(r);
+            self.set_waiting(r, true);
             return;
         };
         let w = decode[pick];
@@ -541,7 +616,7 @@ impl Sim {
     }
 
     /// Decode worker `w` reserves request `r`'s blocks (or, colocated, takes the whole
-    /// request); without room, the request waits for a worker to free some.
+    /// request); without room, it refuses, and the router asks the others at once.
     fn reserve(&mut self, r: usize, w: usize) {
         let params = SamplingParams {
             // What is left of it (a migrated request streamed the rest already).
@@ -566,12 +641,18 @@ impl Sim {
             self.workers[w].in_flight -= 1;
             self.reqs[r].decode = None;
             match added {
-                Err(engine::EngineError::OutOfBlocks(_)) => self.admission.push_back(r),
+                Err(engine::EngineError::OutOfBlocks(_)) => {
+                    self.workers[w].refused = true;
+                    // The refusal's way back, the call to the next worker.
+                    let at = self.now + 2 * ns(self.cfg.hop);
+                    self.schedule(at, Event::Arrive(r));
+                }
                 Err(e) => self.fail(r, e.to_string()),
                 Ok(_) => unreachable!(),
             }
             return;
         };
+        self.set_waiting(r, false);
         let now = self.instant();
         let waited = Duration::from_nanos(self.now - self.reqs[r].at);
         self.signals.admission.record(now, waited);
@@ -661,13 +742,28 @@ impl Sim {
                 self.reqs[r].prefill_tokens = rest;
                 self.reqs[r].reserved = Some(self.now);
                 self.reqs[r].prefill_on = Some(p);
+                self.reqs[r].prefill_counted = Some(p);
                 self.kick(p);
             }
             Err(e) => self.fail(r, e.to_string()),
         }
     }
 
+    /// Request `r`'s prefill call returns (or fails): the router stops counting it on its
+    /// prefill worker.
+    pub(crate) fn prefill_returned(&mut self, r: usize) {
+        let Some(p) = self.reqs[r].prefill_counted.take() else {
+            return;
+        };
+        let wk = &mut self.workers[p];
+        wk.in_flight = wk.in_flight.saturating_sub(1);
+        wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
+        self.retire(p);
+    }
+
     fn fail(&mut self, r: usize, why: String) {
+        self.prefill_returned(r);
+        self.set_waiting(r, false);
         if self.reqs[r].error.is_none() {
             self.reqs[r].error = Some(why);
             self.open -= 1;
@@ -715,7 +811,11 @@ impl Sim {
                 wk.busy = true;
                 wk.busy_until = self.now + d;
                 wk.busy_ns += d;
-                wk.computed += wk.engine.last_step().0 as u64;
+                let tokens = wk.engine.last_step().0;
+                wk.computed += tokens as u64;
+                if wk.pool == Pool::Prefill {
+                    wk.measure(tokens, d);
+                }
                 wk.pending = events;
                 self.result.steps += 1;
                 let at = self.now + d;
@@ -726,8 +826,7 @@ impl Sim {
     }
 
     /// Worker `w`'s step ended: its tokens reach their clients, finished prefills start their
-    /// transfers, its cache events reach the index; then its next step, and the requests
-    /// waiting for room try again.
+    /// transfers; then the reservations that came meanwhile, and its next step.
     pub(crate) fn step_done(&mut self, w: usize) {
         let wk = &mut self.workers[w];
         if wk.stopped.is_some() {
@@ -739,13 +838,11 @@ impl Sim {
             return;
         }
         wk.busy = false;
-        let mut finished = false;
         for ev in std::mem::take(&mut self.workers[w].pending) {
             // Tokens of a request that has left this worker (migrated) are dropped.
             if self.reqs[ev.id as usize].decode != Some(w) {
                 continue;
             }
-            finished |= ev.finish.is_some();
             self.token(ev);
         }
         for id in self.workers[w].engine.take_prefilled() {
@@ -757,27 +854,16 @@ impl Sim {
                 continue;
             }
             self.reqs[r].prefill_on = None;
-            let wk = &mut self.workers[w];
-            wk.in_flight -= 1;
-            wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
-            self.retire(w);
             self.transfer(r, sent);
         }
-        self.heartbeat(w);
         self.take_reservations(w);
         self.kick(w);
         self.retire(w);
-        // Blocks are freed when a request ends: then the requests waiting for room try again
-        // (the real router asks again on the worker's next heartbeat).
-        if finished && self.workers[w].pool == Pool::Decode {
-            self.retry_admission();
-        }
     }
 
-    /// The requests waiting for room try again, in arrival order, until one finds none: it
-    /// keeps its place at the head and the rest wait behind it (one request's worth of work a
-    /// freed request, not the whole queue's — a queue of thousands retried on every finish
-    /// made a large simulation quadratic).
+    /// The requests waiting for room ask again, in the order they came to wait, until one
+    /// finds no worker to ask: it keeps its place at the head and the rest wait behind it.
+    /// (Those sent to a worker that refuses them come back to wait at the end.)
     fn retry_admission(&mut self) {
         while let Some(r) = self.admission.pop_front() {
             let waiting = self.admission.len();
@@ -812,7 +898,7 @@ impl Sim {
     /// Request `r`'s `tokens` of KV leave for its decode worker over the link to its rack.
     fn transfer(&mut self, r: usize, tokens: usize) {
         let Some(decode) = self.reqs[r].decode else {
-            return;
+            return self.prefill_returned(r);
         };
         let attempt = self.reqs[r].attempt;
         let bytes = tokens as u64 * self.kv_bytes_per_token();
@@ -850,7 +936,11 @@ impl Sim {
         // The worker's engine thread takes the KV between steps, writes it, answers: the
         // prefill's reply reaches the router a hop later.
         let step_end = self.workers[d].busy_until.max(self.now);
-        self.reqs[r].kv_in = Some(step_end + write as u64 + ns(self.cfg.hop));
+        let kv_in = step_end + write as u64 + ns(self.cfg.hop);
+        self.reqs[r].kv_in = Some(kv_in);
+        // The prefill worker's call returns with the decode worker's answer, a hop later.
+        let attempt = self.reqs[r].attempt;
+        self.schedule(kv_in, Event::PrefillReturned { req: r, attempt });
         self.kick(d);
     }
 

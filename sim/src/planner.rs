@@ -90,7 +90,7 @@ impl Sim {
             prefill_ttft_p90: s.prefill_ttft.quantile(now, 0.9).0,
             itl_p90: s.itl.quantile(now, 0.9).0,
             admission_p90: s.admission.quantile(now, 0.9).0,
-            decode_waiting: self.admission.len() as u64,
+            decode_waiting: self.waiting,
         }
     }
 

@@ -162,6 +162,96 @@ fn a_reservation_waits_for_the_decode_workers_step_in_progress() {
     assert_eq!(r.ttft_phases["first_token"].0, 2);
 }
 
+/// The router counts a prompt on its prefill worker until the prefill call returns — after
+/// the KV has landed and the decode worker answered — not only until the compute ends: its
+/// 99 tokens stay queued from the compute's end (103,120 µs) until the transfer's (5 ms
+/// latency: 109,460 µs), as the planner's ticks (every millisecond) see.
+#[test]
+fn a_prompt_stays_queued_on_its_prefill_worker_until_the_call_returns() {
+    let mut cfg = cluster(1, 1);
+    cfg.link.latency = Duration::from_millis(5);
+    cfg.scaling = vec![router::planner::Scaling {
+        pool: proto::Pool::Prefill,
+        target: Duration::from_secs(10),
+        min: 1,
+        max: 1,
+        initial: 1,
+        tick: Duration::from_millis(1),
+        cooldown: Duration::from_secs(60),
+        window: Duration::from_secs(5),
+    }];
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let r = Sim::new(cfg, vec![request(0, prompt, 4)]).unwrap().run();
+    assert_eq!(r.outcomes[0].error, None);
+    let queued = |from: f64, to: f64| -> Vec<u64> {
+        let s = r.series.iter().filter(|s| s.t > from && s.t < to);
+        s.map(|s| s.queued).collect()
+    };
+    let held = queued(0.1035, 0.1090);
+    assert_eq!(held.len(), 5, "ticks at 104..108 ms");
+    assert!(
+        held.iter().all(|&q| q == 99),
+        "held after compute: {held:?}"
+    );
+    let after = queued(0.1100, 0.2);
+    assert!(
+        !after.is_empty() && after.iter().all(|&q| q == 0),
+        "{after:?}"
+    );
+}
+
+/// Distinct prompts of `n` tokens, one per `base`.
+fn distinct(base: u32, n: u32) -> Vec<u32> {
+    (0..n).map(|i| base + i).collect()
+}
+
+/// A decode worker without room refuses, and the router asks another at once, as the real
+/// router does: two decode workers of 40 blocks, one nearly filled by a 600-token prompt (38
+/// blocks), the other holding a 100-token one (7); two 150-token requests (10 blocks each)
+/// come next — whichever is sent to the full worker is refused and reserved on the other with
+/// no wait (without asking again, it would wait for the long request's end, 600+ ms).
+#[test]
+fn a_refused_request_is_asked_of_another_decode_worker_at_once() {
+    let mut cfg = cluster(1, 2);
+    cfg.decode.engine.num_blocks = 40;
+    let reqs = vec![
+        request(0, distinct(1000, 600), 4),
+        request(0, distinct(3000, 100), 4),
+        request(10, distinct(5000, 150), 4),
+        request(10, distinct(7000, 150), 4),
+    ];
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    let (n, secs) = r.ttft_phases["admission"];
+    assert_eq!(n, 4);
+    assert!(secs < 1e-6, "no request waited for room: {secs} s");
+}
+
+/// With no decode worker left to ask, a refused request waits for a heartbeat of one that
+/// refused it (the router knows of freed room no sooner): one decode worker of 40 blocks, a
+/// 600-token prompt (38 blocks) and a 100-token one (7) at once — the second is reserved at
+/// the worker's first heartbeat after the first request's end, within a period of it, not at
+/// the end itself.
+#[test]
+fn a_request_refused_everywhere_is_reserved_at_the_next_heartbeat() {
+    let mut cfg = cluster(1, 1);
+    cfg.decode.engine.num_blocks = 40;
+    let reqs = vec![
+        request(0, distinct(1000, 600), 4),
+        request(0, distinct(3000, 100), 4),
+    ];
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    let first_end = r.outcomes[0].e2e.as_secs_f64();
+    let (n, waited) = r.ttft_phases["admission"];
+    assert_eq!(n, 2);
+    let period = proto::membership::HEARTBEAT_PERIOD.as_secs_f64();
+    assert!(
+        waited > first_end + 1e-3 && waited <= first_end + period,
+        "reserved at {waited} s; the first request ended at {first_end} s"
+    );
+}
+
 /// Each token's way out takes a delay drawn from a measured histogram (half under 0.5 ms,
 /// half 0.5..2 ms): the gaps spread around the step time both ways, their sum still the
 /// decode time (tokens arrive in order), and the first token comes later by its own draw.

@@ -184,7 +184,7 @@ pub async fn serve<C: Send + 'static>(
         worker_id: 0,
         device: loaded.model.device_name(),
     };
-    let period = Duration::from_millis(250);
+    let period = proto::membership::HEARTBEAT_PERIOD;
     match &s.discovery {
         None => {
             let beat = beats(engine.clone());
