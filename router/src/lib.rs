@@ -8,6 +8,7 @@
 //! place ([`openai::ApiError`]).
 
 pub mod actuator;
+pub mod admission;
 pub mod guard;
 pub mod http;
 pub mod kubernetes;
@@ -136,6 +137,8 @@ pub struct State {
     pub signals: Arc<planner::Signals>,
     /// How long a request may wait for a decode worker with room before it is refused.
     pub admission_wait: Duration,
+    /// The requests waiting for room, oldest first (the oldest holds a worker after a while).
+    pub line: Mutex<admission::Line>,
     /// The seed of the model's KV block names (for the KV index).
     pub block_seed: u64,
     /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
@@ -180,6 +183,7 @@ impl State {
             disaggregated,
             signals: Arc::new(planner::Signals::new(window)),
             admission_wait: ADMISSION_WAIT,
+            line: Mutex::new(admission::Line::default()),
             block_seed,
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,
@@ -447,6 +451,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
     ("tandem_router_prefill_call_failures_total", Counter, "Prefill calls that ended in an error (the prompt recomputed, or its KV already arrived and only the reply was lost)."),
+    ("tandem_router_admission_holds_total", Counter, "Decode workers held for the oldest request waiting for room (after router::admission::HOLD_AFTER): no other request is reserved there until it is."),
     ("tandem_planner_leader", Gauge, "1 while this router's planner leads (decides and scales), 0 while it follows another router's (etcd election); absent without etcd."),
 ];
 

@@ -128,6 +128,10 @@ impl Rate {
 /// arrivals in bursts bring.
 pub const PREFILL_UTILISATION: f64 = 0.7;
 
+/// The share of its KV blocks a decode replica is sized to when requests wait for room: room
+/// for the requests' growth as they generate.
+pub const DECODE_UTILISATION: f64 = 0.85;
+
 /// A pool sized down to its demand only while its latency is under this share of its target.
 pub const SIZED_DOWN_BELOW: f64 = 0.8;
 
@@ -227,6 +231,11 @@ pub struct Inputs {
     /// filling up from idle looked ten times too large and was cut to its minimum in the
     /// simulation of the whole trace.
     pub needed: Option<u32>,
+    /// Decode, while requests wait for room: replicas for the KV blocks held and those the
+    /// waiting requests want (each at the mean a held request takes), at
+    /// [`DECODE_UTILISATION`] — what a scale-up for room asks, not the latency's ratio to
+    /// the ITL target (an admission wait over an ITL target tripled a pool for 7 requests).
+    pub room_needed: Option<u32>,
 }
 
 /// What the planner decided and why.
@@ -313,9 +322,13 @@ impl PoolPlan {
                 );
             }
             let have = inp.live.max(1);
-            let want = ((have as f64 * pressure).ceil() as u32)
-                .max(have + 1)
-                .clamp(s.min, s.max);
+            let by_pressure = (have as f64 * pressure).ceil() as u32;
+            // Short of room rather than of speed: as many as the KV needs.
+            let want = match inp.room_needed {
+                Some(n) if p90 <= target => n,
+                _ => by_pressure,
+            };
+            let want = want.max(have + 1).clamp(s.min, s.max);
             if want > self.desired.max(inp.live) {
                 self.desired = want;
                 self.last_change = Some(now);
@@ -386,6 +399,12 @@ pub struct Observed {
     pub admission_p90: Option<Duration>,
     /// Requests waiting right now for a decode worker with room.
     pub decode_waiting: u64,
+    /// The live decode replicas' KV blocks in use, by their heartbeats.
+    pub decode_blocks_used: u64,
+    /// Their KV blocks in all.
+    pub decode_blocks_total: u64,
+    /// The requests holding their blocks (running, queued, awaiting their KV).
+    pub decode_holding: u64,
 }
 
 impl Observed {
@@ -417,6 +436,7 @@ impl Observed {
                     predicted,
                     queued: pending,
                     needed,
+                    room_needed: None,
                 }
             }
             Pool::Decode => Inputs {
@@ -427,8 +447,24 @@ impl Observed {
                 predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
                 queued: self.decode_waiting,
                 needed: None,
+                room_needed: self.room_needed(live),
             },
         }
+    }
+
+    /// Decode replicas for the blocks held and wanted, while requests wait for room.
+    fn room_needed(&self, live: u32) -> Option<u32> {
+        let (used, total, holding) = (
+            self.decode_blocks_used as f64,
+            self.decode_blocks_total as f64,
+            self.decode_holding as f64,
+        );
+        if self.decode_waiting == 0 || holding == 0.0 || total == 0.0 || live == 0 {
+            return None;
+        }
+        let wanted = used + self.decode_waiting as f64 * used / holding;
+        let per_replica = total / live as f64;
+        Some((wanted / (per_replica * DECODE_UTILISATION)).ceil() as u32)
     }
 }
 
@@ -441,20 +477,30 @@ fn observe(
 ) -> Observed {
     let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
     let sent = signals.prefill_sent_tokens.load(Ordering::SeqCst);
-    let live = || {
+    let live = |pool: Pool| {
         workers
             .iter()
-            .filter(|w| w.pool == Pool::Prefill && !w.draining)
+            .filter(move |w| w.pool == pool && !w.draining)
+    };
+    let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
+        live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
     };
     Observed {
         prefill_demand: demand.observe(now, sent),
         prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
-        prefill_capacity: live().map(|w| w.load.prompt_tokens_per_s as f64).sum(),
-        prefill_measured: live().filter(|w| w.load.prompt_tokens_per_s > 0.0).count() as u32,
+        prefill_capacity: live(Pool::Prefill)
+            .map(|w| w.load.prompt_tokens_per_s as f64)
+            .sum(),
+        prefill_measured: live(Pool::Prefill)
+            .filter(|w| w.load.prompt_tokens_per_s > 0.0)
+            .count() as u32,
         prefill_ttft_p90: p90(&signals.prefill_ttft),
         itl_p90: p90(&signals.itl),
         admission_p90: p90(&signals.admission),
         decode_waiting: signals.decode_waiting.load(Ordering::SeqCst) as u64,
+        decode_blocks_used: decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free)),
+        decode_blocks_total: decode(|l| l.kv_blocks_total),
+        decode_holding: decode(|l| l.running + l.waiting + l.pending_transfers),
     }
 }
 
@@ -571,6 +617,7 @@ mod tests {
             predicted: predicted_ms.map(Duration::from_millis),
             queued,
             needed: None,
+            room_needed: None,
         }
     }
 
@@ -714,5 +761,49 @@ mod tests {
         let (p99, _) = w.quantile(t0, 0.99);
         assert!(p99.unwrap() >= Duration::from_millis(990));
         assert_eq!(w.quantile(t0 + Duration::from_secs(2), 0.9), (None, 0));
+    }
+
+    /// Requests waiting for room scale the decode pool to the KV held and wanted, not by the
+    /// admission wait's ratio to the ITL target: 50 replicas of 1,000 blocks at 95%, 500
+    /// requests holding them (95 blocks each), 7 waiting — (47,500 + 7 × 95) / 850 → 57, where
+    /// a 3-s wait over a 100-ms target would ask for the maximum. An ITL over its target is a
+    /// lack of speed, and still scales by its ratio.
+    #[test]
+    fn a_decode_pool_short_of_room_grows_by_the_room_its_requests_need() {
+        let t0 = Instant::now();
+        let decode = |max| {
+            PoolPlan::new(Scaling {
+                pool: Pool::Decode,
+                target: Duration::from_millis(100),
+                min: 10,
+                max,
+                initial: 50,
+                tick: Duration::from_secs(1),
+                cooldown: Duration::from_secs(10),
+                window: Duration::from_secs(10),
+            })
+        };
+        let mut seen = Observed {
+            itl_p90: Some(Duration::from_millis(60)),
+            admission_p90: Some(Duration::from_secs(3)),
+            decode_waiting: 7,
+            decode_blocks_used: 47_500,
+            decode_blocks_total: 50_000,
+            decode_holding: 500,
+            ..Default::default()
+        };
+        let inputs = seen.inputs(Pool::Decode, 50, 0);
+        assert_eq!(inputs.room_needed, Some(57));
+        let d = decode(512).decide(t0, inputs);
+        assert_eq!((d.desired, d.action), (57, "up"), "{}", d.why);
+        // Nothing waiting: no room is needed.
+        seen.decode_waiting = 0;
+        assert_eq!(seen.inputs(Pool::Decode, 50, 0).room_needed, None);
+        // Slow tokens: by the ITL's ratio (150 / 100 → 75).
+        seen.decode_waiting = 7;
+        seen.itl_p90 = Some(Duration::from_millis(150));
+        seen.admission_p90 = None;
+        let d = decode(512).decide(t0, seen.inputs(Pool::Decode, 50, 0));
+        assert_eq!((d.desired, d.action), (75, "up"), "{}", d.why);
     }
 }

@@ -325,6 +325,9 @@ impl Request {
             if let Some(p) = self.pin.filter(|p| workers.iter().any(|w| w.id == *p)) {
                 stale.extend(workers.iter().map(|w| w.id).filter(|&id| id != p));
             }
+            // A worker held for the oldest waiting request (or by this one).
+            let ask = self.ask(&workers);
+            stale.extend(workers.iter().map(|w| w.id).filter(|&id| !ask.allows(id)));
             let picked = self.state.registry.pick(Pool::Decode, &stale, &self.route);
             if let Some(Picked {
                 worker: w, guard, ..
@@ -347,7 +350,7 @@ impl Request {
                 }
                 continue;
             }
-            waiting.get_or_insert_with(|| WaitingForRoom::new(&self.state.signals));
+            waiting.get_or_insert_with(|| WaitingForRoom::new(&self.state, self.id));
             tokio::select! {
                 _ = self.tx.closed() => return Phase::Gone,
                 r = tokio::time::timeout_at(deadline, changes.changed()) => {
@@ -357,6 +360,20 @@ impl Request {
                 }
             }
         }
+    }
+
+    /// Which decode workers the line of requests waiting for room lets this one ask.
+    fn ask(&self, workers: &[Worker]) -> crate::admission::Ask {
+        let free: Vec<(u64, u32)> = workers
+            .iter()
+            .filter(|w| w.pool == Pool::Decode && !w.draining && !w.stalled)
+            .map(|w| (w.id, w.load.kv_blocks_free))
+            .collect();
+        let mut line = self.state.line.lock().expect("line lock");
+        let holds = line.holds();
+        let ask = line.may_ask(self.id, Instant::now(), &free);
+        metrics::counter!("tandem_router_admission_holds_total").increment(line.holds() - holds);
+        ask
     }
 
     fn no_room(&self) -> ApiError {
@@ -829,22 +846,27 @@ fn record_transfer(r: &grpc::PrefillReply) {
         .record(r.transfer_us as f64 / 1e6);
 }
 
-/// A request waiting for a decode worker with room, counted for the planner while it lives.
-struct WaitingForRoom(Arc<crate::planner::Signals>);
+/// A request waiting for a decode worker with room: in the line, and counted for the planner,
+/// while it lives.
+struct WaitingForRoom(Arc<State>, u64);
 
 impl WaitingForRoom {
-    fn new(signals: &Arc<crate::planner::Signals>) -> WaitingForRoom {
-        signals
-            .decode_waiting
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        WaitingForRoom(signals.clone())
+    fn new(state: &Arc<State>, id: u64) -> WaitingForRoom {
+        let waiting = &state.signals.decode_waiting;
+        waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        state
+            .line
+            .lock()
+            .expect("line lock")
+            .join(id, Instant::now());
+        WaitingForRoom(state.clone(), id)
     }
 }
 
 impl Drop for WaitingForRoom {
     fn drop(&mut self) {
-        self.0
-            .decode_waiting
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        let waiting = &self.0.signals.decode_waiting;
+        waiting.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.line.lock().expect("line lock").leave(self.1);
     }
 }

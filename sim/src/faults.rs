@@ -345,7 +345,7 @@ impl Sim {
         } else {
             self.kick(w);
         }
-        self.retry_admission();
+        self.retry_admission(None);
     }
 
     /// Request `r` leaves its decode worker and starts over elsewhere from its prompt plus the
@@ -365,6 +365,7 @@ impl Sim {
         q.blocks = None;
         q.reserved = None;
         q.admit_from = self.now;
+        q.refused_by.clear();
         let (len, streamed) = (q.prompt_len, q.tokens);
         // The streamed tokens join the prompt (what they were matters to no cache here).
         let prompt = &mut self.requests[r].prompt;

@@ -20,13 +20,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::{Engine, EngineConfig, MockTiming, ModelConfig, SamplingParams};
+use engine::{Engine, EngineConfig, MockTiming, ModelConfig};
 use proto::grpc::KvEvents;
 use proto::Pool;
 use router::kv_index::KvIndex;
 use router::planner::{PoolPlan, Scaling};
 use router::routing::{self, Candidate, Routing};
 
+mod admission;
 mod faults;
 mod overhead;
 mod planner;
@@ -173,6 +174,8 @@ pub struct SimResult {
     pub series: Vec<Sample>,
     /// Requests moved to another decode worker.
     pub migrations: u64,
+    /// Decode workers held for the oldest request waiting for room.
+    pub admission_holds: u64,
     /// Workers that died, and that the router found stalled.
     pub deaths: u64,
     /// See `deaths`.
@@ -247,9 +250,10 @@ struct Worker {
     /// a real prefill worker measures it), and what its last heartbeat told the router.
     capacity: f64,
     reported: f64,
-    /// The router had a refusal from it (no room) since its last heartbeat: it is not asked
-    /// again until the next.
-    refused: bool,
+    /// Heartbeats so far: a request it refused asks it again only after its next.
+    beats: u64,
+    /// Decode: its load as its last heartbeat said it (the planner reads its KV blocks).
+    seen: proto::grpc::WorkerLoad,
     /// The next KV event number (what its heartbeats would carry).
     kv_next: u64,
     /// Let go by the planner: takes no new requests.
@@ -321,6 +325,9 @@ struct Req {
     prompt_len: usize,
     /// Its admission deadline counts from here (its arrival, or its last migration).
     admit_from: u64,
+    /// The decode workers that refused it (no room), with their heartbeat count then: not
+    /// asked again before their next heartbeat.
+    refused_by: Vec<(usize, u64)>,
     /// It has found no decode worker with room on this attempt and not been reserved yet (the
     /// router counts it waiting for room).
     waiting: bool,
@@ -345,6 +352,8 @@ pub struct Sim {
     /// waiting (those and the ones asking again after a heartbeat).
     admission: VecDeque<usize>,
     waiting: u64,
+    /// The router's line of those waiting (the oldest holds a worker after a while).
+    line: router::admission::Line,
     rr: usize,
     result: SimResult,
     /// The virtual clock's zero as an instant.
@@ -395,6 +404,7 @@ impl Sim {
             requests,
             admission: VecDeque::new(),
             waiting: 0,
+            line: Default::default(),
             rr: 0,
             result: SimResult::default(),
             base: Instant::now(),
@@ -473,7 +483,8 @@ impl Sim {
             busy_ns: 0,
             capacity: 0.0,
             reported: 0.0,
-            refused: false,
+            beats: 0,
+            seen: Default::default(),
             kv_next: 0,
             draining: false,
             started: self.now,
@@ -487,35 +498,6 @@ impl Sim {
         let phase = (w.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) % ns(HEARTBEAT);
         self.schedule(self.now + phase, Event::Beat(w as usize));
         Ok(())
-    }
-
-    /// Worker `w`'s heartbeat: its prefix-cache events reach the index, its measured rate the
-    /// router; a refusal it gave is forgotten, and the requests waiting for room ask again
-    /// (the router wakes them on every heartbeat; only this worker is new to them).
-    fn beat(&mut self, w: usize) {
-        // (None once every request has ended: the run is over.)
-        if self.workers[w].stopped.is_some() || self.open == 0 {
-            return;
-        }
-        self.heartbeat(w);
-        let wk = &mut self.workers[w];
-        wk.reported = wk.capacity;
-        let refused = std::mem::take(&mut wk.refused);
-        self.schedule(self.now + ns(HEARTBEAT), Event::Beat(w));
-        if refused {
-            self.retry_admission();
-        }
-    }
-
-    /// Request `r` starts or stops waiting for room, as the router counts it.
-    pub(crate) fn set_waiting(&mut self, r: usize, waiting: bool) {
-        if self.reqs[r].waiting != waiting {
-            self.reqs[r].waiting = waiting;
-            match waiting {
-                true => self.waiting += 1,
-                false => self.waiting -= 1,
-            }
-        }
     }
 
     fn schedule(&mut self, at: u64, ev: Event) {
@@ -565,131 +547,6 @@ impl Sim {
             }
         }
         self.finish()
-    }
-
-    /// A request reaches the router: a decode worker is picked by the policy and reserves its
-    /// blocks (or, colocated, takes the whole request); with no room anywhere it waits for a
-    /// worker to free some.
-    fn arrive(&mut self, r: usize) {
-        let bs = self.cfg.decode.engine.block_size;
-        if self.reqs[r].error.is_some() || self.reqs[r].done {
-            return;
-        }
-        if self.now - self.reqs[r].admit_from > ns(router::ADMISSION_WAIT) {
-            let why = format!(
-                "no decode worker had room within {:?}",
-                router::ADMISSION_WAIT
-            );
-            return self.fail(r, why);
-        }
-        let overlap = self.overlap(r, Pool::Decode);
-        // Not those that refused it (or another) since their last heartbeat.
-        let mut decode: Vec<usize> = self.pool(Pool::Decode);
-        decode.retain(|&w| !self.workers[w].refused);
-        let cands: Vec<Candidate> = decode
-            .iter()
-            .map(|&w| Candidate {
-                load: self.workers[w].in_flight,
-                cached: overlap.get(&(w as u64)).copied().unwrap_or(0) * bs,
-                queued_tokens: 0,
-                rate: 0.0,
-            })
-            .collect();
-        self.rr += 1;
-        let Some(pick) = routing::decode(self.cfg.routing.policy, &cands, self.rr) else {
-            // None to ask: it waits for a heartbeat or a new worker.
-            self.admission.push_back(r);
-            self.set_waiting(r, true);
-            return;
-        };
-        let w = decode[pick];
-        // The router counts it on the worker from its pick.
-        self.workers[w].in_flight += 1;
-        self.reqs[r].decode = Some(w);
-        if self.workers[w].busy {
-            // The worker's engine thread takes the reservation between steps.
-            let attempt = self.reqs[r].attempt;
-            self.workers[w].reserving.push((r, attempt));
-            return;
-        }
-        self.reserve(r, w);
-    }
-
-    /// Decode worker `w` reserves request `r`'s blocks (or, colocated, takes the whole
-    /// request); without room, it refuses, and the router asks the others at once.
-    fn reserve(&mut self, r: usize, w: usize) {
-        let params = SamplingParams {
-            // What is left of it (a migrated request streamed the rest already).
-            max_tokens: Some(self.requests[r].output - self.reqs[r].tokens),
-            ignore_eos: true,
-            ..Default::default()
-        };
-        let prompt = self.requests[r].prompt.clone();
-        let colocated = self.cfg.prefill.is_none() || prompt.len() < 2;
-        let added = if colocated {
-            self.workers[w]
-                .engine
-                .add(r as u64, prompt, params)
-                .map(|()| None)
-        } else {
-            self.workers[w]
-                .engine
-                .reserve_remote(r as u64, prompt, params)
-                .map(Some)
-        };
-        let Ok(cached) = added else {
-            self.workers[w].in_flight -= 1;
-            self.reqs[r].decode = None;
-            match added {
-                Err(engine::EngineError::OutOfBlocks(_)) => {
-                    self.workers[w].refused = true;
-                    // The refusal's way back, the call to the next worker.
-                    let at = self.now + 2 * ns(self.cfg.hop);
-                    self.schedule(at, Event::Arrive(r));
-                }
-                Err(e) => self.fail(r, e.to_string()),
-                Ok(_) => unreachable!(),
-            }
-            return;
-        };
-        self.set_waiting(r, false);
-        let now = self.instant();
-        let waited = Duration::from_nanos(self.now - self.reqs[r].at);
-        self.signals.admission.record(now, waited);
-        // The router hears of a reservation a hop later.
-        self.reqs[r].admitted = Some(self.now + cached.map_or(0, |_| ns(self.cfg.hop)));
-        if let Some(cached) = cached {
-            // The reservation's way back to the router, the router's call to a prefill
-            // worker: two hops (a decode worker prefilling itself decides at once).
-            let known = self.requests[r].prompt.len() - 1;
-            if known - cached <= self.cfg.local_prefill_max_tokens {
-                self.prefill(r, w, cached);
-            } else {
-                let at = self.now + 2 * ns(self.cfg.hop);
-                let attempt = self.reqs[r].attempt;
-                self.schedule(
-                    at,
-                    Event::Dispatch {
-                        req: r,
-                        decode: w,
-                        cached,
-                        attempt,
-                    },
-                );
-            }
-        }
-        self.kick(w);
-    }
-
-    /// The reservations decode worker `w` took while it stepped, in the order they came
-    /// (those of requests that have left it since are dropped).
-    fn take_reservations(&mut self, w: usize) {
-        for (r, attempt) in std::mem::take(&mut self.workers[w].reserving) {
-            let q = &self.reqs[r];
-            if q.attempt == attempt && q.decode == Some(w) && q.error.is_none() {
-                self.reserve(r, w);
-            }
-        }
     }
 
     /// The reserved request `r` on decode worker `d`, which holds `cached` of its prompt:
@@ -861,40 +718,6 @@ impl Sim {
         self.retire(w);
     }
 
-    /// The requests waiting for room ask again, in the order they came to wait, until one
-    /// finds no worker to ask: it keeps its place at the head and the rest wait behind it.
-    /// (Those sent to a worker that refuses them come back to wait at the end.)
-    fn retry_admission(&mut self) {
-        while let Some(r) = self.admission.pop_front() {
-            let waiting = self.admission.len();
-            self.arrive(r);
-            if self.admission.len() > waiting {
-                let back = self.admission.pop_back().expect("it went back to waiting");
-                self.admission.push_front(back);
-                break;
-            }
-        }
-    }
-
-    /// Worker `w`'s prefix-cache events, as its heartbeat carries them to the index.
-    fn heartbeat(&mut self, w: usize) {
-        let events = self.workers[w].engine.take_kv_events();
-        if events.is_empty() {
-            return;
-        }
-        let first = self.workers[w].kv_next;
-        let next = first + events.len() as u64;
-        self.workers[w].kv_next = next;
-        let ev = KvEvents {
-            first,
-            hashes: events.iter().map(|e| e.1).collect(),
-            stored: events.iter().map(|e| e.0).collect(),
-            snapshot: false,
-            next,
-        };
-        self.index.apply(w as u64, &ev);
-    }
-
     /// Request `r`'s `tokens` of KV leave for its decode worker over the link to its rack.
     fn transfer(&mut self, r: usize, tokens: usize) {
         let Some(decode) = self.reqs[r].decode else {
@@ -1021,6 +844,7 @@ impl Sim {
             *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
         }
         self.result.duration = Duration::from_nanos(end);
+        self.result.admission_holds = self.line.holds();
         self.result.series = self.series;
         self.result
     }

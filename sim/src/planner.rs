@@ -81,6 +81,18 @@ impl Sim {
             .filter(|w| w.pool == Pool::Prefill)
             .map(|w| w.queued_tokens)
             .sum();
+        // The decode pool's KV, as the replicas' last heartbeats said it.
+        let (mut used, mut total, mut holding) = (0, 0, 0);
+        for w in self
+            .workers
+            .iter()
+            .filter(|w| w.pool == Pool::Decode && w.serving())
+        {
+            let l = &w.seen;
+            used += l.kv_blocks_total.saturating_sub(l.kv_blocks_free) as u64;
+            total += l.kv_blocks_total as u64;
+            holding += (l.running + l.waiting + l.pending_transfers) as u64;
+        }
         let s = &mut self.signals;
         Observed {
             prefill_demand: s.demand.observe(now, s.prefill_sent),
@@ -91,6 +103,9 @@ impl Sim {
             itl_p90: s.itl.quantile(now, 0.9).0,
             admission_p90: s.admission.quantile(now, 0.9).0,
             decode_waiting: self.waiting,
+            decode_blocks_used: used,
+            decode_blocks_total: total,
+            decode_holding: holding,
         }
     }
 
@@ -163,7 +178,7 @@ impl Sim {
         }
         // Requests waiting for room may fit now.
         if pool == Pool::Decode {
-            self.retry_admission();
+            self.retry_admission(None);
         }
     }
 

@@ -252,6 +252,33 @@ fn a_request_refused_everywhere_is_reserved_at_the_next_heartbeat() {
     );
 }
 
+/// A long request does not starve behind a stream of short ones: two decode workers of 64
+/// blocks kept busy by 100-token requests (every 60 ms for 20 s, 13 blocks each, never both
+/// idle), and one 900-token request (57 blocks) at 1 s, which fits only on an emptied worker.
+/// Asking on each heartbeat it never finds one; after waiting `HOLD_AFTER` it holds the
+/// emptiest worker, which takes no other request until it has room — reserved within about a
+/// second of the hold, not at the stream's end.
+#[test]
+fn a_long_request_holds_a_worker_after_a_while_rather_than_starve() {
+    let mut cfg = cluster(2, 2);
+    cfg.prefill.as_mut().unwrap().timing = MockTiming::H200_LLAMA8B;
+    cfg.decode.timing = MockTiming::H200_LLAMA8B;
+    cfg.decode.engine.num_blocks = 64;
+    let mut reqs: Vec<SimRequest> = (0..333)
+        .map(|i| request(60 * i, distinct(10_000 + 200 * i as u32, 100), 100))
+        .collect();
+    reqs.push(request(1000, distinct(500_000, 900), 4));
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    assert_eq!(r.admission_holds, 1);
+    let ttft = r.outcomes[333].ttft.unwrap().as_secs_f64();
+    let hold = router::admission::HOLD_AFTER.as_secs_f64();
+    assert!(
+        ttft > hold && ttft < hold + 1.5,
+        "the long request's first token after {ttft} s"
+    );
+}
+
 /// Each token's way out takes a delay drawn from a measured histogram (half under 0.5 ms,
 /// half 0.5..2 ms): the gaps spread around the step time both ways, their sum still the
 /// decode time (tokens arrive in order), and the first token comes later by its own draw.
