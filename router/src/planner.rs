@@ -124,12 +124,51 @@ impl Rate {
     }
 }
 
+/// A reading's highest value over the last `window`, from readings at ticks.
+#[derive(Debug)]
+pub struct Peak {
+    window: Duration,
+    since: Option<Instant>,
+    points: VecDeque<(Instant, u64)>,
+}
+
+impl Peak {
+    /// A peak over `window`.
+    pub fn new(window: Duration) -> Peak {
+        Peak {
+            window,
+            since: None,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Notes `value` at `now`; the highest over the window, once readings cover a whole one.
+    pub fn observe(&mut self, now: Instant, value: u64) -> Option<u64> {
+        let since = *self.since.get_or_insert(now);
+        while self
+            .points
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > self.window)
+        {
+            self.points.pop_front();
+        }
+        // Kept falling: a value under a later one never is the peak.
+        while self.points.back().is_some_and(|&(_, v)| v <= value) {
+            self.points.pop_back();
+        }
+        self.points.push_back((now, value));
+        let full = now.duration_since(since) >= self.window;
+        full.then(|| self.points.front().map_or(value, |p| p.1))
+    }
+}
+
 /// The share of its measured rate a prefill replica is sized to: room for the queueing that
 /// arrivals in bursts bring.
 pub const PREFILL_UTILISATION: f64 = 0.7;
 
-/// The share of its KV blocks a decode replica is sized to when requests wait for room: room
-/// for the requests' growth as they generate.
+/// The share of its KV blocks a decode replica is sized to (a request's blocks are reserved
+/// whole, prompt and output, when it is admitted; the rest is room for the long ones, which
+/// need much of one replica at once).
 pub const DECODE_UTILISATION: f64 = 0.85;
 
 /// A pool sized down to its demand only while its latency is under this share of its target.
@@ -225,11 +264,11 @@ pub struct Inputs {
     pub predicted: Option<Duration>,
     /// Work queued in front of the pool (prompt tokens pending; requests waiting for room).
     pub queued: u64,
-    /// Replicas the measured demand needs, where the pool can tell (prefill: prompt tokens
-    /// arriving per second over the window, at [`PREFILL_UTILISATION`] of the replicas'
-    /// measured rate). The decode pool has none: sized on the KV its requests held, a pool
-    /// filling up from idle looked ten times too large and was cut to its minimum in the
-    /// simulation of the whole trace.
+    /// Replicas the measured demand needs (prefill: prompt tokens arriving per second over the
+    /// window, at [`PREFILL_UTILISATION`] of the replicas' measured rate; decode: the most KV
+    /// blocks its requests held over a whole window, at [`DECODE_UTILISATION`] of a replica's,
+    /// while none waits for room — the current blocks of a pool filling up from idle looked
+    /// ten times too few and cut a simulated pool to its minimum).
     pub needed: Option<u32>,
     /// Decode, while requests wait for room: replicas for the KV blocks held and those the
     /// waiting requests want (each at the mean a held request takes), at
@@ -401,6 +440,8 @@ pub struct Observed {
     pub decode_waiting: u64,
     /// The live decode replicas' KV blocks in use, by their heartbeats.
     pub decode_blocks_used: u64,
+    /// The most in use over the planner's window, once it has a whole one.
+    pub decode_blocks_peak: Option<u64>,
     /// Their KV blocks in all.
     pub decode_blocks_total: u64,
     /// The requests holding their blocks (running, queued, awaiting their KV).
@@ -446,10 +487,20 @@ impl Observed {
                 // Requests queued for room now will have waited at least this long.
                 predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
                 queued: self.decode_waiting,
-                needed: None,
+                needed: self.decode_needed(live),
                 room_needed: self.room_needed(live),
             },
         }
+    }
+
+    /// Decode replicas for the most KV held over the window, while none waits for room.
+    fn decode_needed(&self, live: u32) -> Option<u32> {
+        let peak = self.decode_blocks_peak? as f64;
+        if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
+            return None;
+        }
+        let per_replica = self.decode_blocks_total as f64 / live as f64;
+        Some((peak / (per_replica * DECODE_UTILISATION)).ceil().max(1.0) as u32)
     }
 
     /// Decode replicas for the blocks held and wanted, while requests wait for room.
@@ -472,6 +523,7 @@ impl Observed {
 fn observe(
     signals: &Signals,
     demand: &mut Rate,
+    peak: &mut Peak,
     workers: &[crate::registry::Worker],
     now: Instant,
 ) -> Observed {
@@ -485,6 +537,7 @@ fn observe(
     let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
         live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
     };
+    let used = decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free));
     Observed {
         prefill_demand: demand.observe(now, sent),
         prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
@@ -498,7 +551,8 @@ fn observe(
         itl_p90: p90(&signals.itl),
         admission_p90: p90(&signals.admission),
         decode_waiting: signals.decode_waiting.load(Ordering::SeqCst) as u64,
-        decode_blocks_used: decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free)),
+        decode_blocks_used: used,
+        decode_blocks_peak: peak.observe(now, used),
         decode_blocks_total: decode(|l| l.kv_blocks_total),
         decode_holding: decode(|l| l.running + l.waiting + l.pending_transfers),
     }
@@ -554,7 +608,8 @@ pub async fn run(
     let registry = state.registry.clone();
     let mut starting: std::collections::HashMap<Pool, u32> = Default::default();
     let window = plans.iter().map(|p| p.scaling.window).max();
-    let mut demand = Rate::new(window.unwrap_or(Duration::from_secs(10)));
+    let window = window.unwrap_or(Duration::from_secs(10));
+    let (mut demand, mut peak) = (Rate::new(window), Peak::new(window));
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -565,12 +620,14 @@ pub async fn run(
             metrics::gauge!("tandem_planner_leader").set(if leads { 1.0 } else { 0.0 });
             if !leads {
                 starting.clear();
+                // Leading again, it reads a whole window before sizing down by it.
+                peak = Peak::new(window);
                 continue;
             }
         }
         let now = Instant::now();
         let workers = registry.workers();
-        let mut observed = observe(&state.signals, &mut demand, &workers, now);
+        let mut observed = observe(&state.signals, &mut demand, &mut peak, &workers, now);
         if leader.is_some() {
             // Several routers may share the pools (etcd): this one sees only its own prompts,
             // a fraction of the demand — too little to size a pool down by.
@@ -805,5 +862,57 @@ mod tests {
         seen.admission_p90 = None;
         let d = decode(512).decide(t0, seen.inputs(Pool::Decode, 50, 0));
         assert_eq!((d.desired, d.action), (75, "up"), "{}", d.why);
+    }
+
+    #[test]
+    fn peaks_are_taken_over_a_whole_window() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut p = Peak::new(s(10));
+        assert_eq!(p.observe(t0, 100), None, "not a whole window yet");
+        assert_eq!(p.observe(t0 + s(5), 50), None);
+        assert_eq!(p.observe(t0 + s(10), 30), Some(100));
+        assert_eq!(
+            p.observe(t0 + s(11), 20),
+            Some(50),
+            "100 has left the window"
+        );
+        assert_eq!(p.observe(t0 + s(16), 10), Some(30));
+        assert_eq!(p.observe(t0 + s(17), 40), Some(40));
+    }
+
+    /// With none waiting for room, a decode pool is sized down to the most KV its requests
+    /// held over a whole window: 50 replicas of 1,000 blocks, a peak of 17,000 blocks in use,
+    /// at 85% → 20. Not while requests wait for room, nor before a whole window.
+    #[test]
+    fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
+        let t0 = Instant::now();
+        let mut p = PoolPlan::new(Scaling {
+            pool: Pool::Decode,
+            target: Duration::from_millis(100),
+            min: 10,
+            max: 128,
+            initial: 50,
+            tick: Duration::from_secs(1),
+            cooldown: Duration::from_secs(10),
+            window: Duration::from_secs(10),
+        });
+        let mut seen = Observed {
+            itl_p90: Some(Duration::from_millis(7)),
+            decode_blocks_used: 12_000,
+            decode_blocks_peak: Some(17_000),
+            decode_blocks_total: 50_000,
+            decode_holding: 300,
+            ..Default::default()
+        };
+        let inputs = seen.inputs(Pool::Decode, 50, 0);
+        assert_eq!(inputs.needed, Some(20));
+        let d = p.decide(t0, inputs);
+        assert_eq!((d.desired, d.action), (20, "down"), "{}", d.why);
+        seen.decode_waiting = 1;
+        assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
+        seen.decode_waiting = 0;
+        seen.decode_blocks_peak = None;
+        assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use router::planner::{Observed, Rate, Window};
+use router::planner::{Observed, Peak, Rate, Window};
 
 use crate::{Event, Pool, Sim};
 
@@ -40,6 +40,7 @@ pub(crate) struct Signals {
     /// Prompt tokens sent to the prefill pool, ever, and their rate over the window.
     pub(crate) prefill_sent: u64,
     demand: Rate,
+    decode_peak: Peak,
 }
 
 impl Signals {
@@ -50,6 +51,7 @@ impl Signals {
             admission: Window::new(window),
             prefill_sent: 0,
             demand: Rate::new(window),
+            decode_peak: Peak::new(window),
         }
     }
 }
@@ -104,6 +106,7 @@ impl Sim {
             admission_p90: s.admission.quantile(now, 0.9).0,
             decode_waiting: self.waiting,
             decode_blocks_used: used,
+            decode_blocks_peak: s.decode_peak.observe(now, used),
             decode_blocks_total: total,
             decode_holding: holding,
         }
