@@ -205,6 +205,15 @@ fn distinct(base: u32, n: u32) -> Vec<u32> {
     (0..n).map(|i| base + i).collect()
 }
 
+/// `reqs` through 1 prefill and `decode` decode workers of 40 blocks each, all finishing.
+fn run_on_40_blocks(decode: usize, reqs: Vec<SimRequest>) -> sim::SimResult {
+    let mut cfg = cluster(1, decode);
+    cfg.decode.engine.num_blocks = 40;
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    r
+}
+
 /// A decode worker without room refuses, and the router asks another at once, as the real
 /// router does: two decode workers of 40 blocks, one nearly filled by a 600-token prompt (38
 /// blocks), the other holding a 100-token one (7); two 150-token requests (10 blocks each)
@@ -212,16 +221,13 @@ fn distinct(base: u32, n: u32) -> Vec<u32> {
 /// no wait (without asking again, it would wait for the long request's end, 600+ ms).
 #[test]
 fn a_refused_request_is_asked_of_another_decode_worker_at_once() {
-    let mut cfg = cluster(1, 2);
-    cfg.decode.engine.num_blocks = 40;
     let reqs = vec![
         request(0, distinct(1000, 600), 4),
         request(0, distinct(3000, 100), 4),
         request(10, distinct(5000, 150), 4),
         request(10, distinct(7000, 150), 4),
     ];
-    let r = Sim::new(cfg, reqs).unwrap().run();
-    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    let r = run_on_40_blocks(2, reqs);
     let (n, secs) = r.ttft_phases["admission"];
     assert_eq!(n, 4);
     assert!(secs < 1e-6, "no request waited for room: {secs} s");
@@ -234,14 +240,11 @@ fn a_refused_request_is_asked_of_another_decode_worker_at_once() {
 /// the end itself.
 #[test]
 fn a_request_refused_everywhere_is_reserved_at_the_next_heartbeat() {
-    let mut cfg = cluster(1, 1);
-    cfg.decode.engine.num_blocks = 40;
     let reqs = vec![
         request(0, distinct(1000, 600), 4),
         request(0, distinct(3000, 100), 4),
     ];
-    let r = Sim::new(cfg, reqs).unwrap().run();
-    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    let r = run_on_40_blocks(1, reqs);
     let first_end = r.outcomes[0].e2e.as_secs_f64();
     let (n, waited) = r.ttft_phases["admission"];
     assert_eq!(n, 2);
