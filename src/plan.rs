@@ -118,6 +118,28 @@ impl Search<'_> {
         Ok(Some(best))
     }
 
+    /// From fleet `t`, which meets the targets, one worker fewer in a pool while that still
+    /// meets them: at the 90% edge attainment is not monotone in a pool's size (a pool found
+    /// the least with the other at its maximum may do with one fewer beside a smaller one), so
+    /// the answer is checked to need each of its workers.
+    fn descend(&mut self, mut t: Trial) -> Result<Trial> {
+        loop {
+            let (p, d) = (t.prefill, t.decode);
+            let fewer = [(p > 1).then(|| (p - 1, d)), (d > 1).then(|| (p, d - 1))];
+            let mut moved = false;
+            for (p, d) in fewer.into_iter().flatten() {
+                let smaller = self.fleet(p, d)?;
+                if self.meets(&smaller) {
+                    (t, moved) = (smaller, true);
+                    break;
+                }
+            }
+            if !moved {
+                return Ok(t);
+            }
+        }
+    }
+
     /// The cheapest disaggregated fleet meeting the targets.
     fn disaggregated(&mut self) -> Result<Option<Trial>> {
         let max = self.a.max_replicas;
@@ -131,7 +153,7 @@ impl Search<'_> {
         loop {
             let t = self.fleet(p, d)?;
             if self.meets(&t) {
-                return Ok(Some(t));
+                return self.descend(t).map(Some);
             }
             if p >= max && d >= max {
                 return Ok(None);

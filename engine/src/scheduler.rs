@@ -545,10 +545,12 @@ impl Engine {
                 prompt.len()
             )));
         }
+        // More than the whole cache: it would never fit, so no waiting for room.
         let need = self.kv.pages_for(prompt.len() + max_tokens);
         if need > self.kv.total_blocks() {
-            return Err(EngineError::OutOfBlocks(format!(
-                "the request needs {need} KV pages; the cache has {} in all",
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt ({} tokens) plus max_tokens ({max_tokens}) needs {need} KV pages; a worker's cache has {} in all",
+                prompt.len(),
                 self.kv.total_blocks()
             )));
         }

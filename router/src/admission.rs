@@ -7,9 +7,11 @@
 //! free at once, which a busy pool never has — it would wait until its admission deadline
 //! and fail (the simulation of the whole Mooncake trace on a saturated pool failed 201 such
 //! requests). So the line remembers who waits, oldest first, and once the oldest has waited
-//! [`HOLD_AFTER`], it holds the decode worker with the most free blocks: no other request is
-//! reserved there until it is (that one worker drains to fit it; the rest of the pool admits
-//! as before).
+//! [`HOLD_AFTER`], it holds the decode worker with the most free blocks (of those it may go
+//! to): no other request is reserved there until it is (that one worker drains to fit it; the
+//! rest of the pool admits as before, and the holder takes room wherever it comes first).
+//! Each router keeps its own line: behind etcd's several routers, another router's requests
+//! may still be reserved on a worker one router holds.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
@@ -22,25 +24,35 @@ pub const HOLD_AFTER: Duration = Duration::from_secs(5);
 pub struct Line {
     /// By when each began to wait (and id, for ties).
     order: BTreeSet<(Instant, u64)>,
-    since: HashMap<u64, Instant>,
+    waiting: HashMap<u64, (Instant, Eligible)>,
     /// The oldest request's hold: (request, decode worker).
     hold: Option<(u64, u64)>,
     /// Holds taken so far.
     holds: u64,
 }
 
+/// The decode workers a waiting request may be reserved on: its pin (while that worker
+/// serves) and not those it left (a migrated request's).
+#[derive(Debug, Clone, Default)]
+pub struct Eligible {
+    /// The one worker it is pinned to, if any.
+    pub pin: Option<u64>,
+    /// Workers it must not go back to.
+    pub avoid: Vec<u64>,
+}
+
 impl Line {
     /// Request `id` found no decode worker with room at `now` (again: it keeps its place).
-    pub fn join(&mut self, id: u64, now: Instant) {
-        if let std::collections::hash_map::Entry::Vacant(e) = self.since.entry(id) {
-            e.insert(now);
+    pub fn join(&mut self, id: u64, now: Instant, eligible: Eligible) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.waiting.entry(id) {
+            e.insert((now, eligible));
             self.order.insert((now, id));
         }
     }
 
     /// Request `id` no longer waits (reserved, failed or gone); its hold ends with it.
     pub fn leave(&mut self, id: u64) {
-        if let Some(t) = self.since.remove(&id) {
+        if let Some((t, _)) = self.waiting.remove(&id) {
             self.order.remove(&(t, id));
         }
         if self.hold.is_some_and(|(r, _)| r == id) {
@@ -55,67 +67,49 @@ impl Line {
 
     /// Requests waiting.
     pub fn len(&self) -> usize {
-        self.since.len()
+        self.waiting.len()
     }
 
     /// Whether none waits.
     pub fn is_empty(&self) -> bool {
-        self.since.is_empty()
+        self.waiting.is_empty()
     }
 
-    /// The decode worker request `id` may ask at `now`: `Only(w)` when it holds `w` (the
-    /// oldest, waiting [`HOLD_AFTER`] or more: it takes the worker of `free` — each serving
-    /// decode worker's free blocks — with the most, and keeps it while it serves); `AllBut(w)`
-    /// when `w` is held for another; else `Any`.
-    pub fn may_ask(&mut self, id: u64, now: Instant, free: &[(u64, u32)]) -> Ask {
-        if let Some((r, w)) = self.hold {
+    /// The decode worker request `id` must keep off at `now`: the one held for another. `free`
+    /// has each serving decode worker's free blocks; once the oldest waiting request has
+    /// waited [`HOLD_AFTER`], it holds the one of them with the most that it may be reserved
+    /// on, and keeps it while that worker serves. The holder itself may ask any worker (room
+    /// elsewhere may come sooner).
+    pub fn kept_off(&mut self, id: u64, now: Instant, free: &[(u64, u32)]) -> Option<u64> {
+        if let Some((_, w)) = self.hold {
             if !free.iter().any(|&(x, _)| x == w) {
                 self.hold = None;
-            } else if r == id {
-                return Ask::Only(w);
-            } else {
-                return Ask::AllBut(w);
             }
         }
-        let Some(&(since, oldest)) = self.order.first() else {
-            return Ask::Any;
-        };
-        if now.saturating_duration_since(since) < HOLD_AFTER {
-            return Ask::Any;
+        if self.hold.is_none() {
+            self.hold = self.take_hold(now, free);
         }
-        // Most free blocks; the lowest id among equals.
-        let best = free.iter().max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)));
-        let Some(&(w, _)) = best else {
-            return Ask::Any;
-        };
-        self.hold = Some((oldest, w));
-        self.holds += 1;
-        match oldest == id {
-            true => Ask::Only(w),
-            false => Ask::AllBut(w),
-        }
+        self.hold.filter(|&(r, _)| r != id).map(|(_, w)| w)
     }
-}
 
-/// Which decode workers a request may ask (see [`Line::may_ask`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Ask {
-    /// Any.
-    Any,
-    /// Only this one (held for it).
-    Only(u64),
-    /// All but this one (held for another).
-    AllBut(u64),
-}
-
-impl Ask {
-    /// Whether worker `w` may be asked.
-    pub fn allows(self, w: u64) -> bool {
-        match self {
-            Ask::Any => true,
-            Ask::Only(x) => x == w,
-            Ask::AllBut(x) => x != w,
+    /// The oldest request's hold, if it has waited long enough and a worker it may take serves.
+    fn take_hold(&mut self, now: Instant, free: &[(u64, u32)]) -> Option<(u64, u64)> {
+        let &(since, oldest) = self.order.first()?;
+        if now.saturating_duration_since(since) < HOLD_AFTER {
+            return None;
         }
+        let e = &self.waiting[&oldest].1;
+        let allowed =
+            |w: u64, pin: bool| !e.avoid.contains(&w) && (!pin || e.pin.is_none_or(|p| p == w));
+        // Its pin while that serves, else any it has not left; the most free, the lowest id
+        // among equals.
+        let pinned = e.pin.is_some_and(|p| free.iter().any(|&(x, _)| x == p));
+        let (w, _) = free
+            .iter()
+            .filter(|&&(w, _)| allowed(w, pinned))
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(&a.0)))?;
+        self.holds += 1;
+        Some((oldest, *w))
     }
 }
 
@@ -128,32 +122,74 @@ mod tests {
         let t0 = Instant::now();
         let free = [(1, 100), (2, 700), (3, 700)];
         let mut line = Line::default();
-        assert_eq!(line.may_ask(9, t0, &free), Ask::Any, "nobody waits");
-        line.join(10, t0);
-        line.join(11, t0 + Duration::from_secs(1));
-        line.join(10, t0 + Duration::from_secs(2)); // keeps its place
+        assert_eq!(line.kept_off(9, t0, &free), None, "nobody waits");
+        line.join(10, t0, Eligible::default());
+        line.join(11, t0 + Duration::from_secs(1), Eligible::default());
+        line.join(10, t0 + Duration::from_secs(2), Eligible::default()); // keeps its place
         assert_eq!(line.len(), 2);
         // Not yet.
         let soon = t0 + HOLD_AFTER - Duration::from_millis(1);
-        assert_eq!(line.may_ask(11, soon, &free), Ask::Any);
+        assert_eq!(line.kept_off(11, soon, &free), None);
         // The oldest (10) holds worker 2 (most free; 3 ties, higher id): others keep off it,
-        // whoever asks first.
+        // whoever asks first; it may ask any.
         let later = t0 + HOLD_AFTER;
-        assert_eq!(line.may_ask(12, later, &free), Ask::AllBut(2));
-        assert_eq!(line.may_ask(10, later, &free), Ask::Only(2));
-        assert!(!Ask::AllBut(2).allows(2) && Ask::AllBut(2).allows(3));
+        assert_eq!(line.kept_off(12, later, &free), Some(2));
+        assert_eq!(line.kept_off(10, later, &free), None);
         // Its worker left: the hold moves to the emptiest that remains.
         let free = [(1, 100), (3, 50)];
-        assert_eq!(line.may_ask(10, later, &free), Ask::Only(1));
+        assert_eq!(line.kept_off(11, later, &free), Some(1));
         // Reserved: the next oldest (11, waiting since t0+1s) holds one once it has waited
         // long enough itself.
         line.leave(10);
-        assert_eq!(line.may_ask(12, later, &free), Ask::Any);
+        assert_eq!(line.kept_off(12, later, &free), None);
         let t = t0 + Duration::from_secs(1) + HOLD_AFTER;
-        assert_eq!(line.may_ask(12, t, &free), Ask::AllBut(1));
+        assert_eq!(line.kept_off(12, t, &free), Some(1));
         line.leave(11);
         assert!(line.is_empty());
+        assert_eq!(line.kept_off(12, t, &free), None);
         assert_eq!(line.holds(), 3);
-        assert_eq!(line.may_ask(12, t, &free), Ask::Any);
+    }
+
+    /// A pinned request holds its pin while that worker serves; one that left a worker (a
+    /// migration) never holds it.
+    #[test]
+    fn a_hold_is_taken_only_where_the_request_may_go() {
+        let t0 = Instant::now();
+        let later = t0 + HOLD_AFTER;
+        let free = [(1, 100), (2, 700), (3, 50)];
+        let mut line = Line::default();
+        line.join(
+            10,
+            t0,
+            Eligible {
+                pin: Some(3),
+                avoid: vec![],
+            },
+        );
+        assert_eq!(line.kept_off(11, later, &free), Some(3));
+        line.leave(10);
+        line.join(
+            10,
+            t0,
+            Eligible {
+                pin: Some(9),
+                avoid: vec![2],
+            },
+        );
+        assert_eq!(
+            line.kept_off(11, later, &free),
+            Some(1),
+            "pin gone; 2 avoided"
+        );
+        line.leave(10);
+        line.join(
+            10,
+            t0,
+            Eligible {
+                pin: None,
+                avoid: vec![1, 2, 3],
+            },
+        );
+        assert_eq!(line.kept_off(11, later, &free), None, "nowhere it may go");
     }
 }

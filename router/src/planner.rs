@@ -630,8 +630,10 @@ pub async fn run(
         let mut observed = observe(&state.signals, &mut demand, &mut peak, &workers, now);
         if leader.is_some() {
             // Several routers may share the pools (etcd): this one sees only its own prompts,
-            // a fraction of the demand — too little to size a pool down by.
+            // a fraction of the demand — too little to size a pool down by — and only its own
+            // requests waiting for room.
             observed.prefill_demand = None;
+            observed.decode_blocks_peak = None;
         }
         for plan in &mut plans {
             let pool = plan.scaling.pool;

@@ -325,9 +325,8 @@ impl Request {
             if let Some(p) = self.pin.filter(|p| workers.iter().any(|w| w.id == *p)) {
                 stale.extend(workers.iter().map(|w| w.id).filter(|&id| id != p));
             }
-            // A worker held for the oldest waiting request (or by this one).
-            let ask = self.ask(&workers);
-            stale.extend(workers.iter().map(|w| w.id).filter(|&id| !ask.allows(id)));
+            // Not a worker held for the oldest request waiting for room (unless it is this one).
+            stale.extend(self.kept_off(&workers));
             let picked = self.state.registry.pick(Pool::Decode, &stale, &self.route);
             if let Some(Picked {
                 worker: w, guard, ..
@@ -350,7 +349,7 @@ impl Request {
                 }
                 continue;
             }
-            waiting.get_or_insert_with(|| WaitingForRoom::new(&self.state, self.id));
+            waiting.get_or_insert_with(|| WaitingForRoom::new(self));
             tokio::select! {
                 _ = self.tx.closed() => return Phase::Gone,
                 r = tokio::time::timeout_at(deadline, changes.changed()) => {
@@ -362,8 +361,8 @@ impl Request {
         }
     }
 
-    /// Which decode workers the line of requests waiting for room lets this one ask.
-    fn ask(&self, workers: &[Worker]) -> crate::admission::Ask {
+    /// The decode worker the line of requests waiting for room holds for another, if any.
+    fn kept_off(&self, workers: &[Worker]) -> Option<u64> {
         let free: Vec<(u64, u32)> = workers
             .iter()
             .filter(|w| w.pool == Pool::Decode && !w.draining && !w.stalled)
@@ -371,9 +370,9 @@ impl Request {
             .collect();
         let mut line = self.state.line.lock().expect("line lock");
         let holds = line.holds();
-        let ask = line.may_ask(self.id, Instant::now(), &free);
+        let kept_off = line.kept_off(self.id, Instant::now(), &free);
         metrics::counter!("tandem_router_admission_holds_total").increment(line.holds() - holds);
-        ask
+        kept_off
     }
 
     fn no_room(&self) -> ApiError {
@@ -851,15 +850,17 @@ fn record_transfer(r: &grpc::PrefillReply) {
 struct WaitingForRoom(Arc<State>, u64);
 
 impl WaitingForRoom {
-    fn new(state: &Arc<State>, id: u64) -> WaitingForRoom {
+    fn new(r: &Request) -> WaitingForRoom {
+        let state = &r.state;
         let waiting = &state.signals.decode_waiting;
         waiting.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        state
-            .line
-            .lock()
-            .expect("line lock")
-            .join(id, Instant::now());
-        WaitingForRoom(state.clone(), id)
+        let eligible = crate::admission::Eligible {
+            pin: r.pin,
+            avoid: r.avoid.clone(),
+        };
+        let mut line = state.line.lock().expect("line lock");
+        line.join(r.id, Instant::now(), eligible);
+        WaitingForRoom(state.clone(), r.id)
     }
 }
 

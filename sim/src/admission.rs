@@ -10,7 +10,6 @@ use std::time::Duration;
 use engine::SamplingParams;
 use proto::grpc::KvEvents;
 use proto::Pool;
-use router::admission::Ask;
 use router::routing::{self, Candidate};
 
 use crate::{ns, Event, Sim, HEARTBEAT};
@@ -31,7 +30,7 @@ impl Sim {
             wk.seen = wk.engine.load();
         }
         wk.beats += 1;
-        let decode = wk.pool == Pool::Decode;
+        let decode = wk.pool == Pool::Decode && wk.serving();
         self.schedule(self.now + ns(HEARTBEAT), Event::Beat(w));
         if decode && !self.admission.is_empty() {
             self.retry_admission(Some(w));
@@ -52,8 +51,10 @@ impl Sim {
         if self.reqs[r].waiting != waiting {
             self.reqs[r].waiting = waiting;
             let now = self.instant();
+            // (The simulator has no pins, nor a migrated request's list of workers it left.)
+            let eligible = Default::default();
             match waiting {
-                true => (self.waiting += 1, self.line.join(r as u64, now)),
+                true => (self.waiting += 1, self.line.join(r as u64, now, eligible)),
                 false => (self.waiting -= 1, self.line.leave(r as u64)),
             };
         }
@@ -65,10 +66,24 @@ impl Sim {
         decode.iter().map(|&w| (w as u64, free(w))).collect()
     }
 
-    /// Which decode workers the line lets request `r` ask (the router's own line).
-    fn ask(&mut self, r: usize, free: &[(u64, u32)]) -> Ask {
+    /// The decode worker the line holds for another than request `r` (the router's own line).
+    fn kept_off(&mut self, r: usize, free: &[(u64, u32)]) -> Option<usize> {
         let now = self.instant();
-        self.line.may_ask(r as u64, now, free)
+        self.line.kept_off(r as u64, now, free).map(|w| w as usize)
+    }
+
+    /// Request `r` has waited for room past the router's admission deadline.
+    fn past_deadline(&self, r: usize) -> bool {
+        self.now - self.reqs[r].admit_from > ns(router::ADMISSION_WAIT)
+    }
+
+    /// Request `r` fails as the router fails it at its admission deadline.
+    fn no_room(&mut self, r: usize) {
+        let why = format!(
+            "no decode worker had room within {:?}",
+            router::ADMISSION_WAIT
+        );
+        self.fail(r, why);
     }
 
     /// A request reaches the router: a decode worker is picked by the policy and reserves its
@@ -79,18 +94,14 @@ impl Sim {
         if self.reqs[r].error.is_some() || self.reqs[r].done {
             return;
         }
-        if self.now - self.reqs[r].admit_from > ns(router::ADMISSION_WAIT) {
-            let why = format!(
-                "no decode worker had room within {:?}",
-                router::ADMISSION_WAIT
-            );
-            return self.fail(r, why);
+        if self.past_deadline(r) {
+            return self.no_room(r);
         }
         // Not those that refused it since their last heartbeat, nor one held for another.
         let mut decode: Vec<usize> = self.pool(Pool::Decode);
-        let ask = self.ask(r, &self.free_blocks(&decode));
+        let kept_off = self.kept_off(r, &self.free_blocks(&decode));
         let refused = &self.reqs[r].refused_by;
-        decode.retain(|&w| !refused.contains(&(w, self.workers[w].beats)) && ask.allows(w as u64));
+        decode.retain(|&w| !refused.contains(&(w, self.workers[w].beats)) && Some(w) != kept_off);
         if decode.is_empty() {
             // None to ask: it waits for a heartbeat or a new worker.
             self.admission.push_back(r);
@@ -218,8 +229,12 @@ impl Sim {
         let mut room = beat.map(|w| self.workers[w].engine.free_blocks());
         let free = self.free_blocks(&self.pool(Pool::Decode));
         for r in std::mem::take(&mut self.admission) {
+            if self.past_deadline(r) {
+                self.no_room(r);
+                continue;
+            }
             if let (Some(w), Some(room)) = (beat, room.as_mut()) {
-                if !self.ask(r, &free).allows(w as u64) {
+                if self.kept_off(r, &free) == Some(w) {
                     self.admission.push_back(r);
                     continue;
                 }

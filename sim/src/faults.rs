@@ -379,7 +379,7 @@ impl Sim {
     }
 
     /// Request `r` is released wherever it is held.
-    fn leave(&mut self, r: usize) {
+    pub(crate) fn leave(&mut self, r: usize) {
         self.prefill_returned(r);
         let q = &mut self.reqs[r];
         if let Some(p) = q.prefill_on.take() {

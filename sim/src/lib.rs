@@ -619,7 +619,7 @@ impl Sim {
     }
 
     fn fail(&mut self, r: usize, why: String) {
-        self.prefill_returned(r);
+        self.leave(r);
         self.set_waiting(r, false);
         if self.reqs[r].error.is_none() {
             self.reqs[r].error = Some(why);

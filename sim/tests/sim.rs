@@ -255,6 +255,25 @@ fn a_request_refused_everywhere_is_reserved_at_the_next_heartbeat() {
     );
 }
 
+/// A request larger than a decode worker's whole cache fails at once with why, rather than
+/// waiting for room it could never have (it would hold a worker after `HOLD_AFTER` and fail at
+/// the admission deadline): 40 blocks of 16 tokens, a 700-token prompt with 4 out.
+#[test]
+fn a_request_larger_than_a_whole_cache_fails_at_once() {
+    let mut cfg = cluster(1, 1);
+    cfg.decode.engine.num_blocks = 40;
+    let reqs = vec![
+        request(0, distinct(1000, 700), 4),
+        request(0, distinct(3000, 100), 4),
+    ];
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    let e = r.outcomes[0].error.as_deref().unwrap_or_default();
+    assert!(e.contains("40 in all"), "{e}");
+    assert_eq!(r.outcomes[0].e2e, Duration::ZERO);
+    assert_eq!(r.outcomes[1].error, None);
+    assert_eq!(r.admission_holds, 0);
+}
+
 /// A long request does not starve behind a stream of short ones: two decode workers of 64
 /// blocks kept busy by 100-token requests (every 60 ms for 20 s, 13 blocks each, never both
 /// idle), and one 900-token request (57 blocks) at 1 s, which fits only on an emptied worker.
