@@ -668,6 +668,20 @@ mod tests {
         })
     }
 
+    /// A decode pool of 10–512 from 50, ITL target 100 ms, tick 1 s, cooldown and window 10 s.
+    fn decode_plan() -> PoolPlan {
+        PoolPlan::new(Scaling {
+            pool: Pool::Decode,
+            target: Duration::from_millis(100),
+            min: 10,
+            max: 512,
+            initial: 50,
+            tick: Duration::from_secs(1),
+            cooldown: Duration::from_secs(10),
+            window: Duration::from_secs(10),
+        })
+    }
+
     fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -> Inputs {
         Inputs {
             live,
@@ -830,18 +844,6 @@ mod tests {
     #[test]
     fn a_decode_pool_short_of_room_grows_by_the_room_its_requests_need() {
         let t0 = Instant::now();
-        let decode = |max| {
-            PoolPlan::new(Scaling {
-                pool: Pool::Decode,
-                target: Duration::from_millis(100),
-                min: 10,
-                max,
-                initial: 50,
-                tick: Duration::from_secs(1),
-                cooldown: Duration::from_secs(10),
-                window: Duration::from_secs(10),
-            })
-        };
         let mut seen = Observed {
             itl_p90: Some(Duration::from_millis(60)),
             admission_p90: Some(Duration::from_secs(3)),
@@ -853,7 +855,7 @@ mod tests {
         };
         let inputs = seen.inputs(Pool::Decode, 50, 0);
         assert_eq!(inputs.room_needed, Some(57));
-        let d = decode(512).decide(t0, inputs);
+        let d = decode_plan().decide(t0, inputs);
         assert_eq!((d.desired, d.action), (57, "up"), "{}", d.why);
         // Nothing waiting: no room is needed.
         seen.decode_waiting = 0;
@@ -862,7 +864,7 @@ mod tests {
         seen.decode_waiting = 7;
         seen.itl_p90 = Some(Duration::from_millis(150));
         seen.admission_p90 = None;
-        let d = decode(512).decide(t0, seen.inputs(Pool::Decode, 50, 0));
+        let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 0));
         assert_eq!((d.desired, d.action), (75, "up"), "{}", d.why);
     }
 
@@ -889,16 +891,7 @@ mod tests {
     #[test]
     fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
         let t0 = Instant::now();
-        let mut p = PoolPlan::new(Scaling {
-            pool: Pool::Decode,
-            target: Duration::from_millis(100),
-            min: 10,
-            max: 128,
-            initial: 50,
-            tick: Duration::from_secs(1),
-            cooldown: Duration::from_secs(10),
-            window: Duration::from_secs(10),
-        });
+        let mut p = decode_plan();
         let mut seen = Observed {
             itl_p90: Some(Duration::from_millis(7)),
             decode_blocks_used: 12_000,

@@ -242,10 +242,8 @@ struct Worker {
     pending: Vec<engine::TokenEvent>,
     /// Requests the router has in flight on it.
     in_flight: usize,
-    /// Prefill: prompt tokens sent and not yet done; computed so far and the busy time.
+    /// Prefill: prompt tokens sent and not yet done.
     queued_tokens: u64,
-    computed: u64,
-    busy_ns: u64,
     /// Prefill: prompt tokens per second of engine time, a moving average over its steps (as
     /// a real prefill worker measures it), and what its last heartbeat told the router.
     capacity: f64,
@@ -479,8 +477,6 @@ impl Sim {
             pending: Vec::new(),
             in_flight: 0,
             queued_tokens: 0,
-            computed: 0,
-            busy_ns: 0,
             capacity: 0.0,
             reported: 0.0,
             beats: 0,
@@ -667,11 +663,8 @@ impl Sim {
                 *t = (t.0 + 1, t.1 + d as f64 / 1e9);
                 wk.busy = true;
                 wk.busy_until = self.now + d;
-                wk.busy_ns += d;
-                let tokens = wk.engine.last_step().0;
-                wk.computed += tokens as u64;
                 if wk.pool == Pool::Prefill {
-                    wk.measure(tokens, d);
+                    wk.measure(wk.engine.last_step().0, d);
                 }
                 wk.pending = events;
                 self.result.steps += 1;
