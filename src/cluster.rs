@@ -128,11 +128,7 @@ fn worker_settings(
         host: a.host.clone().unwrap_or_else(|| pool.host.clone()),
         router: control_endpoint(cfg, a),
         name: a.name.clone().unwrap_or_else(|| role.into()),
-        require: cfg
-            .kv_transfer
-            .require
-            .as_ref()
-            .and_then(|r| kv_transfer::Transport::parse(r.get_ref())),
+        require: cfg.kv_transfer.require.as_ref().map(|r| *r.get_ref()),
         secret: secret(cfg)?,
         discovery: discovery(cfg),
         ready_file: a.ready_file.clone(),
@@ -156,8 +152,7 @@ pub(crate) fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineCo
 /// The router's routing policy from `[router]`.
 pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
     router::routing::Routing {
-        policy: router::routing::Policy::parse(cfg.router.policy.get_ref())
-            .expect("validated with the config"),
+        policy: cfg.router.policy,
         prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
     }
 }
@@ -174,15 +169,15 @@ fn discovery(cfg: &ClusterConfig) -> Option<discovery::Config> {
 
 /// The mock engine's timing for a pool with `engine = "mock"` (a preset, then the fields set).
 pub(crate) fn mock_timing(pool: &PoolSection) -> Option<engine::MockTiming> {
-    if pool.engine.get_ref() != "mock" {
+    use proto::config::{EngineKind, MockPreset};
+    if *pool.engine.get_ref() != EngineKind::Mock {
         return None;
     }
     let m = &pool.mock;
-    let mut t = m
-        .preset
-        .as_ref()
-        .and_then(|p| engine::MockTiming::preset(p.get_ref()))
-        .unwrap_or(engine::MockTiming::CPU_SMOLLM2);
+    let mut t = match m.preset.as_ref().map(|p| *p.get_ref()) {
+        None | Some(MockPreset::CpuSmollm2) => engine::MockTiming::CPU_SMOLLM2,
+        Some(MockPreset::H200Llama8b) => engine::MockTiming::H200_LLAMA8B,
+    };
     t.step_us = m.step_us.unwrap_or(t.step_us);
     t.prefill_token_us = m.prefill_token_us.unwrap_or(t.prefill_token_us);
     t.decode_token_us = m.decode_token_us.unwrap_or(t.decode_token_us);
@@ -224,7 +219,7 @@ pub(crate) fn scaling(cfg: &ClusterConfig) -> Vec<router::planner::Scaling> {
 fn router_starts(pool: &PoolSection) -> bool {
     pool.autoscale
         .as_ref()
-        .is_some_and(|a| a.actuator.get_ref() == "local")
+        .is_some_and(|a| *a.actuator.get_ref() == proto::config::Actuator::Local)
 }
 
 fn control_endpoint(cfg: &ClusterConfig, a: &RoleArgs) -> String {
@@ -297,7 +292,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
             .into_iter()
             .filter_map(|(pool, p)| {
                 let a = p?.autoscale.as_ref()?;
-                (a.actuator.get_ref() == "kubernetes").then(|| {
+                (*a.actuator.get_ref() == proto::config::Actuator::Kubernetes).then(|| {
                     let target = router::kubernetes::Target {
                         deployment: a.deployment.as_ref()?.get_ref().clone(),
                         namespace: a.namespace.as_ref().map(|n| n.get_ref().clone()),
@@ -350,12 +345,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
         worker: worker_settings(&cfg, pool, model, &a, "prefill")?,
         connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
         transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
-        prefer: t
-            .prefer
-            .get_ref()
-            .iter()
-            .filter_map(|n| kv_transfer::Transport::parse(n))
-            .collect(),
+        prefer: t.prefer.get_ref().clone(),
         layerwise: t.layerwise,
     };
     runtime()?.block_on(prefill_worker::run(pc))?;

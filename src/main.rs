@@ -245,7 +245,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
         ..Default::default()
     };
     let mut engine = Engine::new(model, cfg, tok.stop_ids().to_vec())?;
-    engine.add(0, ids.clone(), params)?;
+    engine.add(engine::RequestId(0), ids.clone(), params)?;
     let mut dec = StreamDecoder::default();
     let mut stops = StopStrings::new(&a.stop);
     let mut out = std::io::stdout().lock();
@@ -262,7 +262,7 @@ fn generate(a: GenerateArgs) -> Result<()> {
             out.write_all(text.as_bytes())?;
             out.flush()?;
             if stopped {
-                engine.release(0, engine::Release::Cancelled);
+                engine.release(engine::RequestId(0), engine::Release::Cancelled);
                 break 'run;
             }
         }

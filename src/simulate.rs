@@ -128,7 +128,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
     );
     let pool = |p: &proto::config::PoolSection, name: &str, overhead: &sim::Overhead| {
         let timing = cluster::mock_timing(p).unwrap_or(engine::MockTiming::CPU_SMOLLM2);
-        if p.engine.get_ref() != "mock" {
+        if *p.engine.get_ref() != proto::config::EngineKind::Mock {
             eprintln!("simulate: the {name} pool runs the real engine; simulated with the mock's cpu-smollm2 timing");
         }
         sim::PoolSpec {
@@ -151,7 +151,13 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
             .map(|p| pool(p, "prefill", &prefill_overhead)),
         decode: pool(&cfg.decode, "decode", &decode_overhead),
         routing: cluster::routing(&cfg),
-        local_prefill_max_tokens: cfg.router.local_prefill_max_tokens as usize,
+        router: router::core::Settings {
+            local_prefill_max_tokens: cfg.router.local_prefill_max_tokens,
+            local_prefill_busy_max_tokens: cfg.router.local_prefill_busy_max_tokens,
+            migration_limit: cfg.router.migration_limit,
+            request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
+            ..Default::default()
+        },
         link: sim::Link {
             bandwidth: a.link_gbytes_per_s * 1e9,
             latency: Duration::from_micros(a.link_latency_us),
@@ -167,7 +173,6 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         liveness: sim::Liveness {
             stall: Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
             transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
-            migration_limit: cfg.router.migration_limit,
             racks: a.racks,
             fault_seed: a.fault_seed,
         },
@@ -284,7 +289,7 @@ pub fn simulate(
         "step_seconds": counted(&r.step_time),
         "series": r.series.iter().map(|s| serde_json::json!({
             "t_s": s.t, "pool": s.pool, "live": s.live, "starting": s.starting, "desired": s.desired,
-            "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action,
+            "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action.label(),
         })).collect::<Vec<_>>(),
     });
     Ok((r, report))

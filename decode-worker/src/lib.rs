@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use engine::{Engine, Release, SamplingParams};
+use engine::{Engine, Release, RequestId, SamplingParams};
 use kv_transfer::KvEvent;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{
@@ -57,19 +57,19 @@ enum Cmd {
 /// The decode pool's engine role: generates, admits arriving KV, streams tokens.
 struct Decoder {
     engine: Engine,
-    streams: HashMap<u64, EventTx>,
+    streams: HashMap<RequestId, EventTx>,
 }
 
 fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
     GenerateEvent {
         event: Some(generate_event::Event::Token(ev.token)),
-        finish: engine::FinishReason::to_wire(ev.finish) as i32,
-        logprobs: ev.logprobs.as_ref().map(Into::into),
+        finish: worker::wire::finish(ev.finish) as i32,
+        logprobs: ev.logprobs.as_ref().map(worker::wire::logprobs),
         prompt_logprobs: ev
             .prompt_logprobs
             .iter()
             .flatten()
-            .map(Into::into)
+            .map(worker::wire::logprobs)
             .collect(),
         sent_unix_us: proto::unix_us(std::time::SystemTime::now()),
     }
@@ -78,7 +78,7 @@ fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
 impl Decoder {
     /// Releases request `id` from the engine (blocks and ledger entry) and its stream, telling
     /// the caller `status` if there is one.
-    fn end(&mut self, id: u64, why: Release, status: Option<Status>) -> bool {
+    fn end(&mut self, id: RequestId, why: Release, status: Option<Status>) -> bool {
         let held = self.engine.release(id, why);
         if let (Some(tx), Some(s)) = (self.streams.remove(&id), status) {
             let _ = tx.send(Err(s));
@@ -91,18 +91,23 @@ impl Decoder {
             let _ = events.send(Err(Cause::Draining.status("this decode worker is draining")));
             return;
         }
-        let id = req.request_id;
-        let params = SamplingParams::from(req.params.unwrap_or_default());
+        let id = RequestId(req.request_id);
+        let params = worker::wire::sampling_params(req.params.unwrap_or_default());
         let added = if req.remote_prefill {
             let n = req.prompt.len();
             let local_max = req.local_prefill_max_tokens as usize;
-            self.reserve(id, req.prompt, params, local_max).map(|r| {
+            let reserved = self.engine.reserve_remote(id, req.prompt, params, local_max);
+            reserved.map(|r| {
+                let r = Reservation {
+                    cached_tokens: r.cached as u32,
+                    local: r.local,
+                };
                 let event = generate_event::Event::Reserved(r.clone());
                 let _ = events.send(Ok(GenerateEvent {
                     event: Some(event),
                     ..Default::default()
                 }));
-                tracing::debug!(request = id, prompt = n, ?r, "reserved");
+                tracing::debug!(request = %id, prompt = n, ?r, "reserved");
             })
         } else {
             self.engine.add(id, req.prompt, params)
@@ -117,35 +122,14 @@ impl Decoder {
         }
     }
 
-    /// Reserves for a remote prefill, sharing the prompt's cached prefix; computes the rest
-    /// here when it is at most `local_max` tokens.
-    fn reserve(
-        &mut self,
-        id: u64,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-        local_max: usize,
-    ) -> engine::Result<Reservation> {
-        let rest = prompt.len() - 1;
-        let cached = self.engine.reserve_remote(id, prompt, params)?;
-        let local = rest - cached <= local_max;
-        if local {
-            self.engine.prefill_here(id)?;
-        }
-        Ok(Reservation {
-            cached_tokens: cached as u32,
-            local,
-        })
-    }
-
     fn kv(&mut self, ev: KvEvent) {
         match ev {
             KvEvent::Arriving(id) => {
-                self.engine.kv_arriving(id);
-                self.engine.renew_lease(id);
+                self.engine.kv_arriving(RequestId(id));
+                self.engine.renew_lease(RequestId(id));
             }
             KvEvent::Renewed(id) => {
-                self.engine.renew_lease(id);
+                self.engine.renew_lease(RequestId(id));
             }
             KvEvent::Abandoned { request_id, error } => {
                 metrics::counter!("tandem_kv_receive_failures_total").increment(1);
@@ -153,7 +137,7 @@ impl Decoder {
                 // ABORTED: the request never started here; the router recomputes it.
                 let msg = format!("the KV of request {request_id} did not arrive: {error}");
                 self.end(
-                    request_id,
+                    RequestId(request_id),
                     Release::TransferFailed,
                     Some(Cause::KvTransfer.status(msg)),
                 );
@@ -163,13 +147,13 @@ impl Decoder {
                 n_tokens,
                 reply,
             } => {
-                let blocks = self.engine.grant(request_id, n_tokens as usize);
+                let blocks = self.engine.grant(RequestId(request_id), n_tokens as usize);
                 let _ = reply.send(blocks.map_err(|e| e.to_string()));
             }
             KvEvent::Complete(kv) => {
                 let bytes = kv.layers.iter().map(|l| l.len() as u64).sum::<u64>();
                 metrics::counter!("tandem_kv_received_bytes_total", "transport" => kv.transport.name()).increment(bytes);
-                let id = kv.request_id;
+                let id = RequestId(kv.request_id);
                 let r = if !self.streams.contains_key(&id) {
                     Err(format!(
                         "request {id} is not waiting for KV here (cancelled?)"
@@ -206,7 +190,7 @@ impl worker::Role for Decoder {
         }
     }
 
-    fn release(&mut self, id: u64) -> bool {
+    fn release(&mut self, id: RequestId) -> bool {
         self.end(id, Release::Cancelled, None)
     }
 
@@ -224,7 +208,7 @@ impl worker::Role for Decoder {
             Err(e) => {
                 // A failed step poisons every running request; fail them all, keep serving.
                 tracing::error!("decode step failed: {e}");
-                let ids: Vec<u64> = self.streams.keys().copied().collect();
+                let ids: Vec<RequestId> = self.streams.keys().copied().collect();
                 for id in ids {
                     let s = Cause::Engine.status(format!("decode step failed: {e}"));
                     self.end(id, Release::StepFailed, Some(s));
@@ -263,12 +247,12 @@ impl worker::Role for Decoder {
         }
     }
 
-    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+    fn kv_events(&mut self) -> Vec<engine::KvEvent> {
         self.engine.take_kv_events()
     }
 
     fn load(&self) -> WorkerLoad {
-        let l = self.engine.load();
+        let l = worker::wire::load(&self.engine.load());
         metrics::gauge!("tandem_decode_running").set(l.running as f64);
         metrics::gauge!("tandem_decode_waiting").set(l.waiting as f64);
         metrics::gauge!("tandem_decode_kv_blocks_free").set(l.kv_blocks_free as f64);
@@ -311,7 +295,7 @@ impl Decode for Service {
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
         let req = req.into_inner();
-        let id = req.request_id;
+        let id = RequestId(req.request_id);
         let (tx, rx) = mpsc::unbounded_channel();
         self.0.send(Cmd::Generate { req, events: tx })?;
         Ok(Response::new(Events {
@@ -331,7 +315,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     // Structured output: the vocabulary's token trie, built once.
     let grammars = engine::grammar::Grammars::new(&loaded.tokenizer)?;
     engine.set_grammars(std::sync::Arc::new(grammars));
-    let regions = engine.kv_regions();
+    let regions = engine.kv_regions().map_err(|e| e.to_string());
     let handle = worker::engine_thread::spawn(
         "decode-engine",
         Decoder {

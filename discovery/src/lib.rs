@@ -14,9 +14,13 @@
 
 use std::time::Duration;
 
-use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+pub mod etcd;
+
 use tokio::sync::{mpsc, watch};
 use tokio::time::timeout;
+
+use etcd::pb::mvccpb::event::EventType;
+use etcd::{Etcd, EtcdError};
 
 /// Where etcd is and how members use it.
 #[derive(Debug, Clone)]
@@ -64,7 +68,7 @@ pub enum Change {
 pub enum DiscoveryError {
     /// etcd answered with an error, or the connection failed.
     #[error("etcd: {0}")]
-    Etcd(#[from] etcd_client::Error),
+    Etcd(#[from] EtcdError),
     /// etcd did not answer in time.
     #[error("etcd did not answer within {0:?}")]
     Timeout(Duration),
@@ -99,16 +103,37 @@ impl Config {
         self.ttl.as_secs().max(2) as i64
     }
 
-    async fn connect(&self) -> Result<Client> {
+    async fn connect(&self) -> Result<Etcd> {
         let d = self.deadline();
-        let opts = ConnectOptions::new()
-            .with_connect_timeout(d)
-            .with_timeout(d)
-            .with_keep_alive(d / 2, d);
-        timeout(d, Client::connect(&self.endpoints, Some(opts)))
+        timeout(d, Etcd::connect(&self.endpoints, d))
             .await
             .map_err(|_| DiscoveryError::Timeout(d))?
             .map_err(Into::into)
+    }
+
+    /// `call` within the deadline of one etcd call.
+    async fn call<T>(
+        &self,
+        call: impl std::future::Future<Output = std::result::Result<T, EtcdError>>,
+    ) -> Result<T> {
+        let d = self.deadline();
+        Ok(timeout(d, call)
+            .await
+            .map_err(|_| DiscoveryError::Timeout(d))??)
+    }
+
+    /// Renews `keeper`'s lease every third of the TTL, for as long as it lives: ends with
+    /// the error that ended it.
+    async fn keep(&self, keeper: &mut etcd::KeepAlive) -> DiscoveryError {
+        let mut ticks = tokio::time::interval(self.ttl / 3);
+        loop {
+            ticks.tick().await;
+            match self.call(keeper.renew()).await {
+                Ok(ttl) if ttl > 0 => {}
+                Ok(_) => return DiscoveryError::LeaseLost,
+                Err(e) => return e,
+            }
+        }
     }
 
     /// Keeps `<prefix>/<kind>/<id> = value` in etcd under a lease renewed every third of the
@@ -128,32 +153,13 @@ impl Config {
     }
 
     async fn register_once(&self, kind: Kind, id: u64, value: &[u8]) -> Result<()> {
-        let d = self.deadline();
-        let call = |e| DiscoveryError::Timeout(e);
-        let mut c = self.connect().await?;
-        let lease = timeout(d, c.lease_grant(self.ttl_secs(), None))
-            .await
-            .map_err(|_| call(d))??
-            .id();
-        let opts = PutOptions::new().with_lease(lease);
-        timeout(d, c.put(self.key(kind, id), value.to_vec(), Some(opts)))
-            .await
-            .map_err(|_| call(d))??;
+        let c = self.connect().await?;
+        let lease = self.call(c.grant(self.ttl_secs())).await?;
+        self.call(c.put(&self.key(kind, id), value.to_vec(), lease))
+            .await?;
         tracing::info!(?kind, id, lease, "registered in etcd");
-        let (mut keeper, mut answers) = timeout(d, c.lease_keep_alive(lease))
-            .await
-            .map_err(|_| call(d))??;
-        let mut ticks = tokio::time::interval(self.ttl / 3);
-        loop {
-            ticks.tick().await;
-            timeout(d, keeper.keep_alive())
-                .await
-                .map_err(|_| call(d))??;
-            match timeout(d, answers.message()).await.map_err(|_| call(d))?? {
-                Some(a) if a.ttl() > 0 => {}
-                _ => return Err(DiscoveryError::LeaseLost),
-            }
-        }
+        let mut keeper = self.call(c.keep_alive(lease)).await?;
+        Err(self.keep(&mut keeper).await)
     }
 
     /// The members of `kind`: all of them first, then each change, and all of them again
@@ -173,41 +179,32 @@ impl Config {
     }
 
     async fn watch_once(&self, kind: Kind, tx: &mpsc::UnboundedSender<Change>) -> Result<()> {
-        let d = self.deadline();
         let dir = self.dir(kind);
-        let mut c = self.connect().await?;
-        let now = timeout(d, c.get(dir.clone(), Some(GetOptions::new().with_prefix())))
-            .await
-            .map_err(|_| DiscoveryError::Timeout(d))??;
-        let all = now
-            .kvs()
+        let c = self.connect().await?;
+        let (kvs, revision) = self.call(c.list(&dir)).await?;
+        let all = kvs
             .iter()
-            .filter_map(|kv| Some((member_id(&dir, kv.key())?, kv.value().to_vec())))
+            .filter_map(|kv| Some((member_id(&dir, &kv.key)?, kv.value.clone())))
             .collect();
-        let revision = now.header().map_or(0, |h| h.revision());
         if tx.send(Change::All(all)).is_err() {
             return Ok(());
         }
-        let opts = WatchOptions::new()
-            .with_prefix()
-            .with_start_revision(revision + 1);
-        let mut stream = timeout(d, c.watch(dir.clone(), Some(opts)))
-            .await
-            .map_err(|_| DiscoveryError::Timeout(d))??;
+        let mut stream = self.call(c.watch(&dir, revision + 1)).await?;
         // A watch waits for changes for as long as there are none: no deadline here. A dead
         // etcd ends it with an error (its connection's keep-alive sees to a silent one).
-        while let Some(r) = stream.message().await? {
-            if r.canceled() {
+        while let Some(r) = stream.next().await? {
+            if r.canceled {
                 return Err(DiscoveryError::WatchEnded);
             }
-            for e in r.events() {
-                let Some(kv) = e.kv() else { continue };
-                let Some(id) = member_id(&dir, kv.key()) else {
+            for e in r.events {
+                let Some(kv) = e.kv else { continue };
+                let Some(id) = member_id(&dir, &kv.key) else {
                     continue;
                 };
-                let change = match e.event_type() {
-                    EventType::Put => Change::Put(id, kv.value().to_vec()),
-                    EventType::Delete => Change::Delete(id),
+                let change = match EventType::try_from(e.r#type) {
+                    Ok(EventType::Put) => Change::Put(id, kv.value),
+                    Ok(EventType::Delete) => Change::Delete(id),
+                    Err(_) => continue,
                 };
                 if tx.send(change).is_err() {
                     return Ok(());
@@ -237,45 +234,22 @@ impl Config {
     }
 
     async fn lead_once(&self, name: &str, value: &[u8], tx: &watch::Sender<bool>) -> Result<()> {
-        let d = self.deadline();
-        let mut c = self.connect().await?;
-        let lease = timeout(d, c.lease_grant(self.ttl_secs(), None))
-            .await
-            .map_err(|_| DiscoveryError::Timeout(d))??
-            .id();
-        let (mut keeper, mut answers) = timeout(d, c.lease_keep_alive(lease))
-            .await
-            .map_err(|_| DiscoveryError::Timeout(d))??;
-        let keep = async {
-            let mut ticks = tokio::time::interval(self.ttl / 3);
-            loop {
-                ticks.tick().await;
-                timeout(d, keeper.keep_alive())
-                    .await
-                    .map_err(|_| DiscoveryError::Timeout(d))??;
-                match timeout(d, answers.message())
-                    .await
-                    .map_err(|_| DiscoveryError::Timeout(d))??
-                {
-                    Some(a) if a.ttl() > 0 => {}
-                    _ => return Err::<(), _>(DiscoveryError::LeaseLost),
-                }
-            }
-        };
-        let mut campaigner = c.clone();
+        let c = self.connect().await?;
+        let lease = self.call(c.grant(self.ttl_secs())).await?;
+        let mut keeper = self.call(c.keep_alive(lease)).await?;
         let campaign = async {
             // Waits while another member leads: the lease kept alive beside it bounds it.
-            campaigner.campaign(name, value.to_vec(), lease).await?;
+            c.campaign(name, value.to_vec(), lease).await?;
             tracing::info!(%name, lease, "elected leader");
             tx.send_replace(true);
             std::future::pending::<Result<()>>().await
         };
         let r = tokio::select! {
-            r = keep => r,
+            e = self.keep(&mut keeper) => Err(e),
             r = campaign => r,
         };
         // Best effort: a revoked lease hands the leadership on at once instead of at its TTL.
-        let _ = timeout(d, c.lease_revoke(lease)).await;
+        let _ = self.call(c.revoke(lease)).await;
         r
     }
 }

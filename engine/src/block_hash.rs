@@ -4,6 +4,8 @@
 //! for a prompt to know, per worker, how much of it is already cached. Stable across processes
 //! and machines.
 
+use types::BlockHash;
+
 use crate::ModelConfig;
 
 /// A map keyed by block names (or by names with more): hashed with foldhash under a seed drawn
@@ -48,13 +50,13 @@ pub fn identity_seed(config: &ModelConfig, block_size: usize) -> u64 {
 }
 
 /// The names of the whole blocks of `tokens`, in order.
-pub fn prompt_hashes(seed: u64, block_size: usize, tokens: &[u32]) -> Vec<u64> {
+pub fn prompt_hashes(seed: u64, block_size: usize, tokens: &[u32]) -> Vec<BlockHash> {
     let mut parent = ROOT;
     tokens
         .chunks_exact(block_size)
         .map(|b| {
             parent = chain(seed, parent, b);
-            parent
+            BlockHash(parent)
         })
         .collect()
 }

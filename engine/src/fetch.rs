@@ -71,7 +71,7 @@ pub const DEFAULT_MODEL_FILE: &str = DEFAULT.file;
 pub fn known(name: &str) -> Result<&'static KnownModel> {
     KNOWN.iter().find(|m| m.name == name).ok_or_else(|| {
         let names: Vec<&str> = KNOWN.iter().map(|m| m.name).collect();
-        EngineError::InvalidRequest(format!(
+        EngineError::Config(format!(
             "no known model {name:?} (known: {}); give a .gguf path instead",
             names.join(", ")
         ))

@@ -29,7 +29,7 @@ pub fn gpu_llama(
 ) -> Result<GpuLlama> {
     let w = model
         .weights()
-        .ok_or_else(|| EngineError::InvalidRequest("the mock engine has no weights".into()))?;
+        .ok_or_else(|| EngineError::Config("the mock engine has no weights".into()))?;
     llama(&model.config, w, gpu, block_size, num_blocks)
 }
 
@@ -133,7 +133,7 @@ impl Forward for GpuForward {
         for (i, s) in batch.iter().enumerate() {
             let end = s.start_pos + s.tokens.len();
             if end > c.context_len {
-                return Err(EngineError::InvalidRequest(format!(
+                return Err(EngineError::Internal(format!(
                     "sequence of {end} tokens exceeds the model's context of {}",
                     c.context_len
                 )));
@@ -143,10 +143,10 @@ impl Forward for GpuForward {
             for (j, &t) in s.tokens.iter().enumerate() {
                 let p = s.start_pos + j;
                 let slot = kv.slot(blocks, p).ok_or_else(|| {
-                    EngineError::InvalidRequest(format!("block table does not cover position {p}"))
+                    EngineError::Internal(format!("block table does not cover position {p}"))
                 })?;
                 if t as usize >= c.vocab_size {
-                    return Err(EngineError::InvalidRequest(format!(
+                    return Err(EngineError::Internal(format!(
                         "token id {t} is outside the vocabulary of {}",
                         c.vocab_size
                     )));
@@ -194,7 +194,7 @@ impl Forward for GpuForward {
             let mut g = self.pool.lock().expect("gpu lock");
             let g = g
                 .as_mut()
-                .ok_or_else(|| EngineError::InvalidRequest("the GPU pool is not set up".into()))?;
+                .ok_or_else(|| EngineError::Internal("the GPU pool is not set up".into()))?;
             match mirror {
                 Some(mut m) => g.forward_streaming(&b, Some(&mut m))?,
                 None => g.forward_streaming(&b, None)?,

@@ -28,12 +28,12 @@ impl Grammars {
     pub fn new(tok: &Tokenizer) -> Result<Grammars> {
         let words = tok.vocab_words();
         let eos = *tok.stop_ids().first().ok_or_else(|| {
-            EngineError::InvalidRequest("structured output needs an end-of-sequence token".into())
+            EngineError::Config("structured output needs an end-of-sequence token".into())
         })?;
         let info = TokRxInfo::new(words.len() as u32, eos);
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
         let mut factory = ParserFactory::new_simple(&env)
-            .map_err(|e| EngineError::InvalidRequest(format!("grammar setup: {e}")))?;
+            .map_err(|e| EngineError::Config(format!("grammar setup: {e}")))?;
         factory.quiet();
         Ok(Grammars { factory })
     }

@@ -211,7 +211,7 @@ impl KvCache {
         max_chunk: usize,
     ) -> Result<KvCache> {
         if block_size == 0 || num_blocks == 0 {
-            return Err(EngineError::InvalidRequest(
+            return Err(EngineError::Config(
                 "KV cache needs at least one block of at least one token".into(),
             ));
         }
@@ -262,7 +262,7 @@ impl KvCache {
         self.layer_at[l].0
     }
     /// Prefixes registered and forgotten since the last call (see [`BlockPool::take_events`]).
-    pub fn take_events(&mut self) -> Vec<(bool, u64)> {
+    pub fn take_events(&mut self) -> Vec<types::KvEvent> {
         self.pool.take_events()
     }
 
@@ -539,6 +539,12 @@ impl KvCache {
         Ok(())
     }
 
+    /// Bytes of layer `layer`'s KV for the tokens of `range` it keeps (the layout of
+    /// [`KvCache::read_range`]).
+    pub fn layer_bytes(&self, layer: usize, range: std::ops::Range<usize>) -> usize {
+        4 * self.kept(layer, range).len() * self.width
+    }
+
     /// The tokens of `range` layer `layer` keeps: all of them, or on a windowed layer those in
     /// the window of a query at `range.end` (what a transfer sends: the receiver's next query
     /// is there).
@@ -598,7 +604,7 @@ impl KvCache {
         let range = self.kept(layer, range);
         let (w, n) = (self.width, range.len());
         if data.len() != 4 * n * w {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Internal(format!(
                 "layer {layer}: {} bytes of KV for {n} tokens, expected {}",
                 data.len(),
                 4 * n * w
@@ -606,7 +612,7 @@ impl KvCache {
         }
         let blocks = table.group(self.layer_at[layer].0);
         if let Some(p) = range.clone().find(|&p| self.slot(blocks, p).is_none()) {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Internal(format!(
                 "layer {layer}: the block table does not hold token {p}"
             )));
         }

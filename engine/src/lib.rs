@@ -7,7 +7,9 @@
 //!   implementations chosen at load — the CPU kernels ([`cpu`]), CUDA ([`gpu`]) and the mock
 //!   timing model ([`mock`]) — over a paged KV cache ([`kv_cache`]) for a batch of sequences at
 //!   different positions.
-//! - [`sampler`] and [`scheduler`]: sampling and continuous batching.
+//! - [`sampler`] and [`scheduler`]: sampling and continuous batching; [`remote`]: the
+//!   remote-KV API (reservations for a prefill worker's KV, its admission) with the ownership
+//!   [`ledger`].
 //! - [`fetch`]: the default model's cache.
 //! - [`mock`]: the mock engine (the model's shape, no weights, a timing model instead of
 //!   kernels) for scaling tests.
@@ -28,6 +30,7 @@ pub mod gpu;
 pub mod grammar;
 #[cfg(feature = "runtime")]
 pub mod kv_cache;
+pub mod ledger;
 #[cfg(feature = "runtime")]
 pub mod loader;
 pub mod mock;
@@ -35,6 +38,9 @@ pub mod mock;
 pub mod model;
 #[cfg(feature = "runtime")]
 pub mod prefix;
+pub mod rate;
+#[cfg(feature = "runtime")]
+pub mod remote;
 pub mod sampler;
 #[cfg(feature = "runtime")]
 pub mod scheduler;
@@ -49,22 +55,26 @@ pub use kv_cache::{BlockTable, KvCache};
 #[cfg(feature = "runtime")]
 pub use loader::{load, load_mock};
 pub use mock::MockTiming;
+pub use rate::PromptRate;
+#[cfg(feature = "runtime")]
+pub use remote::Reservation;
 #[cfg(feature = "runtime")]
 pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
-pub use scheduler::{Engine, EngineConfig, Release, TokenEvent};
+pub use scheduler::{Engine, EngineConfig, KvSink, Load, Release, TokenEvent};
 pub use tokenizer::{ChatMessage, Tokenizer};
+pub use types::{KvEvent, ModelIdentity, RequestId};
 
 /// The identity a worker announces: model name, KV dtype and KV geometry.
 #[cfg(feature = "runtime")]
-pub fn identity(model: &Model, block_size: usize) -> proto::ModelIdentity {
+pub fn identity(model: &Model, block_size: usize) -> ModelIdentity {
     identity_of(&model.config, block_size)
 }
 
 /// The identity of a model with this configuration and KV block size.
-pub fn identity_of(c: &ModelConfig, block_size: usize) -> proto::ModelIdentity {
-    proto::ModelIdentity {
+pub fn identity_of(c: &ModelConfig, block_size: usize) -> ModelIdentity {
+    ModelIdentity {
         model: c.name.clone(),
         kv_dtype: "f16".into(),
         block_size: block_size as u32,

@@ -44,15 +44,6 @@ impl MockTiming {
         kv_token_ns: 27.0,
     };
 
-    /// A named preset (`cpu-smollm2`, `h200-llama8b`).
-    pub fn preset(name: &str) -> Option<MockTiming> {
-        match name {
-            "cpu-smollm2" => Some(MockTiming::CPU_SMOLLM2),
-            "h200-llama8b" => Some(MockTiming::H200_LLAMA8B),
-            _ => None,
-        }
-    }
-
     /// The time of one step.
     pub fn step_time(
         &self,

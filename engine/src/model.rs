@@ -263,7 +263,8 @@ impl Model {
 
     /// The mock engine on a virtual clock (the simulator's workers): a step takes no time but
     /// leaves the time it would take in the returned cell (nanoseconds), and the KV cache keeps
-    /// its block accounting and prefix cache without memory for the values.
+    /// its block accounting and prefix cache without memory for the values (feature `sim`).
+    #[cfg(feature = "sim")]
     pub fn mock_virtual(
         config: ModelConfig,
         timing: crate::mock::MockTiming,
@@ -372,7 +373,7 @@ fn check(c: &ModelConfig, kv: &KvCache, batch: &[SeqChunk<'_>]) -> Result<()> {
     for s in batch {
         let end = s.start_pos + s.tokens.len();
         if end > c.context_len {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Internal(format!(
                 "sequence of {end} tokens exceeds the model's context of {}",
                 c.context_len
             )));
@@ -382,14 +383,14 @@ fn check(c: &ModelConfig, kv: &KvCache, batch: &[SeqChunk<'_>]) -> Result<()> {
             .map(|blocks| (s.start_pos..end).find(|&p| kv.slot(blocks, p).is_none()))
             .position(|p| p.is_some())
         {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Internal(format!(
                 "the block table of layer group {g} ({} blocks) does not cover positions {}..{end}",
                 s.block_table.group(g).len(),
                 s.start_pos
             )));
         }
         if let Some(&t) = s.tokens.iter().find(|&&t| t as usize >= c.vocab_size) {
-            return Err(EngineError::InvalidRequest(format!(
+            return Err(EngineError::Internal(format!(
                 "token id {t} is outside the vocabulary of {}",
                 c.vocab_size
             )));

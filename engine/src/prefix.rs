@@ -12,6 +12,8 @@
 
 use std::collections::BTreeMap;
 
+use types::{BlockHash, KvEvent, Tier};
+
 use crate::block_hash::NameMap;
 
 pub use crate::block_hash::{chain, seed, ROOT};
@@ -47,8 +49,8 @@ pub struct BlockPool {
     lru: BTreeMap<u64, u32>,
     released_at: Vec<u64>,
     tick: u64,
-    /// Prefixes registered (`true`) and forgotten (`false`) since the last [`BlockPool::take_events`].
-    events: Vec<(bool, u64)>,
+    /// Prefixes registered and forgotten since the last [`BlockPool::take_events`].
+    events: Vec<KvEvent>,
     /// Cached blocks evicted for new owners since the pool was made.
     evicted: u64,
 }
@@ -107,7 +109,8 @@ impl BlockPool {
                     .expect("an LRU block is cached");
                 self.by_hash.remove(&(old.group, old.hash));
                 if old.group == 0 {
-                    self.events.push((false, old.hash));
+                    let block = BlockHash(old.hash);
+                    self.events.push(KvEvent::Removed { block, tier: Tier::Pool });
                 }
                 self.evicted += 1;
                 b
@@ -172,14 +175,15 @@ impl BlockPool {
                 tokens: tokens.into(),
             });
             if group == 0 {
-                self.events.push((true, hash));
+                let block = BlockHash(hash);
+                self.events.push(KvEvent::Stored { block, tier: Tier::Pool });
             }
         }
     }
 
-    /// The prefixes registered (`true`) and forgotten (`false`) since the last call, in order:
-    /// what the worker reports to the router's KV index.
-    pub fn take_events(&mut self) -> Vec<(bool, u64)> {
+    /// The prefixes registered and forgotten since the last call, in order: what the worker
+    /// reports to the router's KV index.
+    pub fn take_events(&mut self) -> Vec<KvEvent> {
         std::mem::take(&mut self.events)
     }
 
@@ -253,9 +257,13 @@ mod tests {
         assert!(blocks(&p, 7, &[1, 2]).is_empty(), "a's prefix is forgotten");
         assert!(p.alloc().is_none(), "b is held, c and d too");
         let hb = chain(7, ha, &[3, 4]);
+        let (stored, removed) = (
+            |h| KvEvent::Stored { block: BlockHash(h), tier: Tier::Pool },
+            |h| KvEvent::Removed { block: BlockHash(h), tier: Tier::Pool },
+        );
         assert_eq!(
             p.take_events(),
-            [(true, ha), (true, hb), (false, ha)],
+            [stored(ha), stored(hb), removed(ha)],
             "the eviction is reported, for the router's index"
         );
         assert_eq!(p.evicted(), 1);

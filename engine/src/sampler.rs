@@ -110,25 +110,6 @@ impl TokenLogprobs {
     }
 }
 
-impl From<&TokenLogprobs> for proto::grpc::TokenLogprobs {
-    fn from(l: &TokenLogprobs) -> Self {
-        proto::grpc::TokenLogprobs {
-            logprob: l.logprob,
-            top_ids: l.top.iter().map(|t| t.0).collect(),
-            top_logprobs: l.top.iter().map(|t| t.1).collect(),
-        }
-    }
-}
-
-impl From<proto::grpc::TokenLogprobs> for TokenLogprobs {
-    fn from(l: proto::grpc::TokenLogprobs) -> Self {
-        TokenLogprobs {
-            logprob: l.logprob,
-            top: l.top_ids.into_iter().zip(l.top_logprobs).collect(),
-        }
-    }
-}
-
 /// Why a sequence stopped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FinishReason {
@@ -144,91 +125,6 @@ impl FinishReason {
         match self {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
-        }
-    }
-
-    /// Reads the wire form (`None` while the request goes on, or for a value this build does
-    /// not know).
-    pub fn from_wire(finish: i32) -> Option<FinishReason> {
-        match proto::grpc::Finish::try_from(finish).ok()? {
-            proto::grpc::Finish::None => None,
-            proto::grpc::Finish::Stop => Some(FinishReason::Stop),
-            proto::grpc::Finish::Length => Some(FinishReason::Length),
-        }
-    }
-
-    /// The wire form of a token's finish (`None`: not the last token).
-    pub fn to_wire(finish: Option<FinishReason>) -> proto::grpc::Finish {
-        match finish {
-            None => proto::grpc::Finish::None,
-            Some(FinishReason::Stop) => proto::grpc::Finish::Stop,
-            Some(FinishReason::Length) => proto::grpc::Finish::Length,
-        }
-    }
-}
-
-/// The wire form (0 means unset there: no `max_tokens` limit, `top_p` 1).
-impl From<&SamplingParams> for proto::grpc::SamplingParams {
-    fn from(p: &SamplingParams) -> Self {
-        proto::grpc::SamplingParams {
-            max_tokens: p.max_tokens.map_or(0, |m| m as u32),
-            temperature: p.temperature,
-            top_p: p.top_p,
-            top_k: p.top_k as u32,
-            seed: p.seed,
-            stop_token_ids: p.stop_token_ids.clone(),
-            ignore_eos: p.ignore_eos,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            repetition_penalty: p.repetition_penalty,
-            logit_bias: p.logit_bias.iter().copied().collect(),
-            min_p: p.min_p,
-            min_tokens: p.min_tokens as u32,
-            generated: p.generated as u32,
-            logprobs: p.logprobs.is_some(),
-            top_logprobs: p.logprobs.unwrap_or(0) as u32,
-            prompt_logprobs: p.prompt_logprobs.is_some(),
-            prompt_top_logprobs: p.prompt_logprobs.unwrap_or(0) as u32,
-            constraint: p.constraint.as_ref().map_or_else(String::new, |c| {
-                serde_json::to_string(c).expect("serialisable")
-            }),
-        }
-    }
-}
-
-impl From<proto::grpc::SamplingParams> for SamplingParams {
-    fn from(p: proto::grpc::SamplingParams) -> Self {
-        SamplingParams {
-            max_tokens: (p.max_tokens > 0).then_some(p.max_tokens as usize),
-            temperature: p.temperature,
-            top_k: p.top_k as usize,
-            top_p: if p.top_p > 0.0 { p.top_p } else { 1.0 },
-            seed: p.seed,
-            stop_token_ids: p.stop_token_ids,
-            ignore_eos: p.ignore_eos,
-            presence_penalty: p.presence_penalty,
-            frequency_penalty: p.frequency_penalty,
-            repetition_penalty: if p.repetition_penalty > 0.0 {
-                p.repetition_penalty
-            } else {
-                1.0
-            },
-            logit_bias: {
-                let mut b: Vec<(u32, f32)> = p.logit_bias.into_iter().collect();
-                b.sort_unstable_by_key(|&(t, _)| t);
-                b
-            },
-            min_p: p.min_p,
-            min_tokens: p.min_tokens as usize,
-            generated: p.generated as usize,
-            logprobs: p.logprobs.then_some(p.top_logprobs as usize),
-            prompt_logprobs: p.prompt_logprobs.then_some(p.prompt_top_logprobs as usize),
-            // An unreadable constraint is kept as such: the engine refuses it, never generates
-            // unconstrained.
-            constraint: (!p.constraint.is_empty()).then(|| {
-                serde_json::from_str(&p.constraint)
-                    .unwrap_or_else(|e| Constraint::Unreadable(e.to_string()))
-            }),
         }
     }
 }

@@ -1,18 +1,27 @@
 //! Continuous batching over the paged KV cache.
 //!
-//! Each [`Engine::step`] runs one forward pass: every running sequence that is decoding
-//! contributes its newest token, and the remaining token budget goes to prompt chunks of
-//! sequences still prefilling (first come, first served). Sequences join between steps and leave
-//! (freeing their blocks) as soon as they finish. A request is admitted only when the cache can
-//! hold its prompt plus `max_tokens`, reserved up front, so a running sequence never runs out of
-//! blocks and admissions simply wait.
+//! Each [`Engine::step`] runs one forward pass in three parts: *plan* (every running sequence
+//! that is decoding contributes its newest token, and the remaining token budget goes to prompt
+//! chunks of sequences still prefilling, first come first served), *run* (the forward over
+//! those chunks) and *apply* (sequences move past their chunks, tokens are sampled, finished
+//! sequences leave and free their blocks). Sequences join between steps. A request is admitted
+//! only when the cache can hold its prompt plus `max_tokens`: full layer groups' blocks are
+//! reserved up front, sliding-window groups' are promised and taken as the sequence reaches
+//! them ([`KvCache::ensure`]). A promised page can be short when a block the sequence gave back
+//! is still shared by another; such a sequence sits a step out until a page is free (the one
+//! furthest behind never waits, so all move on). Admissions simply wait for room.
+//!
+//! The remote-KV part of the API (reservations for a prefill worker's KV, its admission, the
+//! ledger) is in [`crate::remote`].
 
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use proto::ledger::{Ledger, LedgerCounts};
+use types::{KvEvent, RequestId};
+
+use crate::ledger::{Ledger, LedgerCounts};
 
 use crate::error::{EngineError, Result};
 use crate::grammar::{Grammars, Guide};
@@ -56,11 +65,15 @@ impl Default for EngineConfig {
 /// each row's logits are held until they are read (64 × a 262k vocabulary is 67 MB).
 const PROMPT_LOGPROBS_CHUNK: usize = 64;
 
+/// Where a streaming step hands the KV of prefill-only requests completing in it:
+/// `(request, layer, bytes)`, each layer as soon as it is computed.
+pub type KvSink<'a> = &'a mut (dyn FnMut(RequestId, usize, Vec<u8>) + Send);
+
 /// A token produced by a step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     /// The request it belongs to.
-    pub id: u64,
+    pub id: RequestId,
     /// The token.
     pub token: u32,
     /// Set on the request's last token.
@@ -72,55 +85,85 @@ pub struct TokenEvent {
     pub prompt_logprobs: Option<Vec<TokenLogprobs>>,
 }
 
-struct Seq {
-    id: u64,
-    tokens: Vec<u32>,
-    prompt_len: usize,
+pub(crate) struct Seq {
+    pub(crate) id: RequestId,
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) prompt_len: usize,
     /// Tokens whose KV is in the cache.
-    computed: usize,
-    max_tokens: usize,
-    table: BlockTable,
-    sampler: Sampler,
-    stop_ids: Vec<u32>,
+    pub(crate) computed: usize,
+    pub(crate) max_tokens: usize,
+    pub(crate) table: BlockTable,
+    pub(crate) sampler: Sampler,
+    pub(crate) stop_ids: Vec<u32>,
     /// Compute the prompt's KV and stop: no logits, no tokens (a prefill worker's requests).
-    prefill_only: bool,
+    pub(crate) prefill_only: bool,
     /// Blocks registered in the prefix cache so far, and the last one's hash.
-    chain: (usize, u64),
+    pub(crate) chain: (usize, u64),
     /// Prefill-only: the tokens before this one are not exported (the receiver holds them).
-    send_from: usize,
+    pub(crate) send_from: usize,
     /// Prompt log-probabilities asked for (how many likeliest tokens each), and those computed.
-    prompt_lp: Option<(usize, Vec<TokenLogprobs>)>,
+    pub(crate) prompt_lp: Option<(usize, Vec<TokenLogprobs>)>,
     /// The grammar the output must match, when the request has one.
-    guide: Option<Guide>,
+    pub(crate) guide: Option<Guide>,
 }
 
 /// A model, its KV cache and the sequences being served.
 pub struct Engine {
-    model: Arc<Model>,
-    kv: KvCache,
-    config: EngineConfig,
-    eos_ids: Vec<u32>,
-    waiting: VecDeque<Seq>,
-    running: Vec<Seq>,
+    pub(crate) model: Arc<Model>,
+    pub(crate) kv: KvCache,
+    pub(crate) config: EngineConfig,
+    pub(crate) eos_ids: Vec<u32>,
+    pub(crate) waiting: VecDeque<Seq>,
+    pub(crate) running: Vec<Seq>,
     /// Blocks reserved, waiting for their prompt's KV to arrive from a prefill worker.
-    awaiting: Vec<Seq>,
+    pub(crate) awaiting: Vec<Seq>,
     /// Prefill-only requests whose KV is complete, until exported.
-    prefilled: Vec<Seq>,
+    pub(crate) prefilled: Vec<Seq>,
     /// Tokens in the last step: (prompt tokens, decode tokens).
-    last_step: (usize, usize),
+    pub(crate) last_step: (usize, usize),
     /// Who holds blocks for KV from a prefill worker: reserved, in flight, committed.
-    ledger: Ledger,
+    pub(crate) ledger: Ledger,
     /// The prefix cache's hash seed (the model's identity), when the cache is on.
-    prefix_seed: Option<u64>,
+    pub(crate) prefix_seed: Option<u64>,
     /// Prompt tokens admitted, and those found in the prefix cache (not computed), since start.
-    prompt_tokens: u64,
-    prefix_hit_tokens: u64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) prefix_hit_tokens: u64,
     /// Reservations refused for lack of room (free or evictable blocks), since start.
-    refusals: u64,
+    pub(crate) refusals: u64,
     /// Forward steps run, since start.
-    steps: u64,
+    pub(crate) steps: u64,
     /// The vocabulary's grammar compiler (structured output), when the worker set one.
-    grammars: Option<Arc<Grammars>>,
+    pub(crate) grammars: Option<Arc<Grammars>>,
+}
+
+/// What an engine reports of its load: its worker's heartbeats carry it to the router
+/// (`worker` converts it to the wire's `WorkerLoad`).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Load {
+    /// Sequences in the running batch.
+    pub running: u32,
+    /// Requests queued for the batch.
+    pub waiting: u32,
+    /// Requests holding blocks while their KV arrives from a prefill worker.
+    pub pending_transfers: u32,
+    /// Blocks an allocation can take (free, or cached and evictable).
+    pub kv_blocks_free: u32,
+    /// Blocks in all.
+    pub kv_blocks_total: u32,
+    /// Blocks nobody holds that keep a computed prefix.
+    pub kv_blocks_cached: u32,
+    /// The ownership ledger's blocks per state.
+    pub ledger: LedgerCounts,
+    /// Prompt tokens admitted since start, and of those found in the prefix cache.
+    pub prompt_tokens: u64,
+    /// See `prompt_tokens`.
+    pub prefix_hit_tokens: u64,
+    /// Cached blocks evicted for new KV since start.
+    pub kv_blocks_evicted: u64,
+    /// Requests refused for lack of room since start.
+    pub kv_refusals: u64,
+    /// Forward steps run since start.
+    pub engine_steps: u64,
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -141,7 +184,7 @@ impl Engine {
     /// An engine over `model`; `eos_ids` end every request unless it sets `ignore_eos`.
     pub fn new(model: Arc<Model>, config: EngineConfig, eos_ids: Vec<u32>) -> Result<Engine> {
         if config.max_batch_tokens == 0 || config.max_running == 0 {
-            return Err(EngineError::InvalidRequest(
+            return Err(EngineError::Config(
                 "max_batch_tokens and max_running must be positive".into(),
             ));
         }
@@ -201,7 +244,7 @@ impl Engine {
 
     /// Queues a request. Refused at once if it could never fit: empty prompt, prompt plus
     /// `max_tokens` beyond the context, or more blocks than the whole cache holds.
-    pub fn add(&mut self, id: u64, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, params: SamplingParams) -> Result<()> {
         let seq = self.new_seq(id, prompt, params, false)?;
         self.waiting.push_back(seq);
         Ok(())
@@ -210,7 +253,9 @@ impl Engine {
     /// Queues a prefill-only request: its KV is computed (chunked, batched with others) and then
     /// held until [`Engine::export_kv`] (or streamed); no token is sampled. The KV of the
     /// tokens before `send_from` is not exported: the receiver holds it (a delta transfer).
-    pub fn add_prefill_only(&mut self, id: u64, tokens: Vec<u32>, send_from: usize) -> Result<()> {
+    pub fn add_prefill_only(
+        &mut self,
+        id: RequestId, tokens: Vec<u32>, send_from: usize) -> Result<()> {
         if send_from >= tokens.len() {
             return Err(EngineError::InvalidRequest(format!(
                 "nothing to send: the receiver holds {send_from} of {} tokens",
@@ -228,272 +273,27 @@ impl Engine {
         Ok(())
     }
 
-    /// Reserves blocks for a request whose prompt KV (all but the last prompt token) will come
-    /// from a prefill worker; returns how many of those tokens this cache already holds (whole
-    /// cached blocks, shared, at most all but one token): the prefill sends only the rest.
-    /// Fails at once with `OutOfBlocks` when the cache has no room now.
-    pub fn reserve_remote(
-        &mut self,
-        id: u64,
-        prompt: Vec<u32>,
-        params: SamplingParams,
-    ) -> Result<usize> {
-        if prompt.len() < 2 {
-            return Err(EngineError::InvalidRequest(
-                "a remote prefill needs a prompt of at least 2 tokens".into(),
-            ));
-        }
-        if params.prompt_logprobs.is_some() {
-            return Err(EngineError::InvalidRequest(
-                "prompt log-probabilities need the whole prompt computed here, not a remote prefill"
-                    .into(),
-            ));
-        }
-        let mut seq = self.new_seq(id, prompt, params, false)?;
-        if let Some(seed) = self.prefix_seed {
-            let known = &seq.tokens[..seq.prompt_len - 2];
-            let (shared, last) = self.kv.share_prefix(seed, &mut seq.table, known);
-            (seq.computed, seq.chain) = (shared, (seq.table.blocks().len(), last));
-        }
-        if let Err(e) = self
-            .kv
-            .reserve(&mut seq.table, seq.prompt_len + seq.max_tokens)
-        {
-            self.kv.release(seq.table);
-            self.refusals += 1;
-            return Err(e);
-        }
-        let lease = self.config.kv_lease.map(|d| Instant::now() + d);
-        self.ledger.reserve(id, seq.table.reserved() as u32, lease);
-        let cached = seq.computed;
-        self.awaiting.push(seq);
-        Ok(cached)
-    }
-
-    /// A reserved request whose remaining prompt is computed here instead of arriving from a
-    /// prefill worker (conditional disaggregation: a short uncached suffix).
-    pub fn prefill_here(&mut self, id: u64) -> Result<()> {
-        let i = self
-            .awaiting
-            .iter()
-            .position(|s| s.id == id)
-            .ok_or_else(|| EngineError::InvalidRequest(format!("no request {id} is reserved")))?;
-        let seq = self.awaiting.remove(i);
-        self.ledger.commit(id);
-        self.prompt_tokens += seq.prompt_len as u64;
-        self.prefix_hit_tokens += seq.computed as u64;
-        self.waiting.push_front(seq);
-        Ok(())
-    }
-
-    /// The position in `awaiting` of reserved request `id` and the tokens its remote KV covers
-    /// (after the ones this cache held), once `layers` (what arrived: one entry per layer)
-    /// matches the model.
-    fn awaiting_kv(&self, id: u64, layers: usize, what: &str) -> Result<(usize, Range<usize>)> {
-        let i = self
-            .awaiting
-            .iter()
-            .position(|s| s.id == id)
-            .ok_or_else(|| {
-                EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
-            })?;
-        if layers != self.model.config.n_layers {
-            return Err(EngineError::InvalidRequest(format!(
-                "{what} for {layers} layers; the model has {}",
-                self.model.config.n_layers
-            )));
-        }
-        let s = &self.awaiting[i];
-        Ok((i, s.computed..s.prompt_len - 1))
-    }
-
-    /// Queues awaiting request `i`, whose first `n` tokens are in the cache, to generate from
-    /// its last prompt token.
-    fn admit(&mut self, i: usize, n: usize) -> Result<()> {
-        // A GPU model's device pool follows the host cache the KV was written into.
-        self.model
-            .kv_written(&self.kv, &self.awaiting[i].table, n)?;
-        let mut seq = self.awaiting.remove(i);
-        seq.computed = n;
-        if let Some(seed) = self.prefix_seed {
-            self.kv
-                .register(seed, &seq.table, &seq.tokens, n, &mut seq.chain);
-        }
-        self.ledger.commit(seq.id);
-        self.waiting.push_front(seq);
-        Ok(())
-    }
-
-    /// Writes the KV that arrived for a reserved request (one buffer per layer, see
-    /// [`KvCache::read_range`]: the tokens after those this cache held) and queues it to
-    /// generate from its last prompt token.
-    pub fn admit_remote(&mut self, id: u64, layers: &[Vec<u8>]) -> Result<()> {
-        let (i, range) = self.awaiting_kv(id, layers.len(), "KV")?;
-        let table = &mut self.awaiting[i].table;
-        self.kv.write_arrived(table, range.clone(), layers)?;
-        self.admit(i, range.end)
-    }
-
-    /// Whether in-place (RDMA) transfers can address this cache, or why not.
-    fn in_place(&self) -> std::result::Result<(), String> {
-        match self.kv.one_table() {
-            true => Ok(()),
-            false => Err(format!(
-                "in-place KV transfers address one block table of whole layers; this model's \
-                 cache has {} layer groups (sliding-window layers keep their own blocks)",
-                self.kv.groups()
-            )),
-        }
-    }
-
-    /// In-place (RDMA) transfers: the blocks a reserved request's remote KV of `n_tokens`
-    /// tokens (after the whole blocks this cache held) is written into, in token order.
-    pub fn grant(&self, id: u64, n_tokens: usize) -> Result<Vec<u32>> {
-        let seq = self.awaiting.iter().find(|s| s.id == id).ok_or_else(|| {
-            EngineError::InvalidRequest(format!("no request {id} is waiting for KV"))
-        })?;
-        self.in_place().map_err(EngineError::InvalidRequest)?;
-        let from = seq.computed;
-        if from + n_tokens + 1 != seq.prompt_len {
-            return Err(EngineError::InvalidRequest(format!(
-                "KV of {n_tokens} tokens offered for a prompt of {} with {from} held here",
-                seq.prompt_len
-            )));
-        }
-        let blocks = self.kv.blocks_for(from)..self.kv.blocks_for(from + n_tokens);
-        Ok(seq.table.blocks()[blocks].to_vec())
-    }
-
-    /// In-place transfers: admits a reserved request whose KV was written straight into its
-    /// blocks, once every layer's bytes match the CRC32 the sender computed.
-    pub fn admit_in_place(&mut self, id: u64, crcs: &[u32]) -> Result<()> {
-        let (i, range) = self.awaiting_kv(id, crcs.len(), "checksums")?;
-        let mut buf = Vec::new();
-        for (l, &want) in crcs.iter().enumerate() {
-            buf.clear();
-            let table = &self.awaiting[i].table;
-            self.kv.read_range(table, l, range.clone(), &mut buf);
-            let got = crc32fast::hash(&buf);
-            if got != want {
-                return Err(EngineError::InvalidRequest(format!(
-                    "layer {l} of request {id} was corrupted in transfer \
-                     (CRC32 {got:08x}, the sender's {want:08x})"
-                )));
-            }
-        }
-        self.admit(i, range.end)
-    }
-
-    /// The KV pool as raw memory for RDMA registration (see [`KvCache::raw_regions`]), with
-    /// what keeps it allocated; or why in-place writes cannot address it.
-    pub fn kv_regions(&mut self) -> std::result::Result<proto::KvRegions, String> {
-        self.in_place()?;
-        let layers = self
-            .kv
-            .raw_regions()
-            .ok_or("the KV pool has no raw regions")?;
-        Ok(proto::KvRegions {
-            layers,
-            block_bytes: self.kv.block_bytes(),
-            owners: self.kv.owners(),
-        })
-    }
-
-    /// Ids of prefill-only requests whose KV is complete and not yet exported.
-    pub fn take_prefilled(&self) -> Vec<u64> {
-        self.prefilled.iter().map(|s| s.id).collect()
-    }
-
-    /// Copies out a completed prefill-only request's KV (one buffer per layer) and frees its
-    /// blocks.
-    pub fn export_kv(&mut self, id: u64) -> Option<Vec<Vec<u8>>> {
-        let i = self.prefilled.iter().position(|s| s.id == id)?;
-        let seq = self.prefilled.remove(i);
-        let layers = (0..self.model.config.n_layers)
-            .map(|l| {
-                let mut buf = Vec::new();
-                let range = seq.send_from..seq.prompt_len;
-                self.kv.read_range(&seq.table, l, range, &mut buf);
-                buf
-            })
-            .collect();
-        self.kv.release(seq.table);
-        Some(layers)
-    }
-
-    /// The simulator's transfer: frees a completed prefill-only request's blocks without
-    /// copying its KV out (the virtual mock's cache holds no values); returns the tokens it
-    /// would have sent.
-    pub fn discard_prefilled(&mut self, id: u64) -> Option<usize> {
-        let i = self.prefilled.iter().position(|s| s.id == id)?;
-        let seq = self.prefilled.remove(i);
-        let sent = seq.prompt_len - seq.send_from;
-        self.kv.release(seq.table);
-        Some(sent)
-    }
-
-    /// The simulator's arrival: admits reserved request `id` as if its remote KV had been
-    /// written (see [`Engine::discard_prefilled`]).
-    pub fn admit_simulated(&mut self, id: u64) -> Result<()> {
-        let (i, range) = self.awaiting_kv(id, self.model.config.n_layers, "simulated KV")?;
-        self.admit(i, range.end)
-    }
-
-    /// Prefix-cache blocks registered (`true`) and forgotten (`false`) since the last call, by
-    /// name ([`crate::block_hash`]).
-    pub fn take_kv_events(&mut self) -> Vec<(bool, u64)> {
-        self.kv.take_events()
-    }
-
-    /// The KV of reserved request `id` started to arrive (its lease still runs).
-    pub fn kv_arriving(&mut self, id: u64) -> bool {
-        self.ledger.in_flight(id)
-    }
-
-    /// The sender of reserved request `id`'s KV renewed it: its lease runs from now again.
-    pub fn renew_lease(&mut self, id: u64) -> bool {
-        match self.config.kv_lease {
-            Some(d) => self.ledger.renew(id, Instant::now() + d),
-            None => false,
-        }
-    }
-
-    /// Reservations whose lease has passed by `now` without their KV (release them).
-    pub fn expired(&self, now: Instant) -> Vec<u64> {
-        self.ledger.expired(now)
-    }
-
-    /// The earliest lease still running.
-    pub fn next_lease(&self) -> Option<Instant> {
-        self.ledger.next_expiry()
-    }
-
-    /// The ledger's blocks per state.
-    pub fn ledger(&self) -> LedgerCounts {
-        self.ledger.counts()
-    }
-
-    /// The load figures a worker reports.
-    pub fn load(&self) -> proto::grpc::WorkerLoad {
-        let c = self.ledger.counts();
-        proto::grpc::WorkerLoad {
+    /// The load figures a worker reports (its heartbeats carry them).
+    pub fn load(&self) -> Load {
+        Load {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
             pending_transfers: self.awaiting.len() as u32,
             kv_blocks_free: self.free_blocks() as u32,
             kv_blocks_total: self.total_blocks() as u32,
-            kv_blocks_reserved: c.reserved as u32,
-            kv_blocks_in_flight: c.in_flight as u32,
-            kv_blocks_committed: c.committed as u32,
-            kv_requests_freed: c.freed,
             kv_blocks_cached: self.kv.block_counts().cached as u32,
+            ledger: self.ledger.counts(),
             prompt_tokens: self.prompt_tokens,
             prefix_hit_tokens: self.prefix_hit_tokens,
             kv_blocks_evicted: self.kv.evicted_blocks(),
             kv_refusals: self.refusals,
             engine_steps: self.steps,
-            ..Default::default()
         }
+    }
+
+    /// Prefix-cache blocks registered and forgotten since the last call, in order.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.kv.take_events()
     }
 
     /// Tokens the last step ran: (prompt tokens, decoding sequences).
@@ -502,7 +302,7 @@ impl Engine {
     }
 
     /// Blocks held by request `id` (0 if it holds none or is unknown).
-    pub fn blocks_of(&self, id: u64) -> usize {
+    pub fn blocks_of(&self, id: RequestId) -> usize {
         self.awaiting
             .iter()
             .chain(&self.running)
@@ -512,9 +312,9 @@ impl Engine {
             .map_or(0, |s| s.table.held())
     }
 
-    fn new_seq(
+    pub(crate) fn new_seq(
         &self,
-        id: u64,
+        id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
         prefill_only: bool,
@@ -599,16 +399,16 @@ impl Engine {
 
     /// Drops a request wherever it is, frees its blocks and its ledger entry — the one way a
     /// request leaves before it finishes. Returns whether it was found.
-    pub fn release(&mut self, id: u64, why: Release) -> bool {
+    pub fn release(&mut self, id: RequestId, why: Release) -> bool {
         let held = self.ledger.free(id).is_some();
         let found = self.remove(id);
         if found || held {
-            tracing::debug!(request = id, ?why, "released");
+            tracing::debug!(request = %id, ?why, "released");
         }
         found || held
     }
 
-    fn remove(&mut self, id: u64) -> bool {
+    fn remove(&mut self, id: RequestId) -> bool {
         if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
             let s = self.waiting.remove(i).expect("index found");
             self.kv.release(s.table);
@@ -633,10 +433,7 @@ impl Engine {
     /// `sink(id, layer, bytes)` gets each of their layers (the layout of
     /// [`KvCache::read_tokens`]) as soon as the layer is computed, and their blocks are freed
     /// at the end of the step (they are not held for [`Engine::export_kv`]).
-    pub fn step_streaming(
-        &mut self,
-        sink: &mut (dyn FnMut(u64, usize, Vec<u8>) + Send),
-    ) -> Result<Vec<TokenEvent>> {
+    pub fn step_streaming(&mut self, sink: KvSink<'_>) -> Result<Vec<TokenEvent>> {
         self.step_inner(Some(sink))
     }
 
@@ -697,97 +494,81 @@ impl Engine {
             .any(|r| r.chain.0 <= k && r.computed < end && r.tokens.get(..end) == Some(want))
     }
 
-    fn step_inner(
-        &mut self,
-        mut sink: Option<&mut (dyn FnMut(u64, usize, Vec<u8>) + Send)>,
-    ) -> Result<Vec<TokenEvent>> {
+    fn step_inner(&mut self, sink: Option<KvSink<'_>>) -> Result<Vec<TokenEvent>> {
         // Admit waiting requests, in order, while their full reservation fits.
         while self.running.len() < self.config.max_running {
             if !self.admit_front() {
                 break;
             }
         }
-        // Decode tokens first (one each), then prompt chunks under the remaining budget.
+        let plan = self.plan();
+        let decoding = plan.iter().filter(|c| c.decodes(&self.running)).count();
+        let total: usize = plan.iter().map(|c| c.len).sum();
+        self.last_step = (total - decoding, decoding);
+        if plan.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.steps += 1;
+        let streamed = sink.is_some();
+        let logits = self.run(&plan, sink)?;
+        Ok(self.apply(&plan, logits, streamed))
+    }
+
+    /// The step's chunks: each decoding sequence's newest token first, then prompt chunks
+    /// under the remaining token budget, first come first served. A windowed group's next
+    /// blocks are taken here; a sequence whose reservation came up short (a trimmed block
+    /// another still shares) sits this step out until a page is free.
+    fn plan(&mut self) -> Vec<Chunk> {
         let mut budget = self.config.max_batch_tokens;
-        let mut plan: Vec<(usize, usize, usize)> = Vec::new(); // (seq index, start, len)
-        for (i, s) in self.running.iter().enumerate() {
+        let mut plan = Vec::new();
+        for (seq, s) in self.running.iter().enumerate() {
             if s.computed >= s.prompt_len && budget > 0 {
-                plan.push((i, s.computed, 1));
+                plan.push(Chunk { seq, start: s.computed, len: 1 });
                 budget -= 1;
             }
         }
-        for (i, s) in self.running.iter().enumerate() {
+        for (seq, s) in self.running.iter().enumerate() {
             if s.computed < s.prompt_len && budget > 0 {
                 // Every row's logits of a prompt-log-probability chunk are held at once.
                 let cap = match s.prompt_lp {
                     Some(_) => PROMPT_LOGPROBS_CHUNK,
                     None => usize::MAX,
                 };
-                let n = (s.prompt_len - s.computed).min(budget).min(cap);
-                plan.push((i, s.computed, n));
-                budget -= n;
+                let len = (s.prompt_len - s.computed).min(budget).min(cap);
+                plan.push(Chunk { seq, start: s.computed, len });
+                budget -= len;
             }
         }
-        // A windowed group's next blocks; a sequence whose reservation came up short (a trimmed
-        // block another still shares) sits this step out until a page is free.
-        plan.retain(|&(i, start, n)| {
-            let s = &mut self.running[i];
-            match self.kv.ensure(&mut s.table, start, start + n) {
+        plan.retain(|c| {
+            let s = &mut self.running[c.seq];
+            match self.kv.ensure(&mut s.table, c.start, c.start + c.len) {
                 Ok(()) => true,
                 Err(e) => {
-                    tracing::debug!(request = s.id, "waits for a KV page: {e}");
+                    tracing::debug!(request = %s.id, "waits for a KV page: {e}");
                     false
                 }
             }
         });
-        let decoding = plan
-            .iter()
-            .filter(|&&(i, _, _)| self.running[i].computed >= self.running[i].prompt_len)
-            .count();
-        let total: usize = plan.iter().map(|p| p.2).sum();
-        self.last_step = (total - decoding, decoding);
-        if plan.is_empty() {
-            return Ok(Vec::new());
-        }
-        self.steps += 1;
+        plan
+    }
+
+    /// Runs the forward over `plan`; prefill-only requests whose prompt completes in this step
+    /// hand each layer's KV to `sink` as soon as it is computed. Only their KV leaves this
+    /// worker: without them a GPU keeps the step's KV on the device.
+    fn run(&mut self, plan: &[Chunk], mut sink: Option<KvSink<'_>>) -> Result<Vec<Option<Vec<f32>>>> {
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
-            .map(|&(i, start, n)| {
-                let s = &self.running[i];
-                SeqChunk {
-                    tokens: &s.tokens[start..start + n],
-                    start_pos: start,
-                    block_table: &s.table,
-                    logits: if s.prefill_only {
-                        Logits::None
-                    } else if s.prompt_lp.is_some() && start < s.prompt_len {
-                        Logits::All
-                    } else if start + n == s.tokens.len() {
-                        Logits::Last
-                    } else {
-                        Logits::None
-                    },
-                }
-            })
+            .map(|c| c.forward(&self.running[c.seq]))
             .collect();
-        // Prefill-only requests whose prompt completes in this step stream their layers.
-        let streamed = sink.is_some();
-        let completing: Vec<(u64, &BlockTable, Range<usize>)> = match sink {
+        let completing: Vec<(RequestId, &BlockTable, Range<usize>)> = match sink {
             Some(_) => plan
                 .iter()
-                .filter(|&&(i, start, n)| {
-                    self.running[i].prefill_only && start + n == self.running[i].prompt_len
-                })
-                .map(|&(i, _, _)| {
-                    let s = &self.running[i];
-                    (s.id, &s.table, s.send_from..s.prompt_len)
-                })
+                .map(|c| (c, &self.running[c.seq]))
+                .filter(|(c, s)| s.prefill_only && c.start + c.len == s.prompt_len)
+                .map(|(_, s)| (s.id, &s.table, s.send_from..s.prompt_len))
                 .collect(),
             None => Vec::new(),
         };
-        // Only prefill-only requests' KV leaves this worker (exported or streamed): a step with
-        // them hands each layer to the sink; without them a GPU keeps the step's KV on the
-        // device.
         let mut stream_layers = |l: usize, kv: &KvCache| {
             if let Some(sink) = sink.as_deref_mut() {
                 for (id, table, range) in &completing {
@@ -797,15 +578,25 @@ impl Engine {
                 }
             }
         };
-        let exports = plan.iter().any(|&(i, _, _)| self.running[i].prefill_only);
+        let exports = plan.iter().any(|c| self.running[c.seq].prefill_only);
         let layer_sink: Option<crate::LayerSink<'_>> = exports.then_some(&mut stream_layers);
-        let logits = self.model.step(&mut self.kv, &chunks, layer_sink)?;
+        self.model.step(&mut self.kv, &chunks, layer_sink)
+    }
+
+    /// Moves each planned sequence past its chunk (its new full blocks registered in the
+    /// prefix cache, blocks out of every window given back), samples where the chunk ends a
+    /// prompt or is a decode token, and retires what finished.
+    fn apply(
+        &mut self,
+        plan: &[Chunk],
+        logits: Vec<Option<Vec<f32>>>,
+        streamed: bool,
+    ) -> Vec<TokenEvent> {
         let mut events = Vec::new();
         let mut finished = Vec::new();
-        let vocab = self.model.config.vocab_size;
-        for (&(i, start, n), l) in plan.iter().zip(logits) {
-            let s = &mut self.running[i];
-            s.computed += n;
+        for (c, l) in plan.iter().zip(logits) {
+            let s = &mut self.running[c.seq];
+            s.computed += c.len;
             if let Some(seed) = self.prefix_seed {
                 self.kv
                     .register(seed, &s.table, &s.tokens, s.computed, &mut s.chain);
@@ -814,61 +605,42 @@ impl Engine {
             if s.prefill_only && s.computed == s.prompt_len {
                 finished.push(s.id);
             }
-            let Some(mut l) = l else { continue };
-            if let (Some((k, lps)), true) = (&mut s.prompt_lp, start < s.prompt_len) {
-                prompt_logprobs(&l, vocab, &s.tokens[..s.prompt_len], start, *k, lps);
-                if start + n < s.prompt_len {
-                    continue;
+            let vocab = self.model.config.vocab_size;
+            if let Some(ev) = l.and_then(|l| sample(s, c, l, vocab)) {
+                if ev.finish.is_some() {
+                    finished.push(ev.id);
                 }
-                l.drain(..l.len() - vocab);
+                events.push(ev);
             }
-            let (tok, logprobs, complete) = match &mut s.guide {
-                None => {
-                    let (tok, lp) = s.sampler.sample_with_logprobs(&l, &s.tokens);
-                    (tok, lp, false)
-                }
-                Some(g) => guided(g, &s.sampler, &mut l, &s.tokens, &s.stop_ids, s.id),
-            };
-            s.tokens.push(tok);
-            let generated = s.tokens.len() - s.prompt_len;
-            let finish = if complete || s.stop_ids.contains(&tok) {
-                Some(FinishReason::Stop)
-            } else if generated >= s.max_tokens {
-                Some(FinishReason::Length)
-            } else {
-                None
-            };
-            if finish.is_some() {
-                finished.push(s.id);
-            }
-            events.push(TokenEvent {
-                id: s.id,
-                token: tok,
-                finish,
-                logprobs,
-                prompt_logprobs: s.prompt_lp.take().map(|(_, lps)| lps),
-            });
         }
         for id in finished {
-            let i = self
-                .running
-                .iter()
-                .position(|s| s.id == id)
-                .expect("planned seqs are running");
-            let s = self.running.remove(i);
-            self.ledger.free(s.id);
-            if s.prefill_only && !streamed {
-                self.prefilled.push(s);
-            } else {
-                self.kv.release(s.table);
-            }
+            self.retire(id, streamed);
         }
-        Ok(events)
+        events
+    }
+
+    /// A finished sequence leaves the batch: its ledger entry goes, its blocks too — unless it
+    /// is a prefill-only request whose KV waits to be exported ([`Engine::export_kv`]).
+    fn retire(&mut self, id: RequestId, streamed: bool) {
+        let i = self
+            .running
+            .iter()
+            .position(|s| s.id == id)
+            .expect("planned seqs are running");
+        let s = self.running.remove(i);
+        self.ledger.free(s.id);
+        if s.prefill_only && !streamed {
+            self.prefilled.push(s);
+        } else {
+            self.kv.release(s.table);
+        }
     }
 
     /// Runs steps until every request has finished; returns each request's tokens by id.
-    pub fn run_to_completion(&mut self) -> Result<std::collections::BTreeMap<u64, Vec<u32>>> {
-        let mut out = std::collections::BTreeMap::<u64, Vec<u32>>::new();
+    pub fn run_to_completion(
+        &mut self,
+    ) -> Result<std::collections::BTreeMap<RequestId, Vec<u32>>> {
+        let mut out = std::collections::BTreeMap::<RequestId, Vec<u32>>::new();
         while self.has_work() {
             for e in self.step()? {
                 out.entry(e.id).or_default().push(e.token);
@@ -876,6 +648,77 @@ impl Engine {
         }
         Ok(out)
     }
+}
+
+/// One sequence's part of a step: its tokens `start..start + len`.
+#[derive(Debug, Clone, Copy)]
+struct Chunk {
+    /// The sequence's index in the running batch.
+    seq: usize,
+    start: usize,
+    len: usize,
+}
+
+impl Chunk {
+    /// Whether this is a decoding sequence's newest token (not a prompt chunk).
+    fn decodes(&self, running: &[Seq]) -> bool {
+        self.start >= running[self.seq].prompt_len
+    }
+
+    /// The forward's view of this chunk of `s`, and which rows' logits it needs.
+    fn forward<'a>(&self, s: &'a Seq) -> SeqChunk<'a> {
+        let end = self.start + self.len;
+        SeqChunk {
+            tokens: &s.tokens[self.start..end],
+            start_pos: self.start,
+            block_table: &s.table,
+            logits: if s.prefill_only {
+                Logits::None
+            } else if s.prompt_lp.is_some() && self.start < s.prompt_len {
+                Logits::All
+            } else if end == s.tokens.len() {
+                Logits::Last
+            } else {
+                Logits::None
+            },
+        }
+    }
+}
+
+/// The token `s` draws from chunk `c`'s logits `l` (its prompt's log-probabilities collected
+/// first, when it asked for them), appended to it, with why it finished if it did; `None` while
+/// a prompt-log-probability prompt is still being computed.
+fn sample(s: &mut Seq, c: &Chunk, mut l: Vec<f32>, vocab: usize) -> Option<TokenEvent> {
+    if let (Some((k, lps)), true) = (&mut s.prompt_lp, c.start < s.prompt_len) {
+        prompt_logprobs(&l, vocab, &s.tokens[..s.prompt_len], c.start, *k, lps);
+        if c.start + c.len < s.prompt_len {
+            return None;
+        }
+        l.drain(..l.len() - vocab);
+    }
+    let (tok, logprobs, complete) = match &mut s.guide {
+        None => {
+            let (tok, lp) = s.sampler.sample_with_logprobs(&l, &s.tokens);
+            (tok, lp, false)
+        }
+        Some(g) => guided(g, &s.sampler, &mut l, &s.tokens, &s.stop_ids, s.id),
+    };
+    s.tokens.push(tok);
+    let generated = s.tokens.len() - s.prompt_len;
+    let finish = if complete || s.stop_ids.contains(&tok) {
+        Some(FinishReason::Stop)
+    } else if generated >= s.max_tokens {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    Some(TokenEvent {
+        id: s.id,
+        token: tok,
+        finish,
+        logprobs,
+        prompt_logprobs: s.prompt_lp.take().map(|(_, lps)| lps),
+    })
 }
 
 /// The log-probabilities of the prompt tokens that the rows of `logits` (one per position from
@@ -905,7 +748,7 @@ fn guided(
     logits: &mut [f32],
     tokens: &[u32],
     stops: &[u32],
-    id: u64,
+    id: RequestId,
 ) -> (u32, Option<TokenLogprobs>, bool) {
     let masked = g.mask(logits);
     let (tok, lp) = sampler.sample_with_logprobs(logits, tokens);
@@ -916,7 +759,7 @@ fn guided(
     match done {
         Ok(done) => (tok, lp, done),
         Err(e) => {
-            tracing::warn!(request = id, "structured output ended: {e}");
+            tracing::warn!(request = %id, "structured output ended: {e}");
             (tok, lp, true)
         }
     }

@@ -28,43 +28,8 @@ pub use core::Timeouts;
 pub use negotiate::Offer;
 pub use wire::{IncomingKv, KvEvent, Layer, Layers, Local};
 
-/// A way to move KV between workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Transport {
-    /// One-sided RDMA writes (ibverbs).
-    Rdma,
-    /// QUIC (quinn).
-    Quic,
-    /// TCP.
-    Tcp,
-}
-
-impl Transport {
-    /// The name used in config, offers and logs.
-    pub fn name(self) -> &'static str {
-        match self {
-            Transport::Rdma => "rdma",
-            Transport::Quic => "quic",
-            Transport::Tcp => "tcp",
-        }
-    }
-
-    /// Parses a name.
-    pub fn parse(s: &str) -> Option<Transport> {
-        Some(match s {
-            "rdma" => Transport::Rdma,
-            "quic" => Transport::Quic,
-            "tcp" => Transport::Tcp,
-            _ => return None,
-        })
-    }
-}
-
-impl std::fmt::Display for Transport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// A way to move KV between workers (the config's names: `rdma`, `quic`, `tcp`).
+pub use proto::config::Transport;
 
 /// What one transfer cost.
 #[derive(Debug, Clone, Copy)]
@@ -153,7 +118,7 @@ pub enum TransferError {
     Timeout(String),
 }
 
-pub use proto::KvRegions;
+pub use types::KvRegions;
 
 /// The shape of one KV block as both ends store it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

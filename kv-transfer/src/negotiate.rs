@@ -19,7 +19,7 @@ impl Offer {
     /// The offer a decode worker announced (`None` for a transport this build does not know).
     pub fn from_wire(o: &proto::grpc::KvOffer) -> Option<Offer> {
         Some(Offer {
-            transport: Transport::parse(&o.transport)?,
+            transport: o.transport.parse().ok()?,
             endpoint: o.endpoint.clone(),
             cert_der: o.cert_der.clone(),
         })

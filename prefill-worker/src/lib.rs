@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use engine::Engine;
+use engine::{Engine, PromptRate, RequestId};
 use kv_transfer::{KvSender, Layers, Offer, Transport};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{PrefillReply, PrefillRequest, WorkerLoad};
@@ -62,7 +62,7 @@ impl LayerTx {
 /// A prompt to prefill (its KV sent from token `send_from` on), its admission verdict, and
 /// where its layers go.
 struct Cmd {
-    id: u64,
+    id: RequestId,
     tokens: Vec<u32>,
     send_from: usize,
     accepted: oneshot::Sender<Result<(), Status>>,
@@ -74,9 +74,9 @@ struct Cmd {
 /// layers once the prompt is done.
 struct Prefiller {
     engine: Engine,
-    outs: HashMap<u64, LayerTx>,
-    /// Prompt tokens per second of engine time (moving average), reported as capacity.
-    capacity: f64,
+    outs: HashMap<RequestId, LayerTx>,
+    /// Prompt tokens per second of engine time, reported as capacity.
+    rate: PromptRate,
     layerwise: bool,
 }
 
@@ -111,14 +111,7 @@ impl Prefiller {
     }
 
     fn measure(&mut self, prompt_tokens: usize, secs: f64) {
-        if prompt_tokens > 0 && secs > 0.0 {
-            let rate = prompt_tokens as f64 / secs;
-            self.capacity = if self.capacity > 0.0 {
-                0.8 * self.capacity + 0.2 * rate
-            } else {
-                rate
-            };
-        }
+        self.rate.measure(prompt_tokens, secs);
         metrics::histogram!("tandem_prefill_step_seconds").record(secs);
         metrics::histogram!("tandem_prefill_batch_tokens").record(prompt_tokens as f64);
         metrics::counter!("tandem_prefill_prompt_tokens_total").increment(prompt_tokens as u64);
@@ -146,7 +139,7 @@ impl worker::Role for Prefiller {
         let _ = c.accepted.send(verdict);
     }
 
-    fn release(&mut self, id: u64) -> bool {
+    fn release(&mut self, id: RequestId) -> bool {
         self.outs.remove(&id);
         self.engine.release(id, engine::Release::Cancelled)
     }
@@ -169,14 +162,14 @@ impl worker::Role for Prefiller {
         }
     }
 
-    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+    fn kv_events(&mut self) -> Vec<engine::KvEvent> {
         self.engine.take_kv_events()
     }
 
     fn load(&self) -> WorkerLoad {
         let l = WorkerLoad {
-            prompt_tokens_per_s: self.capacity as f32,
-            ..self.engine.load()
+            prompt_tokens_per_s: self.rate.per_s() as f32,
+            ..worker::wire::load(&self.engine.load())
         };
         metrics::gauge!("tandem_prefill_queue_depth").set(l.waiting as f64);
         metrics::gauge!("tandem_prefill_running").set(l.running as f64);
@@ -275,7 +268,7 @@ impl Service {
     async fn transfer(
         &self,
         conn: &mut KvSender,
-        id: u64,
+        id: RequestId,
         n_tokens: u32,
         rx: &mut mpsc::UnboundedReceiver<kv_transfer::Layer>,
     ) -> Result<kv_transfer::TransferStats, kv_transfer::TransferError> {
@@ -285,7 +278,7 @@ impl Service {
                 n_layers: self.n_layers,
                 rx,
             };
-            return conn.send(id, n_tokens, self.width, layers, timeout).await;
+            return conn.send(id.0, n_tokens, self.width, layers, timeout).await;
         }
         let mut all = Vec::with_capacity(self.n_layers as usize);
         while all.len() < self.n_layers as usize {
@@ -298,7 +291,7 @@ impl Service {
                 }
             }
         }
-        conn.send(id, n_tokens, self.width, Layers::Ready(&all), timeout)
+        conn.send(id.0, n_tokens, self.width, Layers::Ready(&all), timeout)
             .await
     }
 }
@@ -310,7 +303,7 @@ impl Prefill for Service {
         req: Request<PrefillRequest>,
     ) -> Result<Response<PrefillReply>, Status> {
         let req = req.into_inner();
-        let id = req.request_id;
+        let id = RequestId(req.request_id);
         let send_from = req.skip_tokens as usize;
         // Tokens whose KV travels: those after what the decode worker holds.
         let n = req.tokens.len().saturating_sub(send_from) as u32;
@@ -376,7 +369,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let role = Prefiller {
         engine,
         outs: HashMap::new(),
-        capacity: 0.0,
+        rate: PromptRate::default(),
         layerwise: cfg.layerwise,
     };
     // Requests between admission and the decode worker's ack, counted by the service.

@@ -1,11 +1,16 @@
 //! `cluster.toml`: the one file a deployment is described by. Parsed and validated once at start;
 //! every error names the file, the line and the key.
 
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 use toml::Spanned;
+
+mod check;
+mod names;
+
+use check::Ctx;
+pub use names::{Actuator, EngineKind, MockPreset, Policy, Transport};
 
 /// A config error, already formatted as `file:line: key: what is wrong`.
 #[derive(Debug, thiserror::Error)]
@@ -112,8 +117,8 @@ pub struct RouterSection {
     #[serde(default)]
     pub local_prefill_busy_max_tokens: u32,
     /// How workers are picked: `kv` (cache-aware), `least-loaded` or `round-robin`.
-    #[serde(default = "default_policy")]
-    pub policy: Spanned<String>,
+    #[serde(default)]
+    pub policy: Policy,
     /// `kv`: a prefill worker caching more of the prompt is preferred while its estimated time
     /// to first token is within this many milliseconds of the best worker's.
     #[serde(default = "default_prefill_slack_ms")]
@@ -186,9 +191,6 @@ fn default_prefill_slack_ms() -> u64 {
     100
 }
 
-fn default_policy() -> Spanned<String> {
-    Spanned::new(0..0, "kv".into())
-}
 
 fn default_listen() -> Spanned<String> {
     Spanned::new(0..0, "127.0.0.1:8000".into())
@@ -204,7 +206,7 @@ impl Default for RouterSection {
             control: default_control(),
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,
-            policy: default_policy(),
+            policy: Policy::default(),
             prefill_slack_ms: default_prefill_slack_ms(),
             migration_limit: default_migration_limit(),
             stall_timeout_ms: default_stall_timeout_ms(),
@@ -252,7 +254,7 @@ pub struct PoolSection {
     pub device: Spanned<String>,
     /// `"cpu"` (the real engine) or `"mock"` (no model runs; a timing model, see `[<pool>.mock]`).
     #[serde(default = "default_engine")]
-    pub engine: Spanned<String>,
+    pub engine: Spanned<EngineKind>,
     /// The mock engine's timing model.
     #[serde(default)]
     pub mock: MockSection,
@@ -264,8 +266,8 @@ fn default_device() -> Spanned<String> {
     Spanned::new(0..0, "cpu".into())
 }
 
-fn default_engine() -> Spanned<String> {
-    Spanned::new(0..0, "cpu".into())
+fn default_engine() -> Spanned<EngineKind> {
+    Spanned::new(0..0, EngineKind::Cpu)
 }
 
 /// `[<pool>.mock]`: the mock engine's step time, `step_us + prefill_token_us × prompt tokens +
@@ -275,7 +277,7 @@ fn default_engine() -> Spanned<String> {
 #[serde(deny_unknown_fields)]
 pub struct MockSection {
     /// Starting point for the fields not given.
-    pub preset: Option<Spanned<String>>,
+    pub preset: Option<Spanned<MockPreset>>,
     /// Fixed cost of a step, µs.
     pub step_us: Option<f64>,
     /// Per prompt token in a step, µs.
@@ -285,9 +287,6 @@ pub struct MockSection {
     /// Per KV token attended, ns.
     pub kv_token_ns: Option<f64>,
 }
-
-/// The mock presets by name.
-pub const MOCK_PRESETS: [&str; 2] = ["cpu-smollm2", "h200-llama8b"];
 
 /// `[<pool>.autoscale]`: the planner's bounds and pace for one pool.
 #[derive(Debug, Clone, Deserialize)]
@@ -310,7 +309,7 @@ pub struct AutoscaleSection {
     /// `"local"` (the router starts and drains worker processes), `"command"` or
     /// `"kubernetes"` (the pool's Deployment is scaled through the API server).
     #[serde(default = "default_actuator")]
-    pub actuator: Spanned<String>,
+    pub actuator: Spanned<Actuator>,
     /// For `actuator = "command"`: run as `<command> <pool> <replicas>` on every change.
     pub command: Option<Spanned<String>>,
     /// For `actuator = "kubernetes"`: the Deployment whose scale is the pool's replicas.
@@ -329,8 +328,8 @@ fn default_cooldown() -> Spanned<u64> {
 fn default_window() -> Spanned<u64> {
     Spanned::new(0..0, 5000)
 }
-fn default_actuator() -> Spanned<String> {
-    Spanned::new(0..0, "local".into())
+fn default_actuator() -> Spanned<Actuator> {
+    Spanned::new(0..0, Actuator::Local)
 }
 
 fn one() -> Spanned<u32> {
@@ -371,10 +370,10 @@ pub struct KvTransferSection {
     /// Transports in order of preference ("rdma", "quic", "tcp"); each pair of workers uses the
     /// first that both sides have, and says which.
     #[serde(default = "default_prefer")]
-    pub prefer: Spanned<Vec<String>>,
+    pub prefer: Spanned<Vec<Transport>>,
     /// Accept only this transport: a pair that cannot use it fails instead of falling back.
     #[serde(default)]
-    pub require: Option<Spanned<String>>,
+    pub require: Option<Spanned<Transport>>,
     /// Stream each layer's KV as soon as the prefill computes it (default), overlapping the
     /// transfer with the remaining layers; `false` sends all layers once the prompt is done.
     #[serde(default = "yes")]
@@ -404,13 +403,10 @@ fn yes() -> bool {
     true
 }
 
-fn default_prefer() -> Spanned<Vec<String>> {
+fn default_prefer() -> Spanned<Vec<Transport>> {
     // QUIC encrypts but moves KV 4-7x slower than TCP here (BENCHMARKS.md): it is opt-in.
-    Spanned::new(0..0, vec!["rdma".into(), "tcp".into(), "quic".into()])
+    Spanned::new(0..0, vec![Transport::Rdma, Transport::Tcp, Transport::Quic])
 }
-
-/// Transport names the config accepts.
-pub const TRANSPORTS: [&str; 3] = ["rdma", "quic", "tcp"];
 fn default_connect_ms() -> Spanned<u64> {
     Spanned::new(0..0, 2000)
 }
@@ -432,65 +428,6 @@ impl Default for KvTransferSection {
     }
 }
 
-struct Ctx<'a> {
-    file: &'a Path,
-    src: &'a str,
-}
-
-impl Ctx<'_> {
-    fn line(&self, offset: usize) -> usize {
-        self.src[..offset.min(self.src.len())].matches('\n').count() + 1
-    }
-    fn err<T>(
-        &self,
-        span: std::ops::Range<usize>,
-        key: &str,
-        msg: impl std::fmt::Display,
-    ) -> Result<T, ConfigError> {
-        let at = if span.is_empty() {
-            "(default)".to_string()
-        } else {
-            format!("{}", self.line(span.start))
-        };
-        Err(ConfigError(format!(
-            "{}:{at}: {key}: {msg}",
-            self.file.display()
-        )))
-    }
-    fn positive<T: PartialOrd + Default + Copy>(
-        &self,
-        v: &Spanned<T>,
-        key: &str,
-    ) -> Result<(), ConfigError> {
-        if *v.get_ref() <= T::default() {
-            return self.err(v.span(), key, "must be at least 1");
-        }
-        Ok(())
-    }
-    fn at_least(
-        &self,
-        v: &Spanned<u64>,
-        key: &str,
-        min: u64,
-        why: &str,
-    ) -> Result<(), ConfigError> {
-        if *v.get_ref() < min {
-            return self.err(v.span(), key, format!("must be at least {min} ({why})"));
-        }
-        Ok(())
-    }
-    fn addr(&self, v: &Spanned<String>, key: &str) -> Result<(), ConfigError> {
-        if v.get_ref().parse::<SocketAddr>().is_err() {
-            return self.err(
-                v.span(),
-                key,
-                format!("{:?} is not a host:port socket address", v.get_ref()),
-            );
-        }
-        Ok(())
-    }
-}
-
 impl ClusterConfig {
     /// Reads and validates `path`.
     pub fn load(path: &Path) -> Result<ClusterConfig, ConfigError> {
@@ -502,216 +439,20 @@ impl ClusterConfig {
     /// Parses and validates `src`, naming `file` in errors.
     pub fn parse(file: &Path, src: &str) -> Result<ClusterConfig, ConfigError> {
         let ctx = Ctx { file, src };
-        let cfg: ClusterConfig = toml::from_str(src).map_err(|e| {
-            let line = e
-                .span()
-                .map_or(String::from("?"), |s| ctx.line(s.start).to_string());
-            ConfigError(format!("{}:{line}: {}", file.display(), e.message()))
-        })?;
+        let cfg: ClusterConfig = toml::from_str(src).map_err(|e| ctx.toml(&e))?;
         ctx.positive(&cfg.model.block_size, "model.block_size")?;
-        ctx.addr(&cfg.router.listen, "router.listen")?;
-        ctx.addr(&cfg.router.control, "router.control")?;
-        for (name, addr) in &cfg.router.models {
-            ctx.addr(addr, &format!("router.models.{name}"))?;
-        }
-        let policy = cfg.router.policy.get_ref();
-        if !["kv", "least-loaded", "round-robin"].contains(&policy.as_str()) {
-            return ctx.err(
-                cfg.router.policy.span(),
-                "router.policy",
-                format!("{policy:?} is not a routing policy (kv, least-loaded, round-robin)"),
-            );
-        }
+        ctx.router(&cfg.router)?;
         for (name, pool) in [
             ("prefill", cfg.prefill.as_ref()),
             ("decode", Some(&cfg.decode)),
         ] {
-            let Some(pool) = pool else { continue };
-            ctx.positive(&pool.replicas, &format!("{name}.replicas"))?;
-            ctx.positive(&pool.threads, &format!("{name}.threads"))?;
-            ctx.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
-            ctx.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
-            ctx.positive(&pool.max_running, &format!("{name}.max_running"))?;
-            let dev = pool.device.get_ref();
-            let cuda_ok = dev
-                .strip_prefix("cuda:")
-                .is_some_and(|n| n.parse::<u32>().is_ok());
-            if dev != "cpu" && !cuda_ok {
-                return ctx.err(
-                    pool.device.span(),
-                    &format!("{name}.device"),
-                    format!("{dev:?} is not a device (cpu, cuda:N)"),
-                );
-            }
-            if !["cpu", "mock"].contains(&pool.engine.get_ref().as_str()) {
-                return ctx.err(
-                    pool.engine.span(),
-                    &format!("{name}.engine"),
-                    format!("{:?} is not an engine (cpu, mock)", pool.engine.get_ref()),
-                );
-            }
-            if let Some(p) = &pool.mock.preset {
-                if !MOCK_PRESETS.contains(&p.get_ref().as_str()) {
-                    return ctx.err(
-                        p.span(),
-                        &format!("{name}.mock.preset"),
-                        format!(
-                            "unknown preset {:?} (known: {})",
-                            p.get_ref(),
-                            MOCK_PRESETS.join(", ")
-                        ),
-                    );
-                }
-            }
-            if let Some(a) = &pool.autoscale {
-                let key = |k: &str| format!("{name}.autoscale.{k}");
-                ctx.positive(&a.min, &key("min"))?;
-                ctx.positive(&a.tick_ms, &key("tick_ms"))?;
-                ctx.positive(&a.window_ms, &key("window_ms"))?;
-                if a.max.get_ref() < a.min.get_ref() {
-                    return ctx.err(
-                        a.max.span(),
-                        &key("max"),
-                        format!("must be at least min ({})", a.min.get_ref()),
-                    );
-                }
-                let target = if name == "prefill" {
-                    pool.slo.ttft_p90_ms
-                } else {
-                    pool.slo.itl_p90_ms
-                };
-                if target.is_none() {
-                    let slo = if name == "prefill" {
-                        "ttft_p90_ms"
-                    } else {
-                        "itl_p90_ms"
-                    };
-                    return ctx.err(
-                        a.max.span(),
-                        &key("max"),
-                        format!("autoscaling needs a target: set {name}.slo.{slo}"),
-                    );
-                }
-                match (a.actuator.get_ref().as_str(), &a.command, &a.deployment) {
-                    ("local", _, _) | ("command", Some(_), _) | ("kubernetes", _, Some(_)) => {}
-                    ("command", None, _) => {
-                        return ctx.err(
-                            a.actuator.span(),
-                            &key("command"),
-                            "actuator = \"command\" needs a command",
-                        )
-                    }
-                    ("kubernetes", _, None) => {
-                        return ctx.err(
-                            a.actuator.span(),
-                            &key("deployment"),
-                            "actuator = \"kubernetes\" needs the pool's deployment",
-                        )
-                    }
-                    (other, _, _) => {
-                        return ctx.err(
-                            a.actuator.span(),
-                            &key("actuator"),
-                            format!("{other:?} is not an actuator (local, command, kubernetes)"),
-                        )
-                    }
-                }
+            if let Some(pool) = pool {
+                ctx.pool(name, pool)?;
             }
         }
-        let t = &cfg.kv_transfer;
-        if t.prefer.get_ref().is_empty() {
-            return ctx.err(
-                t.prefer.span(),
-                "kv_transfer.prefer",
-                "must name at least one transport",
-            );
-        }
-        for name in t.prefer.get_ref() {
-            if !TRANSPORTS.contains(&name.as_str()) {
-                return ctx.err(
-                    t.prefer.span(),
-                    "kv_transfer.prefer",
-                    format!("unknown transport {name:?} (known: rdma, quic, tcp)"),
-                );
-            }
-        }
-        if let Some(r) = &t.require {
-            if !TRANSPORTS.contains(&r.get_ref().as_str()) {
-                return ctx.err(
-                    r.span(),
-                    "kv_transfer.require",
-                    format!(
-                        "unknown transport {:?} (known: rdma, quic, tcp)",
-                        r.get_ref()
-                    ),
-                );
-            }
-        }
-        ctx.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
-        ctx.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
-        ctx.at_least(
-            &t.lease_ms,
-            "kv_transfer.lease_ms",
-            2000,
-            "senders renew every second",
-        )?;
+        ctx.kv_transfer(&cfg.kv_transfer)?;
         if let Some(d) = &cfg.discovery {
-            let bad = d.etcd.get_ref().iter().find(|e| !e.starts_with("http://"));
-            if d.etcd.get_ref().is_empty() || bad.is_some() {
-                return ctx.err(
-                    d.etcd.span(),
-                    "discovery.etcd",
-                    "must list etcd's client endpoints as http://host:port",
-                );
-            }
-            if !d.prefix.get_ref().starts_with('/') || d.prefix.get_ref().ends_with('/') {
-                return ctx.err(
-                    d.prefix.span(),
-                    "discovery.prefix",
-                    "must start with / and not end with one",
-                );
-            }
-            ctx.at_least(
-                &d.lease_ttl_ms,
-                "discovery.lease_ttl_ms",
-                2000,
-                "etcd's shortest lease is 2 s",
-            )?;
-        }
-        let r = &cfg.router;
-        let beats = "workers heartbeat every 250 ms";
-        ctx.at_least(
-            &r.heartbeat_timeout_ms,
-            "router.heartbeat_timeout_ms",
-            1000,
-            beats,
-        )?;
-        ctx.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
-        ctx.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
-        ctx.at_least(
-            &r.max_body_bytes,
-            "router.max_body_bytes",
-            1024,
-            "a request must fit",
-        )?;
-        ctx.at_least(
-            &r.max_header_bytes,
-            "router.max_header_bytes",
-            1024,
-            "a request must fit",
-        )?;
-        ctx.positive(&r.max_connections, "router.max_connections")?;
-        if let Some(f) = &r.api_keys_file {
-            match std::fs::read_to_string(f.get_ref()) {
-                Ok(t)
-                    if t.lines()
-                        .any(|l| !l.trim().is_empty() && !l.trim().starts_with('#')) => {}
-                Ok(_) => return ctx.err(f.span(), "router.api_keys_file", "the file holds no key"),
-                Err(e) => {
-                    let m = format!("cannot read {}: {e}", f.get_ref().display());
-                    return ctx.err(f.span(), "router.api_keys_file", m);
-                }
-            }
+            ctx.discovery(d)?;
         }
         Ok(cfg)
     }

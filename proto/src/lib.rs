@@ -3,13 +3,11 @@
 //! - [`PROTOCOL_VERSION`] and [`ModelIdentity`]: what workers announce when they join, so that
 //!   the router refuses a prefill/decode pair that cannot exchange KV.
 //! - [`config`]: the `cluster.toml` schema and its validation.
-//! - [`ledger`]: who holds which KV blocks on a worker (owned by the engine, driven by transfers).
 //! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`), and
 //!   [`membership`], the worker side of joining.
 
 pub mod cause;
 pub mod config;
-pub mod ledger;
 pub mod membership;
 pub mod metrics;
 
@@ -21,6 +19,7 @@ pub mod grpc {
 }
 
 pub use cause::Cause;
+pub use types::{KvRegions, ModelIdentity};
 
 /// `t` in µs since the Unix epoch (0 before it).
 pub fn unix_us(t: std::time::SystemTime) -> u64 {
@@ -82,39 +81,8 @@ impl TryFrom<grpc::Role> for Pool {
     }
 }
 
-/// A decode worker's KV pool as raw memory, for registration with an RDMA device.
-pub struct KvRegions {
-    /// Per layer: (address, bytes) of the keys and of the values.
-    pub layers: Vec<[(usize, usize); 2]>,
-    /// Bytes of one block in one pool.
-    pub block_bytes: usize,
-    /// What keeps that memory allocated and unmoved: a registration holds these as long as it
-    /// lives.
-    pub owners: Vec<std::sync::Arc<dyn Send + Sync>>,
-}
-
 /// Version of tandem's control and KV-transfer protocols; peers with another version are refused.
 pub const PROTOCOL_VERSION: u32 = 3;
-
-/// What a worker computes with: two workers can exchange KV only if these agree.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ModelIdentity {
-    /// Model name and a digest of its weights file.
-    pub model: String,
-    /// Element type of the KV cache ("f16").
-    pub kv_dtype: String,
-    /// Tokens per KV block.
-    pub block_size: u32,
-    /// Transformer layers.
-    pub n_layers: u32,
-    /// KV heads per layer.
-    pub n_kv_heads: u32,
-    /// Values per head.
-    pub head_dim: u32,
-    /// Per layer, the attention window whose keys the layer keeps (0: every token); empty
-    /// when no layer has one.
-    pub windows: Vec<u32>,
-}
 
 impl From<grpc::ModelIdentity> for ModelIdentity {
     fn from(g: grpc::ModelIdentity) -> Self {
@@ -144,47 +112,6 @@ impl From<ModelIdentity> for grpc::ModelIdentity {
     }
 }
 
-impl ModelIdentity {
-    /// Explains why KV computed under `self` cannot be used under `other`, if it cannot.
-    pub fn incompatibility(&self, other: &ModelIdentity) -> Option<String> {
-        let fields = [
-            ("model", self.model.clone(), other.model.clone()),
-            ("kv_dtype", self.kv_dtype.clone(), other.kv_dtype.clone()),
-            (
-                "block_size",
-                self.block_size.to_string(),
-                other.block_size.to_string(),
-            ),
-            (
-                "n_layers",
-                self.n_layers.to_string(),
-                other.n_layers.to_string(),
-            ),
-            (
-                "n_kv_heads",
-                self.n_kv_heads.to_string(),
-                other.n_kv_heads.to_string(),
-            ),
-            (
-                "head_dim",
-                self.head_dim.to_string(),
-                other.head_dim.to_string(),
-            ),
-            (
-                "windows",
-                format!("{:?}", self.windows),
-                format!("{:?}", other.windows),
-            ),
-        ];
-        let diffs: Vec<String> = fields
-            .into_iter()
-            .filter(|(_, a, b)| a != b)
-            .map(|(k, a, b)| format!("{k}: {a} vs {b}"))
-            .collect();
-        (!diffs.is_empty()).then(|| diffs.join(", "))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,24 +127,5 @@ mod tests {
         let _client = tokio::net::TcpStream::connect(addr).await.unwrap();
         let accepted = incoming.next().await.unwrap().unwrap();
         assert!(accepted.nodelay().unwrap());
-    }
-
-    #[test]
-    fn mismatches_are_named() {
-        let a = ModelIdentity {
-            model: "m".into(),
-            kv_dtype: "f16".into(),
-            block_size: 16,
-            n_layers: 30,
-            n_kv_heads: 3,
-            head_dim: 64,
-            windows: vec![],
-        };
-        assert_eq!(a.incompatibility(&a.clone()), None);
-        let b = ModelIdentity {
-            block_size: 32,
-            ..a.clone()
-        };
-        assert_eq!(a.incompatibility(&b).unwrap(), "block_size: 16 vs 32");
     }
 }

@@ -9,6 +9,7 @@
 //! - [`Command`]: runs `<command> <pool> <replicas>` whenever the desired count changes, for
 //!   Kubernetes, systemd or anything else; new workers join the router like any other.
 
+use types::WorkerId;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
@@ -36,8 +37,8 @@ pub trait Actuator: Send {
 
 enum Phase {
     Starting,
-    Serving(u64),
-    Draining(u64, Instant),
+    Serving(WorkerId),
+    Draining(WorkerId, Instant),
 }
 
 struct Owned {
@@ -98,7 +99,7 @@ impl Local {
         }
     }
 
-    async fn drain(registry: &Registry, id: u64) {
+    async fn drain(registry: &Registry, id: WorkerId) {
         registry.set_draining(id);
         let Some(w) = registry.workers().into_iter().find(|w| w.id == id) else {
             return;
@@ -192,7 +193,7 @@ impl Local {
             }
         } else if live > desired {
             // Drain the newest of the workers this router started.
-            let mut serving: Vec<(usize, u64)> = self
+            let mut serving: Vec<(usize, WorkerId)> = self
                 .owned
                 .iter()
                 .enumerate()

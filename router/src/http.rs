@@ -416,7 +416,7 @@ pub async fn health(AxState(state): AxState<Arc<State>>) -> Response {
         state.registry.count(Pool::Prefill),
         state.registry.count(Pool::Decode),
     );
-    let ok = d > 0 && (!state.disaggregated || p > 0);
+    let ok = d > 0 && (!state.core.disaggregated || p > 0);
     let code = if ok {
         axum::http::StatusCode::OK
     } else {

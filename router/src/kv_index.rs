@@ -7,8 +7,8 @@
 use std::collections::HashMap;
 
 use engine::block_hash::{NameMap, NameSet};
-
 use proto::grpc::KvEvents;
+use types::{BlockHash, WorkerId};
 
 #[derive(Debug, Default)]
 struct Held {
@@ -22,30 +22,30 @@ struct Held {
 /// of a thousand entries.
 #[derive(Debug)]
 enum Holders {
-    Few(Vec<u64>),
-    Many(NameSet),
+    Few(Vec<WorkerId>),
+    Many(NameMap<WorkerId, ()>),
 }
 
 /// Holders past this many are kept as a set.
 const MANY: usize = 16;
 
 impl Holders {
-    fn insert(&mut self, w: u64) {
+    fn insert(&mut self, w: WorkerId) {
         match self {
             Holders::Few(v) => {
                 v.push(w);
                 if v.len() > MANY {
-                    *self = Holders::Many(v.drain(..).collect());
+                    *self = Holders::Many(v.drain(..).map(|w| (w, ())).collect());
                 }
             }
             Holders::Many(s) => {
-                s.insert(w);
+                s.insert(w, ());
             }
         }
     }
 
     /// Removes `w`; whether none is left.
-    fn remove(&mut self, w: u64) -> bool {
+    fn remove(&mut self, w: WorkerId) -> bool {
         match self {
             Holders::Few(v) => {
                 if let Some(i) = v.iter().position(|&x| x == w) {
@@ -60,10 +60,10 @@ impl Holders {
         }
     }
 
-    fn to_vec(&self) -> Vec<u64> {
+    fn to_vec(&self) -> Vec<WorkerId> {
         match self {
             Holders::Few(v) => v.clone(),
-            Holders::Many(s) => s.iter().copied().collect(),
+            Holders::Many(s) => s.keys().copied().collect(),
         }
     }
 }
@@ -73,12 +73,12 @@ impl Holders {
 pub struct KvIndex {
     /// Block name → workers holding it.
     holders: NameMap<u64, Holders>,
-    workers: HashMap<u64, Held>,
+    workers: HashMap<WorkerId, Held>,
 }
 
 impl KvIndex {
     /// Applies worker `w`'s events; `true` when the index missed some and wants a snapshot.
-    pub fn apply(&mut self, w: u64, ev: &KvEvents) -> bool {
+    pub fn apply(&mut self, w: WorkerId, ev: &KvEvents) -> bool {
         if ev.snapshot {
             self.remove_worker(w);
             for &h in &ev.hashes {
@@ -103,7 +103,7 @@ impl KvIndex {
         false
     }
 
-    fn store(&mut self, w: u64, h: u64) {
+    fn store(&mut self, w: WorkerId, h: u64) {
         if self.workers.entry(w).or_default().blocks.insert(h) {
             self.holders
                 .entry(h)
@@ -112,7 +112,7 @@ impl KvIndex {
         }
     }
 
-    fn forget(&mut self, w: u64, h: u64) {
+    fn forget(&mut self, w: WorkerId, h: u64) {
         let held = self.workers.entry(w).or_default();
         if !held.blocks.remove(&h) {
             return;
@@ -120,14 +120,14 @@ impl KvIndex {
         self.unhold(w, h);
     }
 
-    fn unhold(&mut self, w: u64, h: u64) {
+    fn unhold(&mut self, w: WorkerId, h: u64) {
         if self.holders.get_mut(&h).is_some_and(|ws| ws.remove(w)) {
             self.holders.remove(&h);
         }
     }
 
     /// Forgets everything worker `w` held (it left).
-    pub fn remove_worker(&mut self, w: u64) {
+    pub fn remove_worker(&mut self, w: WorkerId) {
         let Some(held) = self.workers.remove(&w) else {
             return;
         };
@@ -138,18 +138,22 @@ impl KvIndex {
 
     /// For each worker holding the first of `blocks` (a prompt's block names, in order), how
     /// many leading blocks it holds.
-    pub fn overlap(&self, blocks: &[u64]) -> HashMap<u64, usize> {
+    pub fn overlap(&self, blocks: &[BlockHash]) -> HashMap<WorkerId, usize> {
         self.overlap_in(blocks, |_| true)
     }
 
     /// [`KvIndex::overlap`] for the workers `among` keeps only (a pool's candidates: the
     /// others' leading blocks are not counted).
-    pub fn overlap_in(&self, blocks: &[u64], among: impl Fn(u64) -> bool) -> HashMap<u64, usize> {
-        let mut out: HashMap<u64, usize> = HashMap::new();
-        let Some(first) = blocks.first().and_then(|h| self.holders.get(h)) else {
+    pub fn overlap_in(
+        &self,
+        blocks: &[BlockHash],
+        among: impl Fn(WorkerId) -> bool,
+    ) -> HashMap<WorkerId, usize> {
+        let mut out: HashMap<WorkerId, usize> = HashMap::new();
+        let Some(first) = blocks.first().and_then(|h| self.holders.get(&h.0)) else {
             return out;
         };
-        let mut live: Vec<u64> = first.to_vec();
+        let mut live: Vec<WorkerId> = first.to_vec();
         live.retain(|&w| among(w));
         for (i, h) in blocks.iter().enumerate() {
             // Each candidate's own set, not the block's holder list: a block every worker holds
@@ -158,7 +162,7 @@ impl KvIndex {
                 let keep = self
                     .workers
                     .get(w)
-                    .is_some_and(|held| held.blocks.contains(h));
+                    .is_some_and(|held| held.blocks.contains(&h.0));
                 if !keep {
                     out.insert(*w, i);
                 }
@@ -189,6 +193,10 @@ impl KvIndex {
 mod tests {
     use super::*;
 
+    fn b(hashes: &[u64]) -> Vec<BlockHash> {
+        hashes.iter().map(|&h| BlockHash(h)).collect()
+    }
+
     fn events(first: u64, ev: &[(bool, u64)]) -> KvEvents {
         KvEvents {
             first,
@@ -213,31 +221,31 @@ mod tests {
     fn events_overlap_gaps_and_leaving() {
         let mut ix = KvIndex::default();
         assert!(
-            ix.apply(1, &events(0, &[(true, 10)])),
+            ix.apply(WorkerId(1), &events(0, &[(true, 10)])),
             "no snapshot yet: resync"
         );
-        assert!(!ix.apply(1, &snapshot(0, &[])));
-        assert!(!ix.apply(1, &events(0, &[(true, 10), (true, 11), (true, 12)])));
-        assert!(!ix.apply(2, &snapshot(5, &[10, 11])));
-        let o = ix.overlap(&[10, 11, 12, 13]);
-        assert_eq!((o[&1], o[&2]), (3, 2));
-        assert!(!ix.apply(1, &events(3, &[(false, 11)])));
+        assert!(!ix.apply(WorkerId(1), &snapshot(0, &[])));
+        assert!(!ix.apply(WorkerId(1), &events(0, &[(true, 10), (true, 11), (true, 12)])));
+        assert!(!ix.apply(WorkerId(2), &snapshot(5, &[10, 11])));
+        let o = ix.overlap(&b(&[10, 11, 12, 13]));
+        assert_eq!((o[&WorkerId(1)], o[&WorkerId(2)]), (3, 2));
+        assert!(!ix.apply(WorkerId(1), &events(3, &[(false, 11)])));
         assert_eq!(
-            ix.overlap(&[10, 11, 12])[&1],
+            ix.overlap(&b(&[10, 11, 12]))[&WorkerId(1)],
             1,
             "a forgotten block ends the run"
         );
         assert!(
-            ix.apply(2, &events(9, &[(true, 12)])),
+            ix.apply(WorkerId(2), &events(9, &[(true, 12)])),
             "events 5..9 were missed"
         );
-        assert_eq!(ix.overlap(&[10, 11])[&2], 2, "nothing applied past the gap");
-        ix.remove_worker(2);
-        assert!(!ix.overlap(&[10]).contains_key(&2));
+        assert_eq!(ix.overlap(&b(&[10, 11]))[&WorkerId(2)], 2, "nothing applied past the gap");
+        ix.remove_worker(WorkerId(2));
+        assert!(!ix.overlap(&b(&[10])).contains_key(&WorkerId(2)));
         assert_eq!(ix.len(), 2);
-        assert!(ix.overlap(&[99]).is_empty());
+        assert!(ix.overlap(&b(&[99])).is_empty());
         // Among some workers only: the others are not counted.
-        let among = ix.overlap_in(&[10, 11, 12, 13], |w| w == 1);
-        assert_eq!(among.keys().collect::<Vec<_>>(), vec![&1]);
+        let among = ix.overlap_in(&b(&[10, 11, 12, 13]), |w| w == WorkerId(1));
+        assert_eq!(among.keys().collect::<Vec<_>>(), vec![&WorkerId(1)]);
     }
 }

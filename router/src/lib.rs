@@ -8,7 +8,7 @@
 //! place ([`openai::ApiError`]).
 
 pub mod actuator;
-pub mod admission;
+pub mod core;
 pub mod guard;
 pub mod http;
 pub mod kubernetes;
@@ -24,6 +24,7 @@ pub mod response;
 pub mod routing;
 pub mod status;
 pub mod tokenize;
+pub mod wire;
 
 /// How long a request may wait for a decode worker with room before it is refused (503).
 pub const ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -131,28 +132,13 @@ pub struct State {
     pub context_len: usize,
     /// The model's vocabulary size.
     pub vocab_size: usize,
-    /// Whether requests go through a prefill pool.
-    pub disaggregated: bool,
     /// What the planner reads.
     pub signals: Arc<planner::Signals>,
-    /// How long a request may wait for a decode worker with room before it is refused.
-    pub admission_wait: Duration,
-    /// The requests waiting for room, oldest first (the oldest holds a worker after a while).
-    pub line: Mutex<admission::Line>,
-    /// The seed of the model's KV block names (for the KV index).
-    pub block_seed: u64,
-    /// Prefill on the decode worker when the prompt's uncached rest there is at most this many
-    /// tokens (conditional disaggregation).
-    pub local_prefill_max_tokens: u32,
-    /// ... and, up to this many uncached tokens, when that is sooner than the prefill pool's
-    /// predicted wait (0: never).
-    pub local_prefill_busy_max_tokens: u32,
-    /// How many times a request may move to another decode worker when its own is lost.
-    pub migration_limit: u32,
+    /// What requests follow: whether they go through a prefill pool, the local-prefill limits,
+    /// the migration limit, the admission wait and the request timeout.
+    pub core: core::Settings,
     /// The HTTP surface's limits.
     pub limits: guard::Limits,
-    /// How long a request may take from arrival to its last token.
-    pub request_timeout: Duration,
     /// Other models' routers this one answers for.
     pub peers: peers::Peers,
     /// What the status page shows beside the registry and the signals.
@@ -180,16 +166,13 @@ impl State {
             model_id,
             context_len: config.context_len,
             vocab_size: config.vocab_size,
-            disaggregated,
             signals: Arc::new(planner::Signals::new(window)),
-            admission_wait: ADMISSION_WAIT,
-            line: Mutex::new(admission::Line::default()),
-            block_seed,
-            local_prefill_max_tokens: 0,
-            local_prefill_busy_max_tokens: 0,
-            migration_limit: 1,
+            core: core::Settings {
+                disaggregated,
+                block_seed,
+                ..core::Settings::default()
+            },
             limits: guard::Limits::default(),
-            request_timeout: Duration::from_secs(600),
             peers: peers::Peers::default(),
             board: status::Board::new(status::Targets::default()),
             next_id: AtomicU64::new(first_request_id()),
@@ -216,7 +199,7 @@ impl State {
 
     /// A request id no other router hands out: a random 32-bit prefix for this router, then a
     /// counter (workers key requests by id, and several routers share them).
-    fn next_request_id(&self) -> u64 {
+    pub(crate) fn next_request_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::SeqCst)
     }
 
@@ -304,11 +287,11 @@ pub async fn run(
         cfg.disaggregated,
         window,
     );
-    state.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
-    state.local_prefill_busy_max_tokens = cfg.local_prefill_busy_max_tokens;
-    state.migration_limit = cfg.migration_limit;
+    state.core.local_prefill_max_tokens = cfg.local_prefill_max_tokens;
+    state.core.local_prefill_busy_max_tokens = cfg.local_prefill_busy_max_tokens;
+    state.core.migration_limit = cfg.migration_limit;
+    state.core.request_timeout = cfg.request_timeout;
     state.limits = cfg.limits.clone();
-    state.request_timeout = cfg.request_timeout;
     if let Some((own, _)) = cfg.peers.iter().find(|(n, _)| *n == state.model_id) {
         return Err(RouterError::OwnModelAsPeer(own.clone()));
     }
@@ -451,7 +434,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
     ("tandem_router_prefill_call_failures_total", Counter, "Prefill calls that ended in an error (the prompt recomputed, or its KV already arrived and only the reply was lost)."),
-    ("tandem_router_admission_holds_total", Counter, "Decode workers held for the oldest request waiting for room (after router::admission::HOLD_AFTER): no other request is reserved there until it is."),
+    ("tandem_router_admission_holds_total", Counter, "Decode workers held for the oldest request waiting for room (after router::core::HOLD_AFTER): no other request is reserved there until it is."),
     ("tandem_planner_leader", Gauge, "1 while this router's planner leads (decides and scales), 0 while it follows another router's (etcd election); absent without etcd."),
 ];
 

@@ -9,6 +9,8 @@ use discovery::{Change, Kind};
 use prost::Message;
 use proto::grpc::JoinRequest;
 
+use types::WorkerId;
+
 use crate::registry::Registry;
 
 /// Registers this router (id `id`) and follows the workers' prefix into `registry`, for as
@@ -39,7 +41,7 @@ fn apply(registry: &Registry, c: Change) {
         Change::Put(id, v) => adopt(registry, id, &v),
         Change::Delete(id) => {
             tracing::warn!(worker = id, "its etcd registration is gone");
-            registry.remove(id);
+            registry.remove(WorkerId(id));
         }
     }
 }

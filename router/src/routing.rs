@@ -10,28 +10,7 @@
 
 use std::time::Duration;
 
-/// How the router picks workers.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Policy {
-    /// Cache-aware (see the module doc).
-    Kv,
-    /// The worker with the fewest requests in flight and queued.
-    LeastLoaded,
-    /// Each worker in turn.
-    RoundRobin,
-}
-
-impl Policy {
-    /// Parses `kv`, `least-loaded` or `round-robin`.
-    pub fn parse(s: &str) -> Option<Policy> {
-        match s {
-            "kv" => Some(Policy::Kv),
-            "least-loaded" => Some(Policy::LeastLoaded),
-            "round-robin" => Some(Policy::RoundRobin),
-            _ => None,
-        }
-    }
-}
+pub use proto::config::Policy;
 
 /// The policy and its one parameter.
 #[derive(Debug, Clone, Copy, PartialEq)]

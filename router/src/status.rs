@@ -54,7 +54,7 @@ impl Serialize for DecisionRecord {
         let (i, d) = (&self.inputs, &self.decision);
         json!({
             "at_s": self.at_s, "pool": self.pool,
-            "action": d.action, "desired": d.desired, "why": d.why,
+            "action": d.action.label(), "desired": d.desired, "why": d.why,
             "live": i.live, "starting": i.starting, "queued": i.queued,
             "p90_ms": ms(i.p90), "predicted_ms": ms(i.predicted), "needed": i.needed, "room_needed": i.room_needed,
         })
@@ -114,7 +114,7 @@ impl Board {
         };
         let mut last = self.last_decision.lock().expect("board lock");
         last.insert(r.pool, r.clone());
-        if d.action != "hold" {
+        if d.action != crate::planner::Action::Hold {
             let mut all = self.decisions.lock().expect("board lock");
             all.push_back(r);
             while all.len() > DECISIONS_KEPT {
@@ -221,7 +221,7 @@ pub fn snapshot(state: &State, now: Instant) -> Value {
     let (ttft, itl) = latencies(state, now);
     let window = state.signals.itl.lock().expect("window lock").span();
     json!({
-        "model": state.model_id, "disaggregated": state.disaggregated,
+        "model": state.model_id, "disaggregated": state.core.disaggregated,
         "uptime_s": b.since_start(now),
         "pools": {
             "prefill": pool(Pool::Prefill, b.targets.ttft_p90, "ttft"),

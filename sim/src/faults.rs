@@ -1,29 +1,33 @@
 //! Faults on the virtual clock — worker deaths and freezes, links slowed or cut — at given
-//! times or at times drawn from a seed, and the simulated router's reactions as the real
-//! router has them (`router::request`):
+//! times or at times drawn from a seed. What a fault does to the workers and the links is
+//! modelled here; what the router does about it is the router's own request core, fed what a
+//! real router would see:
 //!
-//! - A decode worker that **dies** breaks its streams at once: each of its requests migrates
-//!   (`Migrating`: the prompt plus the tokens streamed, the rest of its tokens, a new admission
-//!   deadline) up to the migration limit, else fails; a prefill worker that dies fails its
-//!   prefill calls, and the decode worker holding each reservation computes the prompt itself
-//!   (`Recomputing`). The dead worker leaves routing and the KV index; it is started again
-//!   after the start-up time (`tandem up`'s supervisor, a Deployment's controller), or, in a
-//!   pool the planner scales, the planner sees the pool short and asks for one.
-//! - A worker that **freezes** (SIGSTOP) stops stepping and is still routed to until the
-//!   router's stall timeout passes with it holding work: then it is marked stalled (no new
-//!   requests), its decode requests migrate and its prefills are recomputed on their decode
-//!   workers. When it thaws, the step it was in ends and it serves again.
+//! - A worker that **dies** breaks its streams and calls at once: its decode requests see
+//!   their stream fail (the core migrates them: the prompt plus the tokens streamed, the rest
+//!   of its tokens, a new admission deadline, up to the migration limit), its prefill calls
+//!   fail (the core recomputes those prompts on their decode workers). The dead worker leaves
+//!   the router's table and the KV index; it is started again after the start-up time (`tandem
+//!   up`'s supervisor, a Deployment's controller), or, in a pool the planner scales, the
+//!   planner sees the pool short and asks for one.
+//! - A worker that **freezes** — its engine wedged — stops stepping but goes on heartbeating:
+//!   the router's table finds it stalled once its steps have stood still for the stall timeout
+//!   while it holds work (no new requests go to it; the core migrates its decode requests and
+//!   recomputes its prefills on their decode workers). When it thaws, the step it was in ends
+//!   and, its steps moving again, it serves again.
 //! - A **link** to a rack (worker `i` is in rack `i % racks`) at a share of its bandwidth slows
 //!   the transfers to that rack's decode workers that start while it lasts; a **cut** (share 0)
-//!   fails them after the transfer timeout, and the decode worker recomputes the prompt. A
-//!   transfer's time is fixed when it starts (a change mid-transfer does not touch it).
+//!   fails them after the transfer timeout (the prefill call fails, and the core recomputes
+//!   the prompt on the decode worker). A transfer's time is fixed when it starts (a change
+//!   mid-transfer does not touch it).
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use engine::Release;
+use proto::Cause;
+use router::core::Input;
 
-use crate::{ns, Event, Pool, Sim};
+use crate::{ns, wid, Event, Pool, Sim};
 
 /// How many workers a fault takes.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -276,15 +280,20 @@ impl Sim {
         live
     }
 
-    /// Worker `w` dies: its streams break now.
+    /// Worker `w` dies: its streams and calls break now.
     fn kill(&mut self, w: usize) {
         let wk = &mut self.workers[w];
         wk.stopped = Some(self.now);
         wk.busy = false;
         let pool = wk.pool;
-        self.index.remove_worker(w as u64);
-        self.lose(w, "died");
+        self.table.remove(wid(w));
         self.result.deaths += 1;
+        let died = |why: &str| format!("the worker died ({why})");
+        self.lose(
+            w,
+            Input::DecodeFailed(Cause::Unreachable, died("stream broken")),
+            Input::PrefillFailed(Cause::Unreachable, died("call broken")),
+        );
         // Started again after its start-up time, unless the planner scales this pool (it
         // sees the pool short and asks for one itself).
         if !self.plans.iter().any(|p| p.scaling.pool == pool) {
@@ -293,120 +302,25 @@ impl Sim {
         }
     }
 
-    /// The router gives up on worker `w`'s requests: decode requests migrate, prefills are
-    /// computed on their decode workers.
-    fn lose(&mut self, w: usize, why: &str) {
-        for r in 0..self.reqs.len() {
-            let q = &self.reqs[r];
-            if q.done || q.error.is_some() {
-                continue;
-            }
-            if q.decode == Some(w) {
-                self.migrate(r, format!("decode worker {w} {why}"));
-            } else if q.prefill_on == Some(w) {
-                self.recompute(r, "recomputed: prefill worker lost");
-            }
-        }
-    }
-
-    /// Worker `w` stops stepping for `lasting`.
+    /// Worker `w` stops stepping for `lasting` (its heartbeats go on).
     fn freeze(&mut self, w: usize, lasting: Duration) {
-        let wk = &mut self.workers[w];
-        wk.frozen = true;
-        wk.freezes += 1;
-        let serial = wk.freezes;
+        self.workers[w].frozen = true;
         self.schedule(self.now + ns(lasting), Event::Thaw(w));
-        let stall = ns(self.cfg.liveness.stall);
-        self.schedule(self.now + stall, Event::StallCheck { worker: w, serial });
     }
 
-    /// The stall timeout after a freeze: still frozen with work held, the router marks it
-    /// stalled and takes its requests elsewhere.
-    pub(crate) fn stall_check(&mut self, w: usize, serial: u64) {
-        let wk = &self.workers[w];
-        let holds = wk.in_flight > 0 || wk.engine.has_work();
-        if wk.frozen && wk.freezes == serial && wk.stopped.is_none() && holds {
-            self.workers[w].stalled = true;
-            self.result.stalls += 1;
-            self.lose(w, "stalled");
-        }
-    }
-
-    /// A frozen worker thaws: the step it was in ends now, and it serves again.
+    /// A frozen worker thaws: the step it was in ends now, and it steps again.
     pub(crate) fn thaw(&mut self, w: usize) {
         let wk = &mut self.workers[w];
         if wk.stopped.is_some() {
             return;
         }
         wk.frozen = false;
-        wk.stalled = false;
         if std::mem::take(&mut wk.deferred) {
             self.step_done(w);
         } else {
             self.kick(w);
         }
-        self.retry_admission(None);
-    }
-
-    /// Request `r` leaves its decode worker and starts over elsewhere from its prompt plus the
-    /// tokens streamed — or fails, past the migration limit.
-    pub(crate) fn migrate(&mut self, r: usize, why: String) {
-        self.leave(r);
-        let limit = self.cfg.liveness.migration_limit;
-        let q = &mut self.reqs[r];
-        if q.migrations >= limit {
-            return self.fail(
-                r,
-                format!("{why}; not migrated again (migration_limit = {limit})"),
-            );
-        }
-        q.migrations += 1;
-        q.attempt += 1;
-        q.blocks = None;
-        q.reserved = None;
-        q.admit_from = self.now;
-        q.refused_by.clear();
-        let (len, streamed) = (q.prompt_len, q.tokens);
-        // The streamed tokens join the prompt (what they were matters to no cache here).
-        let prompt = &mut self.requests[r].prompt;
-        prompt.truncate(len);
-        prompt.extend(
-            (0..streamed as u64).map(|i| (mix(r as u64 ^ i << 20) % crate::VOCAB as u64) as u32),
-        );
-        self.result.migrations += 1;
-        let at = self.now + ns(self.cfg.hop);
-        self.schedule(at, Event::Arrive(r));
-    }
-
-    /// Request `r` is released wherever it is held.
-    pub(crate) fn leave(&mut self, r: usize) {
-        self.prefill_returned(r);
-        let q = &mut self.reqs[r];
-        if let Some(p) = q.prefill_on.take() {
-            self.workers[p].engine.release(r as u64, Release::Cancelled);
-        }
-        if let Some(d) = self.reqs[r].decode.take() {
-            let wk = &mut self.workers[d];
-            wk.engine.release(r as u64, Release::Cancelled);
-            wk.in_flight = wk.in_flight.saturating_sub(1);
-            self.retire(d);
-        }
-    }
-
-    /// Request `r`'s prefill or transfer failed: its decode worker computes the prompt.
-    pub(crate) fn recompute(&mut self, r: usize, why: &'static str) {
-        self.prefill_returned(r);
-        let q = &mut self.reqs[r];
-        q.attempt += 1;
-        if let Some(p) = q.prefill_on.take() {
-            self.workers[p].engine.release(r as u64, Release::Cancelled);
-        }
-        let Some(d) = self.reqs[r].decode else { return };
-        *self.result.decisions.entry(why).or_default() += 1;
-        match self.workers[d].engine.prefill_here(r as u64) {
-            Ok(()) => self.kick(d),
-            Err(e) => self.fail(r, format!("{why}: {e}")),
-        }
+        self.poke(None);
     }
 }
 

@@ -1,36 +1,44 @@
 //! A whole tandem cluster on a virtual clock (`tandem simulate`).
 //!
-//! What runs is the cluster's own code, with no I/O and no sleeping: each worker is a real
-//! [`engine::Engine`] — its scheduler, continuous batching, block accounting and prefix cache —
-//! over the mock engine's timing model on a virtual clock ([`engine::Model::mock_virtual`]: a
-//! step takes no time and says how long it would take); the router's routing policy
-//! ([`router::routing`]) picks workers from the router's own KV index ([`router::KvIndex`]),
-//! fed by the workers' prefix-cache events. What is modelled, not run: the HTTP and gRPC hops
-//! (free), the KV transfer (its bytes over a link's bandwidth plus its latency), and the
-//! router's request phases, which [`Sim::arrive`] and the event handlers follow step by step
-//! (reserve on a decode worker, prefill here or on a prefill worker, the KV's arrival, tokens).
+//! What runs is the cluster's own code, with no I/O and no sleeping:
 //!
-//! Events are processed in time order (ties in the order they were scheduled), and the routing
-//! policy breaks ties by the pick's turn, so a run is a function of its configuration and
-//! requests: the same run twice gives the same report.
+//! - **The router** is the router's request core ([`router::core`]): each request is a
+//!   [`router::core::Request`] moved by the inputs a real router's would get (a reservation
+//!   or a refusal, the prefill's answer, tokens, a worker lost, a deadline), over the router's
+//!   own table of workers ([`router::core::Table`]: their heartbeats, the KV index, the line
+//!   of requests waiting for room, the one definition of a candidate's load) and its planner
+//!   ([`router::planner`]). Its actions — open a decode stream, start a prefill, release a
+//!   request — become events here ([`router`] module).
+//! - **Each worker** is a real [`engine::Engine`] — its scheduler, continuous batching, block
+//!   accounting and prefix cache — over the mock engine's timing model on a virtual clock
+//!   ([`engine::Model::mock_virtual`]: a step takes no time and says how long it would take),
+//!   heartbeating its load and cache events to the table as a real worker does ([`worker`]
+//!   module).
+//!
+//! What is modelled, not run: the gRPC hops (a fixed time each), the KV transfer (its bytes
+//! over a link's bandwidth plus its latency), and the faults ([`faults`]). Events are processed
+//! in time order (ties in the order they were scheduled), and the routing policy breaks ties by
+//! the pick's turn, so a run is a function of its configuration and requests: the same run
+//! twice gives the same report.
 
-use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cmp::{Ordering as CmpOrdering, Reverse};
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use engine::{Engine, EngineConfig, MockTiming, ModelConfig};
-use proto::grpc::KvEvents;
+use engine::{EngineConfig, MockTiming, ModelConfig};
 use proto::Pool;
-use router::kv_index::KvIndex;
-use router::planner::{PoolPlan, Scaling};
-use router::routing::{self, Candidate, Routing};
+use router::core::{Input, PhaseName, PrefillDecision, Table};
+use router::planner::{PendingPrefill, PoolPlan, Scaling, Signals, Watch};
+use router::registry::InFlight;
+use router::routing::Routing;
+use types::{RequestId, WorkerId};
 
-mod admission;
 mod faults;
 mod overhead;
 mod planner;
+mod router_side;
+mod worker;
 pub use faults::{schedule as schedule_faults, Count, Fault, FaultKind, FaultSpec};
 pub use overhead::{Overhead, OverheadError};
 pub use planner::Sample;
@@ -74,9 +82,10 @@ pub struct SimConfig {
     pub decode: PoolSpec,
     /// The router's routing policy.
     pub routing: Routing,
-    /// A decode worker prefills a request itself when this few of its prompt's tokens are
-    /// uncached (`[router] local_prefill_max_tokens`).
-    pub local_prefill_max_tokens: usize,
+    /// The router's request settings (`[router]`: the local-prefill limits, the migration
+    /// limit, the admission wait, the request timeout). Whether the cluster is disaggregated
+    /// and the block names' seed follow from the pools and the model.
+    pub router: router::core::Settings,
     /// Prefill to decode worker.
     pub link: Link,
     /// The pools the planner scales (`[<pool>.autoscale]`); none: a static fleet.
@@ -89,22 +98,21 @@ pub struct SimConfig {
     /// Added to each token's way out, drawn per token (a real router measures it:
     /// `tandem_router_token_delay_seconds`); tokens still reach their client in order.
     pub token_delay: Overhead,
-    /// How the router notices failures and what it does about them.
+    /// How the router notices failures, and where the faults land.
     pub liveness: Liveness,
     /// What goes wrong, and when.
     pub faults: Vec<Fault>,
 }
 
-/// The router's failure handling (`[router]` and `[kv_transfer]` of cluster.toml) and where
+/// The router's failure detection (`[router]` and `[kv_transfer]` of cluster.toml) and where
 /// the faults land.
 #[derive(Debug, Clone, Copy)]
 pub struct Liveness {
-    /// A worker holding work with no step for this long is stalled (`stall_timeout_ms`).
+    /// A worker holding work whose steps stand still this long is stalled
+    /// (`stall_timeout_ms`).
     pub stall: Duration,
     /// A transfer that has not completed by then has failed (`transfer_timeout_ms`).
     pub transfer_timeout: Duration,
-    /// How many times a request may move to another decode worker (`migration_limit`).
-    pub migration_limit: u32,
     /// Racks the workers are spread over (worker `i` in rack `i % racks`), for link faults.
     pub racks: usize,
     /// Which workers a fault takes.
@@ -116,7 +124,6 @@ impl Default for Liveness {
         Liveness {
             stall: Duration::from_secs(10),
             transfer_timeout: Duration::from_secs(30),
-            migration_limit: 1,
             racks: 1,
             fault_seed: 1,
         }
@@ -134,7 +141,7 @@ pub struct SimRequest {
     pub output: usize,
 }
 
-/// What one request saw, as a client measures it.
+/// What one request saw, as a client measures it, and the path it took.
 #[derive(Debug, Clone, Default)]
 pub struct Outcome {
     /// Arrival to first token.
@@ -147,6 +154,12 @@ pub struct Outcome {
     pub tokens: usize,
     /// Why it failed, if it did.
     pub error: Option<String>,
+    /// The router's phases for it, in order.
+    pub phases: Vec<PhaseName>,
+    /// Where its prompt was prefilled, each try.
+    pub decisions: Vec<PrefillDecision>,
+    /// Refusals by decode workers.
+    pub refusals: u32,
 }
 
 /// A run's results.
@@ -162,7 +175,8 @@ pub struct SimResult {
     pub prefix_hit_tokens: u64,
     /// KV bytes moved from prefill to decode workers.
     pub kv_bytes: u64,
-    /// Where each request was prefilled, by the router's reason names.
+    /// Where each request was prefilled, and why prompts were recomputed, by the router's
+    /// label names.
     pub decisions: BTreeMap<&'static str, u64>,
     /// Worker-seconds per pool: each worker from joining to leaving (or the run's end).
     pub worker_seconds: BTreeMap<&'static str, f64>,
@@ -187,179 +201,142 @@ pub struct SimResult {
     pub ttft_phases: BTreeMap<&'static str, (u64, f64)>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+/// Something that happens at a virtual instant.
+#[derive(Debug)]
 enum Event {
+    /// A request reaches the router.
     Arrive(usize),
+    /// An answer reaches the router for request `req`'s try `id`.
+    Input {
+        req: usize,
+        id: RequestId,
+        input: Input,
+    },
+    /// The router's call to open request `req`'s stream reaches decode worker `worker`.
+    Open {
+        req: usize,
+        id: RequestId,
+        worker: usize,
+        remote: bool,
+        local_max: u32,
+    },
+    /// The router's prefill call for `req` reaches prefill worker `worker`.
+    Prefill {
+        req: usize,
+        id: RequestId,
+        worker: usize,
+        skip: u32,
+    },
+    /// A worker's step ends.
     StepDone(usize),
+    /// Request `req`'s KV has crossed the link to decode worker `decode`.
     KvArrived {
         req: usize,
+        id: RequestId,
         decode: usize,
-        attempt: u32,
     },
-    TransferFailed {
-        req: usize,
-        attempt: u32,
-    },
-    Dispatch {
-        req: usize,
-        decode: usize,
-        cached: usize,
-        attempt: u32,
-    },
+    /// Request `req`'s transfer gave up at its deadline.
+    TransferFailed { req: usize, id: RequestId },
+    /// Request `req`'s prefill call returns: the decode worker took its KV.
+    PrefillReturned { req: usize, id: RequestId },
+    /// Request `req` may be past its admission deadline.
+    AdmissionDeadline { req: usize, id: RequestId },
+    /// Request `req` is past its deadline (`request_timeout`).
+    Timeout(usize),
     Tick,
     WorkerUp(Pool),
     Fault(usize),
-    StallCheck {
-        worker: usize,
-        serial: u64,
-    },
-    PrefillReturned {
-        req: usize,
-        attempt: u32,
-    },
     Thaw(usize),
     LinkRestored(usize),
     Beat(usize),
 }
 
-struct Worker {
-    pool: Pool,
-    engine: Engine,
-    overhead: Overhead,
-    /// Steps it has run (which overhead each draws).
-    stepped: u64,
-    /// Engine time owed to KV writes since its last step (ns): its next step starts later.
-    writes: u64,
-    /// The step time the virtual mock left (ns).
-    clock: Arc<AtomicU64>,
-    /// A step is running (its results are delivered at its end), until this virtual time.
-    busy: bool,
-    busy_until: u64,
-    /// Decode: requests the router sent while it stepped (and their attempts): its engine
-    /// thread reserves them when the step ends.
-    reserving: Vec<(usize, u32)>,
-    /// The running step's tokens, delivered at its end.
-    pending: Vec<engine::TokenEvent>,
-    /// Requests the router has in flight on it.
-    in_flight: usize,
-    /// Prefill: prompt tokens sent and not yet done.
-    queued_tokens: u64,
-    /// Prefill: prompt tokens per second of engine time, a moving average over its steps (as
-    /// a real prefill worker measures it), and what its last heartbeat told the router.
-    capacity: f64,
-    reported: f64,
-    /// Heartbeats so far: a request it refused asks it again only after its next.
-    beats: u64,
-    /// Decode: its load as its last heartbeat said it (the planner reads its KV blocks).
-    seen: proto::grpc::WorkerLoad,
-    /// The next KV event number (what its heartbeats would carry).
-    kv_next: u64,
-    /// Let go by the planner: takes no new requests.
-    draining: bool,
-    /// When it joined and when it left — drained or dead (virtual ns).
-    started: u64,
-    stopped: Option<u64>,
-    /// Frozen: no step ends until it thaws; the step that would have ended meanwhile ends then.
-    frozen: bool,
-    deferred: bool,
-    /// Freezes so far (a stall check belongs to one).
-    freezes: u64,
-    /// The router found it stalled: no new requests until it thaws.
-    stalled: bool,
+/// An event at its time; `seq` orders ties by scheduling.
+struct Scheduled {
+    at: u64,
+    seq: u64,
+    ev: Event,
 }
 
-impl Worker {
-    /// It takes new requests.
-    fn serving(&self) -> bool {
-        !self.draining && self.stopped.is_none() && !self.stalled
-    }
-
-    /// Prefill: the prompt tokens per second its last heartbeat reported (0 before any).
-    fn rate(&self) -> f64 {
-        self.reported
-    }
-
-    /// Prefill: a step of `tokens` prompt tokens took `ns` (the real worker's moving average).
-    fn measure(&mut self, tokens: usize, ns: u64) {
-        if tokens > 0 && ns > 0 {
-            let rate = tokens as f64 / (ns as f64 / 1e9);
-            self.capacity = match self.capacity {
-                c if c > 0.0 => 0.8 * c + 0.2 * rate,
-                _ => rate,
-            };
-        }
+impl PartialEq for Scheduled {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
     }
 }
 
+impl Eq for Scheduled {}
+
+impl PartialOrd for Scheduled {
+    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(o))
+    }
+}
+
+impl Ord for Scheduled {
+    fn cmp(&self, o: &Self) -> CmpOrdering {
+        (self.at, self.seq).cmp(&(o.at, o.seq))
+    }
+}
+
+/// A prefill call in progress, counted on its worker and in the planner's pending tokens
+/// until it returns.
+struct Call {
+    worker: usize,
+    _guards: (InFlight, PendingPrefill),
+}
+
+/// One request: the router's core for it and what its client has seen.
 #[derive(Default)]
 struct Req {
     at: u64,
+    core: Option<router::core::Request>,
+    /// Its prefill call.
+    call: Option<Call>,
+    /// Bytes of its KV transfer under way.
+    kv_bytes: u64,
     first: Option<u64>,
     last: u64,
     gaps: Vec<Duration>,
     tokens: usize,
-    decode: Option<usize>,
-    prefill_tokens: u64,
-    /// Bytes of its KV transfer under way.
-    kv_bytes: u64,
-    /// When a decode worker reserved it, for a remote prefill (the prefill pool's TTFT runs
-    /// from here).
-    reserved: Option<u64>,
-    /// When the router heard of its reservation on a decode worker, and when its prompt's KV
-    /// was in that worker's cache (remote prefills): its TTFT phases.
-    admitted: Option<u64>,
-    kv_in: Option<u64>,
-    /// Its prompt's block names (all but the last token), computed once.
-    blocks: Option<Vec<u64>>,
-    error: Option<String>,
-    /// Its last token has been delivered.
     done: bool,
-    /// The prefill worker computing its prompt.
-    prefill_on: Option<usize>,
-    /// The prefill worker the router counts it on (its in-flight and queued tokens): from the
-    /// pick until the prefill call returns, after the transfer's answer.
-    prefill_counted: Option<usize>,
-    /// Its prompt as sent (a migrated request's prompt has its streamed tokens after it).
-    prompt_len: usize,
-    /// Its admission deadline counts from here (its arrival, or its last migration).
-    admit_from: u64,
-    /// The decode workers that refused it (no room), with their heartbeat count then: not
-    /// asked again before their next heartbeat.
-    refused_by: Vec<(usize, u64)>,
-    /// It has found no decode worker with room on this attempt and not been reserved yet (the
-    /// router counts it waiting for room).
-    waiting: bool,
-    /// Migrations so far; each migration or recomputation is a new attempt, and the events of
-    /// an older one are ignored.
-    migrations: u32,
-    attempt: u32,
+    error: Option<String>,
+    phases: Vec<PhaseName>,
+    decisions: Vec<PrefillDecision>,
+    refusals: u32,
+    /// An admission-deadline event is scheduled for the current try.
+    deadline_set: Option<RequestId>,
 }
 
 /// The simulation state.
 pub struct Sim {
     cfg: SimConfig,
-    seed: u64,
     now: u64,
     seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64, Event)>>,
-    workers: Vec<Worker>,
-    index: KvIndex,
+    queue: BinaryHeap<Reverse<Scheduled>>,
+    workers: Vec<worker::Worker>,
+    /// The router's table of workers (worker `i` is `WorkerId(i + 1)`).
+    table: Table,
+    signals: Arc<Signals>,
+    /// Request ids handed out so far.
+    ids: u64,
     requests: Vec<SimRequest>,
     reqs: Vec<Req>,
-    /// Requests waiting for a decode worker with room, and how many requests the router counts
-    /// waiting (those and the ones asking again after a heartbeat).
-    admission: VecDeque<usize>,
-    waiting: u64,
-    /// The router's line of those waiting (the oldest holds a worker after a while).
-    line: router::admission::Line,
-    rr: usize,
+    /// Which request each try's id belongs to.
+    by_id: HashMap<RequestId, usize>,
+    /// Requests waiting for a decode worker with room (asked again on the table's changes).
+    waiting: Vec<usize>,
+    /// While the waiting requests ask again after a decode worker's heartbeat: that worker and
+    /// its free blocks left (see `router_side::Sim::open`).
+    poking: Option<(usize, usize)>,
+    /// Workers the planner let go that still hold requests.
+    draining: Vec<usize>,
     result: SimResult,
     /// The virtual clock's zero as an instant.
     base: Instant,
     /// The planner's period (its shortest pool tick).
     tick_every: Duration,
     plans: Vec<PoolPlan>,
-    signals: planner::Signals,
+    watch: Watch,
     /// Replicas asked for and not joined yet.
     starting: Vec<Pool>,
     series: Vec<Sample>,
@@ -383,6 +360,16 @@ fn ns(d: Duration) -> u64 {
     d.as_nanos() as u64
 }
 
+/// The table's id of worker `w`.
+fn wid(w: usize) -> WorkerId {
+    WorkerId(w as u64 + 1)
+}
+
+/// The worker of the table's id `id`.
+fn widx(id: WorkerId) -> usize {
+    id.0 as usize - 1
+}
+
 impl Sim {
     /// A cluster of `cfg` about to receive `requests`.
     pub fn new(mut cfg: SimConfig, mut requests: Vec<SimRequest>) -> engine::Result<Sim> {
@@ -390,29 +377,39 @@ impl Sim {
         for r in &mut requests {
             r.prompt.iter_mut().for_each(|t| *t %= VOCAB as u32);
         }
-        let seed = engine::block_hash::identity_seed(&cfg.model, cfg.decode.engine.block_size);
+        let bs = cfg.decode.engine.block_size;
+        cfg.router.block_seed = engine::block_hash::identity_seed(&cfg.model, bs);
+        cfg.router.disaggregated = cfg.prefill.is_some();
+        let identity = engine::identity_of(&cfg.model, bs);
+        let liveness = router::core::Liveness {
+            stall: cfg.liveness.stall,
+            ..Default::default()
+        };
+        let window = cfg
+            .scaling
+            .iter()
+            .map(|s| s.window)
+            .max()
+            .unwrap_or(Duration::from_secs(10));
         let mut sim = Sim {
-            seed,
             now: 0,
             seq: 0,
             queue: BinaryHeap::new(),
             workers: Vec::new(),
-            index: KvIndex::default(),
+            table: Table::new(identity, liveness, cfg.routing),
+            signals: Arc::new(Signals::new(window)),
+            ids: 0,
             reqs: (0..requests.len()).map(|_| Req::default()).collect(),
             requests,
-            admission: VecDeque::new(),
-            waiting: 0,
-            line: Default::default(),
-            rr: 0,
+            by_id: HashMap::new(),
+            waiting: Vec::new(),
+            poking: None,
+            draining: Vec::new(),
             result: SimResult::default(),
             base: Instant::now(),
             tick_every: Duration::from_secs(1),
             plans: cfg.scaling.iter().cloned().map(PoolPlan::new).collect(),
-            signals: planner::Signals::new(
-                cfg.scaling
-                    .first()
-                    .map_or(Duration::from_secs(10), |s| s.window),
-            ),
+            watch: Watch::new(window),
             starting: Vec::new(),
             series: Vec::new(),
             open: 0,
@@ -420,392 +417,110 @@ impl Sim {
             link_share: vec![1.0; cfg.liveness.racks.max(1)],
             cfg,
         };
+        sim.start_pools()?;
+        sim.schedule_load();
+        Ok(sim)
+    }
+
+    /// Every pool's first workers: a scaled pool's at the planner's initial count.
+    fn start_pools(&mut self) -> engine::Result<()> {
         let pools = [
-            (Pool::Prefill, sim.cfg.prefill.clone()),
-            (Pool::Decode, Some(sim.cfg.decode.clone())),
+            (Pool::Prefill, self.cfg.prefill.clone()),
+            (Pool::Decode, Some(self.cfg.decode.clone())),
         ];
         for (pool, spec) in pools {
             let Some(spec) = spec else { continue };
-            // A scaled pool starts at the planner's initial count.
-            let n = match sim.plans.iter().find(|p| p.scaling.pool == pool) {
+            let n = match self.plans.iter().find(|p| p.scaling.pool == pool) {
                 Some(p) => p.desired() as usize,
                 None => spec.replicas,
             };
             for _ in 0..n {
-                sim.add_worker(pool, &spec)?;
+                self.add_worker(pool, &spec)?;
             }
         }
-        for i in 0..sim.requests.len() {
-            // The router's call to the decode worker: one hop after the request arrives.
-            let at = ns(sim.requests[i].at) + ns(sim.cfg.hop);
-            sim.reqs[i].at = ns(sim.requests[i].at);
-            sim.reqs[i].admit_from = sim.reqs[i].at;
-            sim.reqs[i].prompt_len = sim.requests[i].prompt.len();
-            sim.schedule(at, Event::Arrive(i));
-        }
-        for i in 0..sim.faults.len() {
-            sim.schedule(ns(sim.faults[i].at), Event::Fault(i));
-        }
-        sim.open = sim.requests.len();
-        if let Some(tick) = sim.cfg.scaling.iter().map(|s| s.tick).min() {
-            sim.schedule(0, Event::Tick);
-            sim.tick_every = tick;
-        }
-        Ok(sim)
+        Ok(())
     }
 
-    fn add_worker(&mut self, pool: Pool, spec: &PoolSpec) -> engine::Result<()> {
-        let (model, clock) = engine::Model::mock_virtual(self.cfg.model.clone(), spec.timing);
-        let engine = Engine::new(Arc::new(model), spec.engine.clone(), Vec::new())?;
-        let w = self.workers.len() as u64;
-        // Its first heartbeat: an empty snapshot of its cache.
-        let snapshot = KvEvents {
-            snapshot: true,
-            ..Default::default()
-        };
-        self.index.apply(w, &snapshot);
-        self.workers.push(Worker {
-            pool,
-            engine,
-            overhead: spec.step_overhead.clone(),
-            stepped: 0,
-            writes: 0,
-            clock,
-            busy: false,
-            busy_until: 0,
-            reserving: Vec::new(),
-            pending: Vec::new(),
-            in_flight: 0,
-            queued_tokens: 0,
-            capacity: 0.0,
-            reported: 0.0,
-            beats: 0,
-            seen: Default::default(),
-            kv_next: 0,
-            draining: false,
-            started: self.now,
-            stopped: None,
-            frozen: false,
-            deferred: false,
-            freezes: 0,
-            stalled: false,
-        });
-        // Its heartbeats, every period from a phase of its own.
-        let phase = (w.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 33) % ns(HEARTBEAT);
-        self.schedule(self.now + phase, Event::Beat(w as usize));
-        Ok(())
+    /// The requests' arrivals and deadlines, the faults, the planner's first tick.
+    fn schedule_load(&mut self) {
+        let timeout = ns(self.cfg.router.request_timeout);
+        for i in 0..self.requests.len() {
+            let at = ns(self.requests[i].at);
+            self.reqs[i].at = at;
+            self.schedule(at, Event::Arrive(i));
+            self.schedule(at + timeout, Event::Timeout(i));
+        }
+        for i in 0..self.faults.len() {
+            self.schedule(ns(self.faults[i].at), Event::Fault(i));
+        }
+        self.open = self.requests.len();
+        if let Some(tick) = self.cfg.scaling.iter().map(|s| s.tick).min() {
+            self.schedule(0, Event::Tick);
+            self.tick_every = tick;
+        }
     }
 
     fn schedule(&mut self, at: u64, ev: Event) {
         self.seq += 1;
-        self.queue.push(Reverse((at, self.seq, ev)));
+        self.queue.push(Reverse(Scheduled {
+            at,
+            seq: self.seq,
+            ev,
+        }));
+    }
+
+    /// The virtual time `at` as an `Instant` (the router's core and planner take instants).
+    fn instant_at(&self, at: u64) -> Instant {
+        self.base + Duration::from_nanos(at)
+    }
+
+    /// The virtual clock as an `Instant`.
+    pub(crate) fn instant(&self) -> Instant {
+        self.instant_at(self.now)
     }
 
     /// Runs every request to its end.
     pub fn run(mut self) -> SimResult {
-        while let Some(Reverse((at, _, ev))) = self.queue.pop() {
-            self.now = at;
-            match ev {
-                Event::Arrive(r) => self.arrive(r),
-                Event::StepDone(w) => self.step_done(w),
-                Event::KvArrived {
-                    req,
-                    decode,
-                    attempt,
-                } => self.kv_arrived(req, decode, attempt),
-                Event::TransferFailed { req, attempt } => {
-                    if self.reqs[req].attempt == attempt {
-                        self.recompute(req, "recomputed: transfer failed");
-                    }
-                }
-                Event::Dispatch {
-                    req,
-                    decode,
-                    cached,
-                    attempt,
-                } => {
-                    if self.reqs[req].attempt == attempt && self.reqs[req].decode == Some(decode) {
-                        self.prefill(req, decode, cached)
-                    }
-                }
-                Event::Tick => self.tick(self.tick_every),
-                Event::WorkerUp(pool) => self.worker_up(pool),
-                Event::Fault(i) => self.strike(i),
-                Event::StallCheck { worker, serial } => self.stall_check(worker, serial),
-                Event::PrefillReturned { req, attempt } => {
-                    if self.reqs[req].attempt == attempt {
-                        self.prefill_returned(req)
-                    }
-                }
-                Event::Thaw(w) => self.thaw(w),
-                Event::LinkRestored(rack) => self.link_share[rack] = 1.0,
-                Event::Beat(w) => self.beat(w),
-            }
+        while let Some(Reverse(s)) = self.queue.pop() {
+            self.now = s.at;
+            self.dispatch(s.ev);
         }
         self.finish()
     }
 
-    /// The reserved request `r` on decode worker `d`, which holds `cached` of its prompt:
-    /// prefilled there when nothing (or little enough) is left to compute, else on the prefill
-    /// worker the policy picks, which computes what its own cache lacks.
-    fn prefill(&mut self, r: usize, d: usize, cached: usize) {
-        let known = self.requests[r].prompt.len() - 1;
-        let local = known - cached <= self.cfg.local_prefill_max_tokens;
-        let prefill = self.pool(Pool::Prefill);
-        if local || prefill.is_empty() {
-            let why = if local {
-                "local: short suffix"
-            } else {
-                "local: no prefill worker"
-            };
-            *self.result.decisions.entry(why).or_default() += 1;
-            let _ = self.workers[d].engine.prefill_here(r as u64);
-            return;
-        }
-        let overlap = self.overlap(r, Pool::Prefill);
-        let bs = self.cfg.decode.engine.block_size;
-        let cands: Vec<Candidate> = prefill
-            .iter()
-            .map(|&w| {
-                let wk = &self.workers[w];
-                Candidate {
-                    load: wk.in_flight,
-                    cached: overlap.get(&(w as u64)).copied().unwrap_or(0) * bs,
-                    queued_tokens: wk.queued_tokens,
-                    rate: wk.rate(),
-                }
-            })
-            .collect();
-        let pick = routing::prefill(&self.cfg.routing, &cands, known, self.rr)
-            .expect("a prefill worker exists");
-        let p = prefill[pick];
-        let tokens = self.requests[r].prompt[..known].to_vec();
-        // Queued on it as the router's registry counts it: less what it caches, by the index.
-        let rest = known.saturating_sub(cands[pick].cached) as u64;
-        *self.result.decisions.entry("remote").or_default() += 1;
-        match self.workers[p]
-            .engine
-            .add_prefill_only(r as u64, tokens, cached)
-        {
-            Ok(()) => {
-                self.workers[p].in_flight += 1;
-                self.workers[p].queued_tokens += rest;
-                // The pool's demand, as the router counts it: the prompt sent.
-                self.signals.prefill_sent += known as u64;
-                self.reqs[r].prefill_tokens = rest;
-                self.reqs[r].reserved = Some(self.now);
-                self.reqs[r].prefill_on = Some(p);
-                self.reqs[r].prefill_counted = Some(p);
-                self.kick(p);
+    fn dispatch(&mut self, ev: Event) {
+        match ev {
+            Event::Arrive(r) => self.arrive(r),
+            Event::Input { req, id, input } => self.input(req, id, input, self.now),
+            Event::Open {
+                req,
+                id,
+                worker,
+                remote,
+                local_max,
+            } => self.open_at(req, id, worker, remote, local_max),
+            Event::Prefill {
+                req,
+                id,
+                worker,
+                skip,
+            } => self.prefill_at(req, id, worker, skip),
+            Event::StepDone(w) => self.step_done(w),
+            Event::KvArrived { req, id, decode } => self.kv_arrived(req, id, decode),
+            Event::TransferFailed { req, id } => {
+                let why = "the KV transfer did not complete within its deadline".into();
+                let failed = Input::PrefillFailed(proto::Cause::KvTransfer, why);
+                self.input(req, id, failed, self.now)
             }
-            Err(e) => self.fail(r, e.to_string()),
-        }
-    }
-
-    /// Request `r`'s prefill call returns (or fails): the router stops counting it on its
-    /// prefill worker.
-    pub(crate) fn prefill_returned(&mut self, r: usize) {
-        let Some(p) = self.reqs[r].prefill_counted.take() else {
-            return;
-        };
-        let wk = &mut self.workers[p];
-        wk.in_flight = wk.in_flight.saturating_sub(1);
-        wk.queued_tokens = wk.queued_tokens.saturating_sub(self.reqs[r].prefill_tokens);
-        self.retire(p);
-    }
-
-    fn fail(&mut self, r: usize, why: String) {
-        self.leave(r);
-        self.set_waiting(r, false);
-        if self.reqs[r].error.is_none() {
-            self.reqs[r].error = Some(why);
-            self.open -= 1;
-        }
-    }
-
-    /// For each serving worker of `pool` caching the start of request `r`'s prompt, how many
-    /// of its leading blocks (the router's index, by the blocks' names).
-    fn overlap(&mut self, r: usize, pool: Pool) -> std::collections::HashMap<u64, usize> {
-        let bs = self.cfg.decode.engine.block_size;
-        let prompt = &self.requests[r].prompt;
-        let known = &prompt[..prompt.len().saturating_sub(1)];
-        let seed = self.seed;
-        let blocks = self.reqs[r]
-            .blocks
-            .get_or_insert_with(|| engine::block_hash::prompt_hashes(seed, bs, known));
-        let workers = &self.workers;
-        self.index.overlap_in(blocks, |w| {
-            workers[w as usize].pool == pool && workers[w as usize].serving()
-        })
-    }
-
-    /// Worker indices of `pool` that take new requests.
-    fn pool(&self, pool: Pool) -> Vec<usize> {
-        (0..self.workers.len())
-            .filter(|&w| self.workers[w].pool == pool && self.workers[w].serving())
-            .collect()
-    }
-
-    /// Starts worker `w`'s next step if it is idle and has work: the engine runs the step now,
-    /// its results are delivered when the step's time has passed.
-    fn kick(&mut self, w: usize) {
-        let wk = &mut self.workers[w];
-        if wk.busy || wk.frozen || wk.stopped.is_some() || !wk.engine.has_work() {
-            return;
-        }
-        match wk.engine.step() {
-            Ok(events) => {
-                let overhead = wk.overhead.draw(w, wk.stepped);
-                wk.stepped += 1;
-                let d =
-                    wk.clock.load(Ordering::Relaxed) + overhead + std::mem::take(&mut wk.writes);
-                let t = self.result.step_time.entry(wk.pool.name()).or_default();
-                *t = (t.0 + 1, t.1 + d as f64 / 1e9);
-                wk.busy = true;
-                wk.busy_until = self.now + d;
-                if wk.pool == Pool::Prefill {
-                    wk.measure(wk.engine.last_step().0, d);
-                }
-                wk.pending = events;
-                self.result.steps += 1;
-                let at = self.now + d;
-                self.schedule(at, Event::StepDone(w));
-            }
-            Err(e) => panic!("simulated engine step failed: {e}"),
-        }
-    }
-
-    /// Worker `w`'s step ended: its tokens reach their clients, finished prefills start their
-    /// transfers; then the reservations that came meanwhile, and its next step.
-    pub(crate) fn step_done(&mut self, w: usize) {
-        let wk = &mut self.workers[w];
-        if wk.stopped.is_some() {
-            // Dead: what its last step did went with it (a drained worker has no step left).
-            return;
-        }
-        if wk.frozen {
-            wk.deferred = true;
-            return;
-        }
-        wk.busy = false;
-        for ev in std::mem::take(&mut self.workers[w].pending) {
-            // Tokens of a request that has left this worker (migrated) are dropped.
-            if self.reqs[ev.id as usize].decode != Some(w) {
-                continue;
-            }
-            self.token(ev);
-        }
-        for id in self.workers[w].engine.take_prefilled() {
-            let Some(sent) = self.workers[w].engine.discard_prefilled(id) else {
-                continue;
-            };
-            let r = id as usize;
-            if self.reqs[r].prefill_on != Some(w) {
-                continue;
-            }
-            self.reqs[r].prefill_on = None;
-            self.transfer(r, sent);
-        }
-        self.take_reservations(w);
-        self.kick(w);
-        self.retire(w);
-    }
-
-    /// Request `r`'s `tokens` of KV leave for its decode worker over the link to its rack.
-    fn transfer(&mut self, r: usize, tokens: usize) {
-        let Some(decode) = self.reqs[r].decode else {
-            return self.prefill_returned(r);
-        };
-        let attempt = self.reqs[r].attempt;
-        let bytes = tokens as u64 * self.kv_bytes_per_token();
-        let link = self.cfg.link;
-        let share = self.link_share[self.rack(decode)];
-        if share <= 0.0 {
-            // A cut link: the transfer fails at its deadline, and the prompt is recomputed.
-            let at = self.now + ns(self.cfg.liveness.transfer_timeout);
-            return self.schedule(at, Event::TransferFailed { req: r, attempt });
-        }
-        self.result.kv_bytes += bytes;
-        self.reqs[r].kv_bytes = bytes;
-        let wire = bytes as f64 / (link.bandwidth * share) * 1e9;
-        let at = self.now + ns(link.latency) + wire as u64;
-        self.schedule(
-            at,
-            Event::KvArrived {
-                req: r,
-                decode,
-                attempt,
-            },
-        );
-    }
-
-    fn kv_arrived(&mut self, r: usize, d: usize, attempt: u32) {
-        if self.reqs[r].attempt != attempt || self.reqs[r].decode != Some(d) {
-            return;
-        }
-        if let Err(e) = self.workers[d].engine.admit_simulated(r as u64) {
-            self.fail(r, e.to_string());
-            return;
-        }
-        let write = self.reqs[r].kv_bytes as f64 * self.cfg.link.write_ns_per_byte;
-        self.workers[d].writes += write as u64;
-        // The worker's engine thread takes the KV between steps, writes it, answers: the
-        // prefill's reply reaches the router a hop later.
-        let step_end = self.workers[d].busy_until.max(self.now);
-        let kv_in = step_end + write as u64 + ns(self.cfg.hop);
-        self.reqs[r].kv_in = Some(kv_in);
-        // The prefill worker's call returns with the decode worker's answer, a hop later.
-        let attempt = self.reqs[r].attempt;
-        self.schedule(kv_in, Event::PrefillReturned { req: r, attempt });
-        self.kick(d);
-    }
-
-    fn token(&mut self, ev: engine::TokenEvent) {
-        let r = ev.id as usize;
-        // The client sees it a hop and its drawn delay later, not before the one before it
-        // (the router's signals see it then too).
-        let delay = self.cfg.token_delay.draw_token(r, self.reqs[r].tokens);
-        let now = (self.now + ns(self.cfg.hop) + delay).max(self.reqs[r].last);
-        let at = self.base + Duration::from_nanos(now);
-        let q = &mut self.reqs[r];
-        match q.first {
-            None => {
-                q.first = Some(now);
-                if let (0, Some(admitted)) = (q.attempt, q.admitted) {
-                    let ph = &mut self.result.ttft_phases;
-                    let mut add = |name: &'static str, from: u64, to: u64| {
-                        let e = ph.entry(name).or_default();
-                        *e = (e.0 + 1, e.1 + to.saturating_sub(from) as f64 / 1e9);
-                    };
-                    add("admission", q.at, admitted);
-                    // A token can overtake the prefill's reply.
-                    let kv = q.kv_in.map_or(admitted, |k| k.min(now));
-                    if q.kv_in.is_some() {
-                        add("prefill", admitted, kv);
-                    }
-                    add("first_token", kv, now);
-                }
-                if let Some(t) = q.reserved {
-                    self.signals
-                        .prefill_ttft
-                        .record(at, Duration::from_nanos(now - t));
-                }
-            }
-            Some(_) => {
-                let gap = Duration::from_nanos(now - q.last);
-                q.gaps.push(gap);
-                self.signals.itl.record(at, gap);
-            }
-        }
-        q.last = now;
-        q.tokens += 1;
-        if ev.finish.is_some() {
-            q.done = true;
-            self.open -= 1;
-            if let Some(d) = q.decode {
-                self.workers[d].in_flight -= 1;
-                self.retire(d);
-            }
+            Event::PrefillReturned { req, id } => self.prefill_returned(req, id),
+            Event::AdmissionDeadline { req, id } => self.admission_deadline(req, id),
+            Event::Timeout(r) => self.timeout(r),
+            Event::Tick => self.tick(self.tick_every),
+            Event::WorkerUp(pool) => self.worker_up(pool),
+            Event::Fault(i) => self.strike(i),
+            Event::Thaw(w) => self.thaw(w),
+            Event::LinkRestored(rack) => self.link_share[rack] = 1.0,
+            Event::Beat(w) => self.beat(w),
         }
     }
 
@@ -817,16 +532,19 @@ impl Sim {
     fn finish(mut self) -> SimResult {
         // The run ends with its last token (a planner tick may come after it).
         let end = self.reqs.iter().map(|q| q.last).max().unwrap_or(self.now);
-        for (r, q) in self.reqs.iter().enumerate() {
+        for (r, q) in self.reqs.iter_mut().enumerate() {
             let error = q.error.clone().or_else(|| {
                 (q.tokens < self.requests[r].output).then(|| "did not finish".to_string())
             });
             self.result.outcomes.push(Outcome {
                 ttft: q.first.map(|t| Duration::from_nanos(t - q.at)),
-                gaps: q.gaps.clone(),
+                gaps: std::mem::take(&mut q.gaps),
                 e2e: Duration::from_nanos(q.last.saturating_sub(q.at)),
                 tokens: q.tokens,
                 error,
+                phases: std::mem::take(&mut q.phases),
+                decisions: std::mem::take(&mut q.decisions),
+                refusals: q.refusals,
             });
         }
         for w in &self.workers {
@@ -837,7 +555,6 @@ impl Sim {
             *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
         }
         self.result.duration = Duration::from_nanos(end);
-        self.result.admission_holds = self.line.holds();
         self.result.series = self.series;
         self.result
     }

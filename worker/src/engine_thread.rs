@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use proto::grpc::WorkerLoad;
+use types::{KvEvent, RequestId};
 
 use crate::kv_log::KvLog;
 use tokio::sync::oneshot;
@@ -24,7 +25,7 @@ pub trait Role: Send + 'static {
     fn command(&mut self, cmd: Self::Cmd, draining: bool);
     /// Frees everything request `id` holds here (cancelled, or its caller went away); whether
     /// it held anything.
-    fn release(&mut self, id: u64) -> bool;
+    fn release(&mut self, id: RequestId) -> bool;
     /// Runs one engine step and hands its results on.
     fn step(&mut self);
     /// The earliest instant the role must act without a command (a lease running out).
@@ -35,8 +36,8 @@ pub trait Role: Send + 'static {
     fn expire(&mut self, _now: Instant) {}
     /// The load to report (heartbeats, `Stats`), with the role's gauges updated.
     fn load(&self) -> WorkerLoad;
-    /// Prefix-cache blocks registered (`true`) or forgotten since the last call, by name.
-    fn kv_events(&mut self) -> Vec<(bool, u64)> {
+    /// Prefix-cache blocks registered or forgotten since the last call, in order.
+    fn kv_events(&mut self) -> Vec<KvEvent> {
         Vec::new()
     }
 }
@@ -44,7 +45,7 @@ pub trait Role: Send + 'static {
 enum Command<C> {
     Role(C),
     Release {
-        id: u64,
+        id: RequestId,
         found: Option<oneshot::Sender<bool>>,
     },
     Drain,
@@ -83,7 +84,7 @@ impl<C: Send + 'static> EngineHandle<C> {
     }
 
     /// Releases request `id`; whether it held anything here.
-    pub async fn cancel(&self, id: u64) -> Result<bool, Status> {
+    pub async fn cancel(&self, id: RequestId) -> Result<bool, Status> {
         let (found, rx) = oneshot::channel();
         let found = Some(found);
         self.tx
@@ -93,7 +94,7 @@ impl<C: Send + 'static> EngineHandle<C> {
     }
 
     /// Releases request `id` without waiting for the answer (its caller went away).
-    pub fn forget(&self, id: u64) {
+    pub fn forget(&self, id: RequestId) {
         let _ = self.tx.send(Command::Release { id, found: None });
     }
 
@@ -208,23 +209,23 @@ mod tests {
     struct MockRole {
         work: usize,
         deadline: Option<Instant>,
-        held: Vec<u64>,
+        held: Vec<RequestId>,
         seen: std_mpsc::Sender<String>,
     }
 
     impl Role for MockRole {
-        type Cmd = (u64, usize);
+        type Cmd = (RequestId, usize);
         fn has_work(&self) -> bool {
             self.work > 0
         }
-        fn command(&mut self, (id, steps): (u64, usize), draining: bool) {
+        fn command(&mut self, (id, steps): (RequestId, usize), draining: bool) {
             if !draining {
                 self.held.push(id);
                 self.work += steps;
             }
             let _ = self.seen.send(format!("cmd {id} draining={draining}"));
         }
-        fn release(&mut self, id: u64) -> bool {
+        fn release(&mut self, id: RequestId) -> bool {
             let held = self.held.contains(&id);
             self.held.retain(|&h| h != id);
             held
@@ -252,7 +253,7 @@ mod tests {
 
     fn start(
         deadline: Option<Instant>,
-    ) -> (EngineHandle<(u64, usize)>, std_mpsc::Receiver<String>) {
+    ) -> (EngineHandle<(RequestId, usize)>, std_mpsc::Receiver<String>) {
         let (seen, rx) = std_mpsc::channel();
         let role = MockRole {
             work: 0,
@@ -271,18 +272,18 @@ mod tests {
     #[tokio::test]
     async fn commands_step_until_idle_release_answers_and_drain_admits_nothing() {
         let (h, rx) = start(None);
-        h.send((7, 2)).unwrap();
+        h.send((RequestId(7), 2)).unwrap();
         assert_eq!(next(&rx), "cmd 7 draining=false");
         assert_eq!(next(&rx), "step, 1 left");
         assert_eq!(next(&rx), "step, 0 left");
-        assert!(h.cancel(7).await.unwrap(), "held, now released");
-        assert!(!h.cancel(7).await.unwrap(), "released once");
+        assert!(h.cancel(RequestId(7)).await.unwrap(), "held, now released");
+        assert!(!h.cancel(RequestId(7)).await.unwrap(), "released once");
         h.drain().unwrap();
-        h.send((8, 1)).unwrap();
+        h.send((RequestId(8), 1)).unwrap();
         assert_eq!(next(&rx), "cmd 8 draining=true");
         // Asked through the command channel, not the published load (which the thread writes
         // after the commands it has read together, so it may lag behind "cmd 8").
-        assert!(!h.cancel(8).await.unwrap(), "draining: 8 was not admitted");
+        assert!(!h.cancel(RequestId(8)).await.unwrap(), "draining: 8 was not admitted");
         assert!(
             rx.recv_timeout(Duration::from_millis(100)).is_err(),
             "idle: no step"

@@ -5,6 +5,7 @@
 use std::collections::{HashSet, VecDeque};
 
 use proto::grpc::KvEvents;
+use types::{BlockHash, KvEvent};
 
 /// Events kept for heartbeats (older ones are sent as a snapshot instead).
 const KEEP: usize = 65_536;
@@ -13,20 +14,19 @@ const KEEP: usize = 65_536;
 #[derive(Debug, Default)]
 pub struct KvLog {
     next: u64,
-    recent: VecDeque<(bool, u64)>,
-    live: HashSet<u64>,
+    recent: VecDeque<KvEvent>,
+    live: HashSet<BlockHash>,
 }
 
 impl KvLog {
-    /// Appends the engine's events (registered: `true`, forgotten: `false`), in order.
-    pub fn push(&mut self, events: Vec<(bool, u64)>) {
-        for (stored, hash) in events {
-            if stored {
-                self.live.insert(hash);
-            } else {
-                self.live.remove(&hash);
-            }
-            self.recent.push_back((stored, hash));
+    /// Appends the engine's events, in order.
+    pub fn push(&mut self, events: Vec<KvEvent>) {
+        for e in events {
+            match e {
+                KvEvent::Stored { block, .. } => self.live.insert(block),
+                KvEvent::Removed { block, .. } => self.live.remove(&block),
+            };
+            self.recent.push_back(e);
             if self.recent.len() > KEEP {
                 self.recent.pop_front();
             }
@@ -41,14 +41,14 @@ impl KvLog {
         if resync || from < oldest || from > self.next {
             return KvEvents {
                 first: self.next,
-                hashes: self.live.iter().copied().collect(),
+                hashes: self.live.iter().map(|b| b.0).collect(),
                 stored: Vec::new(),
                 snapshot: true,
                 next: self.next,
             };
         }
         let new = self.recent.range((from - oldest) as usize..);
-        let (stored, hashes) = new.copied().unzip();
+        let (stored, hashes) = new.map(|e| (e.stored(), e.block().0)).unzip();
         KvEvents {
             first: from,
             hashes,
@@ -65,9 +65,12 @@ mod tests {
 
     #[test]
     fn events_since_a_number_or_a_snapshot_when_asked_or_lost() {
+        let tier = types::Tier::Pool;
+        let stored = |h| KvEvent::Stored { block: BlockHash(h), tier };
+        let removed = |h| KvEvent::Removed { block: BlockHash(h), tier };
         let mut log = KvLog::default();
-        log.push(vec![(true, 1), (true, 2)]);
-        log.push(vec![(false, 1)]);
+        log.push(vec![stored(1), stored(2)]);
+        log.push(vec![removed(1)]);
         let e = log.since(1, false);
         assert_eq!((e.first, e.next, e.snapshot), (1, 3, false));
         assert_eq!((e.hashes, e.stored), (vec![2, 1], vec![true, false]));

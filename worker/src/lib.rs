@@ -14,6 +14,7 @@
 pub mod engine_thread;
 pub mod kv_log;
 pub mod service;
+pub mod wire;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -85,12 +86,18 @@ pub enum WorkerError {
 
 /// The gRPC status of an engine error — the one place the mapping is made: a request that
 /// could never fit or is malformed is the caller's fault; no room now is [`Cause::Full`] (the
-/// router tries another worker); anything else is the worker's.
+/// router tries another worker); KV that arrived wrong or corrupted is a broken transfer (the
+/// router recomputes the prompt); anything else is the worker's.
 pub fn status(e: EngineError) -> Status {
+    let cause = match &e {
+        EngineError::OutOfBlocks(_) => Cause::Full,
+        EngineError::InvalidRequest(_) => Cause::BadRequest,
+        EngineError::KvMismatch { .. } | EngineError::CorruptKv { .. } => Cause::KvTransfer,
+        _ => Cause::Engine,
+    };
     match e {
-        EngineError::OutOfBlocks(m) => Cause::Full.status(m),
-        EngineError::InvalidRequest(m) => Cause::BadRequest.status(m),
-        other => Cause::Engine.status(other.to_string()),
+        EngineError::OutOfBlocks(m) | EngineError::InvalidRequest(m) => cause.status(m),
+        other => cause.status(other.to_string()),
     }
 }
 

@@ -4,6 +4,7 @@
 use proto::grpc::worker_server::{Worker, WorkerServer};
 use proto::grpc::{CancelReply, CancelRequest, DrainReply, DrainRequest, StatsRequest, WorkerLoad};
 use tonic::{Request, Response, Status};
+use types::RequestId;
 
 use crate::engine_thread::EngineHandle;
 
@@ -18,7 +19,7 @@ pub fn server<C: Send + 'static>(engine: EngineHandle<C>) -> WorkerServer<Worker
 #[tonic::async_trait]
 impl<C: Send + 'static> Worker for WorkerService<C> {
     async fn cancel(&self, req: Request<CancelRequest>) -> Result<Response<CancelReply>, Status> {
-        let found = self.0.cancel(req.into_inner().request_id).await?;
+        let found = self.0.cancel(RequestId(req.into_inner().request_id)).await?;
         Ok(Response::new(CancelReply { found }))
     }
 
@@ -38,12 +39,12 @@ impl<C: Send + 'static> Worker for WorkerService<C> {
 /// finished does nothing.
 pub struct ReleaseOnDrop<C: Send + 'static> {
     engine: EngineHandle<C>,
-    id: u64,
+    id: RequestId,
 }
 
 impl<C: Send + 'static> ReleaseOnDrop<C> {
     /// Guards request `id`.
-    pub fn new(engine: &EngineHandle<C>, id: u64) -> Self {
+    pub fn new(engine: &EngineHandle<C>, id: RequestId) -> Self {
         ReleaseOnDrop {
             engine: engine.clone(),
             id,

@@ -25,7 +25,6 @@ mod sim;
 use std::time::Duration;
 
 pub use client::{Client, ClientEvent};
-pub use proto::ledger::{Holding, Ledger, LedgerCounts};
 pub use server::{Received, Server, ServerEvent};
 
 use crate::frame::Frame;

@@ -6,7 +6,9 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use engine::ledger::{Holding, Ledger};
 use proto::ModelIdentity;
+use types::RequestId;
 
 use super::*;
 use crate::frame::{Frame, HEADER};
@@ -200,7 +202,7 @@ impl Sim {
             match &e {
                 ServerEvent::Begun { request_id, .. } => {
                     assert!(
-                        self.ledger.in_flight(*request_id),
+                        self.ledger.in_flight(RequestId(*request_id)),
                         "KV for an unreserved request"
                     );
                 }
@@ -213,17 +215,17 @@ impl Sim {
                 }
                 ServerEvent::Received { request_id, .. } => {
                     if self.verdict.is_ok() {
-                        self.ledger.commit(*request_id);
+                        self.ledger.commit(RequestId(*request_id));
                     } else {
-                        self.ledger.free(*request_id);
+                        self.ledger.free(RequestId(*request_id));
                     }
                     self.server.verdict(*request_id, self.verdict.clone());
                 }
                 ServerEvent::Abandoned { request_id, .. } => {
-                    assert_eq!(self.ledger.free(*request_id), Some(Holding::InFlight));
+                    assert_eq!(self.ledger.free(RequestId(*request_id)), Some(Holding::InFlight));
                 }
                 ServerEvent::Renewed { request_id } => {
-                    assert!(self.ledger.renew(*request_id, self.now + LEASE));
+                    assert!(self.ledger.renew(RequestId(*request_id), self.now + LEASE));
                 }
                 ServerEvent::Closed(_) | ServerEvent::Accepted { .. } => {}
             }
@@ -251,7 +253,7 @@ impl Sim {
         let lease = self.now + Duration::from_secs(1);
         assert!(self
             .ledger
-            .reserve(request_id, n_tokens.div_ceil(16), Some(lease)));
+            .reserve(RequestId(request_id), n_tokens.div_ceil(16), Some(lease)));
         self.client
             .begin(self.now, request_id, n_tokens, 16)
             .unwrap();
@@ -334,7 +336,7 @@ fn handshake_and_interleaved_transfers_arrive_whole_after_exact_virtual_delays()
         .collect();
     assert_eq!(received, vec![4, 4]);
     for id in [1, 2] {
-        assert_eq!(s.ledger.free(id), Some(Holding::Committed));
+        assert_eq!(s.ledger.free(RequestId(id)), Some(Holding::Committed));
     }
     assert!(s.ledger.is_empty());
 }
@@ -435,7 +437,7 @@ fn a_waiting_sender_keeps_the_reservation_and_a_frozen_one_lets_it_lapse() {
     s.run_for(20 * MS);
     assert!(s.client.is_open());
     s.begin(1, 20);
-    s.ledger.renew(1, s.now + LEASE);
+    s.ledger.renew(RequestId(1), s.now + LEASE);
     // Two seconds of a prompt queued or computing, no layer yet: renewed all along.
     s.run_for(Duration::from_secs(2));
     let renewals = s
@@ -450,7 +452,7 @@ fn a_waiting_sender_keeps_the_reservation_and_a_frozen_one_lets_it_lapse() {
     s.client_frozen = true;
     let frozen = s.now;
     s.run_for(LEASE + 2 * MS);
-    assert_eq!(s.ledger.expired(s.now), [1]);
+    assert_eq!(s.ledger.expired(s.now), [RequestId(1)]);
     assert!(
         s.ledger.expired(frozen + 140 * MS).is_empty(),
         "not before the lease"
@@ -504,7 +506,7 @@ fn a_refused_transfer_is_a_nack_and_the_connection_stays_usable() {
     }
     s.run_for(5 * MS);
     assert_eq!(s.delivered(), vec![5]);
-    s.ledger.free(5);
+    s.ledger.free(RequestId(5));
     assert!(s.ledger.is_empty());
 }
 
@@ -568,7 +570,7 @@ fn in_place_transfers_grant_blocks_then_carry_only_checksums() {
     });
     assert_eq!(crcs, Some(vec![100, 101, 102, 103]));
     assert_eq!(s.delivered(), vec![11]);
-    assert_eq!(s.ledger.free(11), Some(Holding::Committed));
+    assert_eq!(s.ledger.free(RequestId(11)), Some(Holding::Committed));
 }
 
 #[test]

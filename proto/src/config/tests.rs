@@ -18,7 +18,7 @@ fn the_kubernetes_manifests_cluster_toml_is_valid() {
         .collect();
     let c = parse(&toml).unwrap();
     let a = c.decode.autoscale.as_ref().unwrap();
-    assert_eq!(a.actuator.get_ref(), "kubernetes");
+    assert_eq!(*a.actuator.get_ref(), Actuator::Kubernetes);
     assert_eq!(a.deployment.as_ref().unwrap().get_ref(), "tandem-decode");
     assert!(c.discovery.is_some());
     let e = parse("[decode]\n[decode.slo]\nitl_p90_ms = 100\n[decode.autoscale]\nmax = 2\nactuator = \"kubernetes\"\n")

@@ -301,7 +301,7 @@ impl Decode for Fake {
         // As a real decode worker decides (it caches nothing): the whole rest is short enough.
         let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;
         if let DecodeScript::Count(fault) = self.decode {
-            return Ok(Response::new(count(&r, fault)));
+            return Ok(Response::new(count(&r, fault, self.kv.clone())));
         }
         let (tokens, lose, gap) = match self.decode.clone() {
             DecodeScript::BadRequest => return Err(Cause::BadRequest.status("scripted: bad")),
@@ -345,12 +345,26 @@ impl Decode for Fake {
     }
 }
 
-/// The stream of a [`DecodeScript::Count`] worker (colocated requests only).
-fn count(r: &GenerateRequest, fault: Fault) -> ReceiverStream<Result<GenerateEvent, Status>> {
+/// The stream of a [`DecodeScript::Count`] worker: with a remote prefill, its reservation
+/// first and the tokens once the fake prefill delivered the KV.
+fn count(
+    r: &GenerateRequest,
+    fault: Fault,
+    kv: Arc<Kv>,
+) -> ReceiverStream<Result<GenerateEvent, Status>> {
     let (tx, rx) = mpsc::channel(64);
     let last = r.prompt.last().copied().unwrap_or(0);
     let n = r.params.as_ref().map_or(8, |p| p.max_tokens) as usize;
+    let (id, remote) = (r.request_id, r.remote_prefill);
+    let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;
     tokio::spawn(async move {
+        if remote {
+            let _ = tx.send(reserved(local)).await;
+            if !local && !kv.wait(id).await {
+                let _ = tx.send(Err(Cause::KvTransfer.status("no KV came"))).await;
+                return;
+            }
+        }
         for i in 0..n {
             match fault {
                 Fault::Die(k) if i == k => {

@@ -10,6 +10,8 @@
 use std::collections::HashMap;
 use std::time::Instant;
 
+use types::RequestId;
+
 /// The state of a request's blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Holding {
@@ -55,7 +57,7 @@ pub struct LedgerCounts {
 /// The ledger of one worker.
 #[derive(Debug, Default)]
 pub struct Ledger {
-    entries: HashMap<u64, Entry>,
+    entries: HashMap<RequestId, Entry>,
     freed: u64,
 }
 
@@ -67,7 +69,7 @@ impl Ledger {
 
     /// Records `blocks` reserved for `request_id`, released by [`Ledger::expired`] once `lease`
     /// passes unless the request moves on. `false` if the request is already recorded.
-    pub fn reserve(&mut self, request_id: u64, blocks: u32, lease: Option<Instant>) -> bool {
+    pub fn reserve(&mut self, request_id: RequestId, blocks: u32, lease: Option<Instant>) -> bool {
         if self.entries.contains_key(&request_id) {
             return false;
         }
@@ -82,7 +84,7 @@ impl Ledger {
         true
     }
 
-    fn advance(&mut self, request_id: u64, from: &[Holding], to: Holding) -> bool {
+    fn advance(&mut self, request_id: RequestId, from: &[Holding], to: Holding) -> bool {
         match self.entries.get_mut(&request_id) {
             Some(e) if from.contains(&e.state) => {
                 e.state = to;
@@ -96,13 +98,13 @@ impl Ledger {
     }
 
     /// The request's KV started to move (its lease still runs). `false` unless it was reserved.
-    pub fn in_flight(&mut self, request_id: u64) -> bool {
+    pub fn in_flight(&mut self, request_id: RequestId) -> bool {
         self.advance(request_id, &[Holding::Reserved], Holding::InFlight)
     }
 
     /// Extends the lease of a request not yet committed to `until` (its sender renewed it);
     /// `false` if there is no such lease.
-    pub fn renew(&mut self, request_id: u64, until: Instant) -> bool {
+    pub fn renew(&mut self, request_id: RequestId, until: Instant) -> bool {
         match self.entries.get_mut(&request_id) {
             Some(e) if e.lease.is_some() => {
                 e.lease = Some(until);
@@ -113,7 +115,7 @@ impl Ledger {
     }
 
     /// The request's KV is in the cache of a running sequence (its lease ends).
-    pub fn commit(&mut self, request_id: u64) -> bool {
+    pub fn commit(&mut self, request_id: RequestId) -> bool {
         self.advance(
             request_id,
             &[Holding::Reserved, Holding::InFlight],
@@ -122,15 +124,15 @@ impl Ledger {
     }
 
     /// The request ended; its blocks are free. Returns the state they were in, if any.
-    pub fn free(&mut self, request_id: u64) -> Option<Holding> {
+    pub fn free(&mut self, request_id: RequestId) -> Option<Holding> {
         let e = self.entries.remove(&request_id)?;
         self.freed += 1;
         Some(e.state)
     }
 
     /// Requests whose lease has passed by `now` without their KV being committed.
-    pub fn expired(&self, now: Instant) -> Vec<u64> {
-        let mut ids: Vec<u64> = self
+    pub fn expired(&self, now: Instant) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self
             .entries
             .iter()
             .filter(|(_, e)| e.lease.is_some_and(|l| l <= now))
@@ -183,11 +185,11 @@ mod tests {
     fn every_path_ends_in_free_and_leases_expire() {
         let t0 = Instant::now();
         let mut l = Ledger::new();
-        assert!(l.reserve(1, 4, Some(t0 + Duration::from_secs(1))));
-        assert!(!l.reserve(1, 4, None), "a request is recorded once");
-        assert!(l.reserve(2, 2, Some(t0 + Duration::from_secs(2))));
-        assert!(l.in_flight(2));
-        assert!(!l.in_flight(2), "only reserved KV starts to move");
+        assert!(l.reserve(RequestId(1), 4, Some(t0 + Duration::from_secs(1))));
+        assert!(!l.reserve(RequestId(1), 4, None), "a request is recorded once");
+        assert!(l.reserve(RequestId(2), 2, Some(t0 + Duration::from_secs(2))));
+        assert!(l.in_flight(RequestId(2)));
+        assert!(!l.in_flight(RequestId(2)), "only reserved KV starts to move");
         assert_eq!(
             l.counts(),
             LedgerCounts {
@@ -199,25 +201,25 @@ mod tests {
         );
         assert_eq!(l.next_expiry(), Some(t0 + Duration::from_secs(1)));
         assert!(
-            l.renew(2, t0 + Duration::from_secs(3)),
+            l.renew(RequestId(2), t0 + Duration::from_secs(3)),
             "its sender renews it"
         );
-        assert!(!l.renew(7, t0), "no such request");
+        assert!(!l.renew(RequestId(7), t0), "no such request");
         assert!(l.expired(t0).is_empty());
-        assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![1]);
-        assert_eq!(l.free(1), Some(Holding::Reserved));
+        assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![RequestId(1)]);
+        assert_eq!(l.free(RequestId(1)), Some(Holding::Reserved));
         assert!(
             l.expired(t0 + Duration::from_secs(2)).is_empty(),
             "renewed past 2 s"
         );
-        assert!(l.commit(2));
+        assert!(l.commit(RequestId(2)));
         assert!(
             l.expired(t0 + Duration::from_secs(9)).is_empty(),
             "committed KV has no lease"
         );
-        assert!(!l.renew(2, t0), "nor a renewal");
-        assert_eq!(l.free(2), Some(Holding::Committed));
-        assert_eq!(l.free(2), None, "freed exactly once");
+        assert!(!l.renew(RequestId(2), t0), "nor a renewal");
+        assert_eq!(l.free(RequestId(2)), Some(Holding::Committed));
+        assert_eq!(l.free(RequestId(2)), None, "freed exactly once");
         assert!(l.is_empty());
         assert_eq!(l.counts().freed, 2);
     }

@@ -1,5 +1,5 @@
-//! The line of requests waiting for a decode worker with room, with no I/O (the router's
-//! requests and the simulator share it).
+//! The line of requests waiting for a decode worker with room (the router's requests and the
+//! simulator's share it, in the [`super::Table`]).
 //!
 //! A request refused by every decode worker waits, and asks again on each heartbeat; so do
 //! the newer ones, and the room a finished request frees goes to whichever asks first and
@@ -16,6 +16,8 @@
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
+use types::{RequestId, WorkerId};
+
 /// How long the oldest waiting request waits before it holds a decode worker for itself.
 pub const HOLD_AFTER: Duration = Duration::from_secs(5);
 
@@ -23,10 +25,10 @@ pub const HOLD_AFTER: Duration = Duration::from_secs(5);
 #[derive(Debug, Default)]
 pub struct Line {
     /// By when each began to wait (and id, for ties).
-    order: BTreeSet<(Instant, u64)>,
-    waiting: HashMap<u64, (Instant, Eligible)>,
-    /// The oldest request's hold: (request, decode worker).
-    hold: Option<(u64, u64)>,
+    order: BTreeSet<(Instant, RequestId)>,
+    waiting: HashMap<RequestId, (Instant, Eligible)>,
+    /// The oldest request's hold, and the decode worker it holds.
+    hold: Option<(RequestId, WorkerId)>,
     /// Holds taken so far.
     holds: u64,
 }
@@ -36,14 +38,14 @@ pub struct Line {
 #[derive(Debug, Clone, Default)]
 pub struct Eligible {
     /// The one worker it is pinned to, if any.
-    pub pin: Option<u64>,
+    pub pin: Option<WorkerId>,
     /// Workers it must not go back to.
-    pub avoid: Vec<u64>,
+    pub avoid: Vec<WorkerId>,
 }
 
 impl Line {
     /// Request `id` found no decode worker with room at `now` (again: it keeps its place).
-    pub fn join(&mut self, id: u64, now: Instant, eligible: Eligible) {
+    pub fn join(&mut self, id: RequestId, now: Instant, eligible: Eligible) {
         if let std::collections::hash_map::Entry::Vacant(e) = self.waiting.entry(id) {
             e.insert((now, eligible));
             self.order.insert((now, id));
@@ -51,7 +53,7 @@ impl Line {
     }
 
     /// Request `id` no longer waits (reserved, failed or gone); its hold ends with it.
-    pub fn leave(&mut self, id: u64) {
+    pub fn leave(&mut self, id: RequestId) {
         if let Some((t, _)) = self.waiting.remove(&id) {
             self.order.remove(&(t, id));
         }
@@ -80,7 +82,12 @@ impl Line {
     /// waited [`HOLD_AFTER`], it holds the one of them with the most that it may be reserved
     /// on, and keeps it while that worker serves. The holder itself may ask any worker (room
     /// elsewhere may come sooner).
-    pub fn kept_off(&mut self, id: u64, now: Instant, free: &[(u64, u32)]) -> Option<u64> {
+    pub fn kept_off(
+        &mut self,
+        id: RequestId,
+        now: Instant,
+        free: &[(WorkerId, u32)],
+    ) -> Option<WorkerId> {
         if let Some((_, w)) = self.hold {
             if !free.iter().any(|&(x, _)| x == w) {
                 self.hold = None;
@@ -93,14 +100,18 @@ impl Line {
     }
 
     /// The oldest request's hold, if it has waited long enough and a worker it may take serves.
-    fn take_hold(&mut self, now: Instant, free: &[(u64, u32)]) -> Option<(u64, u64)> {
+    fn take_hold(
+        &mut self,
+        now: Instant,
+        free: &[(WorkerId, u32)],
+    ) -> Option<(RequestId, WorkerId)> {
         let &(since, oldest) = self.order.first()?;
         if now.saturating_duration_since(since) < HOLD_AFTER {
             return None;
         }
         let e = &self.waiting[&oldest].1;
         let allowed =
-            |w: u64, pin: bool| !e.avoid.contains(&w) && (!pin || e.pin.is_none_or(|p| p == w));
+            |w: WorkerId, pin: bool| !e.avoid.contains(&w) && (!pin || e.pin.is_none_or(|p| p == w));
         // Its pin while that serves, else any it has not left; the most free, the lowest id
         // among equals.
         let pinned = e.pin.is_some_and(|p| free.iter().any(|&(x, _)| x == p));
@@ -120,33 +131,33 @@ mod tests {
     #[test]
     fn the_oldest_waiting_request_holds_the_emptiest_worker_after_a_while() {
         let t0 = Instant::now();
-        let free = [(1, 100), (2, 700), (3, 700)];
+        let free = [(WorkerId(1), 100), (WorkerId(2), 700), (WorkerId(3), 700)];
         let mut line = Line::default();
-        assert_eq!(line.kept_off(9, t0, &free), None, "nobody waits");
-        line.join(10, t0, Eligible::default());
-        line.join(11, t0 + Duration::from_secs(1), Eligible::default());
-        line.join(10, t0 + Duration::from_secs(2), Eligible::default()); // keeps its place
+        assert_eq!(line.kept_off(RequestId(9), t0, &free), None, "nobody waits");
+        line.join(RequestId(10), t0, Eligible::default());
+        line.join(RequestId(11), t0 + Duration::from_secs(1), Eligible::default());
+        line.join(RequestId(10), t0 + Duration::from_secs(2), Eligible::default()); // keeps its place
         assert_eq!(line.len(), 2);
         // Not yet.
         let soon = t0 + HOLD_AFTER - Duration::from_millis(1);
-        assert_eq!(line.kept_off(11, soon, &free), None);
+        assert_eq!(line.kept_off(RequestId(11), soon, &free), None);
         // The oldest (10) holds worker 2 (most free; 3 ties, higher id): others keep off it,
         // whoever asks first; it may ask any.
         let later = t0 + HOLD_AFTER;
-        assert_eq!(line.kept_off(12, later, &free), Some(2));
-        assert_eq!(line.kept_off(10, later, &free), None);
+        assert_eq!(line.kept_off(RequestId(12), later, &free), Some(WorkerId(2)));
+        assert_eq!(line.kept_off(RequestId(10), later, &free), None);
         // Its worker left: the hold moves to the emptiest that remains.
-        let free = [(1, 100), (3, 50)];
-        assert_eq!(line.kept_off(11, later, &free), Some(1));
+        let free = [(WorkerId(1), 100), (WorkerId(3), 50)];
+        assert_eq!(line.kept_off(RequestId(11), later, &free), Some(WorkerId(1)));
         // Reserved: the next oldest (11, waiting since t0+1s) holds one once it has waited
         // long enough itself.
-        line.leave(10);
-        assert_eq!(line.kept_off(12, later, &free), None);
+        line.leave(RequestId(10));
+        assert_eq!(line.kept_off(RequestId(12), later, &free), None);
         let t = t0 + Duration::from_secs(1) + HOLD_AFTER;
-        assert_eq!(line.kept_off(12, t, &free), Some(1));
-        line.leave(11);
+        assert_eq!(line.kept_off(RequestId(12), t, &free), Some(WorkerId(1)));
+        line.leave(RequestId(11));
         assert!(line.is_empty());
-        assert_eq!(line.kept_off(12, t, &free), None);
+        assert_eq!(line.kept_off(RequestId(12), t, &free), None);
         assert_eq!(line.holds(), 3);
     }
 
@@ -156,40 +167,40 @@ mod tests {
     fn a_hold_is_taken_only_where_the_request_may_go() {
         let t0 = Instant::now();
         let later = t0 + HOLD_AFTER;
-        let free = [(1, 100), (2, 700), (3, 50)];
+        let free = [(WorkerId(1), 100), (WorkerId(2), 700), (WorkerId(3), 50)];
         let mut line = Line::default();
         line.join(
-            10,
+            RequestId(10),
             t0,
             Eligible {
-                pin: Some(3),
+                pin: Some(WorkerId(3)),
                 avoid: vec![],
             },
         );
-        assert_eq!(line.kept_off(11, later, &free), Some(3));
-        line.leave(10);
+        assert_eq!(line.kept_off(RequestId(11), later, &free), Some(WorkerId(3)));
+        line.leave(RequestId(10));
         line.join(
-            10,
+            RequestId(10),
             t0,
             Eligible {
-                pin: Some(9),
-                avoid: vec![2],
+                pin: Some(WorkerId(9)),
+                avoid: vec![WorkerId(2)],
             },
         );
         assert_eq!(
-            line.kept_off(11, later, &free),
-            Some(1),
+            line.kept_off(RequestId(11), later, &free),
+            Some(WorkerId(1)),
             "pin gone; 2 avoided"
         );
-        line.leave(10);
+        line.leave(RequestId(10));
         line.join(
-            10,
+            RequestId(10),
             t0,
             Eligible {
                 pin: None,
-                avoid: vec![1, 2, 3],
+                avoid: vec![WorkerId(1), WorkerId(2), WorkerId(3)],
             },
         );
-        assert_eq!(line.kept_off(11, later, &free), None, "nowhere it may go");
+        assert_eq!(line.kept_off(RequestId(11), later, &free), None, "nowhere it may go");
     }
 }

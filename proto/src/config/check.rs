@@ -1,0 +1,246 @@
+//! `cluster.toml`'s checks beyond its types: ranges, addresses, what one key needs of another.
+//! Every error names the file, the line and the key.
+
+use std::net::SocketAddr;
+use std::path::Path;
+
+use toml::Spanned;
+
+use super::{
+    Actuator, AutoscaleSection, ConfigError, DiscoverySection, KvTransferSection, PoolSection,
+    RouterSection,
+};
+
+/// The file being checked, for errors' `file:line: key:`.
+pub(super) struct Ctx<'a> {
+    pub(super) file: &'a Path,
+    pub(super) src: &'a str,
+}
+
+impl Ctx<'_> {
+    fn line(&self, offset: usize) -> usize {
+        self.src[..offset.min(self.src.len())].matches('\n').count() + 1
+    }
+
+    fn err<T>(
+        &self,
+        span: std::ops::Range<usize>,
+        key: &str,
+        msg: impl std::fmt::Display,
+    ) -> Result<T, ConfigError> {
+        let at = if span.is_empty() {
+            "(default)".to_string()
+        } else {
+            format!("{}", self.line(span.start))
+        };
+        Err(ConfigError(format!(
+            "{}:{at}: {key}: {msg}",
+            self.file.display()
+        )))
+    }
+
+    /// A TOML or type error (a value of the wrong type, a name outside a choice's), with the
+    /// key it is at, read from the document: the table the line is in, and the line's key.
+    pub(super) fn toml(&self, e: &toml::de::Error) -> ConfigError {
+        let Some(span) = e.span() else {
+            return ConfigError(format!("{}: {}", self.file.display(), e.message()));
+        };
+        let line = self.line(span.start);
+        match self.key_at(span.start) {
+            Some(key) => ConfigError(format!(
+                "{}:{line}: {key}: {}",
+                self.file.display(),
+                e.message()
+            )),
+            None => ConfigError(format!("{}:{line}: {}", self.file.display(), e.message())),
+        }
+    }
+
+    /// The dotted key whose value is at `offset`: the last `[table]` header before it and the
+    /// key before the `=` on its line.
+    fn key_at(&self, offset: usize) -> Option<String> {
+        let before = &self.src[..offset.min(self.src.len())];
+        let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+        let (key, _) = self.src[line_start..].split_once('=')?;
+        let key = key.trim().trim_matches('"');
+        if key.is_empty() || key.starts_with('[') {
+            return None;
+        }
+        let table = before[..line_start].lines().rev().find_map(|l| {
+            let l = l.trim();
+            l.strip_prefix('[')
+                .map(|h| h.trim_start_matches('[').trim_end_matches(']').trim().to_string())
+        });
+        Some(match table {
+            Some(t) if !t.is_empty() => format!("{t}.{key}"),
+            _ => key.to_string(),
+        })
+    }
+
+    pub(super) fn positive<T: PartialOrd + Default + Copy>(
+        &self,
+        v: &Spanned<T>,
+        key: &str,
+    ) -> Result<(), ConfigError> {
+        if *v.get_ref() <= T::default() {
+            return self.err(v.span(), key, "must be at least 1");
+        }
+        Ok(())
+    }
+
+    fn at_least(
+        &self,
+        v: &Spanned<u64>,
+        key: &str,
+        min: u64,
+        why: &str,
+    ) -> Result<(), ConfigError> {
+        if *v.get_ref() < min {
+            return self.err(v.span(), key, format!("must be at least {min} ({why})"));
+        }
+        Ok(())
+    }
+
+    fn addr(&self, v: &Spanned<String>, key: &str) -> Result<(), ConfigError> {
+        if v.get_ref().parse::<SocketAddr>().is_err() {
+            return self.err(
+                v.span(),
+                key,
+                format!("{:?} is not a host:port socket address", v.get_ref()),
+            );
+        }
+        Ok(())
+    }
+
+    /// `[router]`.
+    pub(super) fn router(&self, r: &RouterSection) -> Result<(), ConfigError> {
+        self.addr(&r.listen, "router.listen")?;
+        self.addr(&r.control, "router.control")?;
+        for (name, addr) in &r.models {
+            self.addr(addr, &format!("router.models.{name}"))?;
+        }
+        let beats = "workers heartbeat every 250 ms";
+        self.at_least(
+            &r.heartbeat_timeout_ms,
+            "router.heartbeat_timeout_ms",
+            1000,
+            beats,
+        )?;
+        self.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
+        self.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
+        let fit = "a request must fit";
+        self.at_least(&r.max_body_bytes, "router.max_body_bytes", 1024, fit)?;
+        self.at_least(&r.max_header_bytes, "router.max_header_bytes", 1024, fit)?;
+        self.positive(&r.max_connections, "router.max_connections")?;
+        if let Some(f) = &r.api_keys_file {
+            let key = "router.api_keys_file";
+            match std::fs::read_to_string(f.get_ref()) {
+                Ok(t) if t.lines().any(|l| !l.trim().is_empty() && !l.trim().starts_with('#')) => {}
+                Ok(_) => return self.err(f.span(), key, "the file holds no key"),
+                Err(e) => {
+                    let m = format!("cannot read {}: {e}", f.get_ref().display());
+                    return self.err(f.span(), key, m);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// `[prefill]` or `[decode]`.
+    pub(super) fn pool(&self, name: &str, pool: &PoolSection) -> Result<(), ConfigError> {
+        self.positive(&pool.replicas, &format!("{name}.replicas"))?;
+        self.positive(&pool.threads, &format!("{name}.threads"))?;
+        self.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
+        self.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
+        self.positive(&pool.max_running, &format!("{name}.max_running"))?;
+        let dev = pool.device.get_ref();
+        let cuda_ok = dev
+            .strip_prefix("cuda:")
+            .is_some_and(|n| n.parse::<u32>().is_ok());
+        if dev != "cpu" && !cuda_ok {
+            return self.err(
+                pool.device.span(),
+                &format!("{name}.device"),
+                format!("{dev:?} is not a device (cpu, cuda:N)"),
+            );
+        }
+        match &pool.autoscale {
+            Some(a) => self.autoscale(name, pool, a),
+            None => Ok(()),
+        }
+    }
+
+    /// `[<pool>.autoscale]`: bounds, a target to scale on, what the actuator needs.
+    fn autoscale(&self, name: &str, pool: &PoolSection, a: &AutoscaleSection) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("{name}.autoscale.{k}");
+        self.positive(&a.min, &key("min"))?;
+        self.positive(&a.tick_ms, &key("tick_ms"))?;
+        self.positive(&a.window_ms, &key("window_ms"))?;
+        if a.max.get_ref() < a.min.get_ref() {
+            let m = format!("must be at least min ({})", a.min.get_ref());
+            return self.err(a.max.span(), &key("max"), m);
+        }
+        let (target, slo) = match name {
+            "prefill" => (pool.slo.ttft_p90_ms, "ttft_p90_ms"),
+            _ => (pool.slo.itl_p90_ms, "itl_p90_ms"),
+        };
+        if target.is_none() {
+            let m = format!("autoscaling needs a target: set {name}.slo.{slo}");
+            return self.err(a.max.span(), &key("max"), m);
+        }
+        match (a.actuator.get_ref(), &a.command, &a.deployment) {
+            (Actuator::Command, None, _) => self.err(
+                a.actuator.span(),
+                &key("command"),
+                "actuator = \"command\" needs a command",
+            ),
+            (Actuator::Kubernetes, _, None) => self.err(
+                a.actuator.span(),
+                &key("deployment"),
+                "actuator = \"kubernetes\" needs the pool's deployment",
+            ),
+            _ => Ok(()),
+        }
+    }
+
+    /// `[kv_transfer]`.
+    pub(super) fn kv_transfer(&self, t: &KvTransferSection) -> Result<(), ConfigError> {
+        if t.prefer.get_ref().is_empty() {
+            let m = "must name at least one transport";
+            return self.err(t.prefer.span(), "kv_transfer.prefer", m);
+        }
+        self.positive(&t.connect_timeout_ms, "kv_transfer.connect_timeout_ms")?;
+        self.positive(&t.transfer_timeout_ms, "kv_transfer.transfer_timeout_ms")?;
+        self.at_least(
+            &t.lease_ms,
+            "kv_transfer.lease_ms",
+            2000,
+            "senders renew every second",
+        )
+    }
+
+    /// `[discovery]`.
+    pub(super) fn discovery(&self, d: &DiscoverySection) -> Result<(), ConfigError> {
+        let bad = d.etcd.get_ref().iter().find(|e| !e.starts_with("http://"));
+        if d.etcd.get_ref().is_empty() || bad.is_some() {
+            return self.err(
+                d.etcd.span(),
+                "discovery.etcd",
+                "must list etcd's client endpoints as http://host:port",
+            );
+        }
+        if !d.prefix.get_ref().starts_with('/') || d.prefix.get_ref().ends_with('/') {
+            return self.err(
+                d.prefix.span(),
+                "discovery.prefix",
+                "must start with / and not end with one",
+            );
+        }
+        self.at_least(
+            &d.lease_ttl_ms,
+            "discovery.lease_ttl_ms",
+            2000,
+            "etcd's shortest lease is 2 s",
+        )
+    }
+}

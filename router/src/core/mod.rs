@@ -1,0 +1,26 @@
+//! The router's request core, with no I/O: what the router decides for each request, written
+//! once and driven twice — by the router's tokio tasks ([`crate::request`]) over real gRPC
+//! calls, and by the simulator (`sim`) over events on a virtual clock. The quinn discipline
+//! (`kv-transfer/src/core` follows it too): nothing here touches a socket, a clock or a task;
+//! time comes in with every call.
+//!
+//! - [`Table`]: the workers the router knows — their load as their heartbeats said it, what
+//!   the router counts on each ([`InFlight`]), the KV index of their caches — and the one
+//!   definition of a candidate's load and of picking a worker by the routing policy.
+//! - [`Line`]: the requests waiting for a decode worker with room; the oldest holds the
+//!   emptiest worker after [`HOLD_AFTER`].
+//! - [`Request`]: one request's phases, each carrying its data, moved by
+//!   [`Request::handle`]`(now, Input)` to the [`Action`]s its driver carries out (open a
+//!   stream, start a prefill, cancel, emit a token) — reserving, refusals, the local-prefill
+//!   rule, recomputation and migration, in one place.
+
+mod line;
+mod request;
+mod table;
+
+pub use line::{Eligible, Line, HOLD_AFTER};
+pub use request::{
+    Action, Cx, Held, Input, Note, Params, Phase, PhaseName, PrefillDecision, Recompute, Request,
+    Reservation, Settings, Trace, TtftPhases,
+};
+pub use table::{Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker};

@@ -1,0 +1,286 @@
+//! The planner: each pool scales on its own latency target, from sliding windows of what the
+//! router measures, and from its queues, so it acts before an SLO is lost.
+//!
+//! - The **prefill pool** reads TTFT from a request's decode reservation to its first token
+//!   (prefill queueing, compute and KV wait: the part the prefill pool owns), and predicts it
+//!   from the prompt tokens waiting for a prefill and the pool's measured per-replica rate.
+//! - The **decode pool** reads inter-token latency, and requests waiting for a decode worker
+//!   to have room (admission queueing, which TTFT would otherwise hide).
+//!
+//! Neither pool reads the other's signals. [`PoolPlan::decide`] is a pure function of its
+//! inputs and the time, unit-tested on a virtual clock; the loop in [`run`] feeds it each tick,
+//! logs every decision with its inputs, exports them as metrics, and hands the desired count to
+//! the pool's [`crate::actuator::Actuator`].
+
+use std::time::{Duration, Instant};
+
+mod observe;
+mod signals;
+#[cfg(test)]
+mod tests;
+
+pub use observe::{observe, run, Observed, Watch};
+pub use signals::{Peak, PendingPrefill, Rate, Signals, Window};
+/// The share of its measured rate a prefill replica is sized to: room for the queueing that
+/// arrivals in bursts bring.
+pub const PREFILL_UTILISATION: f64 = 0.7;
+
+/// The share of its KV blocks a decode replica is sized to (a request's blocks are reserved
+/// whole, prompt and output, when it is admitted; the rest is room for the long ones, which
+/// need much of one replica at once).
+pub const DECODE_UTILISATION: f64 = 0.85;
+
+/// A pool sized down to its demand only while its latency is under this share of its target.
+pub const SIZED_DOWN_BELOW: f64 = 0.8;
+pub use proto::Pool;
+
+/// A pool's bounds, target and pace.
+#[derive(Debug, Clone)]
+pub struct Scaling {
+    /// Which pool.
+    pub pool: Pool,
+    /// The p90 target (TTFT for prefill, ITL for decode).
+    pub target: Duration,
+    /// Fewest replicas.
+    pub min: u32,
+    /// Most replicas.
+    pub max: u32,
+    /// Replicas to start with.
+    pub initial: u32,
+    /// Decision period.
+    pub tick: Duration,
+    /// Least time between scale-downs, and after a scale-up before one.
+    pub cooldown: Duration,
+    /// Percentile window.
+    pub window: Duration,
+}
+
+/// One tick's view of a pool.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Inputs {
+    /// Replicas serving (joined, not draining).
+    pub live: u32,
+    /// Replicas started and not yet joined.
+    pub starting: u32,
+    /// p90 of the pool's latency over the window, if it has samples.
+    pub p90: Option<Duration>,
+    /// Latency the queue predicts for work arriving now, if known.
+    pub predicted: Option<Duration>,
+    /// Work queued in front of the pool (prompt tokens pending; requests waiting for room).
+    pub queued: u64,
+    /// Replicas the measured demand needs (prefill: prompt tokens arriving per second over the
+    /// window, at [`PREFILL_UTILISATION`] of the replicas' measured rate; decode: the most KV
+    /// blocks its requests held over a whole window, at [`DECODE_UTILISATION`] of a replica's,
+    /// while none waits for room — the current blocks of a pool filling up from idle looked
+    /// ten times too few and cut a simulated pool to its minimum).
+    pub needed: Option<u32>,
+    /// Decode, while requests wait for room: replicas for the KV blocks held and those the
+    /// waiting requests want (each at the mean a held request takes), at
+    /// [`DECODE_UTILISATION`] — what a scale-up for room asks, not the latency's ratio to
+    /// the ITL target (an admission wait over an ITL target tripled a pool for 7 requests).
+    pub room_needed: Option<u32>,
+}
+
+/// Which way the planner moves a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Action {
+    /// More replicas.
+    Up,
+    /// Fewer replicas.
+    Down,
+    /// As it is.
+    Hold,
+}
+
+impl Action {
+    /// The metrics label and log word.
+    pub fn label(self) -> &'static str {
+        match self {
+            Action::Up => "up",
+            Action::Down => "down",
+            Action::Hold => "hold",
+        }
+    }
+}
+
+/// What the planner decided and why.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    /// Replicas wanted.
+    pub desired: u32,
+    /// Which way.
+    pub action: Action,
+    /// The reason, with the numbers.
+    pub why: String,
+}
+
+/// One tick's reading of a pool against its target.
+struct Reading {
+    /// The larger of the window's p90 and the queue's prediction over the target — only the
+    /// prediction for a window after a scale-up (its percentiles still hold the latencies that
+    /// caused it).
+    pressure: f64,
+    /// The larger of the p90 and the prediction over the target, whatever the window.
+    load: f64,
+    /// The window's p90 is within the target.
+    p90_within: bool,
+    /// The last change is a cooldown ago.
+    cooled: bool,
+    /// What was seen, for the decision's reason.
+    seen: String,
+}
+
+/// A pool's planner state.
+#[derive(Debug)]
+pub struct PoolPlan {
+    /// Its configuration.
+    pub scaling: Scaling,
+    desired: u32,
+    last_change: Option<Instant>,
+    last_up: Option<Instant>,
+    calm_since: Option<Instant>,
+}
+
+fn ms(d: Option<Duration>) -> String {
+    d.map_or("-".into(), |d| format!("{:.0} ms", d.as_secs_f64() * 1e3))
+}
+
+impl PoolPlan {
+    /// A plan starting at `scaling.initial` (clamped to the bounds).
+    pub fn new(scaling: Scaling) -> PoolPlan {
+        let desired = scaling.initial.clamp(scaling.min, scaling.max);
+        PoolPlan {
+            scaling,
+            desired,
+            last_change: None,
+            last_up: None,
+            calm_since: None,
+        }
+    }
+
+    /// Replicas currently wanted.
+    pub fn desired(&self) -> u32 {
+        self.desired
+    }
+
+    /// Decides at `now` from `inp`: up at once when the window or the queue says the target is
+    /// (or will be) missed, by the ratio of the pressure; down one replica at a time after the
+    /// pool has been calm (below half the target, nothing queued) for the cooldown.
+    pub fn decide(&mut self, now: Instant, inp: Inputs) -> Decision {
+        let r = self.read(now, &inp);
+        if r.pressure > 1.0 {
+            self.calm_since = None;
+            return self.up(now, &inp, &r);
+        }
+        if let Some(d) = self.sized_down(now, &inp, &r) {
+            return d;
+        }
+        self.calm_down(now, &inp, r)
+    }
+
+    /// The pool's reading at `now` from `inp`.
+    fn read(&self, now: Instant, inp: &Inputs) -> Reading {
+        let s = &self.scaling;
+        let target = s.target.as_secs_f64();
+        let p90 = inp.p90.map_or(0.0, |d| d.as_secs_f64());
+        let predicted = inp.predicted.map_or(0.0, |d| d.as_secs_f64());
+        let stale = self
+            .last_up
+            .is_some_and(|t| now.duration_since(t) < s.window);
+        let seen = format!(
+            "p90 {} predicted {} target {} queued {} live {} starting {}",
+            ms(inp.p90),
+            ms(inp.predicted),
+            ms(Some(s.target)),
+            inp.queued,
+            inp.live,
+            inp.starting
+        );
+        Reading {
+            pressure: if stale { predicted } else { p90.max(predicted) } / target,
+            load: p90.max(predicted) / target,
+            p90_within: p90 <= target,
+            cooled: self
+                .last_change
+                .is_none_or(|t| now.duration_since(t) >= s.cooldown),
+            seen,
+        }
+    }
+
+    fn hold(&self, why: String) -> Decision {
+        Decision {
+            desired: self.desired,
+            action: Action::Hold,
+            why,
+        }
+    }
+
+    /// Over target: up by the pressure (or, short of room rather than of speed, to as many as
+    /// the KV needs), unless replicas are still starting or the pool is at its maximum.
+    fn up(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Decision {
+        let s = &self.scaling;
+        if inp.starting > 0 {
+            return self.hold(format!("over target, replicas still starting: {}", r.seen));
+        }
+        let have = inp.live.max(1);
+        let by_pressure = (have as f64 * r.pressure).ceil() as u32;
+        let want = match inp.room_needed {
+            Some(n) if r.p90_within => n,
+            _ => by_pressure,
+        };
+        let want = want.max(have + 1).clamp(s.min, s.max);
+        if want <= self.desired.max(inp.live) {
+            return self.hold(format!("over target at the maximum: {}", r.seen));
+        }
+        self.desired = want;
+        self.last_change = Some(now);
+        self.last_up = Some(now);
+        Decision {
+            desired: want,
+            action: Action::Up,
+            why: format!("pressure {:.2}: {}", r.pressure, r.seen),
+        }
+    }
+
+    /// Far more replicas than the demand needs, and within target with a margin: down to what
+    /// it needs at once (one a cooldown would take a fleet started large minutes to shed). Not
+    /// "calm" as in [`PoolPlan::calm_down`]: where prompts are long, their compute alone can
+    /// keep a pool's TTFT over half its target at any size. Only on a window with latencies in
+    /// it: an idle pool's demand is no measure.
+    fn sized_down(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Option<Decision> {
+        let s = &self.scaling;
+        let n = inp.needed.filter(|_| inp.p90.is_some())?.clamp(s.min, s.max);
+        if n + 1 >= self.desired || r.load >= SIZED_DOWN_BELOW || !r.cooled {
+            return None;
+        }
+        self.desired = n;
+        self.last_change = Some(now);
+        self.calm_since = Some(now);
+        Some(Decision {
+            desired: n,
+            action: Action::Down,
+            why: format!("the demand needs {n}: {}", r.seen),
+        })
+    }
+
+    /// Calm (under half the target, nothing queued) for the cooldown: down one replica.
+    fn calm_down(&mut self, now: Instant, inp: &Inputs, r: Reading) -> Decision {
+        let s = &self.scaling;
+        if r.load >= 0.5 || inp.queued > 0 {
+            self.calm_since = None;
+            return self.hold(format!("within target: {}", r.seen));
+        }
+        let calm = *self.calm_since.get_or_insert(now);
+        if self.desired <= s.min || !r.cooled || now.duration_since(calm) < s.cooldown {
+            return self.hold(format!("calm: {}", r.seen));
+        }
+        self.desired -= 1;
+        self.last_change = Some(now);
+        self.calm_since = Some(now);
+        Decision {
+            desired: self.desired,
+            action: Action::Down,
+            why: format!("calm for {:?}: {}", s.cooldown, r.seen),
+        }
+    }
+}

@@ -1,0 +1,259 @@
+//! One planner tick: what the router observes of its pools (its signals and its table of
+//! workers, read once) and the loop that decides, reports and acts each tick.
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::*;
+use crate::core::Table;
+
+/// What one tick observes of the cluster, the I/O done: the router's signals and the workers'
+/// heartbeats, read once ([`observe`]) — or a simulation's (the `sim` crate).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Observed {
+    /// Prompt tokens sent to the prefill pool and not yet done.
+    pub prefill_pending_tokens: u64,
+    /// Prompt tokens per second of engine time the live prefill replicas measure, summed.
+    pub prefill_capacity: f64,
+    /// How many of the live prefill replicas have measured a rate.
+    pub prefill_measured: u32,
+    /// Prompt tokens per second sent to the prefill pool over the window.
+    pub prefill_demand: Option<f64>,
+    /// p90 of the prefill TTFT window.
+    pub prefill_ttft_p90: Option<Duration>,
+    /// p90 of the inter-token latency window.
+    pub itl_p90: Option<Duration>,
+    /// p90 of the admission wait window.
+    pub admission_p90: Option<Duration>,
+    /// Requests waiting right now for a decode worker with room.
+    pub decode_waiting: u64,
+    /// The live decode replicas' KV blocks in use, by their heartbeats.
+    pub decode_blocks_used: u64,
+    /// The most in use over the planner's window, once it has a whole one.
+    pub decode_blocks_peak: Option<u64>,
+    /// Their KV blocks in all.
+    pub decode_blocks_total: u64,
+    /// The requests holding their blocks (running, queued, awaiting their KV).
+    pub decode_holding: u64,
+}
+
+impl Observed {
+    /// One tick's inputs of `pool` with `live` replicas (`starting` more on their way) — each
+    /// pool from its own signals only.
+    pub fn inputs(&self, pool: Pool, live: u32, starting: u32) -> Inputs {
+        match pool {
+            Pool::Prefill => {
+                // A replica's rate: the mean its measured peers compute per second of engine
+                // time (a replica that has computed nothing yet is counted at it, as routing
+                // does: `routing::fill_rates`).
+                let per_replica = match self.prefill_measured {
+                    0 => 0.0,
+                    n => self.prefill_capacity / n as f64,
+                };
+                let (pending, capacity) = (self.prefill_pending_tokens, per_replica * live as f64);
+                // The queue's prediction: prompt tokens not yet prefilled over the pool's rate.
+                let predicted = (capacity > 0.0 && pending > 0)
+                    .then(|| Duration::from_secs_f64(pending as f64 / capacity));
+                // Replicas sized to the demand.
+                let needed = self
+                    .prefill_demand
+                    .filter(|_| per_replica > 0.0)
+                    .map(|d| (d / (per_replica * PREFILL_UTILISATION)).ceil() as u32);
+                Inputs {
+                    live,
+                    starting,
+                    p90: self.prefill_ttft_p90,
+                    predicted,
+                    queued: pending,
+                    needed,
+                    room_needed: None,
+                }
+            }
+            Pool::Decode => Inputs {
+                live,
+                starting,
+                p90: self.itl_p90,
+                // Requests queued for room now will have waited at least this long.
+                predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
+                queued: self.decode_waiting,
+                needed: self.decode_needed(live),
+                room_needed: self.room_needed(live),
+            },
+        }
+    }
+
+    /// Decode replicas for the most KV held over the window, while none waits for room.
+    fn decode_needed(&self, live: u32) -> Option<u32> {
+        let peak = self.decode_blocks_peak? as f64;
+        if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
+            return None;
+        }
+        let per_replica = self.decode_blocks_total as f64 / live as f64;
+        Some((peak / (per_replica * DECODE_UTILISATION)).ceil().max(1.0) as u32)
+    }
+
+    /// Decode replicas for the blocks held and wanted, while requests wait for room.
+    fn room_needed(&self, live: u32) -> Option<u32> {
+        let (used, total, holding) = (
+            self.decode_blocks_used as f64,
+            self.decode_blocks_total as f64,
+            self.decode_holding as f64,
+        );
+        if self.decode_waiting == 0 || holding == 0.0 || total == 0.0 || live == 0 {
+            return None;
+        }
+        let wanted = used + self.decode_waiting as f64 * used / holding;
+        let per_replica = total / live as f64;
+        Some((wanted / (per_replica * DECODE_UTILISATION)).ceil() as u32)
+    }
+}
+
+/// What the planner keeps from tick to tick beside its plans: the prefill pool's demand as a
+/// rate and the decode pool's peak KV, over the window.
+pub struct Watch {
+    demand: Rate,
+    peak: Peak,
+    window: Duration,
+}
+
+impl Watch {
+    /// Over `window`.
+    pub fn new(window: Duration) -> Watch {
+        Watch {
+            demand: Rate::new(window),
+            peak: Peak::new(window),
+            window,
+        }
+    }
+
+    /// Starts the peak afresh (a router leading again reads a whole window before sizing down
+    /// by it).
+    pub fn restart_peak(&mut self) {
+        self.peak = Peak::new(self.window);
+    }
+}
+
+/// What the router's signals and its table of workers (their heartbeats, the line of requests
+/// waiting for room) say at `now` — the router's planner and the simulator's read the same.
+pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant) -> Observed {
+    let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
+    let sent = signals.prefill_sent_tokens.load(Ordering::SeqCst);
+    let live = |pool: Pool| table.iter().filter(move |w| w.pool == pool && !w.draining);
+    let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
+        live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
+    };
+    let used = decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free));
+    Observed {
+        prefill_demand: watch.demand.observe(now, sent),
+        prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
+        prefill_capacity: live(Pool::Prefill)
+            .map(|w| w.load.prompt_tokens_per_s as f64)
+            .sum(),
+        prefill_measured: live(Pool::Prefill)
+            .filter(|w| w.load.prompt_tokens_per_s > 0.0)
+            .count() as u32,
+        prefill_ttft_p90: p90(&signals.prefill_ttft),
+        itl_p90: p90(&signals.itl),
+        admission_p90: p90(&signals.admission),
+        decode_waiting: table.line.len() as u64,
+        decode_blocks_used: used,
+        decode_blocks_peak: watch.peak.observe(now, used),
+        decode_blocks_total: decode(|l| l.kv_blocks_total),
+        decode_holding: decode(|l| l.running + l.waiting + l.pending_transfers),
+    }
+}
+
+/// Exports a tick's decision for `pool` and its inputs, and says it when it is not a hold.
+fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
+    let name = pool.name();
+    let n = inputs.live;
+    metrics::gauge!("tandem_planner_desired_replicas", "pool" => name).set(d.desired as f64);
+    metrics::gauge!("tandem_planner_live_replicas", "pool" => name).set(n as f64);
+    // Worker-seconds spent, for cost comparisons (live replicas integrated over ticks).
+    metrics::gauge!("tandem_planner_replica_seconds", "pool" => name)
+        .increment(n as f64 * tick.as_secs_f64());
+    metrics::gauge!("tandem_planner_p90_seconds", "pool" => name)
+        .set(inputs.p90.map_or(0.0, |d| d.as_secs_f64()));
+    metrics::gauge!("tandem_planner_predicted_seconds", "pool" => name)
+        .set(inputs.predicted.map_or(0.0, |d| d.as_secs_f64()));
+    metrics::gauge!("tandem_planner_queued", "pool" => name).set(inputs.queued as f64);
+    metrics::counter!("tandem_planner_decisions_total", "pool" => name, "action" => d.action.label())
+        .increment(1);
+    if d.action == Action::Hold {
+        tracing::debug!(pool = name, desired = d.desired, "planner: hold: {}", d.why);
+        return;
+    }
+    tracing::info!(
+        pool = name,
+        desired = d.desired,
+        action = d.action.label(),
+        "planner: {}",
+        d.why
+    );
+    eprintln!(
+        "tandem router: planner {name} {} to {}: {}",
+        d.action.label(),
+        d.desired,
+        d.why
+    );
+}
+
+/// Runs the planner: every tick, each pool's decision from its own inputs, exported and handed
+/// to the actuator — while `leader` reads `true` (etcd's election among several routers; `None`:
+/// the only router, always leading).
+pub async fn run(
+    state: Arc<crate::State>,
+    mut plans: Vec<PoolPlan>,
+    mut actuator: Box<dyn crate::actuator::Actuator>,
+    leader: Option<tokio::sync::watch::Receiver<bool>>,
+) {
+    let tick = plans
+        .iter()
+        .map(|p| p.scaling.tick)
+        .min()
+        .unwrap_or(Duration::from_secs(1));
+    let registry = state.registry.clone();
+    let mut starting: std::collections::HashMap<Pool, u32> = Default::default();
+    let window = plans.iter().map(|p| p.scaling.window).max();
+    let mut watch = Watch::new(window.unwrap_or(Duration::from_secs(10)));
+    let mut ticks = tokio::time::interval(tick);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticks.tick().await;
+        if let Some(l) = &leader {
+            // A follower decides nothing: the leader's planner scales the pools.
+            let leads = *l.borrow();
+            metrics::gauge!("tandem_planner_leader").set(if leads { 1.0 } else { 0.0 });
+            if !leads {
+                starting.clear();
+                // Leading again, it reads a whole window before sizing down by it.
+                watch.restart_peak();
+                continue;
+            }
+        }
+        let now = Instant::now();
+        let (mut observed, live) = registry.with(|t| {
+            let live = |pool| t.iter().filter(|w| w.pool == pool && !w.draining).count() as u32;
+            let o = observe(&state.signals, &mut watch, t, now);
+            (o, [live(Pool::Prefill), live(Pool::Decode)])
+        });
+        if leader.is_some() {
+            // Several routers may share the pools (etcd): this one sees only its own prompts,
+            // a fraction of the demand — too little to size a pool down by — and only its own
+            // requests waiting for room.
+            observed.prefill_demand = None;
+            observed.decode_blocks_peak = None;
+        }
+        for plan in &mut plans {
+            let pool = plan.scaling.pool;
+            let live = live[(pool == Pool::Decode) as usize];
+            let on_way = starting.get(&pool).copied().unwrap_or(0);
+            let inputs = observed.inputs(pool, live, on_way);
+            let d = plan.decide(now, inputs);
+            report(pool, &inputs, &d, tick);
+            state.board.decided(now, pool, &inputs, &d);
+            starting.insert(pool, actuator.reconcile(pool, d.desired, &registry).await);
+        }
+    }
+}

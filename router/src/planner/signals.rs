@@ -1,0 +1,202 @@
+//! What the router measures for the planner: latencies over a sliding window, a counter's rate,
+//! a reading's peak, and the signals recorded on the request path.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+
+/// Latencies over the last `window`, in slices so old ones fall out.
+pub struct Window {
+    window: Duration,
+    slice: Duration,
+    slices: VecDeque<(Instant, Histogram<u64>)>,
+}
+
+impl Window {
+    /// A window of `window`, kept in slices of a tenth of it.
+    pub fn new(window: Duration) -> Window {
+        Window {
+            window,
+            slice: (window / 10).max(Duration::from_millis(10)),
+            slices: VecDeque::new(),
+        }
+    }
+
+    /// How far back it looks.
+    pub fn span(&self) -> Duration {
+        self.window
+    }
+
+    /// Records a latency at `now`.
+    pub fn record(&mut self, now: Instant, value: Duration) {
+        let fresh = self
+            .slices
+            .back()
+            .is_none_or(|(start, _)| now.duration_since(*start) >= self.slice);
+        if fresh {
+            let h = Histogram::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds");
+            self.slices.push_back((now, h));
+        }
+        let us = (value.as_micros() as u64).clamp(1, 3_600_000_000);
+        let h = &mut self.slices.back_mut().expect("pushed").1;
+        let _ = h.record(us);
+        self.expire(now);
+    }
+
+    fn expire(&mut self, now: Instant) {
+        while self
+            .slices
+            .front()
+            .is_some_and(|(start, _)| now.duration_since(*start) > self.window)
+        {
+            self.slices.pop_front();
+        }
+    }
+
+    /// The `q` quantile (0..1) of the window at `now` and how many samples it has.
+    pub fn quantile(&mut self, now: Instant, q: f64) -> (Option<Duration>, u64) {
+        let ([v], n) = self.quantiles(now, [q]);
+        (v, n)
+    }
+
+    /// Several quantiles of the window at `now` from one merge of its slices, and how many
+    /// samples it has.
+    pub fn quantiles<const N: usize>(
+        &mut self,
+        now: Instant,
+        qs: [f64; N],
+    ) -> ([Option<Duration>; N], u64) {
+        self.expire(now);
+        let mut all = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds");
+        for (_, h) in &self.slices {
+            let _ = all.add(h);
+        }
+        let n = all.len();
+        let at = |q: f64| (n > 0).then(|| Duration::from_micros(all.value_at_quantile(q)));
+        (qs.map(at), n)
+    }
+}
+
+/// A counter's rate over the last `window`, from its totals read at ticks.
+#[derive(Debug)]
+pub struct Rate {
+    window: Duration,
+    points: VecDeque<(Instant, u64)>,
+}
+
+impl Rate {
+    /// A rate over `window`.
+    pub fn new(window: Duration) -> Rate {
+        Rate {
+            window,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Notes the counter's `total` at `now`; its rate per second over the window, once the
+    /// readings span at least half of it.
+    pub fn observe(&mut self, now: Instant, total: u64) -> Option<f64> {
+        self.points.push_back((now, total));
+        while self
+            .points
+            .get(1)
+            .is_some_and(|(t, _)| now.duration_since(*t) >= self.window)
+        {
+            self.points.pop_front();
+        }
+        let &(t0, n0) = self.points.front()?;
+        let span = now.duration_since(t0);
+        (span >= self.window / 2).then(|| total.saturating_sub(n0) as f64 / span.as_secs_f64())
+    }
+}
+
+/// A reading's highest value over the last `window`, from readings at ticks.
+#[derive(Debug)]
+pub struct Peak {
+    window: Duration,
+    since: Option<Instant>,
+    points: VecDeque<(Instant, u64)>,
+}
+
+impl Peak {
+    /// A peak over `window`.
+    pub fn new(window: Duration) -> Peak {
+        Peak {
+            window,
+            since: None,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Notes `value` at `now`; the highest over the window, once readings cover a whole one.
+    pub fn observe(&mut self, now: Instant, value: u64) -> Option<u64> {
+        let since = *self.since.get_or_insert(now);
+        while self
+            .points
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > self.window)
+        {
+            self.points.pop_front();
+        }
+        // Kept falling: a value under a later one never is the peak.
+        while self.points.back().is_some_and(|&(_, v)| v <= value) {
+            self.points.pop_back();
+        }
+        self.points.push_back((now, value));
+        let full = now.duration_since(since) >= self.window;
+        full.then(|| self.points.front().map_or(value, |p| p.1))
+    }
+}
+/// What the router measures for the planner (recorded on the request path, read each tick).
+pub struct Signals {
+    /// Every request: arrival at the router to its first token (what clients see).
+    pub ttft: Mutex<Window>,
+    /// Prefill pool: decode reservation to first token, remote prefills only.
+    pub prefill_ttft: Mutex<Window>,
+    /// Decode pool: gaps between tokens.
+    pub itl: Mutex<Window>,
+    /// Decode pool: time requests waited for a decode worker with room.
+    pub admission: Mutex<Window>,
+    /// Prompt tokens sent to the prefill pool and not yet done.
+    pub prefill_pending_tokens: AtomicU64,
+    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate: cached ones
+    /// included, which errs on the side of more replicas — the index's view of the caches
+    /// said a mock pool needed one replica where it needed two).
+    pub prefill_sent_tokens: AtomicU64,
+}
+
+impl Signals {
+    /// Signals over `window`.
+    pub fn new(window: Duration) -> Signals {
+        Signals {
+            ttft: Mutex::new(Window::new(window)),
+            prefill_ttft: Mutex::new(Window::new(window)),
+            itl: Mutex::new(Window::new(window)),
+            admission: Mutex::new(Window::new(window)),
+            prefill_pending_tokens: AtomicU64::new(0),
+            prefill_sent_tokens: AtomicU64::new(0),
+        }
+    }
+
+    /// A prompt of `tokens` went to the prefill pool; the guard marks it done when dropped.
+    pub fn prefill_started(self: &Arc<Self>, tokens: u64) -> PendingPrefill {
+        self.prefill_pending_tokens
+            .fetch_add(tokens, Ordering::SeqCst);
+        self.prefill_sent_tokens.fetch_add(tokens, Ordering::SeqCst);
+        PendingPrefill(self.clone(), tokens)
+    }
+}
+
+/// A prompt in the prefill pool, counted as pending until dropped (finished or given up).
+pub struct PendingPrefill(Arc<Signals>, u64);
+
+impl Drop for PendingPrefill {
+    fn drop(&mut self) {
+        self.0
+            .prefill_pending_tokens
+            .fetch_sub(self.1, Ordering::SeqCst);
+    }
+}

@@ -1,0 +1,259 @@
+//! The planner's decisions on a virtual clock.
+
+use super::*;
+
+fn plan(pool: Pool) -> PoolPlan {
+    PoolPlan::new(Scaling {
+        pool,
+        target: Duration::from_millis(500),
+        min: 1,
+        max: 4,
+        initial: 1,
+        tick: Duration::from_millis(100),
+        cooldown: Duration::from_secs(2),
+        window: Duration::from_secs(5),
+    })
+}
+
+/// A decode pool of 10–512 from 50, ITL target 100 ms, tick 1 s, cooldown and window 10 s.
+fn decode_plan() -> PoolPlan {
+    PoolPlan::new(Scaling {
+        pool: Pool::Decode,
+        target: Duration::from_millis(100),
+        min: 10,
+        max: 512,
+        initial: 50,
+        tick: Duration::from_secs(1),
+        cooldown: Duration::from_secs(10),
+        window: Duration::from_secs(10),
+    })
+}
+
+fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -> Inputs {
+    Inputs {
+        live,
+        starting: 0,
+        p90: p90_ms.map(Duration::from_millis),
+        predicted: predicted_ms.map(Duration::from_millis),
+        queued,
+        needed: None,
+        room_needed: None,
+    }
+}
+
+#[test]
+fn the_queue_scales_up_before_the_window_shows_a_miss_and_down_only_after_calm() {
+    let t0 = Instant::now();
+    let mut p = plan(Pool::Prefill);
+    // The window still looks fine, but the queue predicts 1.4 s: up to 3 now.
+    let d = p.decide(t0, inp(1, Some(200), Some(1400), 9000));
+    assert_eq!((d.desired, d.action), (3, Action::Up), "{}", d.why);
+    assert!(d.why.contains("predicted 1400 ms"), "{}", d.why);
+    // While the new replicas start, no further scale-up.
+    let mut i = inp(1, Some(900), Some(900), 9000);
+    i.starting = 2;
+    assert_eq!(p.decide(t0 + Duration::from_millis(100), i).action, Action::Hold);
+    // Within target: hold.
+    let d = p.decide(
+        t0 + Duration::from_secs(1),
+        inp(3, Some(400), Some(300), 10),
+    );
+    assert_eq!((d.desired, d.action), (3, Action::Hold));
+    // Calm (below half the target, nothing queued) must last the cooldown.
+    let t1 = t0 + Duration::from_secs(3);
+    assert_eq!(p.decide(t1, inp(3, Some(100), None, 0)).action, Action::Hold);
+    assert_eq!(
+        p.decide(t1 + Duration::from_millis(1900), inp(3, None, None, 0))
+            .action,
+        Action::Hold
+    );
+    let d = p.decide(t1 + Duration::from_secs(2), inp(3, None, None, 0));
+    assert_eq!((d.desired, d.action), (2, Action::Down));
+    // One at a time, a cooldown apart, never below the minimum.
+    assert_eq!(
+        p.decide(t1 + Duration::from_secs(3), inp(2, None, None, 0))
+            .action,
+        Action::Hold
+    );
+    assert_eq!(
+        p.decide(t1 + Duration::from_secs(4), inp(2, None, None, 0))
+            .desired,
+        1
+    );
+    assert_eq!(
+        p.decide(t1 + Duration::from_secs(9), inp(1, None, None, 0))
+            .desired,
+        1
+    );
+}
+
+/// A pool far larger than its demand needs sheds the surplus in one decision once it is
+/// cooled and within 80% of its target (queue or not: a busy large pool always has
+/// prompts in flight); near what it needs, or closer to its target, it does not.
+#[test]
+fn a_pool_far_over_its_demand_goes_down_to_it_at_once() {
+    let t0 = Instant::now();
+    let mut p = PoolPlan::new(Scaling {
+        max: 100,
+        initial: 40,
+        ..plan(Pool::Prefill).scaling
+    });
+    let sized = |live, p90_ms, needed| Inputs {
+        needed: Some(needed),
+        ..inp(live, Some(p90_ms), Some(20), 5000)
+    };
+    // Over 80% of the target: no.
+    assert_eq!(p.decide(t0, sized(40, 450, 6)).action, Action::Hold);
+    let d = p.decide(t0 + Duration::from_secs(1), sized(40, 350, 6));
+    assert_eq!((d.desired, d.action), (6, Action::Down), "{}", d.why);
+    assert!(d.why.contains("the demand needs 6"), "{}", d.why);
+    // Not again within the cooldown, and not for a replica's difference.
+    assert_eq!(
+        p.decide(t0 + Duration::from_secs(2), sized(6, 100, 1))
+            .action,
+        Action::Hold
+    );
+    let d = p.decide(t0 + Duration::from_secs(4), sized(6, 100, 5));
+    assert_eq!((d.desired, d.action), (6, Action::Hold), "{}", d.why);
+}
+
+/// A counter's rate over the window, once readings span half of it.
+#[test]
+fn rates_are_taken_over_the_window() {
+    let t0 = Instant::now();
+    let mut r = Rate::new(Duration::from_secs(10));
+    assert_eq!(r.observe(t0, 0), None);
+    assert_eq!(r.observe(t0 + Duration::from_secs(4), 400), None);
+    assert_eq!(r.observe(t0 + Duration::from_secs(5), 500), Some(100.0));
+    // Older readings fall out: 20 s in, the rate of the last 10 s.
+    for s in 6..=20 {
+        r.observe(t0 + Duration::from_secs(s), 500 + (s - 5) * 10);
+    }
+    let last = r.observe(t0 + Duration::from_secs(21), 660).unwrap();
+    assert!((last - 10.0).abs() < 1e-9, "{last}");
+}
+
+#[test]
+fn a_stale_window_after_a_scale_up_does_not_scale_up_again() {
+    let t0 = Instant::now();
+    let mut p = plan(Pool::Prefill);
+    assert_eq!(p.decide(t0, inp(1, Some(900), None, 0)).desired, 2);
+    // The new replica joined; the window still shows 900 ms for a while: hold.
+    let d = p.decide(t0 + Duration::from_secs(2), inp(2, Some(900), Some(200), 0));
+    assert_eq!((d.desired, d.action), (2, Action::Hold), "{}", d.why);
+    // Unless the queue itself predicts a miss.
+    let d = p.decide(
+        t0 + Duration::from_secs(3),
+        inp(2, Some(900), Some(1200), 5000),
+    );
+    assert_eq!((d.desired, d.action), (4, Action::Up), "{}", d.why);
+}
+
+#[test]
+fn pressure_is_capped_at_max_and_a_lost_replica_is_wanted_back() {
+    let t0 = Instant::now();
+    let mut p = plan(Pool::Decode);
+    let d = p.decide(t0, inp(1, Some(5000), None, 3));
+    assert_eq!(d.desired, 4);
+    // A replica crashed: the desired count stays, so the actuator replaces it.
+    let d = p.decide(t0 + Duration::from_secs(1), inp(3, Some(450), None, 0));
+    assert_eq!((d.desired, d.action), (4, Action::Hold));
+    // A queue with a fine window is not calm: no scale-down.
+    let t = t0 + Duration::from_secs(10);
+    assert_eq!(p.decide(t, inp(4, Some(10), None, 2)).action, Action::Hold);
+    assert_eq!(
+        p.decide(t + Duration::from_secs(5), inp(4, Some(10), None, 2))
+            .action,
+        Action::Hold
+    );
+}
+
+#[test]
+fn windows_forget_old_latencies() {
+    let t0 = Instant::now();
+    let mut w = Window::new(Duration::from_secs(1));
+    for i in 0..100 {
+        w.record(t0, Duration::from_millis(if i < 90 { 10 } else { 1000 }));
+    }
+    let (p90, n) = w.quantile(t0, 0.9);
+    assert_eq!(n, 100);
+    assert!(p90.unwrap() <= Duration::from_millis(11));
+    let (p99, _) = w.quantile(t0, 0.99);
+    assert!(p99.unwrap() >= Duration::from_millis(990));
+    assert_eq!(w.quantile(t0 + Duration::from_secs(2), 0.9), (None, 0));
+}
+
+/// Requests waiting for room scale the decode pool to the KV held and wanted, not by the
+/// admission wait's ratio to the ITL target: 50 replicas of 1,000 blocks at 95%, 500
+/// requests holding them (95 blocks each), 7 waiting — (47,500 + 7 × 95) / 850 → 57, where
+/// a 3-s wait over a 100-ms target would ask for the maximum. An ITL over its target is a
+/// lack of speed, and still scales by its ratio.
+#[test]
+fn a_decode_pool_short_of_room_grows_by_the_room_its_requests_need() {
+    let t0 = Instant::now();
+    let mut seen = Observed {
+        itl_p90: Some(Duration::from_millis(60)),
+        admission_p90: Some(Duration::from_secs(3)),
+        decode_waiting: 7,
+        decode_blocks_used: 47_500,
+        decode_blocks_total: 50_000,
+        decode_holding: 500,
+        ..Default::default()
+    };
+    let inputs = seen.inputs(Pool::Decode, 50, 0);
+    assert_eq!(inputs.room_needed, Some(57));
+    let d = decode_plan().decide(t0, inputs);
+    assert_eq!((d.desired, d.action), (57, Action::Up), "{}", d.why);
+    // Nothing waiting: no room is needed.
+    seen.decode_waiting = 0;
+    assert_eq!(seen.inputs(Pool::Decode, 50, 0).room_needed, None);
+    // Slow tokens: by the ITL's ratio (150 / 100 → 75).
+    seen.decode_waiting = 7;
+    seen.itl_p90 = Some(Duration::from_millis(150));
+    seen.admission_p90 = None;
+    let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 0));
+    assert_eq!((d.desired, d.action), (75, Action::Up), "{}", d.why);
+}
+
+#[test]
+fn peaks_are_taken_over_a_whole_window() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let mut p = Peak::new(s(10));
+    assert_eq!(p.observe(t0, 100), None, "not a whole window yet");
+    assert_eq!(p.observe(t0 + s(5), 50), None);
+    assert_eq!(p.observe(t0 + s(10), 30), Some(100));
+    assert_eq!(
+        p.observe(t0 + s(11), 20),
+        Some(50),
+        "100 has left the window"
+    );
+    assert_eq!(p.observe(t0 + s(16), 10), Some(30));
+    assert_eq!(p.observe(t0 + s(17), 40), Some(40));
+}
+
+/// With none waiting for room, a decode pool is sized down to the most KV its requests
+/// held over a whole window: 50 replicas of 1,000 blocks, a peak of 17,000 blocks in use,
+/// at 85% → 20. Not while requests wait for room, nor before a whole window.
+#[test]
+fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
+    let t0 = Instant::now();
+    let mut p = decode_plan();
+    let mut seen = Observed {
+        itl_p90: Some(Duration::from_millis(7)),
+        decode_blocks_used: 12_000,
+        decode_blocks_peak: Some(17_000),
+        decode_blocks_total: 50_000,
+        decode_holding: 300,
+        ..Default::default()
+    };
+    let inputs = seen.inputs(Pool::Decode, 50, 0);
+    assert_eq!(inputs.needed, Some(20));
+    let d = p.decide(t0, inputs);
+    assert_eq!((d.desired, d.action), (20, Action::Down), "{}", d.why);
+    seen.decode_waiting = 1;
+    assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
+    seen.decode_waiting = 0;
+    seen.decode_blocks_peak = None;
+    assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
+}
