@@ -217,10 +217,20 @@ fn a_cluster_serves_gemma3_through_completions() {
         .unwrap();
     let (model, tok) = tandem_tests::load_gemma3();
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
-    e.add(0, case.prompt_ids.clone(), SamplingParams::greedy(12))
-        .unwrap();
+    e.add(
+        engine::RequestId(0),
+        case.prompt_ids.clone(),
+        SamplingParams::greedy(12),
+    )
+    .unwrap();
     let want = tok
-        .decode(&e.run_to_completion().unwrap().remove(&0).unwrap(), true)
+        .decode(
+            &e.run_to_completion()
+                .unwrap()
+                .remove(&engine::RequestId(0))
+                .unwrap(),
+            true,
+        )
         .unwrap();
     drop(e);
     let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 128\n\n[decode]\nthreads = 1\nkv_blocks = 128\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
@@ -893,8 +903,13 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
                 ignore_eos: true,
                 ..params.clone()
             };
-            e.add(0, prompt.clone(), params.clone()).unwrap();
-            let want = e.run_to_completion().unwrap().remove(&0).unwrap();
+            e.add(engine::RequestId(0), prompt.clone(), params.clone())
+                .unwrap();
+            let want = e
+                .run_to_completion()
+                .unwrap()
+                .remove(&engine::RequestId(0))
+                .unwrap();
             let bytes0 = metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
             let hits0 = prefill_hits(&c);
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
@@ -960,8 +975,12 @@ fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_rea
             ignore_eos: true,
             ..SamplingParams::greedy(8)
         };
-        e.add(0, prompt.to_vec(), params).unwrap();
-        e.run_to_completion().unwrap().remove(&0).unwrap()
+        e.add(engine::RequestId(0), prompt.to_vec(), params)
+            .unwrap();
+        e.run_to_completion()
+            .unwrap()
+            .remove(&engine::RequestId(0))
+            .unwrap()
     };
     let http = c.http;
     let ask = |prompt: &[u32]| {
@@ -1079,10 +1098,14 @@ fn one_router_answers_for_two_models_by_name() {
     let prompt = "The capital of France is";
     let (model, tok) = tandem_tests::load_gemma3();
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
-    e.add(0, tok.encode(prompt).unwrap(), SamplingParams::greedy(8))
-        .unwrap();
+    e.add(
+        engine::RequestId(0),
+        tok.encode(prompt).unwrap(),
+        SamplingParams::greedy(8),
+    )
+    .unwrap();
     let want = tok
-        .decode(&e.run_to_completion().unwrap()[&0], true)
+        .decode(&e.run_to_completion().unwrap()[&engine::RequestId(0)], true)
         .unwrap();
     drop(e);
     let body = json!({"model": gemma, "prompt": prompt, "max_tokens": 8, "temperature": 0});

@@ -138,9 +138,17 @@ fn corrupted_cut_and_stalled_transfers_end_cleanly_and_free_their_blocks() {
             tok.stop_ids().to_vec(),
         )
         .unwrap();
-        e.add(0, tok.encode(&text).unwrap(), SamplingParams::greedy(12))
+        e.add(
+            engine::RequestId(0),
+            tok.encode(&text).unwrap(),
+            SamplingParams::greedy(12),
+        )
+        .unwrap();
+        let mut want = e
+            .run_to_completion()
+            .unwrap()
+            .remove(&engine::RequestId(0))
             .unwrap();
-        let mut want = e.run_to_completion().unwrap().remove(&0).unwrap();
         if want.last().is_some_and(|t| tok.stop_ids().contains(t)) {
             want.pop();
         }

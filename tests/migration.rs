@@ -246,8 +246,13 @@ fn cold(prompt: &[u32], n: usize) -> String {
         ignore_eos: true,
         ..SamplingParams::greedy(n)
     };
-    e.add(0, prompt.to_vec(), params).unwrap();
-    let out = e.run_to_completion().unwrap().remove(&0).unwrap();
+    e.add(engine::RequestId(0), prompt.to_vec(), params)
+        .unwrap();
+    let out = e
+        .run_to_completion()
+        .unwrap()
+        .remove(&engine::RequestId(0))
+        .unwrap();
     tok.decode(&out, true).unwrap()
 }
 

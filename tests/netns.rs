@@ -233,9 +233,17 @@ fn prefill_and_decode_in_separate_network_namespaces() {
                 .unwrap();
             let mut e =
                 Engine::new(m.clone(), EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
-            e.add(0, tok.encode(&text).unwrap(), SamplingParams::greedy(24))
+            e.add(
+                engine::RequestId(0),
+                tok.encode(&text).unwrap(),
+                SamplingParams::greedy(24),
+            )
+            .unwrap();
+            let mut out = e
+                .run_to_completion()
+                .unwrap()
+                .remove(&engine::RequestId(0))
                 .unwrap();
-            let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
             if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
                 out.pop();
             }

@@ -20,8 +20,11 @@ fn engine_run(
 ) -> Vec<u32> {
     let stops = tok.stop_ids().to_vec();
     let mut e = Engine::new(model.clone(), EngineConfig::default(), stops).unwrap();
-    e.add(0, prompt.to_vec(), p).unwrap();
-    e.run_to_completion().unwrap().remove(&0).unwrap()
+    e.add(engine::RequestId(0), prompt.to_vec(), p).unwrap();
+    e.run_to_completion()
+        .unwrap()
+        .remove(&engine::RequestId(0))
+        .unwrap()
 }
 
 #[test]

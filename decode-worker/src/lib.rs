@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use engine::{Engine, Release, RequestId, SamplingParams};
+use engine::{Engine, Release, RequestId};
 use kv_transfer::KvEvent;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{
@@ -96,7 +96,9 @@ impl Decoder {
         let added = if req.remote_prefill {
             let n = req.prompt.len();
             let local_max = req.local_prefill_max_tokens as usize;
-            let reserved = self.engine.reserve_remote(id, req.prompt, params, local_max);
+            let reserved = self
+                .engine
+                .reserve_remote(id, req.prompt, params, local_max);
             reserved.map(|r| {
                 let r = Reservation {
                     cached_tokens: r.cached as u32,

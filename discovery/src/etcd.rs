@@ -31,8 +31,7 @@ use pb::etcdserverpb::lease_client::LeaseClient;
 use pb::etcdserverpb::watch_client::WatchClient;
 use pb::etcdserverpb::{
     watch_request, LeaseGrantRequest, LeaseKeepAliveRequest, LeaseKeepAliveResponse,
-    LeaseRevokeRequest, PutRequest, RangeRequest, WatchCreateRequest, WatchRequest,
-    WatchResponse,
+    LeaseRevokeRequest, PutRequest, RangeRequest, WatchCreateRequest, WatchRequest, WatchResponse,
 };
 use pb::mvccpb::KeyValue;
 use pb::v3electionpb::election_client::ElectionClient;
@@ -139,15 +138,22 @@ impl Etcd {
 
     /// A lease of `ttl_secs`; its id.
     pub async fn grant(&self, ttl_secs: i64) -> Result<i64, EtcdError> {
-        let req = LeaseGrantRequest { ttl: ttl_secs, id: 0 };
-        let r = LeaseClient::new(self.channel.clone()).lease_grant(req).await?;
+        let req = LeaseGrantRequest {
+            ttl: ttl_secs,
+            id: 0,
+        };
+        let r = LeaseClient::new(self.channel.clone())
+            .lease_grant(req)
+            .await?;
         Ok(r.into_inner().id)
     }
 
     /// Ends lease `id` now (its keys go with it).
     pub async fn revoke(&self, id: i64) -> Result<(), EtcdError> {
         let req = LeaseRevokeRequest { id };
-        LeaseClient::new(self.channel.clone()).lease_revoke(req).await?;
+        LeaseClient::new(self.channel.clone())
+            .lease_revoke(req)
+            .await?;
         Ok(())
     }
 
@@ -181,7 +187,10 @@ impl Etcd {
             limit: 0,
             revision: 0,
         };
-        let r = KvClient::new(self.channel.clone()).range(req).await?.into_inner();
+        let r = KvClient::new(self.channel.clone())
+            .range(req)
+            .await?
+            .into_inner();
         Ok((r.kvs, r.header.map_or(0, |h| h.revision)))
     }
 
@@ -215,7 +224,9 @@ impl Etcd {
             lease,
             value,
         };
-        ElectionClient::new(self.channel.clone()).campaign(req).await?;
+        ElectionClient::new(self.channel.clone())
+            .campaign(req)
+            .await?;
         Ok(())
     }
 }

@@ -186,10 +186,16 @@ mod tests {
         let t0 = Instant::now();
         let mut l = Ledger::new();
         assert!(l.reserve(RequestId(1), 4, Some(t0 + Duration::from_secs(1))));
-        assert!(!l.reserve(RequestId(1), 4, None), "a request is recorded once");
+        assert!(
+            !l.reserve(RequestId(1), 4, None),
+            "a request is recorded once"
+        );
         assert!(l.reserve(RequestId(2), 2, Some(t0 + Duration::from_secs(2))));
         assert!(l.in_flight(RequestId(2)));
-        assert!(!l.in_flight(RequestId(2)), "only reserved KV starts to move");
+        assert!(
+            !l.in_flight(RequestId(2)),
+            "only reserved KV starts to move"
+        );
         assert_eq!(
             l.counts(),
             LedgerCounts {

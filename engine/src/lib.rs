@@ -55,11 +55,11 @@ pub use kv_cache::{BlockTable, KvCache};
 #[cfg(feature = "runtime")]
 pub use loader::{load, load_mock};
 pub use mock::MockTiming;
+#[cfg(feature = "runtime")]
+pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 pub use rate::PromptRate;
 #[cfg(feature = "runtime")]
 pub use remote::Reservation;
-#[cfg(feature = "runtime")]
-pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
 pub use scheduler::{Engine, EngineConfig, KvSink, Load, Release, TokenEvent};

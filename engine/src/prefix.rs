@@ -110,7 +110,10 @@ impl BlockPool {
                 self.by_hash.remove(&(old.group, old.hash));
                 if old.group == 0 {
                     let block = BlockHash(old.hash);
-                    self.events.push(KvEvent::Removed { block, tier: Tier::Pool });
+                    self.events.push(KvEvent::Removed {
+                        block,
+                        tier: Tier::Pool,
+                    });
                 }
                 self.evicted += 1;
                 b
@@ -176,7 +179,10 @@ impl BlockPool {
             });
             if group == 0 {
                 let block = BlockHash(hash);
-                self.events.push(KvEvent::Stored { block, tier: Tier::Pool });
+                self.events.push(KvEvent::Stored {
+                    block,
+                    tier: Tier::Pool,
+                });
             }
         }
     }
@@ -258,8 +264,14 @@ mod tests {
         assert!(p.alloc().is_none(), "b is held, c and d too");
         let hb = chain(7, ha, &[3, 4]);
         let (stored, removed) = (
-            |h| KvEvent::Stored { block: BlockHash(h), tier: Tier::Pool },
-            |h| KvEvent::Removed { block: BlockHash(h), tier: Tier::Pool },
+            |h| KvEvent::Stored {
+                block: BlockHash(h),
+                tier: Tier::Pool,
+            },
+            |h| KvEvent::Removed {
+                block: BlockHash(h),
+                tier: Tier::Pool,
+            },
         );
         assert_eq!(
             p.take_events(),

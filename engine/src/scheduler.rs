@@ -17,7 +17,7 @@
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use types::{KvEvent, RequestId};
 
@@ -255,7 +255,10 @@ impl Engine {
     /// tokens before `send_from` is not exported: the receiver holds it (a delta transfer).
     pub fn add_prefill_only(
         &mut self,
-        id: RequestId, tokens: Vec<u32>, send_from: usize) -> Result<()> {
+        id: RequestId,
+        tokens: Vec<u32>,
+        send_from: usize,
+    ) -> Result<()> {
         if send_from >= tokens.len() {
             return Err(EngineError::InvalidRequest(format!(
                 "nothing to send: the receiver holds {send_from} of {} tokens",
@@ -523,7 +526,11 @@ impl Engine {
         let mut plan = Vec::new();
         for (seq, s) in self.running.iter().enumerate() {
             if s.computed >= s.prompt_len && budget > 0 {
-                plan.push(Chunk { seq, start: s.computed, len: 1 });
+                plan.push(Chunk {
+                    seq,
+                    start: s.computed,
+                    len: 1,
+                });
                 budget -= 1;
             }
         }
@@ -535,7 +542,11 @@ impl Engine {
                     None => usize::MAX,
                 };
                 let len = (s.prompt_len - s.computed).min(budget).min(cap);
-                plan.push(Chunk { seq, start: s.computed, len });
+                plan.push(Chunk {
+                    seq,
+                    start: s.computed,
+                    len,
+                });
                 budget -= len;
             }
         }
@@ -555,7 +566,11 @@ impl Engine {
     /// Runs the forward over `plan`; prefill-only requests whose prompt completes in this step
     /// hand each layer's KV to `sink` as soon as it is computed. Only their KV leaves this
     /// worker: without them a GPU keeps the step's KV on the device.
-    fn run(&mut self, plan: &[Chunk], mut sink: Option<KvSink<'_>>) -> Result<Vec<Option<Vec<f32>>>> {
+    fn run(
+        &mut self,
+        plan: &[Chunk],
+        mut sink: Option<KvSink<'_>>,
+    ) -> Result<Vec<Option<Vec<f32>>>> {
         let chunks: Vec<SeqChunk<'_>> = plan
             .iter()
             .map(|c| c.forward(&self.running[c.seq]))
@@ -637,9 +652,7 @@ impl Engine {
     }
 
     /// Runs steps until every request has finished; returns each request's tokens by id.
-    pub fn run_to_completion(
-        &mut self,
-    ) -> Result<std::collections::BTreeMap<RequestId, Vec<u32>>> {
+    pub fn run_to_completion(&mut self) -> Result<std::collections::BTreeMap<RequestId, Vec<u32>>> {
         let mut out = std::collections::BTreeMap::<RequestId, Vec<u32>>::new();
         while self.has_work() {
             for e in self.step()? {

@@ -191,7 +191,6 @@ fn default_prefill_slack_ms() -> u64 {
     100
 }
 
-
 fn default_listen() -> Spanned<String> {
     Spanned::new(0..0, "127.0.0.1:8000".into())
 }

@@ -4,6 +4,7 @@
 //! `cargo bench -p router --bench routing`.
 
 use std::time::Instant;
+use types::WorkerId;
 
 use proto::grpc::KvEvents;
 use router::kv_index::KvIndex;
@@ -32,7 +33,8 @@ fn main() {
                         .map(|i| 10_000 + w as u32 * 10_000_000 + conv * 1_000 + i),
                 )
                 .collect();
-            hashes.extend(engine::block_hash::prompt_hashes(seed, BLOCK, &tokens));
+            let names = engine::block_hash::prompt_hashes(seed, BLOCK, &tokens);
+            hashes.extend(names.iter().map(|b| b.0));
         }
         hashes.sort_unstable();
         hashes.dedup();
@@ -43,7 +45,7 @@ fn main() {
             stored: Vec::new(),
             snapshot: true,
         };
-        index.apply(w, &snapshot);
+        index.apply(WorkerId(w), &snapshot);
     }
     println!(
         "index: {} block entries over {WORKERS} workers, built in {:?}",
@@ -68,7 +70,7 @@ fn main() {
         let cands: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {
                 load: (w % 5) as usize,
-                cached: overlap.get(&w).copied().unwrap_or(0) * BLOCK,
+                cached: overlap.get(&WorkerId(w)).copied().unwrap_or(0) * BLOCK,
                 queued_tokens: 0,
                 rate: 1000.0,
             })

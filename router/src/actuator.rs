@@ -9,13 +9,13 @@
 //! - [`Command`]: runs `<command> <pool> <replicas>` whenever the desired count changes, for
 //!   Kubernetes, systemd or anything else; new workers join the router like any other.
 
-use types::WorkerId;
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::process::{Child, Command as Process, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use types::WorkerId;
 
 use crate::planner::Pool;
 use crate::registry::Registry;
@@ -118,7 +118,7 @@ impl Local {
         let r: Result<(), Box<dyn std::error::Error + Send + Sync>> = call.await;
         if let Err(e) = r {
             tracing::warn!(
-                worker = id,
+                worker = %id,
                 "drain: {e} (no new requests are routed to it anyway)"
             );
         }

@@ -225,7 +225,10 @@ mod tests {
             "no snapshot yet: resync"
         );
         assert!(!ix.apply(WorkerId(1), &snapshot(0, &[])));
-        assert!(!ix.apply(WorkerId(1), &events(0, &[(true, 10), (true, 11), (true, 12)])));
+        assert!(!ix.apply(
+            WorkerId(1),
+            &events(0, &[(true, 10), (true, 11), (true, 12)])
+        ));
         assert!(!ix.apply(WorkerId(2), &snapshot(5, &[10, 11])));
         let o = ix.overlap(&b(&[10, 11, 12, 13]));
         assert_eq!((o[&WorkerId(1)], o[&WorkerId(2)]), (3, 2));
@@ -239,7 +242,11 @@ mod tests {
             ix.apply(WorkerId(2), &events(9, &[(true, 12)])),
             "events 5..9 were missed"
         );
-        assert_eq!(ix.overlap(&b(&[10, 11]))[&WorkerId(2)], 2, "nothing applied past the gap");
+        assert_eq!(
+            ix.overlap(&b(&[10, 11]))[&WorkerId(2)],
+            2,
+            "nothing applied past the gap"
+        );
         ix.remove_worker(WorkerId(2));
         assert!(!ix.overlap(&b(&[10])).contains_key(&WorkerId(2)));
         assert_eq!(ix.len(), 2);

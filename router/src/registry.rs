@@ -15,8 +15,8 @@ use tokio::sync::watch;
 use tonic::{Request, Response, Status};
 use types::WorkerId;
 
-use crate::core::{JoinRefused, Table};
 pub use crate::core::{InFlight, Liveness, Picked, Route, Worker};
+use crate::core::{JoinRefused, Table};
 use crate::routing::{Policy, Routing};
 
 /// All joined workers.
@@ -178,13 +178,10 @@ impl Registry {
 
     /// Admits a worker that asks to join, or says why not.
     pub fn join(&self, j: JoinRequest) -> Result<WorkerId, Status> {
-        let id = self
-            .lock()
-            .join(j, Instant::now())
-            .map_err(|e| match e {
-                JoinRefused::Role => Status::invalid_argument(e.to_string()),
-                _ => Status::failed_precondition(e.to_string()),
-            })?;
+        let id = self.lock().join(j, Instant::now()).map_err(|e| match e {
+            JoinRefused::Role => Status::invalid_argument(e.to_string()),
+            _ => Status::failed_precondition(e.to_string()),
+        })?;
         self.touch();
         Ok(id)
     }

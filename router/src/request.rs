@@ -89,9 +89,8 @@ pub async fn start_on(
         generated: params.generated as u32,
     };
     let changes = state.registry.subscribe();
-    let (core, first) = state.registry.with(|t| {
-        let mut cx = cx(state, t);
-        core::Request::start(prompt, core_params, pin, Instant::now(), &mut cx)
+    let (core, first) = with_cx(state, |cx| {
+        core::Request::start(prompt, core_params, pin, Instant::now(), cx)
     });
     let driver = Driver {
         state: state.clone(),
@@ -121,21 +120,24 @@ pub async fn start_on(
     }
 }
 
-/// The request core's view of the router: its table (locked by the caller), signals, settings
-/// and request ids.
-fn cx<'a>(state: &'a State, table: &'a mut core::Table) -> Cx<'a> {
-    Cx {
-        table,
-        signals: &state.signals,
-        settings: &state.core,
-        next_id: &mut || RequestId(state.next_request_id()),
-    }
+/// Runs `f` on the request core's view of the router: its table (locked meanwhile), signals,
+/// settings and request ids.
+fn with_cx<T>(state: &State, f: impl FnOnce(&mut Cx<'_>) -> T) -> T {
+    state.registry.with(|table| {
+        let mut next_id = || RequestId(state.next_request_id());
+        let mut cx = Cx {
+            table,
+            signals: &state.signals,
+            settings: &state.core,
+            next_id: &mut next_id,
+        };
+        f(&mut cx)
+    })
 }
 
-/// A running prefill: its worker and the call (its own task, so that it completes and is
-/// counted even when the decode stream runs ahead of its reply).
+/// A running prefill call (its own task, so that it completes and is counted even when the
+/// decode stream runs ahead of its reply).
 struct PrefillCall {
-    worker: WorkerId,
     task: JoinHandle<Result<grpc::PrefillReply, Status>>,
 }
 
@@ -195,12 +197,8 @@ impl Driver {
 
     /// The core's next move on `input`.
     fn handle(&mut self, input: Input) -> Vec<Action> {
-        let state = self.state.clone();
         let core = &mut self.core;
-        state.registry.with(|t| {
-            let mut cx = cx(&state, t);
-            core.handle(Instant::now(), input, &mut cx)
-        })
+        with_cx(&self.state, |cx| core.handle(Instant::now(), input, cx))
     }
 
     /// Carries out one action; what comes of it at once, if anything.
@@ -240,7 +238,11 @@ impl Driver {
             }
             Action::Emit => {
                 let token = self.token.take().expect("a token to pass on");
-                self.tx.send(Ok(token)).await.err().map(|_| Input::ClientGone)
+                self.tx
+                    .send(Ok(token))
+                    .await
+                    .err()
+                    .map(|_| Input::ClientGone)
             }
             Action::Fail(e) => {
                 let _ = self.tx.send(Err(e)).await;
@@ -384,7 +386,7 @@ impl Driver {
             record_transfer(&reply);
             Ok(reply)
         });
-        self.prefill = Some(PrefillCall { worker: w, task });
+        self.prefill = Some(PrefillCall { task });
         None
     }
 
@@ -489,7 +491,10 @@ async fn prefill_answer(call: &mut Option<PrefillCall>) -> Input {
 
 /// The decode stream's next message as an input (a token is kept in `token` for its `Emit`);
 /// never without a stream.
-async fn message(stream: &mut Option<Streaming<GenerateEvent>>, token: &mut Option<Token>) -> Input {
+async fn message(
+    stream: &mut Option<Streaming<GenerateEvent>>,
+    token: &mut Option<Token>,
+) -> Input {
     let Some(s) = stream.as_mut() else {
         return std::future::pending().await;
     };

@@ -283,7 +283,7 @@ async fn arbitrary_requests_never_panic_the_router_and_every_error_is_an_openai_
     }));
     let st = state_on(Liveness::default(), Duration::from_secs(2), |s| {
         s.limits.max_body_bytes = 64 << 10;
-        s.request_timeout = Duration::from_secs(5);
+        s.core.request_timeout = Duration::from_secs(5);
     });
     // One colocated decode worker: it counts on from each prompt (a fake; no reservations).
     let d = Fake::new(

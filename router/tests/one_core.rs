@@ -31,6 +31,9 @@ fn tokens(n: u32) -> DecodeScript {
 async fn trace(st: &Arc<State>, prompt: Vec<u32>, n: usize) -> Trace {
     let s = request::start(st, prompt, &SamplingParams::greedy(n)).await;
     let mut rest = s.rest;
+    if let Err(e) = &s.first {
+        eprintln!("the request failed: {e}");
+    }
     if let Ok(t) = s.first {
         let mut last = t.finish.is_some();
         while !last {
@@ -66,6 +69,12 @@ async fn refusal() -> Trace {
         async move { trace(&st, prompt(1000, 40), 8).await }
     });
     assert!(d.wait_until(|s| s.generate.len() == 1).await, "refused");
+    // Its heartbeat after the refusal (one before would be old news of its load).
+    let until = tokio::time::Instant::now() + Duration::from_secs(5);
+    while st.registry.with(|t| t.line.len()) == 0 {
+        assert!(tokio::time::Instant::now() < until, "waiting for room");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let beat = grpc::Heartbeat {
         worker_id: id.0,
         load: Some(grpc::WorkerLoad::default()),
@@ -97,7 +106,11 @@ async fn dead_decode_worker() -> Trace {
     let st = state(Duration::from_secs(3), 0);
     let kv = Arc::new(Kv::default());
     let p = Fake::new(tokens(0), PrefillScript::Deliver, kv.clone());
-    let dies = Fake::new(DecodeScript::Count(Fault::Die(3)), PrefillScript::Deliver, kv.clone());
+    let dies = Fake::new(
+        DecodeScript::Count(Fault::Die(3)),
+        PrefillScript::Deliver,
+        kv.clone(),
+    );
     let lives = Fake::new(DecodeScript::Count(Fault::None), PrefillScript::Deliver, kv);
     join(&st, Pool::Prefill, &p).await;
     join(&st, Pool::Decode, &dies).await;
@@ -168,7 +181,11 @@ fn simulated() -> Vec<Trace> {
         hop: Duration::from_micros(100),
         token_delay: Default::default(),
         liveness: sim::Liveness::default(),
-        faults: sim::schedule_faults(&["kill:decode:1@6300ms".parse().unwrap()], 1, Duration::ZERO),
+        faults: sim::schedule_faults(
+            &["kill:decode:1@6300ms".parse().unwrap()],
+            1,
+            Duration::ZERO,
+        ),
     };
     let req = |ms, prompt, output| sim::SimRequest {
         at: Duration::from_millis(ms),
@@ -221,7 +238,10 @@ async fn the_router_and_the_simulator_take_each_request_down_the_same_path() {
     ];
     let expected: [(&[P], &[D]); 4] = [
         (&remote, &[D::Remote]),
-        (&[P::Reserving, P::Decoding, P::Done], &[D::LocalPrefillPoolBusy]),
+        (
+            &[P::Reserving, P::Decoding, P::Done],
+            &[D::LocalPrefillPoolBusy],
+        ),
         (&migrated, &[D::Remote, D::Remote]),
         (&[P::Reserving, P::Failed], &[]),
     ];

@@ -14,12 +14,14 @@ use fake::{join, join_at, keep_beating, state_on, DecodeScript, Fake, Fault, Kv,
 use http_body_util::BodyExt;
 use proto::grpc::{self, JoinRequest};
 use proto::Pool;
+use router::core::{PhaseName, PhaseName as P};
 use router::openai::ApiError;
 use router::registry::{Liveness, Registry, Route};
 use router::request::{self, Started};
 use router::State;
 use serde_json::{json, Value};
 use tower::ServiceExt;
+use types::WorkerId;
 
 const PROMPT: [u32; 6] = [1, 2, 3, 4, 5, 6];
 
@@ -38,7 +40,7 @@ fn tokens(t: &[u32]) -> DecodeScript {
 }
 
 /// Every token of a started request, how it ended, and its phases.
-async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str>) {
+async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<PhaseName>) {
     let mut out = Vec::new();
     let mut end = Ok(());
     let mut next = Some(s.first);
@@ -58,10 +60,10 @@ async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str
         }
         next = rest.recv().await;
     }
-    (out, end, s.phases.await.unwrap())
+    (out, end, s.trace.await.unwrap().phases)
 }
 
-async fn run(state: &Arc<State>) -> (Vec<u32>, Result<(), ApiError>, Vec<&'static str>) {
+async fn run(state: &Arc<State>) -> (Vec<u32>, Result<(), ApiError>, Vec<PhaseName>) {
     finish(request::start(state, PROMPT.to_vec(), &SamplingParams::greedy(8)).await).await
 }
 
@@ -73,7 +75,7 @@ async fn colocated_reserving_then_decoding() {
     let (out, end, phases) = run(&st).await;
     assert_eq!(out, [7, 8, 9]);
     assert!(end.is_ok());
-    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    assert_eq!(phases, [P::Reserving, P::Decoding, P::Done]);
     let seen = d.seen.lock().unwrap();
     assert_eq!(seen.generate.len(), 1);
     assert!(
@@ -92,7 +94,7 @@ async fn disaggregated_reserving_prefilling_decoding() {
     join(&st, Pool::Prefill, &p).await;
     let (out, end, phases) = run(&st).await;
     assert_eq!((out, end.is_ok()), (vec![7, 8], true));
-    assert_eq!(phases, ["reserving", "prefilling", "decoding", "done"]);
+    assert_eq!(phases, [P::Reserving, P::Prefilling, P::Decoding, P::Done]);
     let (dg, pf) = (d.seen.lock().unwrap(), p.seen.lock().unwrap());
     assert!(
         dg.generate[0].1,
@@ -113,7 +115,7 @@ async fn disaggregated_reserving_prefilling_decoding() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_busy_prefill_pool_leaves_the_prompt_to_its_decode_worker() {
     let st = state_with(Duration::from_secs(5), |s| {
-        s.local_prefill_busy_max_tokens = 1000
+        s.core.local_prefill_busy_max_tokens = 1000
     });
     let kv = Arc::new(Kv::default());
     let d = Fake::new(tokens(&[7, 8]), PrefillScript::Deliver, kv.clone());
@@ -123,7 +125,7 @@ async fn a_busy_prefill_pool_leaves_the_prompt_to_its_decode_worker() {
     // An idle prefill pool takes the prompt.
     let (_, end, phases) = run(&st).await;
     end.unwrap();
-    assert_eq!(phases, ["reserving", "prefilling", "decoding", "done"]);
+    assert_eq!(phases, [P::Reserving, P::Prefilling, P::Decoding, P::Done]);
     // Its prefill call may answer after the last token: until then its tokens count as queued.
     let until = tokio::time::Instant::now() + Duration::from_secs(5);
     while st.registry.workers().iter().any(|w| w.in_flight() > 0) {
@@ -142,7 +144,7 @@ async fn a_busy_prefill_pool_leaves_the_prompt_to_its_decode_worker() {
     assert_eq!(out, [7, 8]);
     assert_eq!(
         phases,
-        ["reserving", "decoding", "done"],
+        [P::Reserving, P::Decoding, P::Done],
         "prefilled locally"
     );
     drop(held);
@@ -171,7 +173,13 @@ async fn a_failed_prefill_is_recomputed_on_the_decode_worker_and_released_on_bot
     assert_eq!((out, end.is_ok()), (vec![7, 8], true));
     assert_eq!(
         phases,
-        ["reserving", "prefilling", "recomputing", "decoding", "done"]
+        [
+            P::Reserving,
+            P::Prefilling,
+            P::Recomputing,
+            P::Decoding,
+            P::Done
+        ]
     );
     let first = d.seen.lock().unwrap().generate[0].0;
     {
@@ -202,8 +210,8 @@ async fn kv_lost_on_the_decode_worker_is_recomputed() {
     join(&st, Pool::Prefill, &p).await;
     let (out, end, phases) = run(&st).await;
     assert_eq!((out, end.is_ok()), (vec![5], true));
-    assert_eq!(phases[..3], ["reserving", "prefilling", "recomputing"]);
-    assert_eq!(phases[3..], ["decoding", "done"]);
+    assert_eq!(phases[..3], [P::Reserving, P::Prefilling, P::Recomputing]);
+    assert_eq!(phases[3..], [P::Decoding, P::Done]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,7 +232,7 @@ async fn a_full_worker_is_skipped_for_one_with_room() {
     let (out, end, phases) = run(&st).await;
     drop(busy);
     assert_eq!((out, end.is_ok()), (vec![3], true));
-    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    assert_eq!(phases, [P::Reserving, P::Decoding, P::Done]);
     assert_eq!(
         full.seen.lock().unwrap().generate.len(),
         1,
@@ -253,20 +261,17 @@ async fn a_request_waits_for_room_and_is_woken_by_a_heartbeat() {
     // polling, it would have asked again within this grace period.)
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(d.seen.lock().unwrap().generate.len(), 1);
-    let waiting_now = st
-        .signals
-        .decode_waiting
-        .load(std::sync::atomic::Ordering::SeqCst);
+    let waiting_now = st.registry.with(|t| t.line.len());
     assert_eq!(waiting_now, 1, "counted as waiting for room");
     let beat = grpc::Heartbeat {
-        worker_id: id,
+        worker_id: id.0,
         load: Some(grpc::WorkerLoad::default()),
         kv: None,
     };
     st.registry.beat(beat).unwrap();
     let (out, end, phases) = waiting.await.unwrap();
     assert_eq!((out, end.is_ok()), (vec![4], true));
-    assert_eq!(phases, ["reserving", "decoding", "done"]);
+    assert_eq!(phases, [P::Reserving, P::Decoding, P::Done]);
     assert_eq!(
         d.seen.lock().unwrap().generate.len(),
         2,
@@ -281,7 +286,7 @@ async fn no_room_within_the_admission_wait_is_unavailable() {
     assert!(
         matches!(end, Err(ApiError::Unavailable(m)) if m.contains("no decode worker has joined"))
     );
-    assert_eq!(phases, ["reserving", "failed"]);
+    assert_eq!(phases, [P::Reserving, P::Failed]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -295,7 +300,7 @@ async fn a_bad_request_is_the_clients_fault() {
     join(&st, Pool::Decode, &d).await;
     let (_, end, phases) = run(&st).await;
     assert!(matches!(end, Err(ApiError::BadRequest(_))));
-    assert_eq!(phases, ["reserving", "failed"]);
+    assert_eq!(phases, [P::Reserving, P::Failed]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -316,7 +321,7 @@ async fn an_unreachable_worker_is_dropped_and_another_serves() {
     let (out, end, _) = run(&st).await;
     drop(busy);
     assert_eq!((out, end.is_ok()), (vec![1], true));
-    let ids: Vec<u64> = st.registry.workers().iter().map(|w| w.id).collect();
+    let ids: Vec<WorkerId> = st.registry.workers().iter().map(|w| w.id).collect();
     assert!(
         !ids.contains(&dead_id),
         "the unreachable worker is gone: {ids:?}"
@@ -335,8 +340,8 @@ async fn a_client_that_goes_away_is_released_on_the_worker() {
     let s = request::start(&st, PROMPT.to_vec(), &SamplingParams::greedy(64)).await;
     assert!(s.first.is_ok());
     drop(s.rest);
-    let phases = s.phases.await.unwrap();
-    assert_eq!(phases, ["reserving", "decoding", "gone"]);
+    let phases = s.trace.await.unwrap().phases;
+    assert_eq!(phases, [P::Reserving, P::Decoding, P::Gone]);
     let id = d.seen.lock().unwrap().generate[0].0;
     assert!(
         d.wait_until(|s| s.cancel.contains(&id)).await,
@@ -381,18 +386,18 @@ async fn a_worker_with_its_own_id_joins_once_and_forgetting_it_wakes_its_request
         worker_id: 0xfeed,
         ..Default::default()
     };
-    assert_eq!(st.registry.join(req.clone()).unwrap(), 0xfeed);
-    assert_eq!(st.registry.join(req).unwrap(), 0xfeed);
+    assert_eq!(st.registry.join(req.clone()).unwrap(), WorkerId(0xfeed));
+    assert_eq!(st.registry.join(req).unwrap(), WorkerId(0xfeed));
     assert_eq!(st.registry.count(Pool::Decode), 1);
     let registry = st.registry.clone();
-    let lost = tokio::spawn(async move { registry.lost(0xfeed).await });
+    let lost = tokio::spawn(async move { registry.lost(WorkerId(0xfeed)).await });
     tokio::time::sleep(Duration::from_millis(50)).await;
     assert!(
         !lost.is_finished(),
         "the worker is there (heartbeat timeout 60 s)"
     );
     // Its etcd key went: a request waiting on it hears at once, not at the heartbeat timeout.
-    st.registry.remove(0xfeed);
+    st.registry.remove(WorkerId(0xfeed));
     tokio::time::timeout(Duration::from_secs(5), lost)
         .await
         .expect("woken by the removal")
@@ -419,7 +424,7 @@ async fn the_registry_refuses_other_protocols_and_models_and_picks_the_least_loa
     let any = Route::default();
     let p1 = st.registry.pick(Pool::Decode, &[], &any).unwrap();
     let p2 = st.registry.pick(Pool::Decode, &[], &any).unwrap();
-    let mut ids = [p1.worker.id, p2.worker.id];
+    let mut ids = [p1.worker, p2.worker];
     ids.sort();
     assert_eq!(ids, [a, b], "the second pick goes to the idle worker");
     assert!(st.registry.pick(Pool::Decode, &[a, b], &any).is_none());
@@ -823,7 +828,7 @@ async fn with_api_keys_a_request_needs_a_known_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_past_its_deadline_gets_a_504_and_is_released_on_its_worker() {
     let st = state_with(Duration::from_secs(5), |s| {
-        s.request_timeout = Duration::from_millis(300)
+        s.core.request_timeout = Duration::from_millis(300)
     });
     let d = Fake::new(
         DecodeScript::Slow(vec![1; 20]),
@@ -868,17 +873,18 @@ async fn health_models_and_debug_workers() {
 // Routing by the KV index.
 
 /// Tells the registry, as worker `id`'s heartbeat would, that its cache holds `prompt`'s blocks.
-fn cached_on(st: &State, id: u64, prompt: &[u32]) {
-    let blocks = engine::block_hash::prompt_hashes(st.block_seed, 16, &prompt[..prompt.len() - 1]);
+fn cached_on(st: &State, id: WorkerId, prompt: &[u32]) {
+    let blocks =
+        engine::block_hash::prompt_hashes(st.core.block_seed, 16, &prompt[..prompt.len() - 1]);
     let kv = grpc::KvEvents {
         first: 0,
         next: blocks.len() as u64,
-        hashes: blocks,
+        hashes: blocks.iter().map(|b| b.0).collect(),
         stored: Vec::new(),
         snapshot: true,
     };
     let beat = grpc::Heartbeat {
-        worker_id: id,
+        worker_id: id.0,
         load: Some(grpc::WorkerLoad::default()),
         kv: Some(kv),
     };
@@ -938,7 +944,7 @@ async fn a_request_goes_to_the_decode_worker_caching_its_prefix_unless_it_is_bus
 
 /// A prompt of 40 tokens whose first two blocks worker `id` caches by the index (so the `kv`
 /// policy picks it first); the fake `Count` workers answer it 540, 541, …
-fn cached_prompt(st: &State, id: u64) -> Vec<u32> {
+fn cached_prompt(st: &State, id: WorkerId) -> Vec<u32> {
     let prompt: Vec<u32> = (0..40).map(|i| 500 + i).collect();
     cached_on(st, id, &prompt);
     prompt
@@ -952,13 +958,13 @@ fn counting(fault: Fault) -> Fake {
     )
 }
 
-const MIGRATED: [&str; 6] = [
-    "reserving",
-    "decoding",
-    "migrating",
-    "reserving",
-    "decoding",
-    "done",
+const MIGRATED: [P; 6] = [
+    P::Reserving,
+    P::Decoding,
+    P::Migrating,
+    P::Reserving,
+    P::Decoding,
+    P::Done,
 ];
 
 /// Runs `prompt` for 8 tokens and checks it was served by `a` for 3 tokens, then by `b` from
@@ -1017,7 +1023,7 @@ async fn a_frozen_decode_worker_is_left_when_its_heartbeats_stop() {
     // `a` beats once (the index hears of its cache) and never again: frozen.
     let prompt = cached_prompt(&st, ida);
     assert_migrated(&st, &prompt, &a, &b).await;
-    let ids: Vec<u64> = st.registry.workers().iter().map(|w| w.id).collect();
+    let ids: Vec<WorkerId> = st.registry.workers().iter().map(|w| w.id).collect();
     assert_eq!(ids, [idb], "the silent worker was dropped");
 }
 
@@ -1051,7 +1057,7 @@ async fn a_stream_without_tokens_marks_its_worker_stalled_until_its_engine_moves
         .is_none());
     // Its engine moves again: it is back.
     let beat = grpc::Heartbeat {
-        worker_id: ida,
+        worker_id: ida.0,
         load: Some(grpc::WorkerLoad {
             engine_steps: 8,
             ..Default::default()
@@ -1071,7 +1077,7 @@ async fn a_worker_holding_work_whose_engine_stands_still_is_stalled() {
     let st = state_on(live, Duration::from_secs(5), |_| {});
     let id = join_at(&st, Pool::Decode, "http://127.0.0.1:9");
     let beat = |steps: u64, running: u32| grpc::Heartbeat {
-        worker_id: id,
+        worker_id: id.0,
         load: Some(grpc::WorkerLoad {
             engine_steps: steps,
             running,
@@ -1104,7 +1110,7 @@ async fn a_worker_holding_work_whose_engine_stands_still_is_stalled() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn past_the_migration_limit_the_client_gets_an_error_after_its_tokens() {
-    let st = state_with(Duration::from_secs(5), |s| s.migration_limit = 0);
+    let st = state_with(Duration::from_secs(5), |s| s.core.migration_limit = 0);
     let (a, b) = (counting(Fault::Die(3)), counting(Fault::None));
     let ida = join(&st, Pool::Decode, &a).await;
     join(&st, Pool::Decode, &b).await;
@@ -1114,7 +1120,7 @@ async fn past_the_migration_limit_the_client_gets_an_error_after_its_tokens() {
     assert_eq!(out, [540, 541, 542]);
     let e = end.unwrap_err().to_string();
     assert!(e.contains("migration_limit = 0"), "{e}");
-    assert_eq!(phases, ["reserving", "decoding", "migrating", "failed"]);
+    assert_eq!(phases, [P::Reserving, P::Decoding, P::Migrating, P::Failed]);
     assert!(b.seen.lock().unwrap().generate.is_empty());
 }
 

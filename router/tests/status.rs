@@ -84,7 +84,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
     };
     let up = Decision {
         desired: 2,
-        action: "up",
+        action: router::planner::Action::Up,
         why: "p90 90 ms over target 60 ms".into(),
     };
     st.board.decided(now, Pool::Decode, &inputs, &up);
@@ -118,7 +118,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
     // A hold is the pool's latest decision, not one of the listed changes.
     let hold = Decision {
         desired: 2,
-        action: "hold",
+        action: router::planner::Action::Hold,
         why: "within target".into(),
     };
     st.board

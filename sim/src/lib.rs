@@ -236,11 +236,20 @@ enum Event {
         decode: usize,
     },
     /// Request `req`'s transfer gave up at its deadline.
-    TransferFailed { req: usize, id: RequestId },
+    TransferFailed {
+        req: usize,
+        id: RequestId,
+    },
     /// Request `req`'s prefill call returns: the decode worker took its KV.
-    PrefillReturned { req: usize, id: RequestId },
+    PrefillReturned {
+        req: usize,
+        id: RequestId,
+    },
     /// Request `req` may be past its admission deadline.
-    AdmissionDeadline { req: usize, id: RequestId },
+    AdmissionDeadline {
+        req: usize,
+        id: RequestId,
+    },
     /// Request `req` is past its deadline (`request_timeout`).
     Timeout(usize),
     Tick,

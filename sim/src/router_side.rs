@@ -43,14 +43,7 @@ impl Sim {
     /// way out): now if it is due, else when it is.
     pub(crate) fn input_at(&mut self, r: usize, id: RequestId, input: Input, at: u64) {
         match at > self.now {
-            true => self.schedule(
-                at,
-                Event::Input {
-                    req: r,
-                    id,
-                    input,
-                },
-            ),
+            true => self.schedule(at, Event::Input { req: r, id, input }),
             false => self.input(r, id, input, at),
         }
     }
@@ -222,6 +215,7 @@ impl Sim {
     /// admission deadline) while it waits for room; draining workers it left may retire.
     fn settled(&mut self, r: usize) {
         let core = self.reqs[r].core.as_ref().expect("started");
+        self.by_id.insert(core.id(), r);
         if core.ended() {
             if !std::mem::replace(&mut self.reqs[r].done, true) {
                 self.open -= 1;
@@ -237,7 +231,6 @@ impl Sim {
                 self.schedule(ns(at), Event::AdmissionDeadline { req: r, id });
             }
         }
-        self.by_id.insert(core.id(), r);
         for w in self.draining.clone() {
             self.retire(w);
         }
@@ -306,7 +299,8 @@ impl Sim {
             };
             let rid = core.id();
             let on_decode = core.phase().decode_worker() == Some(id);
-            let prefilling = matches!(core.phase(), Phase::Prefilling { prefill, .. } if *prefill == id);
+            let prefilling =
+                matches!(core.phase(), Phase::Prefilling { prefill, .. } if *prefill == id);
             if on_decode {
                 self.input(r, rid, clone_input(&decode), self.now);
             } else if prefilling {

@@ -19,7 +19,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         prefill: (prefill > 0).then(|| pool(prefill)),
         decode: pool(decode),
         routing: router::routing::Routing::default(),
-        local_prefill_max_tokens: 0,
+        router: router::core::Settings::default(),
         link: Link {
             bandwidth: 2e9,
             latency: Duration::from_micros(200),
@@ -294,7 +294,7 @@ fn a_long_request_holds_a_worker_after_a_while_rather_than_starve() {
     assert!(r.outcomes.iter().all(|o| o.error.is_none()));
     assert_eq!(r.admission_holds, 1);
     let ttft = r.outcomes[333].ttft.unwrap().as_secs_f64();
-    let hold = router::admission::HOLD_AFTER.as_secs_f64();
+    let hold = router::core::HOLD_AFTER.as_secs_f64();
     assert!(
         ttft > hold && ttft < hold + 1.5,
         "the long request's first token after {ttft} s"
@@ -400,7 +400,7 @@ fn the_planner_scales_the_decode_pool_up_under_a_queue() {
     let up = r
         .series
         .iter()
-        .find(|s| s.action == "up")
+        .find(|s| s.action == router::planner::Action::Up)
         .expect("a scale-up");
     assert!(up.queued > 0, "decided on the admission queue: {up:?}");
     let joined = r
@@ -452,7 +452,7 @@ fn a_dead_decode_workers_requests_migrate_and_finish_elsewhere() {
         *worst > Duration::from_millis(5),
         "a migration's gap: {worst:?}"
     );
-    cfg.liveness.migration_limit = 0;
+    cfg.router.migration_limit = 0;
     let r = Sim::new(cfg, burst(8, 1, 100)).unwrap().run();
     let failed: Vec<&str> = r
         .outcomes

@@ -11,6 +11,7 @@
 //! decode, with the whole batch still running, over the same steps in both runs (the same
 //! contexts); one mask's own time is printed too.
 
+use engine::RequestId;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -38,7 +39,8 @@ fn steps(
                 constraint: constrained.then(|| Constraint::JsonSchema(schema())),
                 ..SamplingParams::greedy(64)
             };
-            e.add((k * batch + i) as u64, p.clone(), params).unwrap();
+            e.add(RequestId((k * batch + i) as u64), p.clone(), params)
+                .unwrap();
         }
         let mut times = Vec::new();
         while e.has_work() {

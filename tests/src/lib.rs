@@ -7,6 +7,7 @@ pub mod etcd;
 pub mod netns;
 pub mod up;
 
+use engine::RequestId;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -73,8 +74,13 @@ pub fn engine_chat(message: &str, params: engine::SamplingParams) -> (String, us
         let grammars = engine::grammar::Grammars::new(&tok).unwrap();
         e.set_grammars(std::sync::Arc::new(grammars));
     }
-    e.add(0, tok.encode(&text).unwrap(), params).unwrap();
-    let mut out = e.run_to_completion().unwrap().remove(&0).unwrap();
+    e.add(RequestId(0), tok.encode(&text).unwrap(), params)
+        .unwrap();
+    let mut out = e
+        .run_to_completion()
+        .unwrap()
+        .remove(&RequestId(0))
+        .unwrap();
     let n = out.len();
     if out.last().is_some_and(|t| tok.stop_ids().contains(t)) {
         out.pop();

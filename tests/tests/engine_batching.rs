@@ -2,6 +2,7 @@
 //! identical whatever else is in the batch and however its prompt is chunked, and the scheduler
 //! returns every request's single-request output and all its KV blocks.
 
+use engine::RequestId;
 use std::collections::BTreeMap;
 
 use engine::{BlockTable, Engine, EngineConfig, KvCache, Model, SamplingParams, SeqChunk};
@@ -102,7 +103,7 @@ fn scheduler_serves_16_requests_like_one() {
         seed: i as u64,
         ..Default::default()
     };
-    let alone: BTreeMap<u64, Vec<u32>> = ps
+    let alone: BTreeMap<RequestId, Vec<u32>> = ps
         .iter()
         .enumerate()
         .map(|(i, p)| {
@@ -112,11 +113,9 @@ fn scheduler_serves_16_requests_like_one() {
                 tok.stop_ids().to_vec(),
             )
             .unwrap();
-            e.add(i as u64, p.clone(), params(i)).unwrap();
-            (
-                i as u64,
-                e.run_to_completion().unwrap().remove(&(i as u64)).unwrap(),
-            )
+            e.add(RequestId(i as u64), p.clone(), params(i)).unwrap();
+            let id = RequestId(i as u64);
+            (id, e.run_to_completion().unwrap().remove(&id).unwrap())
         })
         .collect();
     // A small cache and token budget: admissions wait for blocks, prompts are chunked.
@@ -127,10 +126,10 @@ fn scheduler_serves_16_requests_like_one() {
     };
     let mut e = Engine::new(model, cfg, tok.stop_ids().to_vec()).unwrap();
     for (i, p) in ps.iter().enumerate() {
-        e.add(i as u64, p.clone(), params(i)).unwrap();
+        e.add(RequestId(i as u64), p.clone(), params(i)).unwrap();
     }
     let mut peak_running_blocks = 0;
-    let mut together: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    let mut together: BTreeMap<RequestId, Vec<u32>> = BTreeMap::new();
     while e.has_work() {
         for ev in e.step().unwrap() {
             together.entry(ev.id).or_default().push(ev.token);
@@ -154,14 +153,19 @@ fn abort_frees_blocks_at_once() {
         tok.stop_ids().to_vec(),
     )
     .unwrap();
-    e.add(1, vec![1, 2, 3, 4, 5], SamplingParams::greedy(50))
+    e.add(
+        RequestId(1),
+        vec![1, 2, 3, 4, 5],
+        SamplingParams::greedy(50),
+    )
+    .unwrap();
+    e.add(RequestId(2), vec![6, 7, 8], SamplingParams::greedy(50))
         .unwrap();
-    e.add(2, vec![6, 7, 8], SamplingParams::greedy(50)).unwrap();
     e.step().unwrap();
     assert!(e.free_blocks() < 8);
-    assert!(e.release(1, engine::Release::Cancelled));
-    assert!(e.release(2, engine::Release::Cancelled));
-    assert!(!e.release(2, engine::Release::Cancelled));
+    assert!(e.release(RequestId(1), engine::Release::Cancelled));
+    assert!(e.release(RequestId(2), engine::Release::Cancelled));
+    assert!(!e.release(RequestId(2), engine::Release::Cancelled));
     assert_eq!(e.free_blocks(), 8);
     assert!(!e.has_work());
 }
@@ -204,14 +208,18 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
             tok.stop_ids().to_vec(),
         )
         .unwrap();
-        single.add(0, p.clone(), params(i)).unwrap();
-        let want = single.run_to_completion().unwrap().remove(&0).unwrap();
+        single.add(RequestId(0), p.clone(), params(i)).unwrap();
+        let want = single
+            .run_to_completion()
+            .unwrap()
+            .remove(&RequestId(0))
+            .unwrap();
 
         decode
-            .reserve_remote(i as u64, p.clone(), params(i))
+            .reserve_remote(RequestId(i as u64), p.clone(), params(i), 0)
             .unwrap();
         prefill
-            .add_prefill_only(i as u64, p[..p.len() - 1].to_vec(), 0)
+            .add_prefill_only(RequestId(i as u64), p[..p.len() - 1].to_vec(), 0)
             .unwrap();
         while prefill.take_prefilled().is_empty() {
             assert!(
@@ -219,20 +227,22 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
                 "prefill-only requests sample nothing"
             );
         }
-        let kv = prefill.export_kv(i as u64).unwrap();
+        let kv = prefill.export_kv(RequestId(i as u64)).unwrap();
         assert_eq!(prefill.free_blocks(), prefill.total_blocks());
-        decode.admit_remote(i as u64, &kv).unwrap();
+        decode.admit_remote(RequestId(i as u64), &kv).unwrap();
         let got = decode
             .run_to_completion()
             .unwrap()
-            .remove(&(i as u64))
+            .remove(&RequestId(i as u64))
             .unwrap();
         assert_eq!(got, want, "prompt {i}");
     }
     assert_eq!(decode.free_blocks(), decode.total_blocks());
     // A reservation that never gets its KV is freed by abort.
-    decode.reserve_remote(99, ps[3].clone(), params(0)).unwrap();
+    decode
+        .reserve_remote(RequestId(99), ps[3].clone(), params(0), 0)
+        .unwrap();
     assert!(decode.free_blocks() < decode.total_blocks());
-    assert!(decode.release(99, engine::Release::Cancelled));
+    assert!(decode.release(RequestId(99), engine::Release::Cancelled));
     assert_eq!(decode.free_blocks(), decode.total_blocks());
 }

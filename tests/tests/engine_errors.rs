@@ -1,6 +1,7 @@
 //! Bad input gives a clear error naming what is wrong: missing, truncated and non-GGUF files,
 //! unsupported quantisation types and architectures, prompts longer than the context.
 
+use engine::RequestId;
 use std::path::Path;
 
 use engine::{EngineConfig, SamplingParams};
@@ -127,7 +128,7 @@ fn prompts_beyond_the_context_are_refused() {
     let mut e =
         engine::Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     let err = e
-        .add(1, vec![42; ctx + 5], SamplingParams::greedy(1))
+        .add(RequestId(1), vec![42; ctx + 5], SamplingParams::greedy(1))
         .unwrap_err()
         .to_string();
     assert!(
@@ -135,23 +136,23 @@ fn prompts_beyond_the_context_are_refused() {
         "{err}"
     );
     let err = e
-        .add(2, vec![42; 100], SamplingParams::greedy(ctx))
+        .add(RequestId(2), vec![42; 100], SamplingParams::greedy(ctx))
         .unwrap_err()
         .to_string();
     assert!(err.contains("exceeds the model's context"), "{err}");
     let err = e
-        .add(3, vec![], SamplingParams::greedy(1))
+        .add(RequestId(3), vec![], SamplingParams::greedy(1))
         .unwrap_err()
         .to_string();
     assert!(err.contains("empty"), "{err}");
     let err = e
-        .add(4, vec![1_000_000], SamplingParams::greedy(1))
+        .add(RequestId(4), vec![1_000_000], SamplingParams::greedy(1))
         .unwrap_err()
         .to_string();
     assert!(err.contains("outside the vocabulary"), "{err}");
     let err = e
         .add(
-            5,
+            RequestId(5),
             vec![1],
             SamplingParams {
                 temperature: f32::NAN,

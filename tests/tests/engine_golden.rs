@@ -2,6 +2,7 @@
 //! teacher-forced logits and free-running greedy output. The reference is
 //! `tests/golden/smollm2_llamacpp.json`, written by `scripts/golden_llamacpp.py`.
 
+use engine::RequestId;
 use engine::{ChatMessage, Engine, EngineConfig, SamplingParams, SeqChunk};
 use tandem_tests::{golden, load_model};
 
@@ -110,12 +111,12 @@ fn free_running_greedy_matches_llama_cpp() {
             ..SamplingParams::greedy(case.generated.len())
         };
         engine
-            .add(i as u64, case.prompt_ids.clone(), params)
+            .add(RequestId(i as u64), case.prompt_ids.clone(), params)
             .unwrap();
     }
     let out = engine.run_to_completion().unwrap();
     for (i, case) in g.cases.iter().enumerate() {
-        let ours = &out[&(i as u64)];
+        let ours = &out[&RequestId(i as u64)];
         let same = ours
             .iter()
             .zip(&case.generated)
@@ -149,10 +150,14 @@ fn chat_answers_capital_of_germany_with_berlin() {
         .unwrap();
     let mut engine = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
     engine
-        .add(0, tok.encode(&prompt).unwrap(), SamplingParams::greedy(48))
+        .add(
+            RequestId(0),
+            tok.encode(&prompt).unwrap(),
+            SamplingParams::greedy(48),
+        )
         .unwrap();
     let out = engine.run_to_completion().unwrap();
-    let answer = tok.decode(&out[&0], true).unwrap();
+    let answer = tok.decode(&out[&RequestId(0)], true).unwrap();
     println!("answer: {answer:?}");
     assert!(answer.contains("Berlin"), "{answer:?}");
 }

@@ -2,15 +2,17 @@
 //! computes only the rest and gives bitwise the tokens (and the KV) of a cold run; cached
 //! blocks are evicted, least recently used first, when space is needed.
 
+use engine::RequestId;
 use engine::{Engine, EngineConfig, SamplingParams};
 use tandem_tests::load_model;
 
 /// Runs one request alone to completion on `e`; returns its tokens.
 fn generate(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
-    e.add(id, prompt.to_vec(), params.clone()).unwrap();
+    e.add(RequestId(id), prompt.to_vec(), params.clone())
+        .unwrap();
     e.run_to_completion()
         .unwrap()
-        .remove(&id)
+        .remove(&RequestId(id))
         .unwrap_or_default()
 }
 
@@ -89,14 +91,15 @@ fn a_prefill_engine_exports_the_kv_of_a_cold_one_computing_only_the_suffix() {
     let mut warm = Engine::new(model.clone(), cold(true, 64), Vec::new()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let mut off = Engine::new(model.clone(), cold(false, 64), Vec::new()).unwrap();
-        off.add_prefill_only(1, p.clone(), 0).unwrap();
+        off.add_prefill_only(RequestId(1), p.clone(), 0).unwrap();
         off.run_to_completion().unwrap();
-        let want = off.export_kv(1).unwrap();
+        let want = off.export_kv(RequestId(1)).unwrap();
         let before = warm.load().prefix_hit_tokens;
-        warm.add_prefill_only(i as u64, p.clone(), 0).unwrap();
+        warm.add_prefill_only(RequestId(i as u64), p.clone(), 0)
+            .unwrap();
         warm.run_to_completion().unwrap();
         assert_eq!(
-            warm.export_kv(i as u64).unwrap(),
+            warm.export_kv(RequestId(i as u64)).unwrap(),
             want,
             "prompt {i}: bitwise the same KV"
         );
@@ -151,12 +154,15 @@ fn a_delta_transfer_carries_only_the_tokens_the_decode_engine_lacks() {
         let mut single = Engine::new(model.clone(), cold(false, 64), stops.clone()).unwrap();
         let want = generate(&mut single, 0, &prompt, &params);
         let held = decode
-            .reserve_remote(turn, prompt.clone(), params.clone())
-            .unwrap();
+            .reserve_remote(RequestId(turn), prompt.clone(), params.clone(), 0)
+            .unwrap()
+            .cached;
         let known = prompt[..prompt.len() - 1].to_vec();
-        prefill.add_prefill_only(turn, known, held).unwrap();
+        prefill
+            .add_prefill_only(RequestId(turn), known, held)
+            .unwrap();
         prefill.run_to_completion().unwrap();
-        let kv = prefill.export_kv(turn).unwrap();
+        let kv = prefill.export_kv(RequestId(turn)).unwrap();
         let sent = prompt.len() - 1 - held;
         assert_eq!(
             kv[0].len(),
@@ -164,8 +170,12 @@ fn a_delta_transfer_carries_only_the_tokens_the_decode_engine_lacks() {
             "turn {turn}: only what is missing"
         );
         assert_eq!(held > 0, turn > 0, "turn {turn}: {held} tokens held");
-        decode.admit_remote(turn, &kv).unwrap();
-        let got = decode.run_to_completion().unwrap().remove(&turn).unwrap();
+        decode.admit_remote(RequestId(turn), &kv).unwrap();
+        let got = decode
+            .run_to_completion()
+            .unwrap()
+            .remove(&RequestId(turn))
+            .unwrap();
         assert_eq!(got, want, "turn {turn}: bitwise the single engine's tokens");
         prompt.extend(&got);
         prompt.extend(user_turn(turn as u32, 11));
@@ -189,7 +199,8 @@ fn a_prefix_being_computed_is_waited_for_not_computed_twice() {
     };
     let mut e = Engine::new(model.clone(), chunked, stops.clone()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
-        e.add(i as u64, p.clone(), params.clone()).unwrap();
+        e.add(RequestId(i as u64), p.clone(), params.clone())
+            .unwrap();
     }
     let got = e.run_to_completion().unwrap();
     assert_eq!(
@@ -200,7 +211,7 @@ fn a_prefix_being_computed_is_waited_for_not_computed_twice() {
     for (i, p) in prompts.iter().enumerate() {
         let mut off = Engine::new(model.clone(), cold(false, 64), stops.clone()).unwrap();
         assert_eq!(
-            got[&(i as u64)],
+            got[&RequestId(i as u64)],
             generate(&mut off, 0, p, &params),
             "request {i}"
         );

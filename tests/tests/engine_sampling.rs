@@ -2,6 +2,7 @@
 //! tokens are what a direct computation on the model's own logits picks — the formula written
 //! out here, value by value, independently of the sampler's code.
 
+use engine::RequestId;
 use engine::{Engine, EngineConfig, Model, SamplingParams};
 use tandem_tests::{decode_by_hand, load_model};
 
@@ -53,8 +54,11 @@ fn penalties_bias_and_min_tokens_pick_what_the_direct_computation_picks() {
             tok.stop_ids().to_vec(),
         )
         .unwrap();
-        e.add(0, prompt.clone(), p.clone()).unwrap();
-        e.run_to_completion().unwrap().remove(&0).unwrap()
+        e.add(RequestId(0), prompt.clone(), p.clone()).unwrap();
+        e.run_to_completion()
+            .unwrap()
+            .remove(&RequestId(0))
+            .unwrap()
     };
     let plain = SamplingParams::greedy(n);
     let base = run(&plain);
@@ -138,14 +142,15 @@ fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
     };
     let mut e = Engine::new(model.clone(), config, tok.stop_ids().to_vec()).unwrap();
     // The same prompt once without: its blocks are cached after it.
-    e.add(0, prompt.clone(), SamplingParams::greedy(1)).unwrap();
+    e.add(RequestId(0), prompt.clone(), SamplingParams::greedy(1))
+        .unwrap();
     e.run_to_completion().unwrap();
     let hits = e.load().prefix_hit_tokens;
     let p = SamplingParams {
         prompt_logprobs: Some(3),
         ..SamplingParams::greedy(2)
     };
-    e.add(1, prompt.clone(), p).unwrap();
+    e.add(RequestId(1), prompt.clone(), p).unwrap();
     let mut events = Vec::new();
     while e.has_work() {
         events.extend(e.step().unwrap());
@@ -180,7 +185,7 @@ fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
         prompt_logprobs: Some(0),
         ..SamplingParams::greedy(1)
     };
-    e2.add(3, long.clone(), p).unwrap();
+    e2.add(RequestId(3), long.clone(), p).unwrap();
     e2.step().unwrap();
     assert_eq!(
         e2.last_step().0,
@@ -197,7 +202,8 @@ fn prompt_logprobs_are_each_positions_log_softmax_and_nothing_is_reused() {
         long.len() - 1
     );
     // The blocks were there to reuse: the same prompt without prompt log-probabilities hits.
-    e.add(2, prompt.clone(), SamplingParams::greedy(1)).unwrap();
+    e.add(RequestId(2), prompt.clone(), SamplingParams::greedy(1))
+        .unwrap();
     e.run_to_completion().unwrap();
     assert!(
         e.load().prefix_hit_tokens > hits,

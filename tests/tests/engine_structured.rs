@@ -3,6 +3,7 @@
 //! and ends because the grammar is complete (finish `stop`), never by running out of tokens;
 //! regular expressions and choices likewise; a schema that cannot compile is refused.
 
+use engine::RequestId;
 use std::sync::Arc;
 
 use engine::grammar::Grammars;
@@ -26,7 +27,7 @@ fn generate(
 ) -> Run {
     let msgs = [ChatMessage::user(prompt)];
     let text = tok.apply_chat_template(&msgs, true).unwrap();
-    e.add(id, tok.encode(&text).unwrap(), p).unwrap();
+    e.add(RequestId(id), tok.encode(&text).unwrap(), p).unwrap();
     let (mut ids, mut finish) = (Vec::new(), None);
     while e.has_work() {
         for ev in e.step().unwrap() {
@@ -122,7 +123,9 @@ fn regexes_and_choices_are_matched_and_bad_grammars_refused() {
         Constraint::Unreadable("expected value at line 1 column 1".into()),
     ];
     for c in bad {
-        let err = e.add(999, vec![1, 2, 3], with(c.clone(), 0)).unwrap_err();
+        let err = e
+            .add(RequestId(999), vec![1, 2, 3], with(c.clone(), 0))
+            .unwrap_err();
         assert!(
             matches!(err, engine::EngineError::InvalidRequest(_)),
             "{c:?}: {err}"

@@ -4,6 +4,7 @@
 //! — each generating exactly what a cache keeping every token generates (the forward is
 //! bitwise batch-invariant, so greedy tokens must match).
 
+use engine::RequestId;
 use engine::{Engine, EngineConfig, Model, SamplingParams};
 use tandem_tests::{decode_by_hand, gemma3_golden, load_gemma3};
 
@@ -92,7 +93,7 @@ fn a_long_sequence_holds_its_window_and_generates_what_a_full_cache_does() {
     // 80 blocks of every layer's memory: 480 pages.
     let mut e = engine(&model, 80);
     assert_eq!(e.total_blocks(), 480);
-    e.add(1, p.clone(), greedy()).unwrap();
+    e.add(RequestId(1), p.clone(), greedy()).unwrap();
     let (mut got, mut steps) = (Vec::new(), 0);
     while e.has_work() {
         got.extend(e.step().unwrap().into_iter().map(|t| t.token));
@@ -105,7 +106,7 @@ fn a_long_sequence_holds_its_window_and_generates_what_a_full_cache_does() {
             n => PROMPT + n - 1,
         };
         assert_eq!(
-            e.blocks_of(1),
+            e.blocks_of(RequestId(1)),
             held(window, wg, computed),
             "pages held after step {steps} ({computed} tokens computed)"
         );
@@ -130,13 +131,13 @@ fn two_long_sequences_run_together_where_one_would_fill_a_full_cache() {
     let mut e = engine(&model, 95);
     let ps = [prompt(PROMPT, 1), prompt(PROMPT, 2)];
     for (i, p) in ps.iter().enumerate() {
-        e.add(i as u64, p.clone(), greedy()).unwrap();
+        e.add(RequestId(i as u64), p.clone(), greedy()).unwrap();
     }
     let mut got = [Vec::new(), Vec::new()];
     let mut together = 0;
     while e.has_work() {
         for t in e.step().unwrap() {
-            got[t.id as usize].push(t.token);
+            got[t.id.0 as usize].push(t.token);
         }
         if e.load().running == 2 {
             together += 1;
@@ -158,8 +159,12 @@ fn the_prefix_cache_serves_a_windowed_layer_from_its_window() {
     let (want, _) = decode_by_hand(&model, &p, NEW, &[], argmax);
     let mut e = engine(&model, 120);
     for round in 0..2 {
-        e.add(round, p.clone(), greedy()).unwrap();
-        let got = e.run_to_completion().unwrap().remove(&round).unwrap();
+        e.add(RequestId(round), p.clone(), greedy()).unwrap();
+        let got = e
+            .run_to_completion()
+            .unwrap()
+            .remove(&RequestId(round))
+            .unwrap();
         assert_eq!(got, want, "round {round}");
     }
     // The second round found every whole block of its prompt but the last token's.
@@ -176,14 +181,15 @@ fn a_transfer_sends_a_windowed_layer_its_window_only() {
     let (want, _) = decode_by_hand(&model, &p, NEW, &[], argmax);
     let mut prefill = engine(&model, 120);
     let mut decode = engine(&model, 120);
-    assert_eq!(decode.reserve_remote(7, p.clone(), greedy()).unwrap(), 0);
+    let reserved = decode.reserve_remote(RequestId(7), p.clone(), greedy(), 0);
+    assert_eq!(reserved.unwrap().cached, 0);
     prefill
-        .add_prefill_only(7, p[..p.len() - 1].to_vec(), 0)
+        .add_prefill_only(RequestId(7), p[..p.len() - 1].to_vec(), 0)
         .unwrap();
     while prefill.take_prefilled().is_empty() {
         prefill.step().unwrap();
     }
-    let kv = prefill.export_kv(7).unwrap();
+    let kv = prefill.export_kv(RequestId(7)).unwrap();
     assert_eq!(prefill.free_blocks(), prefill.total_blocks());
     let width = model.config.kv_width();
     for (l, layer) in model.config.layers.iter().enumerate() {
@@ -193,8 +199,12 @@ fn a_transfer_sends_a_windowed_layer_its_window_only() {
         };
         assert_eq!(kv[l].len(), 4 * tokens * width, "layer {l}'s bytes");
     }
-    decode.admit_remote(7, &kv).unwrap();
-    let got = decode.run_to_completion().unwrap().remove(&7).unwrap();
+    decode.admit_remote(RequestId(7), &kv).unwrap();
+    let got = decode
+        .run_to_completion()
+        .unwrap()
+        .remove(&RequestId(7))
+        .unwrap();
     assert_eq!(got, want);
     assert_eq!(decode.free_blocks(), decode.total_blocks());
 }

@@ -11,6 +11,7 @@
 //! top-5 logits must agree within 1.5.
 #![cfg(feature = "cuda")]
 
+use engine::RequestId;
 use std::sync::Arc;
 
 use engine::SeqChunk;
@@ -118,8 +119,12 @@ fn the_engine_on_cuda_generates_what_it_generates_on_the_cpu() {
             Engine::new(Arc::new(m), EngineConfig::default(), t.stop_ids().to_vec()).unwrap();
         let golden = tandem_tests::golden();
         for (i, c) in golden.cases.iter().enumerate() {
-            e.add(i as u64, c.prompt_ids.clone(), SamplingParams::greedy(16))
-                .unwrap();
+            e.add(
+                RequestId(i as u64),
+                c.prompt_ids.clone(),
+                SamplingParams::greedy(16),
+            )
+            .unwrap();
         }
         e.run_to_completion().unwrap()
     };

@@ -33,7 +33,10 @@ impl ModelIdentity {
             ("head_dim", num(self.head_dim, other.head_dim)),
             (
                 "windows",
-                (format!("{:?}", self.windows), format!("{:?}", other.windows)),
+                (
+                    format!("{:?}", self.windows),
+                    format!("{:?}", other.windows),
+                ),
             ),
         ];
         let diffs: Vec<String> = fields

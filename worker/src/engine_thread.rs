@@ -283,7 +283,10 @@ mod tests {
         assert_eq!(next(&rx), "cmd 8 draining=true");
         // Asked through the command channel, not the published load (which the thread writes
         // after the commands it has read together, so it may lag behind "cmd 8").
-        assert!(!h.cancel(RequestId(8)).await.unwrap(), "draining: 8 was not admitted");
+        assert!(
+            !h.cancel(RequestId(8)).await.unwrap(),
+            "draining: 8 was not admitted"
+        );
         assert!(
             rx.recv_timeout(Duration::from_millis(100)).is_err(),
             "idle: no step"

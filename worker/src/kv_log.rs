@@ -66,8 +66,14 @@ mod tests {
     #[test]
     fn events_since_a_number_or_a_snapshot_when_asked_or_lost() {
         let tier = types::Tier::Pool;
-        let stored = |h| KvEvent::Stored { block: BlockHash(h), tier };
-        let removed = |h| KvEvent::Removed { block: BlockHash(h), tier };
+        let stored = |h| KvEvent::Stored {
+            block: BlockHash(h),
+            tier,
+        };
+        let removed = |h| KvEvent::Removed {
+            block: BlockHash(h),
+            tier,
+        };
         let mut log = KvLog::default();
         log.push(vec![stored(1), stored(2)]);
         log.push(vec![removed(1)]);

@@ -19,7 +19,10 @@ pub fn server<C: Send + 'static>(engine: EngineHandle<C>) -> WorkerServer<Worker
 #[tonic::async_trait]
 impl<C: Send + 'static> Worker for WorkerService<C> {
     async fn cancel(&self, req: Request<CancelRequest>) -> Result<Response<CancelReply>, Status> {
-        let found = self.0.cancel(RequestId(req.into_inner().request_id)).await?;
+        let found = self
+            .0
+            .cancel(RequestId(req.into_inner().request_id))
+            .await?;
         Ok(Response::new(CancelReply { found }))
     }
 

@@ -222,7 +222,10 @@ impl Sim {
                     self.server.verdict(*request_id, self.verdict.clone());
                 }
                 ServerEvent::Abandoned { request_id, .. } => {
-                    assert_eq!(self.ledger.free(RequestId(*request_id)), Some(Holding::InFlight));
+                    assert_eq!(
+                        self.ledger.free(RequestId(*request_id)),
+                        Some(Holding::InFlight)
+                    );
                 }
                 ServerEvent::Renewed { request_id } => {
                     assert!(self.ledger.renew(RequestId(*request_id), self.now + LEASE));

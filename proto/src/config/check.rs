@@ -68,8 +68,12 @@ impl Ctx<'_> {
         }
         let table = before[..line_start].lines().rev().find_map(|l| {
             let l = l.trim();
-            l.strip_prefix('[')
-                .map(|h| h.trim_start_matches('[').trim_end_matches(']').trim().to_string())
+            l.strip_prefix('[').map(|h| {
+                h.trim_start_matches('[')
+                    .trim_end_matches(']')
+                    .trim()
+                    .to_string()
+            })
         });
         Some(match table {
             Some(t) if !t.is_empty() => format!("{t}.{key}"),
@@ -135,7 +139,9 @@ impl Ctx<'_> {
         if let Some(f) = &r.api_keys_file {
             let key = "router.api_keys_file";
             match std::fs::read_to_string(f.get_ref()) {
-                Ok(t) if t.lines().any(|l| !l.trim().is_empty() && !l.trim().starts_with('#')) => {}
+                Ok(t)
+                    if t.lines()
+                        .any(|l| !l.trim().is_empty() && !l.trim().starts_with('#')) => {}
                 Ok(_) => return self.err(f.span(), key, "the file holds no key"),
                 Err(e) => {
                     let m = format!("cannot read {}: {e}", f.get_ref().display());
@@ -171,7 +177,12 @@ impl Ctx<'_> {
     }
 
     /// `[<pool>.autoscale]`: bounds, a target to scale on, what the actuator needs.
-    fn autoscale(&self, name: &str, pool: &PoolSection, a: &AutoscaleSection) -> Result<(), ConfigError> {
+    fn autoscale(
+        &self,
+        name: &str,
+        pool: &PoolSection,
+        a: &AutoscaleSection,
+    ) -> Result<(), ConfigError> {
         let key = |k: &str| format!("{name}.autoscale.{k}");
         self.positive(&a.min, &key("min"))?;
         self.positive(&a.tick_ms, &key("tick_ms"))?;

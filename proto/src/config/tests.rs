@@ -128,7 +128,7 @@ fn defaults_and_errors_name_file_line_and_key() {
     assert_eq!(e, "cluster.toml:5: decode.threads: must be at least 1");
     let e = parse("[decode]\nreplica = 2\n").unwrap_err().to_string();
     assert!(
-        e.starts_with("cluster.toml:2: unknown field `replica`"),
+        e.starts_with("cluster.toml:2: decode.replica: unknown field `replica`"),
         "{e}"
     );
     let e = parse("[router]\nlisten = \"nowhere\"\n[decode]\n")
@@ -141,7 +141,10 @@ fn defaults_and_errors_name_file_line_and_key() {
     let e = parse("[decode]\nkv_blocks = \"many\"\n")
         .unwrap_err()
         .to_string();
-    assert!(e.starts_with("cluster.toml:2: invalid type"), "{e}");
+    assert!(
+        e.starts_with("cluster.toml:2: decode.kv_blocks: invalid type"),
+        "{e}"
+    );
     let e = parse("[kv_transfer]\nprefer = [\"quic\", \"pigeon\"]\n[decode]\n")
         .unwrap_err()
         .to_string();

@@ -110,8 +110,9 @@ impl Line {
             return None;
         }
         let e = &self.waiting[&oldest].1;
-        let allowed =
-            |w: WorkerId, pin: bool| !e.avoid.contains(&w) && (!pin || e.pin.is_none_or(|p| p == w));
+        let allowed = |w: WorkerId, pin: bool| {
+            !e.avoid.contains(&w) && (!pin || e.pin.is_none_or(|p| p == w))
+        };
         // Its pin while that serves, else any it has not left; the most free, the lowest id
         // among equals.
         let pinned = e.pin.is_some_and(|p| free.iter().any(|&(x, _)| x == p));
@@ -135,8 +136,16 @@ mod tests {
         let mut line = Line::default();
         assert_eq!(line.kept_off(RequestId(9), t0, &free), None, "nobody waits");
         line.join(RequestId(10), t0, Eligible::default());
-        line.join(RequestId(11), t0 + Duration::from_secs(1), Eligible::default());
-        line.join(RequestId(10), t0 + Duration::from_secs(2), Eligible::default()); // keeps its place
+        line.join(
+            RequestId(11),
+            t0 + Duration::from_secs(1),
+            Eligible::default(),
+        );
+        line.join(
+            RequestId(10),
+            t0 + Duration::from_secs(2),
+            Eligible::default(),
+        ); // keeps its place
         assert_eq!(line.len(), 2);
         // Not yet.
         let soon = t0 + HOLD_AFTER - Duration::from_millis(1);
@@ -144,11 +153,17 @@ mod tests {
         // The oldest (10) holds worker 2 (most free; 3 ties, higher id): others keep off it,
         // whoever asks first; it may ask any.
         let later = t0 + HOLD_AFTER;
-        assert_eq!(line.kept_off(RequestId(12), later, &free), Some(WorkerId(2)));
+        assert_eq!(
+            line.kept_off(RequestId(12), later, &free),
+            Some(WorkerId(2))
+        );
         assert_eq!(line.kept_off(RequestId(10), later, &free), None);
         // Its worker left: the hold moves to the emptiest that remains.
         let free = [(WorkerId(1), 100), (WorkerId(3), 50)];
-        assert_eq!(line.kept_off(RequestId(11), later, &free), Some(WorkerId(1)));
+        assert_eq!(
+            line.kept_off(RequestId(11), later, &free),
+            Some(WorkerId(1))
+        );
         // Reserved: the next oldest (11, waiting since t0+1s) holds one once it has waited
         // long enough itself.
         line.leave(RequestId(10));
@@ -177,7 +192,10 @@ mod tests {
                 avoid: vec![],
             },
         );
-        assert_eq!(line.kept_off(RequestId(11), later, &free), Some(WorkerId(3)));
+        assert_eq!(
+            line.kept_off(RequestId(11), later, &free),
+            Some(WorkerId(3))
+        );
         line.leave(RequestId(10));
         line.join(
             RequestId(10),
@@ -201,6 +219,10 @@ mod tests {
                 avoid: vec![WorkerId(1), WorkerId(2), WorkerId(3)],
             },
         );
-        assert_eq!(line.kept_off(RequestId(11), later, &free), None, "nowhere it may go");
+        assert_eq!(
+            line.kept_off(RequestId(11), later, &free),
+            None,
+            "nowhere it may go"
+        );
     }
 }

@@ -23,4 +23,6 @@ pub use request::{
     Action, Cx, Held, Input, Note, Params, Phase, PhaseName, PrefillDecision, Recompute, Request,
     Reservation, Settings, Trace, TtftPhases,
 };
-pub use table::{Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker};
+pub use table::{
+    Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker,
+};

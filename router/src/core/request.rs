@@ -594,7 +594,10 @@ impl Request {
 
     /// Reserving's inputs.
     fn reserving(&mut self, now: Instant, input: Input, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
-        let Phase::Reserving { asking, refused, .. } = &mut self.phase else {
+        let Phase::Reserving {
+            asking, refused, ..
+        } = &mut self.phase
+        else {
             unreachable!("reserving");
         };
         match (input, asking.take()) {
@@ -653,7 +656,9 @@ impl Request {
             unreachable!("reserving");
         };
         let keep = |w: &Worker| {
-            !refused.iter().any(|&(r, beats)| r == w.id && w.beats == beats)
+            !refused
+                .iter()
+                .any(|&(r, beats)| r == w.id && w.beats == beats)
                 && !self.avoid.contains(&w.id)
                 && pin.is_none_or(|p| p == w.id)
                 && Some(w.id) != kept_off
@@ -712,7 +717,11 @@ impl Request {
         let Some((wait, prefill_rate)) = cx.table.prefill_wait() else {
             return short;
         };
-        let rate = match cx.table.get(w).map_or(0.0, |w| w.load.prompt_tokens_per_s as f64) {
+        let rate = match cx
+            .table
+            .get(w)
+            .map_or(0.0, |w| w.load.prompt_tokens_per_s as f64)
+        {
             r if r > 0.0 => r,
             _ => prefill_rate,
         };
@@ -744,7 +753,11 @@ impl Request {
     ) {
         self.reserved = Some(now);
         let waited = now.saturating_duration_since(self.arrived);
-        cx.signals.admission.lock().expect("window lock").record(now, waited);
+        cx.signals
+            .admission
+            .lock()
+            .expect("window lock")
+            .record(now, waited);
         self.stream_from = self.streamed.len();
         let decision = match r {
             Some(r) => self.decision(r, cx),
@@ -755,21 +768,14 @@ impl Request {
         };
         out.push(Action::Note(Note::Decided(decision)));
         match r {
-            Some(r) if !r.local => self.start_prefill(now, decode, r.cached_tokens, cx, out),
+            Some(r) if !r.local => self.start_prefill(decode, r.cached_tokens, cx, out),
             _ => self.go(Phase::Decoding { decode }, out),
         }
     }
 
     /// Sends the prompt (less its last token) to the prefill worker the policy picks, whose KV
     /// goes straight to the decode worker — all but the first `skip` tokens, which it holds.
-    fn start_prefill(
-        &mut self,
-        now: Instant,
-        decode: Held,
-        skip: u32,
-        cx: &mut Cx<'_>,
-        out: &mut Vec<Action>,
-    ) {
+    fn start_prefill(&mut self, decode: Held, skip: u32, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
         let Some(p) = cx.table.pick(Pool::Prefill, |_| true, &self.route) else {
             let why = ApiError::Unavailable("no prefill worker has joined the cluster".into());
             return self.recompute(decode, why, Recompute::NoPrefillWorker, cx, out);
@@ -849,7 +855,13 @@ impl Request {
     }
 
     /// What may befall a decode stream, prefilling or decoding.
-    fn stream_trouble(&mut self, now: Instant, input: Input, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
+    fn stream_trouble(
+        &mut self,
+        now: Instant,
+        input: Input,
+        cx: &mut Cx<'_>,
+        out: &mut Vec<Action>,
+    ) {
         let Some(w) = self.phase.decode_worker() else {
             return;
         };
@@ -861,7 +873,8 @@ impl Request {
                 self.fail(ApiError::Upstream(m), out);
             }
             Input::StreamEnded => {
-                let m = format!("decode worker {name} ended the stream before the request finished");
+                let m =
+                    format!("decode worker {name} ended the stream before the request finished");
                 self.migrate(now, ApiError::Upstream(m), cx, out);
             }
             Input::DecodeFailed(cause, msg) => self.decode_failed(now, cause, msg, cx, out),
@@ -981,7 +994,10 @@ impl Request {
         cx: &mut Cx<'_>,
         out: &mut Vec<Action>,
     ) {
-        tracing::warn!("{why}; recomputing the prompt on decode worker {}", decode.worker);
+        tracing::warn!(
+            "{why}; recomputing the prompt on decode worker {}",
+            decode.worker
+        );
         out.push(Action::Note(Note::Recomputed(cause)));
         self.release_prefill(out);
         out.push(Action::Release {
@@ -1014,10 +1030,8 @@ impl Request {
                     unreachable!("recomputing");
                 };
                 let w = decode.worker;
-                let (name, endpoint) = cx
-                    .table
-                    .get(w)
-                    .map_or((w.to_string(), String::new()), |x| {
+                let (name, endpoint) =
+                    cx.table.get(w).map_or((w.to_string(), String::new()), |x| {
                         (x.name.clone(), x.endpoint.clone())
                     });
                 let failed = format!(

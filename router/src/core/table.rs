@@ -176,7 +176,9 @@ pub enum JoinRefused {
         ours: u32,
     },
     /// Its model cannot exchange KV with the cluster's.
-    #[error("worker {name} cannot exchange KV with this cluster's model ({diff}; router vs worker)")]
+    #[error(
+        "worker {name} cannot exchange KV with this cluster's model ({diff}; router vs worker)"
+    )]
     Model {
         /// The worker's name.
         name: String,

@@ -249,7 +249,10 @@ impl PoolPlan {
     /// it: an idle pool's demand is no measure.
     fn sized_down(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Option<Decision> {
         let s = &self.scaling;
-        let n = inp.needed.filter(|_| inp.p90.is_some())?.clamp(s.min, s.max);
+        let n = inp
+            .needed
+            .filter(|_| inp.p90.is_some())?
+            .clamp(s.min, s.max);
         if n + 1 >= self.desired || r.load >= SIZED_DOWN_BELOW || !r.cooled {
             return None;
         }

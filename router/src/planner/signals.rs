@@ -193,6 +193,12 @@ impl Signals {
 /// A prompt in the prefill pool, counted as pending until dropped (finished or given up).
 pub struct PendingPrefill(Arc<Signals>, u64);
 
+impl std::fmt::Debug for PendingPrefill {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "PendingPrefill({} tokens)", self.1)
+    }
+}
+
 impl Drop for PendingPrefill {
     fn drop(&mut self) {
         self.0

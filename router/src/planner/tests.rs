@@ -52,7 +52,10 @@ fn the_queue_scales_up_before_the_window_shows_a_miss_and_down_only_after_calm()
     // While the new replicas start, no further scale-up.
     let mut i = inp(1, Some(900), Some(900), 9000);
     i.starting = 2;
-    assert_eq!(p.decide(t0 + Duration::from_millis(100), i).action, Action::Hold);
+    assert_eq!(
+        p.decide(t0 + Duration::from_millis(100), i).action,
+        Action::Hold
+    );
     // Within target: hold.
     let d = p.decide(
         t0 + Duration::from_secs(1),
@@ -61,7 +64,10 @@ fn the_queue_scales_up_before_the_window_shows_a_miss_and_down_only_after_calm()
     assert_eq!((d.desired, d.action), (3, Action::Hold));
     // Calm (below half the target, nothing queued) must last the cooldown.
     let t1 = t0 + Duration::from_secs(3);
-    assert_eq!(p.decide(t1, inp(3, Some(100), None, 0)).action, Action::Hold);
+    assert_eq!(
+        p.decide(t1, inp(3, Some(100), None, 0)).action,
+        Action::Hold
+    );
     assert_eq!(
         p.decide(t1 + Duration::from_millis(1900), inp(3, None, None, 0))
             .action,

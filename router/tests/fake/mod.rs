@@ -25,6 +25,7 @@ use router::State;
 use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
 use tonic::{Request, Response, Status};
+use types::WorkerId;
 
 // The router under test, and fakes joined to it.
 
@@ -46,18 +47,18 @@ pub fn state_on(
         true,
         Duration::from_secs(5),
     );
-    s.admission_wait = admission_wait;
+    s.core.admission_wait = admission_wait;
     set(&mut s);
     Arc::new(s)
 }
 
 /// Serves `fake` and joins it to the registry as a worker of `pool`; returns its id.
-pub async fn join(state: &State, pool: Pool, fake: &Fake) -> u64 {
+pub async fn join(state: &State, pool: Pool, fake: &Fake) -> WorkerId {
     let addr = fake.serve().await;
     join_at(state, pool, &format!("http://{addr}"))
 }
 
-pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
+pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> WorkerId {
     let path = engine::fetch::default_model_path();
     let (config, _) = engine::inspect(&path).unwrap();
     let offer = KvOffer {
@@ -82,7 +83,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> u64 {
 
 /// Heartbeats for worker `id` every 50 ms, its engine steps standing at `steps` (or moving, if
 /// `None`), until the test ends.
-pub fn keep_beating(st: &Arc<State>, id: u64, steps: Option<u64>) {
+pub fn keep_beating(st: &Arc<State>, id: WorkerId, steps: Option<u64>) {
     let st = st.clone();
     tokio::spawn(async move {
         for n in 1.. {
@@ -92,7 +93,7 @@ pub fn keep_beating(st: &Arc<State>, id: u64, steps: Option<u64>) {
                 ..Default::default()
             };
             let beat = grpc::Heartbeat {
-                worker_id: id,
+                worker_id: id.0,
                 load: Some(load),
                 kv: None,
             };
