@@ -157,15 +157,22 @@ impl Etcd {
         Ok(())
     }
 
-    /// A keep-alive stream for lease `id`.
+    /// A keep-alive stream for lease `id`, renewed once. (etcd answers a stream's headers
+    /// with its first message: the first renewal goes before the call, or neither side moves.)
     pub async fn keep_alive(&self, id: i64) -> Result<KeepAlive, EtcdError> {
         let (tx, rx) = mpsc::channel(1);
+        tx.send(LeaseKeepAliveRequest { id })
+            .await
+            .map_err(|_| tonic::Status::internal("the keep-alive request was not sent"))?;
         let mut client = LeaseClient::new(self.channel.clone());
-        let answers = client
+        let mut answers = client
             .lease_keep_alive(ReceiverStream::new(rx))
             .await?
             .into_inner();
-        Ok(KeepAlive { tx, answers, id })
+        match answers.message().await? {
+            Some(a) if a.ttl > 0 => Ok(KeepAlive { tx, answers, id }),
+            _ => Err(tonic::Status::not_found("the lease is gone").into()),
+        }
     }
 
     /// Puts `key = value` under lease `lease` (0: none).
@@ -194,7 +201,8 @@ impl Etcd {
         Ok((r.kvs, r.header.map_or(0, |h| h.revision)))
     }
 
-    /// Watches the keys starting with `prefix` from revision `from` on.
+    /// Watches the keys starting with `prefix` from revision `from` on (the create request goes
+    /// before the call, as for [`Etcd::keep_alive`]).
     pub async fn watch(&self, prefix: &str, from: i64) -> Result<Watch, EtcdError> {
         let (tx, rx) = mpsc::channel(1);
         let create = WatchCreateRequest {
