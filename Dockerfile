@@ -5,7 +5,7 @@
 
 FROM rust:1.95-bookworm AS build
 RUN apt-get update -qq \
- && apt-get install -y -qq --no-install-recommends protobuf-compiler cmake libclang-dev \
+ && apt-get install -y -qq --no-install-recommends cmake libclang-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY . .

