@@ -9,7 +9,8 @@ import subprocess
 import tempfile
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-EXE = os.path.join(ROOT, "target", "release", "tandem")
+# The binary under test (`TANDEM_EXE` names another build, e.g. to compare before and after).
+EXE = os.environ.get("TANDEM_EXE") or os.path.join(ROOT, "target", "release", "tandem")
 
 
 @contextlib.contextmanager

@@ -1,6 +1,9 @@
 //! The `tandem` command line: `up` starts the cluster of cluster.toml; `router`, `prefill` and
-//! `decode` start one role each; `generate` runs the engine in-process; `model fetch` fetches the
-//! default model; `bench engine` measures prefill/decode throughput.
+//! `decode` start one role each; `generate` runs the engine in-process; `model fetch`,
+//! `model path` and `model list` manage the model cache; `bench engine` measures prefill/decode
+//! throughput, `bench load` puts an open-loop load on an OpenAI endpoint; `simulate` runs the
+//! cluster of cluster.toml on a virtual clock; `status` shows a running cluster's pools and
+//! workers; `plan` finds the cheapest static fleets that meet latency targets, by simulation.
 
 mod cluster;
 mod download;

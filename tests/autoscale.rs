@@ -10,13 +10,14 @@
 //! cannot push the decode pool over it — while the decode-heavy load (128-token answers at
 //! 8/s, more than one replica can finish) piles up sequences until its steps pass 250 ms.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde_json::Value;
 use tandem_tests::cluster::{get, metric_at as metric, post_json};
+use tandem_tests::up::Up;
+use tandem_tests::wait_until;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -59,24 +60,6 @@ tick_ms = 250
 cooldown_ms = 2000
 window_ms = 3000
 "#;
-
-struct Up(Child);
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child; `tandem up` stops the router, which stops its workers.
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGINT) };
-        let t0 = Instant::now();
-        while t0.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 /// Runs `tandem bench load` against `http` and returns its JSON report.
 fn bench(http: SocketAddr, dir: &std::path::Path, args: &[&str]) -> Value {
@@ -129,14 +112,6 @@ fn ups(http: SocketAddr, pool: &str) -> f64 {
     )
 }
 
-fn wait_until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
-    let t0 = Instant::now();
-    while !f() {
-        assert!(t0.elapsed() < limit, "{what} within {limit:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 fn live_workers(http: SocketAddr, role: &str) -> Vec<Value> {
     let (_, body) = get(http, "/debug/workers").unwrap();
     let v: Value = serde_json::from_str(&body).unwrap();
@@ -151,30 +126,8 @@ fn live_workers(http: SocketAddr, role: &str) -> Vec<Value> {
 
 #[test]
 fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
-    let dir = std::env::temp_dir().join(format!("tandem-autoscale-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("cluster.toml");
-    std::fs::write(&cfg, CONFIG).unwrap();
-    let mut child = Command::new(EXE)
-        .args(["up", "--config"])
-        .arg(&cfg)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let up = Up(child);
-    let mut lines = BufReader::new(stdout).lines();
-    let http: SocketAddr = lines
-        .by_ref()
-        .map_while(Result::ok)
-        .find_map(|l| {
-            let rest = l.split("behind http://").nth(1)?;
-            rest.trim().parse().ok()
-        })
-        .expect("tandem up prints its address");
-    // Keep reading what `tandem up` prints after that: a closed pipe would end it.
-    std::thread::spawn(move || for _ in lines {});
+    let up = Up::start(EXE.as_ref(), CONFIG);
+    let (http, dir) = (up.http, up.dir().to_path_buf());
 
     // Baseline: half a prefill replica's capacity. Nothing scales.
     let r = load(http, &dir, 4, 24, 128, 16);
@@ -253,5 +206,4 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     );
     assert_eq!(status, 200, "{v}");
     drop(up);
-    let _ = std::fs::remove_dir_all(&dir);
 }

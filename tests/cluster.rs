@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
 use tandem_tests::cluster::{metric_at, post_json, request, Cluster};
-use tandem_tests::{engine_chat as engine_text, load_model};
+use tandem_tests::engine_chat as engine_text;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
@@ -234,7 +234,10 @@ fn a_cluster_serves_gemma3_through_completions() {
         .unwrap();
     drop(e);
     let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 128\n\n[decode]\nthreads = 1\nkv_blocks = 128\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
-    let c = Cluster::start_model_toml(EXE.as_ref(), &tandem_tests::gemma3_path(), toml, 1, 1);
+    let c = Cluster::of(1, 1)
+        .model(&tandem_tests::gemma3_path())
+        .toml(toml)
+        .start(EXE.as_ref());
     let body = json!({"model": "gemma-3-270m-q4_k_m", "prompt": case.text, "max_tokens": 12, "temperature": 0});
     let (status, v) = post_json(c.http, "/v1/completions", &body);
     assert_eq!(status, 200, "{v}");
@@ -389,7 +392,7 @@ fn worker_with_mismatched_kv_layout_is_refused_at_join() {
     let c = Cluster::start(EXE.as_ref(), 0, 1);
     let dir = std::env::temp_dir().join(format!("tandem-mismatch-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let cfg = tandem_tests::cluster::write_config(&dir, false, 32);
+    let cfg = Cluster::of(0, 1).block_size(32).write(&dir);
     let out = c
         .spawn_worker("decode", "odd-one", &cfg)
         .wait_with_output()
@@ -434,7 +437,7 @@ print("".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.
 #[test]
 fn a_full_decode_worker_makes_requests_wait_not_fail() {
     // 10 blocks of 16 tokens: one request (about 40 prompt + 64 new tokens = 7 blocks) at a time.
-    let c = Cluster::start_with(EXE.as_ref(), 1, 1, 10);
+    let c = Cluster::of(1, 1).decode_blocks(10).start(EXE.as_ref());
     let answers: Vec<(u16, Value)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..4)
             .map(|i| {
@@ -464,141 +467,10 @@ fn a_full_decode_worker_makes_requests_wait_not_fail() {
 }
 
 #[test]
-fn tcp_and_quic_layerwise_or_whole_carry_the_kv_to_identical_tokens_and_say_which() {
-    let q = "Explain photosynthesis in one sentence.";
-    let mut texts = Vec::new();
-    for (transport, layerwise) in [("tcp", true), ("quic", true), ("tcp", false)] {
-        let kv = format!("prefer = [\"{transport}\"]\nlayerwise = {layerwise}");
-        let c = Cluster::start_kv(EXE.as_ref(), 1, 1, 512, &kv);
-        let (status, v) = post_json(
-            c.http,
-            "/v1/chat/completions",
-            &json!({"model": MODEL, "temperature": 0.7, "seed": 3, "max_tokens": 40, "messages": [{"role": "user", "content": q}]}),
-        );
-        assert_eq!(status, 200, "{v}");
-        texts.push(
-            v["choices"][0]["message"]["content"]
-                .as_str()
-                .unwrap()
-                .to_string(),
-        );
-        c.wait_transfers(transport, 1);
-    }
-    assert_eq!(texts[0], texts[1]);
-    assert_eq!(texts[0], texts[2]);
-    let params = SamplingParams {
-        max_tokens: Some(40),
-        temperature: 0.7,
-        seed: 3,
-        ..Default::default()
-    };
-    assert_eq!(texts[0], engine_text(q, params).0);
-}
-
-#[test]
-fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_closed() {
-    // Default preference is rdma, tcp, quic: this build has no RDMA, so TCP is chosen.
-    let c = Cluster::start(EXE.as_ref(), 1, 1);
-    let (status, _) = post_json(
-        c.http,
-        "/v1/completions",
-        &json!({"prompt": "Hello there", "max_tokens": 2}),
-    );
-    assert_eq!(status, 200);
-    c.wait_transfers("tcp", 1);
-    // The fallback and its reason are in the router's metrics.
-    let (_, metrics) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
-    let chosen = metrics
-        .lines()
-        .find(|l| l.starts_with("tandem_kv_transport_chosen_total{"))
-        .unwrap_or_else(|| panic!("no transport choice in /metrics:\n{metrics}"));
-    assert!(
-        chosen.contains("transport=\"tcp\"") && chosen.contains("rdma: "),
-        "{chosen}"
-    );
-    // A prefill worker that requires RDMA refuses to start, saying why.
-    let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "require = \"rdma\"");
-    let out = c
-        .spawn_worker("prefill", "rdma-only", &cfg)
-        .wait_with_output()
-        .unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success());
-    assert!(err.contains("require") && err.contains("rdma"), "{err}");
-}
-
-/// Kills a process when dropped (so a failing test leaves nothing running).
-struct Reaped(std::process::Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-#[test]
-fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
-    let dir = std::env::temp_dir().join(format!("tandem-secret-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let secret = dir.join("secret");
-    std::fs::write(&secret, "correct horse battery staple\n").unwrap();
-    let kv = format!("secret_file = {secret:?}");
-    let ask = |c: &Cluster| {
-        post_json(
-            c.http,
-            "/v1/completions",
-            &json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}),
-        )
-    };
-    // Members with the secret: served through the prefill pool.
-    let c = Cluster::start_kv(EXE.as_ref(), 1, 1, 512, &kv);
-    let (status, v) = ask(&c);
-    assert_eq!(status, 200, "{v}");
-    assert!(
-        v["choices"][0]["text"].as_str().unwrap().contains("Paris"),
-        "{v}"
-    );
-    c.wait_transfers("tcp", 1);
-    drop(c);
-    // A decode worker with the secret, and an outsider prefill worker without it: the outsider's
-    // KV is refused at the handshake, before the decode worker reads any of it; the router
-    // recomputes the prompt on the decode worker, so the client still gets the right answer.
-    let c = Cluster::start_kv(EXE.as_ref(), 0, 1, 512, &kv);
-    let outsider_cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, "");
-    let outsider = Reaped(c.spawn_worker("prefill", "outsider", &outsider_cfg));
-    c.wait_for(1, 1);
-    let (status, v) = ask(&c);
-    assert_eq!(status, 200, "{v}");
-    assert!(
-        v["choices"][0]["text"].as_str().unwrap().contains("Paris"),
-        "{v}"
-    );
-    let ws = c.workers();
-    let p = ws.iter().find(|w| w["role"] == "prefill").unwrap();
-    assert_eq!(
-        p["kv_transfers"],
-        json!({}),
-        "the outsider wrote no KV: {p}"
-    );
-    // It was tried: the prompt went to it, its KV was refused, the decode worker recomputed.
-    let phase = |name: &str| {
-        metric_at(
-            c.http,
-            &format!("tandem_router_request_phases_total{{phase=\"{name}\"}}"),
-        )
-    };
-    assert_eq!((phase("prefilling"), phase("recomputing")), (1.0, 1.0));
-    c.wait_all_free(Duration::from_secs(5));
-    drop(outsider);
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[test]
 fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_everything() {
     let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    let cfg = tandem_tests::cluster::write_config(&dir, true, 16);
+    let cfg = Cluster::of(1, 1).write(&dir);
     let mut up = std::process::Command::new(EXE)
         .args(["up", "--config"])
         .arg(&cfg)
@@ -679,159 +551,6 @@ fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_ev
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
-    let c = Cluster::start(EXE.as_ref(), 1, 1);
-    for _ in 0..2 {
-        let (status, _) = post_json(
-            c.http,
-            "/v1/completions",
-            &json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0}),
-        );
-        assert_eq!(status, 200);
-    }
-    let (status, _) = post_json(
-        c.http,
-        "/v1/completions",
-        &json!({"prompt": "x", "max_tokens": -1}),
-    );
-    assert_eq!(status, 400);
-    c.wait_transfers("tcp", 2);
-    let (status, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
-    assert_eq!(status, 200);
-    let value = |needle: &str| -> f64 {
-        text.lines()
-            .find(|l| l.starts_with(needle))
-            .and_then(|l| l.rsplit(' ').next())
-            .and_then(|v| v.parse().ok())
-            .unwrap_or_else(|| panic!("no {needle} in\n{text}"))
-    };
-    assert_eq!(value("tandem_router_requests_total{outcome=\"ok\"}"), 2.0);
-    assert_eq!(
-        value("tandem_router_requests_total{outcome=\"client_error\"}"),
-        1.0
-    );
-    assert_eq!(value("tandem_router_ttft_seconds_count"), 2.0);
-    assert_eq!(value("tandem_router_itl_seconds_count"), 6.0);
-    // Where the TTFT went, each phase of both (remote) first tries; every token's way from
-    // the decode worker timed.
-    for phase in ["admission", "prefill", "first_token"] {
-        let n = value(&format!(
-            "tandem_router_ttft_phase_seconds_count{{phase=\"{phase}\"}}"
-        ));
-        assert_eq!(n, 2.0, "{phase}");
-    }
-    assert_eq!(value("tandem_router_token_delay_seconds_count"), 8.0);
-    assert_eq!(value("tandem_kv_transfers_total{transport=\"tcp\"}"), 2.0);
-    assert!(value("tandem_kv_transfer_bytes_total{transport=\"tcp\"}") > 0.0);
-    assert!(
-        text.contains("tandem_worker_kv_blocks_free{worker=\"decode-0\",role=\"decode\"}"),
-        "{text}"
-    );
-    // The ledger from heartbeats: nothing reserved or in flight once the requests are done.
-    let t0 = Instant::now();
-    loop {
-        let (_, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
-        let held: f64 = text
-            .lines()
-            .filter(|l| {
-                l.starts_with("tandem_worker_kv_blocks_reserved")
-                    || l.starts_with("tandem_worker_transfers_in_flight")
-            })
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum();
-        let reported = text.contains("tandem_worker_transfers_in_flight{worker=\"prefill-0\"");
-        if reported && held == 0.0 {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(5),
-            "ledger not balanced: {text}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
-#[test]
-fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
-    let c = Cluster::start(EXE.as_ref(), 1, 1);
-    let dir = std::env::temp_dir().join(format!("tandem-load-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    // Three requests; the second shares the first's leading block (a shared prefix).
-    let trace = dir.join("trace.jsonl");
-    std::fs::write(
-        &trace,
-        "{\"timestamp\": 0, \"input_length\": 1024, \"output_length\": 200, \"hash_ids\": [0, 1]}\n\
-         {\"timestamp\": 100, \"input_length\": 700, \"output_length\": 100, \"hash_ids\": [0, 2]}\n\
-         {\"timestamp\": 200, \"input_length\": 300, \"output_length\": 50, \"hash_ids\": [3]}\n",
-    )
-    .unwrap();
-    let report = dir.join("report.json");
-    let out = std::process::Command::new(EXE)
-        .args(["bench", "load", "--addr", &c.http.to_string(), "--trace"])
-        .arg(&trace)
-        .args(["--length-scale", "0.05", "--time-scale", "1", "--json"])
-        .arg(&report)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
-    assert_eq!(r["requests"], 3, "{r}");
-    assert_eq!(r["completed"], 3, "{r}");
-    assert!(r["ttft_ms"]["p50"].as_f64().unwrap() > 0.0, "{r}");
-    // Output lengths are exact (ignore_eos): 10 + 5 + 3 (rounded 200/100/50 x 0.05 = 10/5/2.5).
-    let tokens = r["output_tokens_per_s"].as_f64().unwrap() * r["duration_s"].as_f64().unwrap();
-    assert!((tokens - 18.0).abs() < 0.5, "{r}");
-    c.wait_all_free(Duration::from_secs(5));
-    c.wait_transfers("tcp", 3);
-    let _ = std::fs::remove_dir_all(&dir);
-}
-
-#[test]
-fn every_process_serves_metrics_that_promtool_accepts() {
-    let c = Cluster::start(EXE.as_ref(), 1, 1);
-    let (status, _) = post_json(
-        c.http,
-        "/v1/chat/completions",
-        &json!({"temperature": 0, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}),
-    );
-    assert_eq!(status, 200);
-    c.wait_all_free(Duration::from_secs(5));
-    c.wait_transfers("tcp", 1);
-    let mut texts = vec![(
-        "router".to_string(),
-        tandem_tests::cluster::get(c.http, "/metrics").unwrap().1,
-    )];
-    for w in c.workers() {
-        let at: std::net::SocketAddr = w["metrics_endpoint"].as_str().unwrap().parse().unwrap();
-        let (status, text) = tandem_tests::cluster::get(at, "/metrics").unwrap();
-        assert_eq!(status, 200, "{w}");
-        texts.push((w["name"].as_str().unwrap().to_string(), text));
-    }
-    for (who, text) in &texts {
-        tandem_tests::cluster::promtool_check(text)
-            .unwrap_or_else(|e| panic!("{who}: {e}\n{text}"));
-    }
-    let find = |who: &str, metric: &str| {
-        let (_, text) = texts.iter().find(|(w, _)| w.starts_with(who)).unwrap();
-        assert!(text.contains(metric), "{who} has no {metric}:\n{text}");
-    };
-    find("router", "tandem_router_ttft_seconds_bucket");
-    find("prefill", "tandem_prefill_prompt_tokens_total");
-    find("prefill", "tandem_prefill_queue_depth");
-    find("prefill", "tandem_kv_sent_bytes_total{transport=\"tcp\"}");
-    find("decode", "tandem_decode_step_seconds_bucket");
-    find("decode", "tandem_decode_kv_blocks_free");
-    find(
-        "decode",
-        "tandem_decode_kv_ledger_blocks{state=\"reserved\"} 0",
-    );
-}
-
 /// Pools on `device = "cuda:0"`, on the CPU CUDA emulator (`kernels/emu`, a test double, not a
 /// GPU): both on the GPU, and each mixed with a CPU pool (a CPU worker's KV and a GPU worker's
 /// are the same on the wire). A GPU prefill's KV leaves its device layer by layer through pinned
@@ -848,7 +567,12 @@ fn clusters_with_cuda_pools_answer_berlin_on_the_cuda_emulator() {
         let _ = std::fs::remove_file(&log);
         let mut env = kernels::cuda::emu::environment(&lib);
         env.push(("TANDEM_CUDA_EMU_LOG".into(), log.display().to_string()));
-        let c = Cluster::start_pools(EXE.as_ref(), 1, 1, 64, "prefer = [\"tcp\"]", pools, &env);
+        let c = Cluster::of(1, 1)
+            .decode_blocks(64)
+            .kv("prefer = [\"tcp\"]")
+            .pools(pools)
+            .env(&env)
+            .start(EXE.as_ref());
         let (text, _, _) = stream_chat(
             &c,
             json!({"model": MODEL, "messages": [{"role": "user", "content": "What is the capital city of Germany?"}],
@@ -872,214 +596,6 @@ fn clusters_with_cuda_pools_answer_berlin_on_the_cuda_emulator() {
     }
 }
 
-#[test]
-fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
-    let (model, tok) = load_model();
-    let c = Cluster::start(EXE.as_ref(), 1, 1);
-    let per_token = (model.config.n_layers * 4 * model.config.kv_width()) as f64;
-    let bs = 16;
-    let greedy = SamplingParams::greedy(8);
-    let seeded = SamplingParams {
-        temperature: 0.8,
-        top_k: 40,
-        seed: 11,
-        ..SamplingParams::greedy(8)
-    };
-    let mut transfers = 0;
-    for (conv, params) in [greedy, seeded].into_iter().enumerate() {
-        let user = |k: usize| -> Vec<u32> {
-            (0..20 + 3 * k as u32)
-                .map(|i| 300 + (conv as u32 * 7 + k as u32 * 7919 + i * 104_729) % 40_000)
-                .collect()
-        };
-        let mut prompt: Vec<u32> = Vec::new();
-        let (mut decode_held, mut prefill_held) = (0usize, 0usize);
-        for k in 0..6 {
-            prompt.extend(user(k));
-            let mut cold = EngineConfig::default();
-            cold.prefix_cache = false;
-            let mut e = Engine::new(model.clone(), cold, tok.stop_ids().to_vec()).unwrap();
-            let params = SamplingParams {
-                ignore_eos: true,
-                ..params.clone()
-            };
-            e.add(engine::RequestId(0), prompt.clone(), params.clone())
-                .unwrap();
-            let want = e
-                .run_to_completion()
-                .unwrap()
-                .remove(&engine::RequestId(0))
-                .unwrap();
-            let bytes0 = metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
-            let hits0 = prefill_hits(&c);
-            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
-                              "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
-            let (status, v) = post_json(c.http, "/v1/completions", &body);
-            assert_eq!(status, 200, "{v}");
-            assert_eq!(
-                v["choices"][0]["text"],
-                tok.decode(&want, true).unwrap(),
-                "conv {conv} turn {k}"
-            );
-            transfers += 1;
-            c.wait_transfers("tcp", transfers);
-            let sent =
-                metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}") - bytes0;
-            let held = decode_held.min((prompt.len() - 2) / bs * bs);
-            let want_sent = (prompt.len() - 1 - held) as f64 * per_token;
-            assert_eq!(
-                sent, want_sent,
-                "conv {conv} turn {k}: only the blocks the decode worker lacks"
-            );
-            let hit = prefill_hits(&c) - hits0;
-            assert_eq!(
-                hit,
-                prefill_held.min((prompt.len() - 2) / bs * bs) as u64,
-                "conv {conv} turn {k}: the prefill computed only what it lacked"
-            );
-            // What each worker holds for the next turn, in whole blocks: the decode worker the
-            // prompt and the answer but its last token; the prefill worker the prompt less its
-            // last token.
-            prefill_held = (prompt.len() - 1) / bs * bs;
-            prompt.extend(&want);
-            decode_held = (prompt.len() - 1) / bs * bs;
-        }
-    }
-    assert!(
-        metric_at(
-            c.http,
-            "tandem_router_prefill_decisions_total{decision=\"remote\"}"
-        ) >= 12.0
-    );
-    c.wait_all_free(Duration::from_secs(5));
-}
-
-/// The prefill worker's prefix-cache hits (prompt tokens not computed), asked live.
-fn prefill_hits(c: &Cluster) -> u64 {
-    c.workers()
-        .iter()
-        .filter(|w| w["role"] == "prefill")
-        .map(|w| w["stats"]["prefix_hit_tokens"].as_u64().unwrap_or(0))
-        .sum()
-}
-
-#[test]
-fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_reason() {
-    let (model, tok) = load_model();
-    let mut c = Cluster::start_router(EXE.as_ref(), 1, 1, "local_prefill_max_tokens = 40");
-    let cold = |prompt: &[u32]| {
-        let mut cfg = EngineConfig::default();
-        cfg.prefix_cache = false;
-        let mut e = Engine::new(model.clone(), cfg, tok.stop_ids().to_vec()).unwrap();
-        let params = SamplingParams {
-            ignore_eos: true,
-            ..SamplingParams::greedy(8)
-        };
-        e.add(engine::RequestId(0), prompt.to_vec(), params)
-            .unwrap();
-        e.run_to_completion()
-            .unwrap()
-            .remove(&engine::RequestId(0))
-            .unwrap()
-    };
-    let http = c.http;
-    let ask = |prompt: &[u32]| {
-        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
-        let (status, v) = post_json(http, "/v1/completions", &body);
-        assert_eq!(status, 200, "{v}");
-        v["choices"][0]["text"].as_str().unwrap().to_string()
-    };
-    let decisions = |c: &Cluster, d: &str| {
-        metric_at(
-            c.http,
-            &format!("tandem_router_prefill_decisions_total{{decision=\"{d}\"}}"),
-        )
-    };
-    let transfers = |c: &Cluster| -> u64 {
-        let ws = c.workers();
-        ws.iter()
-            .map(|w| w["kv_transfers"]["tcp"].as_u64().unwrap_or(0))
-            .sum()
-    };
-    // 99 tokens to compute: the prefill pool does it.
-    let mut prompt: Vec<u32> = (0..100).map(|i| 300 + i * 389 % 40_000).collect();
-    let answer = cold(&prompt);
-    assert_eq!(ask(&prompt), tok.decode(&answer, true).unwrap());
-    c.wait_transfers("tcp", 1);
-    assert_eq!(decisions(&c, "remote"), 1.0);
-    // The next turn: the decode worker holds 96 tokens; 21 are left, under 40: computed there.
-    prompt.extend(&answer);
-    prompt.extend((0..10).map(|i| 5_000 + i));
-    let answer = cold(&prompt);
-    assert_eq!(ask(&prompt), tok.decode(&answer, true).unwrap());
-    assert_eq!(decisions(&c, "local: short suffix"), 1.0);
-    assert_eq!(transfers(&c), 1, "no KV moved for it");
-    // Without a prefill worker the decode worker prefills, and says why.
-    c.kill_worker("prefill-0");
-    let t0 = Instant::now();
-    while c.workers().iter().any(|w| w["role"] == "prefill") {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the prefill worker is dropped"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let other: Vec<u32> = (0..50).map(|i| 7_000 + i).collect();
-    assert_eq!(ask(&other), tok.decode(&cold(&other), true).unwrap());
-    assert_eq!(decisions(&c, "local: no prefill worker"), 1.0);
-    c.wait_all_free(Duration::from_secs(5));
-}
-
-#[test]
-fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
-    let c = Cluster::start(EXE.as_ref(), 0, 2);
-    let mut prompt: Vec<u32> = (0..60).map(|i| 2_000 + i * 13).collect();
-    let stats = |c: &Cluster, key: &str| -> Vec<u64> {
-        let ws = c.workers();
-        ws.iter()
-            .map(|w| w["stats"][key].as_u64().unwrap_or(0))
-            .collect()
-    };
-    for turn in 0..4 {
-        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
-        let (status, v) = post_json(c.http, "/v1/completions", &body);
-        assert_eq!(status, 200, "{v}");
-        // The next turn is routed by what the workers' heartbeats have told the index: wait
-        // until it holds at least this prompt's full blocks (16 tokens each). The workers'
-        // own counts come by the same heartbeats, so they cannot tell whether one has arrived.
-        let full_blocks = prompt.len() as u64 / 16;
-        let t0 = Instant::now();
-        while (metric_at(c.http, "tandem_router_kv_index_blocks") as u64) < full_blocks {
-            assert!(
-                t0.elapsed() < Duration::from_secs(5),
-                "turn {turn}: the index hears of the blocks"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        prompt.extend((0..20).map(|i| 9_000 + turn * 100 + i));
-    }
-    let hits = stats(&c, "prefix_hit_tokens");
-    let prompts = stats(&c, "prompt_tokens");
-    assert!(
-        hits.iter().filter(|&&h| h > 0).count() == 1,
-        "one worker reused the conversation: {hits:?}"
-    );
-    let (busy, idle) = if prompts[0] > prompts[1] {
-        (0, 1)
-    } else {
-        (1, 0)
-    };
-    assert_eq!(
-        prompts[idle], 0,
-        "every turn went to the same worker: {prompts:?}"
-    );
-    assert!(
-        hits[busy] >= 3 * 64,
-        "turns 1..3 each found the earlier turns cached: {hits:?}"
-    );
-    c.wait_all_free(Duration::from_secs(5));
-}
-
 /// Two models behind one address: a SmolLM2 cluster whose router answers for a Gemma 3
 /// cluster's (`[router] models`) serves each by name — Gemma's answer is the Gemma engine's own,
 /// whole and streamed, and was served by the Gemma router (its request count, the front's
@@ -1087,14 +603,14 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
 #[test]
 fn one_router_answers_for_two_models_by_name() {
     let gemma_toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nthreads = 1\nkv_blocks = 64\n";
-    let g = Cluster::start_model_toml(EXE.as_ref(), &tandem_tests::gemma3_path(), gemma_toml, 0, 1);
+    let g = Cluster::of(0, 1)
+        .model(&tandem_tests::gemma3_path())
+        .toml(gemma_toml)
+        .start(EXE.as_ref());
     let gemma = "gemma-3-270m-q4_k_m";
-    let front = Cluster::start_router(
-        EXE.as_ref(),
-        0,
-        1,
-        &format!("models = {{ \"{gemma}\" = \"{}\" }}", g.http),
-    );
+    let front = Cluster::of(0, 1)
+        .router(&format!("models = {{ \"{gemma}\" = \"{}\" }}", g.http))
+        .start(EXE.as_ref());
     let prompt = "The capital of France is";
     let (model, tok) = tandem_tests::load_gemma3();
     let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();

@@ -101,9 +101,9 @@ fn pump(mut from: TcpStream, mut to: TcpStream, fault: Fault) {
 #[test]
 fn corrupted_cut_and_stalled_transfers_end_cleanly_and_free_their_blocks() {
     let kv = "prefer = [\"tcp\"]\ntransfer_timeout_ms = 1500\nconnect_timeout_ms = 1000";
-    let mut c = Cluster::start_kv(EXE.as_ref(), 1, 0, 512, kv);
+    let mut c = Cluster::of(1, 0).kv(kv).start(EXE.as_ref());
     let (proxy_addr, target) = proxy(vec![Fault::Corrupt, Fault::Cut, Fault::Stall, Fault::Pass]);
-    let cfg = tandem_tests::cluster::write_config_kv(c.dir(), true, 16, 512, kv);
+    let cfg = c.config(&Cluster::of(1, 1).kv(kv));
     let advertise = proxy_addr.to_string();
     let mut decode =
         c.spawn_worker_with("decode", "decode-0", &cfg, &["--kv-advertise", &advertise]);

@@ -163,7 +163,7 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_pe
         let migrations = metric_at(c.http, "tandem_router_migrations_total");
         assert_eq!(migrations, (k + 1) as f64, "the stream moved once");
         // The other decode worker served the rest; a new one joins for the next stream.
-        let cfg = c.config(true);
+        let cfg = c.config(&Cluster::of(1, 1));
         c.add_worker("decode", &format!("decode-new-{k}"), &cfg);
         c.wait_for(1, 2);
     }
@@ -172,7 +172,9 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_pe
 
 #[test]
 fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error_event() {
-    let mut c = Cluster::start_router(EXE.as_ref(), 1, 2, "migration_limit = 0");
+    let mut c = Cluster::of(1, 2)
+        .router("migration_limit = 0")
+        .start(EXE.as_ref());
     let mut r = open_stream(&c, "Tell me a very long story.", json!({"max_tokens": 400}));
     read_chunks(&mut r, 5);
     c.kill_worker(&serving(&c));
@@ -194,7 +196,7 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
         .map(|_| open_stream(&c, message, params.clone()))
         .collect();
     let texts: Vec<String> = streams.iter_mut().map(|r| read_chunks(r, 3)).collect();
-    let cfg = c.config(true);
+    let cfg = c.config(&Cluster::of(1, 1));
     c.add_worker("decode", "decode-1", &cfg);
     c.wait_for(1, 2);
     let running = |c: &Cluster, name: &str| {

@@ -59,7 +59,7 @@ fn rows_when(cond: &str) -> String {
 
 #[test]
 fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
-    let mut c = Cluster::start_toml(EXE.as_ref(), MOCK_CLUSTER, 1, 1);
+    let mut c = Cluster::of(1, 1).toml(MOCK_CLUSTER).start(EXE.as_ref());
     complete(c.http, 200);
     c.wait_transfers("tcp", 1);
     let mut b = Browser::open(&format!("http://{}/status", c.http), 1400, 1000);

@@ -50,7 +50,7 @@ engine = "mock"
 [decode.mock]
 preset = "h200-llama8b"
 "#;
-    let c = Cluster::start_toml(EXE.as_ref(), toml, 0, 4);
+    let c = Cluster::of(0, 4).toml(toml).start(EXE.as_ref());
     let system: Vec<u32> = (0..SYSTEM as u32).map(|i| 1_000 + i * 7 % 30_000).collect();
     let ask = |n: u32| {
         let mut prompt = system.clone();
@@ -193,7 +193,7 @@ preset = "h200-llama8b"
 [kv_transfer]
 prefer = ["tcp"]
 "#;
-    let c = Cluster::start_toml(EXE.as_ref(), toml, 1, 2);
+    let c = Cluster::of(1, 2).toml(toml).start(EXE.as_ref());
     let until = Instant::now() + Duration::from_secs(secs);
     let http = c.http;
     let clients: Vec<_> = (0..CLIENTS)

@@ -305,8 +305,9 @@ print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.
         );
         assert_eq!(v["top"][i + 1].as_object().unwrap().len(), 2, "{v}");
     }
-    let decided = r#"tandem_router_prefill_decisions_total{decision="local: prompt logprobs"}"#;
-    assert_eq!(metric_at(c.http, decided), 1.0);
+    let label = router::core::PrefillDecision::LocalPromptLogprobs.label();
+    let decided = format!("tandem_router_prefill_decisions_total{{decision=\"{label}\"}}");
+    assert_eq!(metric_at(c.http, &decided), 1.0);
     let prefilling = r#"tandem_router_request_phases_total{phase="prefilling"}"#;
     assert_eq!(
         metric_at(c.http, prefilling),

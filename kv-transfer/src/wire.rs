@@ -597,17 +597,10 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     receiving: &Receiving,
     mut in_place: Option<&mut dyn InPlaceSide>,
 ) -> Result<(), TransferError> {
-    let Receiving {
-        local,
-        transport,
-        tx,
-        pool,
-        timeouts,
-    } = receiving;
-    let (transport, timeouts) = (*transport, *timeouts);
     let mut nonce = [0u8; 16];
     ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut nonce)
         .map_err(|_| TransferError::Protocol("no system randomness".into()))?;
+    let (local, timeouts) = (&receiving.local, receiving.timeouts);
     let mut core = Server::new(local, timeouts, in_place.is_some(), nonce, Instant::now());
     let mut broke = false;
     loop {
@@ -621,117 +614,34 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
         }
         // One event at a time: a verdict queues an Ack, which goes out before the next read.
         if let Some(event) = core.poll_event() {
+            // Reborrowed for this event only (the object's lifetime shortened to it).
+            let side = in_place
+                .as_mut()
+                .map(|s| -> &mut dyn InPlaceSide { &mut **s });
             match event {
-                ServerEvent::Accepted { .. } => {
-                    if let Some(side) = in_place.as_deref_mut() {
-                        let set_up = async {
-                            let theirs = match read_frame(r).await? {
-                                Frame::Setup(b) => b,
-                                other => {
-                                    return Err(TransferError::Protocol(format!(
-                                        "expected the sender's setup, got {}",
-                                        other.name()
-                                    )))
-                                }
-                            };
-                            let ours = side.setup(&theirs)?;
-                            w.write_all(&Frame::Setup(ours).encode()).await?;
-                            Ok(())
-                        };
-                        let done =
-                            deadline(timeouts.handshake, || "transport setup".into(), set_up);
-                        if let Err(e) = done.await {
-                            core.handle_error(e);
-                        }
-                    }
-                }
+                ServerEvent::Accepted { .. } => set_up(&mut core, r, w, side, timeouts).await,
                 ServerEvent::GrantNeeded {
                     request_id,
                     n_tokens,
-                } => {
-                    let (reply, answer) = oneshot::channel();
-                    let ask = KvEvent::Grant {
-                        request_id,
-                        n_tokens,
-                        reply,
-                    };
-                    let blocks = match tx.send(ask).await {
-                        Ok(()) => answer
-                            .await
-                            .unwrap_or_else(|_| Err("the worker dropped the request".into())),
-                        Err(_) => Err("the worker is shutting down".into()),
-                    };
-                    let granted = blocks
-                        .map_err(TransferError::Refused)
-                        .and_then(|b| core.grant(request_id, b));
-                    if let Err(e) = granted {
-                        core.handle_error(e);
-                    }
-                }
+                } => grant(&mut core, &receiving.tx, request_id, n_tokens).await,
                 ServerEvent::Begun { request_id, .. } => {
-                    let _ = tx.send(KvEvent::Arriving(request_id)).await;
+                    let _ = receiving.tx.send(KvEvent::Arriving(request_id)).await;
                 }
                 ServerEvent::Renewed { request_id } => {
-                    let _ = tx.send(KvEvent::Renewed(request_id)).await;
+                    let _ = receiving.tx.send(KvEvent::Renewed(request_id)).await;
                 }
                 ServerEvent::Received {
                     request_id,
                     n_tokens,
                     kv,
-                } => {
-                    let (layers, crcs) = match kv {
-                        Received::Inline(layers) => (layers, None),
-                        Received::InPlace(crcs) => (Vec::new(), Some(crcs)),
-                    };
-                    if let (Some(side), Some(crcs)) = (in_place.as_deref_mut(), &crcs) {
-                        // The `Written` frames came over the side channel; the writes' own
-                        // completions (their immediates) must be here too before admission.
-                        // Polled, not awaited on a completion channel: see
-                        // `rdma::RdmaKvSender::await_completion` for why.
-                        let n_layers = crcs.len() as u32;
-                        let until = Instant::now() + timeouts.transfer;
-                        let landed = loop {
-                            match side.try_writes(request_id, n_layers) {
-                                Ok(true) => break Ok(()),
-                                Ok(false) if Instant::now() < until => {
-                                    tokio::time::sleep(Duration::from_micros(50)).await
-                                }
-                                Ok(false) => {
-                                    break Err(TransferError::Timeout(format!(
-                                        "request {request_id}: the RDMA writes did not complete"
-                                    )))
-                                }
-                                Err(e) => break Err(e),
-                            }
-                        };
-                        if let Err(e) = landed {
-                            core.handle_error(e);
-                            continue;
-                        }
-                    }
-                    let (reply, verdict) = oneshot::channel();
-                    let incoming = IncomingKv {
-                        request_id,
-                        n_tokens,
-                        layers,
-                        in_place: crcs,
-                        transport,
-                        landed: std::time::Instant::now(),
-                        reply: Some(reply),
-                        pool: pool.clone(),
-                    };
-                    let result = match tx.send(KvEvent::Complete(incoming)).await {
-                        Ok(()) => verdict
-                            .await
-                            .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
-                        Err(_) => Err("the worker is shutting down".into()),
-                    };
-                    core.verdict(request_id, result);
-                }
+                } => received(&mut core, receiving, side, (request_id, n_tokens, kv)).await,
                 ServerEvent::Abandoned { request_id, error } => {
                     broke = true;
                     let error = error.to_string();
-                    let _ = tx.send(KvEvent::Abandoned { request_id, error }).await;
+                    let _ = receiving
+                        .tx
+                        .send(KvEvent::Abandoned { request_id, error })
+                        .await;
                 }
                 ServerEvent::Closed(TransferError::Io(e))
                     if e.kind() == std::io::ErrorKind::UnexpectedEof && !broke =>
@@ -742,25 +652,143 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
             }
             continue;
         }
-        let limit = if core.is_open() {
-            crate::frame::MAX_FRAME
-        } else {
-            MAX_CONTROL_FRAME
+        next_frame(&mut core, r, &receiving.pool).await;
+    }
+}
+
+/// Reads the stream's next frame into `core`, within its deadline (and, before the handshake
+/// is done, within [`MAX_CONTROL_FRAME`]).
+async fn next_frame<R: AsyncRead + Unpin>(core: &mut Server, r: &mut R, pool: &BufferPool) {
+    let limit = if core.is_open() {
+        crate::frame::MAX_FRAME
+    } else {
+        MAX_CONTROL_FRAME
+    };
+    let read = read_frame_limited(r, Some(pool), limit);
+    let frame = match core.poll_timeout() {
+        Some(d) => match tokio::time::timeout_at(d.into(), read).await {
+            Ok(f) => f,
+            Err(_) => return core.handle_timeout(Instant::now()),
+        },
+        None => read.await,
+    };
+    match frame {
+        Ok(f) => core.handle(Instant::now(), f),
+        Err(e) => core.handle_error(e),
+    }
+}
+
+/// An in-place transport's setup exchange after the handshake (the sender's, then ours).
+async fn set_up<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
+    core: &mut Server,
+    r: &mut R,
+    w: &mut W,
+    side: Option<&mut dyn InPlaceSide>,
+    timeouts: Timeouts,
+) {
+    let Some(side) = side else { return };
+    let set_up = async {
+        let theirs = match read_frame(r).await? {
+            Frame::Setup(b) => b,
+            other => {
+                return Err(TransferError::Protocol(format!(
+                    "expected the sender's setup, got {}",
+                    other.name()
+                )))
+            }
         };
-        let read = read_frame_limited(r, Some(pool), limit);
-        let frame = match core.poll_timeout() {
-            Some(d) => match tokio::time::timeout_at(d.into(), read).await {
-                Ok(f) => f,
-                Err(_) => {
-                    core.handle_timeout(Instant::now());
-                    continue;
-                }
-            },
-            None => read.await,
-        };
-        match frame {
-            Ok(f) => core.handle(Instant::now(), f),
-            Err(e) => core.handle_error(e),
+        let ours = side.setup(&theirs)?;
+        w.write_all(&Frame::Setup(ours).encode()).await?;
+        Ok(())
+    };
+    let done = deadline(timeouts.handshake, || "transport setup".into(), set_up);
+    if let Err(e) = done.await {
+        core.handle_error(e);
+    }
+}
+
+/// The worker's blocks for an in-place transfer of `n_tokens` of `request_id`, granted.
+async fn grant(core: &mut Server, tx: &mpsc::Sender<KvEvent>, request_id: u64, n_tokens: u32) {
+    let (reply, answer) = oneshot::channel();
+    let ask = KvEvent::Grant {
+        request_id,
+        n_tokens,
+        reply,
+    };
+    let blocks = match tx.send(ask).await {
+        Ok(()) => answer
+            .await
+            .unwrap_or_else(|_| Err("the worker dropped the request".into())),
+        Err(_) => Err("the worker is shutting down".into()),
+    };
+    let granted = blocks
+        .map_err(TransferError::Refused)
+        .and_then(|b| core.grant(request_id, b));
+    if let Err(e) = granted {
+        core.handle_error(e);
+    }
+}
+
+/// A transfer whose KV is all here (inline, or written in place and its writes landed): the
+/// worker admits it, and its verdict goes back to the sender.
+async fn received(
+    core: &mut Server,
+    receiving: &Receiving,
+    side: Option<&mut dyn InPlaceSide>,
+    (request_id, n_tokens, kv): (u64, u32, Received),
+) {
+    let (layers, crcs) = match kv {
+        Received::Inline(layers) => (layers, None),
+        Received::InPlace(crcs) => (Vec::new(), Some(crcs)),
+    };
+    if let (Some(side), Some(crcs)) = (side, &crcs) {
+        let until = Instant::now() + receiving.timeouts.transfer;
+        if let Err(e) = writes_landed(side, request_id, crcs.len() as u32, until).await {
+            return core.handle_error(e);
+        }
+    }
+    let (reply, verdict) = oneshot::channel();
+    let incoming = IncomingKv {
+        request_id,
+        n_tokens,
+        layers,
+        in_place: crcs,
+        transport: receiving.transport,
+        landed: std::time::Instant::now(),
+        reply: Some(reply),
+        pool: receiving.pool.clone(),
+    };
+    let result = match receiving.tx.send(KvEvent::Complete(incoming)).await {
+        Ok(()) => verdict
+            .await
+            .unwrap_or_else(|_| Err("the worker dropped the transfer".into())),
+        Err(_) => Err("the worker is shutting down".into()),
+    };
+    core.verdict(request_id, result);
+}
+
+/// Waits until the writes of all `n_layers` layers of `request_id` have completed, by `until`.
+/// The `Written` frames came over the side channel; the writes' own completions (their
+/// immediates) must be here too before admission. Polled, not awaited on a completion channel:
+/// see `rdma::RdmaKvSender::await_completion` for why.
+async fn writes_landed(
+    side: &mut dyn InPlaceSide,
+    request_id: u64,
+    n_layers: u32,
+    until: Instant,
+) -> Result<(), TransferError> {
+    loop {
+        match side.try_writes(request_id, n_layers) {
+            Ok(true) => return Ok(()),
+            Ok(false) if Instant::now() < until => {
+                tokio::time::sleep(Duration::from_micros(50)).await
+            }
+            Ok(false) => {
+                return Err(TransferError::Timeout(format!(
+                    "request {request_id}: the RDMA writes did not complete"
+                )))
+            }
+            Err(e) => return Err(e),
         }
     }
 }

@@ -75,78 +75,14 @@ fn prepare(
             "n must be between 1 and {MAX_N}, got {n}"
         )));
     }
-    let ctx = state.context_len;
-    if prompt.is_empty() {
-        return Err(ApiError::BadRequest("the prompt is empty".into()));
-    }
-    if prompt.len() >= ctx {
-        return Err(ApiError::BadRequest(format!(
-            "the prompt has {} tokens; the model's context is {ctx} tokens",
-            prompt.len()
-        )));
-    }
-    let room = ctx - prompt.len();
-    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
-        None => DEFAULT_MAX_TOKENS.min(room),
-        Some(m) if m < 1 => return Err(ApiError::BadRequest(format!("max_tokens must be at least 1, got {m}"))),
-        Some(m) if m as u64 > room as u64 => {
-            return Err(ApiError::BadRequest(format!(
-                "max_tokens is {m}, but the prompt has {} tokens and the context is {ctx}: at most {room} can be generated",
-                prompt.len()
-            )))
-        }
-        Some(m) => m as usize,
-    };
-    let temperature = c.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(ApiError::BadRequest(format!(
-            "temperature must be between 0 and 2, got {temperature}"
-        )));
-    }
-    let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(ApiError::BadRequest(format!(
-            "top_p must be in (0, 1], got {top_p}"
-        )));
-    }
-    let top_k = c.top_k.unwrap_or(0);
-    if top_k < 0 {
-        return Err(ApiError::BadRequest(format!(
-            "top_k must be non-negative, got {top_k}"
-        )));
-    }
+    let max_tokens = max_tokens(c, &prompt, state.context_len)?;
     let stops = match &c.stop {
         None => Vec::new(),
         Some(Stop::One(s)) => vec![s.clone()],
         Some(Stop::Many(v)) if v.len() <= 4 => v.clone(),
         Some(Stop::Many(_)) => return Err(ApiError::BadRequest("at most 4 stop sequences".into())),
     };
-    let params = SamplingParams {
-        max_tokens: Some(max_tokens),
-        temperature: temperature as f32,
-        top_p: top_p as f32,
-        top_k: top_k as usize,
-        seed: c.seed.unwrap_or(0) as u64,
-        stop_token_ids: stop_token_ids(c, state.vocab_size)?,
-        ignore_eos: c.ignore_eos,
-        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
-        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
-        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
-        logit_bias: logit_bias(c, state.vocab_size)?,
-        min_p: c.min_p.unwrap_or(0.0) as f32,
-        min_tokens: match c.min_tokens.unwrap_or(0) {
-            m if m < 0 => {
-                return Err(ApiError::BadRequest(format!(
-                    "min_tokens must be non-negative, got {m}"
-                )))
-            }
-            m => m as usize,
-        },
-        generated: 0,
-        logprobs,
-        prompt_logprobs: None,
-        constraint: constraint(c)?,
-    };
+    let params = sampling(state, c, max_tokens, logprobs)?;
     params
         .validate()
         .map_err(|e| ApiError::BadRequest(e.to_string()))?;
@@ -160,6 +96,77 @@ fn prepare(
         n: n as usize,
         best_of: n as usize,
         report_logprobs: logprobs.is_some(),
+    })
+}
+
+/// The tokens a request may generate: its `max_tokens` (or `max_completion_tokens`) within
+/// what the context leaves after the prompt, or as many as the default allows.
+fn max_tokens(c: &Common, prompt: &[u32], ctx: usize) -> Result<usize, ApiError> {
+    if prompt.is_empty() {
+        return Err(ApiError::BadRequest("the prompt is empty".into()));
+    }
+    if prompt.len() >= ctx {
+        return Err(ApiError::BadRequest(format!(
+            "the prompt has {} tokens; the model's context is {ctx} tokens",
+            prompt.len()
+        )));
+    }
+    let room = ctx - prompt.len();
+    match c.max_completion_tokens.or(c.max_tokens) {
+        None => Ok(DEFAULT_MAX_TOKENS.min(room)),
+        Some(m) if m < 1 => Err(ApiError::BadRequest(format!("max_tokens must be at least 1, got {m}"))),
+        Some(m) if m as u64 > room as u64 => Err(ApiError::BadRequest(format!(
+            "max_tokens is {m}, but the prompt has {} tokens and the context is {ctx}: at most {room} can be generated",
+            prompt.len()
+        ))),
+        Some(m) => Ok(m as usize),
+    }
+}
+
+/// The request's sampling parameters, each checked against its range.
+fn sampling(
+    state: &State,
+    c: &Common,
+    max_tokens: usize,
+    logprobs: Option<usize>,
+) -> Result<SamplingParams, ApiError> {
+    let bad = |m: String| Err(ApiError::BadRequest(m));
+    let temperature = c.temperature.unwrap_or(1.0);
+    if !(0.0..=2.0).contains(&temperature) {
+        return bad(format!(
+            "temperature must be between 0 and 2, got {temperature}"
+        ));
+    }
+    let top_p = c.top_p.unwrap_or(1.0);
+    if !(top_p > 0.0 && top_p <= 1.0) {
+        return bad(format!("top_p must be in (0, 1], got {top_p}"));
+    }
+    let top_k = c.top_k.unwrap_or(0);
+    if top_k < 0 {
+        return bad(format!("top_k must be non-negative, got {top_k}"));
+    }
+    let min_tokens = c.min_tokens.unwrap_or(0);
+    if min_tokens < 0 {
+        return bad(format!("min_tokens must be non-negative, got {min_tokens}"));
+    }
+    Ok(SamplingParams {
+        max_tokens: Some(max_tokens),
+        temperature: temperature as f32,
+        top_p: top_p as f32,
+        top_k: top_k as usize,
+        seed: c.seed.unwrap_or(0) as u64,
+        stop_token_ids: stop_token_ids(c, state.vocab_size)?,
+        ignore_eos: c.ignore_eos,
+        presence_penalty: c.presence_penalty.unwrap_or(0.0) as f32,
+        frequency_penalty: c.frequency_penalty.unwrap_or(0.0) as f32,
+        repetition_penalty: c.repetition_penalty.unwrap_or(1.0) as f32,
+        logit_bias: logit_bias(c, state.vocab_size)?,
+        min_p: c.min_p.unwrap_or(0.0) as f32,
+        min_tokens: min_tokens as usize,
+        generated: 0,
+        logprobs,
+        prompt_logprobs: None,
+        constraint: constraint(c)?,
     })
 }
 

@@ -264,12 +264,8 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .with_state(state)
 }
 
-/// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
-/// the process ends.
-pub async fn run(
-    cfg: RouterConfig,
-    on_ready: impl FnOnce(SocketAddr, SocketAddr),
-) -> Result<(), RouterError> {
+/// The router's shared state for `cfg`.
+fn state(cfg: &RouterConfig) -> Result<State, RouterError> {
     let (config, tokenizer) = engine::inspect(&cfg.model)?;
     let identity = engine::identity_of(&config, cfg.block_size);
     let registry = Registry::configured(identity, cfg.liveness, cfg.routing);
@@ -280,7 +276,7 @@ pub async fn run(
         .max()
         .unwrap_or(Duration::from_secs(5));
     let mut state = State::new(
-        registry.clone(),
+        registry,
         tokenizer,
         &config,
         model_id(&cfg.model),
@@ -297,25 +293,51 @@ pub async fn run(
     }
     state.peers = peers::Peers::new(&cfg.peers, cfg.request_timeout);
     state.board = status::Board::new(cfg.slo);
-    let state = Arc::new(state);
+    Ok(state)
+}
+
+/// Binds `addr`; the listener and its address.
+async fn bind(addr: &str) -> Result<(tokio::net::TcpListener, SocketAddr), RouterError> {
+    let bad = |e| RouterError::Bind(addr.to_string(), e);
+    let l = tokio::net::TcpListener::bind(addr).await.map_err(bad)?;
+    let at = l.local_addr().map_err(bad)?;
+    Ok((l, at))
+}
+
+/// The planner's actuator for `cfg`, its local workers joining at `control`.
+fn actuator(
+    cfg: &RouterConfig,
+    control: String,
+) -> Result<Box<dyn actuator::Actuator>, RouterError> {
+    Ok(match &cfg.actuator {
+        ActuatorConfig::Local { exe, config } => {
+            Box::new(actuator::Local::new(exe.clone(), config.clone(), control))
+        }
+        ActuatorConfig::Command(c) => Box::new(actuator::Command::new(c.clone())),
+        ActuatorConfig::Kubernetes(targets) => {
+            let api = kubernetes::KubeApi::in_cluster().ok_or(RouterError::Actuator(
+                "the kubernetes actuator runs in a pod: KUBERNETES_SERVICE_HOST and the service account are missing".into(),
+            ))?;
+            let k =
+                kubernetes::Kubernetes::new(api, targets.clone()).map_err(RouterError::Actuator)?;
+            Box::new(k)
+        }
+    })
+}
+
+/// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
+/// the process ends.
+pub async fn run(
+    cfg: RouterConfig,
+    on_ready: impl FnOnce(SocketAddr, SocketAddr),
+) -> Result<(), RouterError> {
+    let state = Arc::new(state(&cfg)?);
     tokio::spawn(status::sampler(state.clone()));
-    let http_l = tokio::net::TcpListener::bind(&cfg.listen)
-        .await
-        .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?;
-    let ctrl_l = tokio::net::TcpListener::bind(&cfg.control)
-        .await
-        .map_err(|e| RouterError::Bind(cfg.control.clone(), e))?;
-    let (http_addr, ctrl_addr) = (
-        http_l
-            .local_addr()
-            .map_err(|e| RouterError::Bind(cfg.listen.clone(), e))?,
-        ctrl_l
-            .local_addr()
-            .map_err(|e| RouterError::Bind(cfg.control.clone(), e))?,
-    );
+    let (http_l, http_addr) = bind(&cfg.listen).await?;
+    let (ctrl_l, ctrl_addr) = bind(&cfg.control).await?;
     let app = app(state.clone());
     let control = tonic::transport::Server::builder()
-        .add_service(ControlServer::new(ControlService(registry)))
+        .add_service(ControlServer::new(ControlService(state.registry.clone())))
         .serve_with_incoming(proto::grpc_incoming(ctrl_l));
     on_ready(http_addr, ctrl_addr);
     let router_id = discovery::random_id();
@@ -328,21 +350,7 @@ pub async fn run(
             let me = format!("router {router_id:016x} http://{http_addr}");
             d.lead("planner", me.into_bytes())
         });
-        let control = format!("http://{ctrl_addr}");
-        let actuator: Box<dyn actuator::Actuator> = match &cfg.actuator {
-            ActuatorConfig::Local { exe, config } => {
-                Box::new(actuator::Local::new(exe.clone(), config.clone(), control))
-            }
-            ActuatorConfig::Command(c) => Box::new(actuator::Command::new(c.clone())),
-            ActuatorConfig::Kubernetes(targets) => {
-                let api = kubernetes::KubeApi::in_cluster().ok_or(RouterError::Actuator(
-                    "the kubernetes actuator runs in a pod: KUBERNETES_SERVICE_HOST and the service account are missing".into(),
-                ))?;
-                let k = kubernetes::Kubernetes::new(api, targets.clone())
-                    .map_err(RouterError::Actuator)?;
-                Box::new(k)
-            }
-        };
+        let actuator = actuator(&cfg, format!("http://{ctrl_addr}"))?;
         let plans = cfg
             .scaling
             .iter()

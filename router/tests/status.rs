@@ -12,7 +12,7 @@ use axum::http::{Request, StatusCode};
 use fake::{join_at, state_on};
 use http_body_util::BodyExt;
 use proto::Pool;
-use router::planner::{Decision, Inputs};
+use router::planner::{Action, Decision, Inputs};
 use router::State;
 use serde_json::Value;
 use tower::ServiceExt;
@@ -108,7 +108,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
     let itl_p90 = s["latency"]["itl"]["p90_ms"].as_f64().unwrap();
     assert!((39.0..=41.0).contains(&itl_p90), "{itl_p90}");
     let d = &s["planner"]["decisions"][0];
-    assert_eq!(d["action"], "up");
+    assert_eq!(d["action"], Action::Up.label());
     assert_eq!(d["desired"], 2);
     assert_eq!(d["queued"], 3);
     assert_eq!(d["p90_ms"], 90.0);
@@ -126,5 +126,8 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
     let (_, _, body) = get(&st, "/status.json").await;
     let s: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(s["planner"]["decisions"].as_array().unwrap().len(), 1);
-    assert_eq!(s["planner"]["latest"]["decode"]["action"], "hold");
+    assert_eq!(
+        s["planner"]["latest"]["decode"]["action"],
+        Action::Hold.label()
+    );
 }

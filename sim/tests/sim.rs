@@ -66,7 +66,8 @@ fn a_request_takes_the_time_the_timing_model_gives_and_the_second_reuses_the_pre
         assert!((g.as_secs_f64() * 1e6 - 2500.0).abs() < 1.0, "gap {g:?}");
     }
     assert_eq!(r.kv_bytes, (99 + 3) * KV_BYTES, "the second moved 3 tokens");
-    assert_eq!(r.decisions.get("remote"), Some(&2));
+    let remote = router::core::PrefillDecision::Remote.label();
+    assert_eq!(r.decisions.get(remote), Some(&2));
     // Hits are counted where a prompt is computed: the prefill worker found 96 of the 99
     // tokens of the second; the decode worker's 96 shortened the transfer (above).
     assert_eq!((r.prompt_tokens, r.prefix_hit_tokens), (2 * 99, 96));

@@ -6,9 +6,11 @@ use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::Value;
+
+use crate::wait_until;
 
 /// A started cluster; every process is killed when it drops.
 pub struct Cluster {
@@ -30,158 +32,132 @@ fn scratch_dir() -> PathBuf {
     dir
 }
 
-/// Writes a cluster.toml for tests: ports 0, the default model, small pools.
-pub fn write_config(dir: &Path, prefill: bool, block_size: u32) -> PathBuf {
-    write_config_with(dir, prefill, block_size, 512)
-}
-
-/// [`write_config`] with `decode_blocks` KV blocks per decode worker.
-pub fn write_config_with(
-    dir: &Path,
-    prefill: bool,
+/// A cluster to start: the default model (blocks of 16 tokens) on loopback ports chosen by the
+/// OS, `prefill` + `decode` workers (no prefill pool with none), small pools — each part
+/// changed by its method: `Cluster::of(1, 2).kv("prefer = [\"tcp\"]").start(exe)`.
+#[derive(Debug, Clone)]
+pub struct Spec {
+    prefill: usize,
+    decode: usize,
+    model: PathBuf,
     block_size: u32,
     decode_blocks: u32,
-) -> PathBuf {
-    write_config_kv(dir, prefill, block_size, decode_blocks, "")
+    kv: String,
+    pools: [String; 2],
+    router: String,
+    env: Vec<(String, String)>,
+    toml: Option<String>,
 }
 
-/// [`write_config_with`] plus lines for the `[kv_transfer]` section (e.g. `prefer = ["tcp"]`).
-pub fn write_config_kv(
-    dir: &Path,
-    prefill: bool,
-    block_size: u32,
-    decode_blocks: u32,
-    kv: &str,
-) -> PathBuf {
-    write_config_pools(dir, prefill, block_size, decode_blocks, kv, ["", ""])
-}
+impl Spec {
+    /// Blocks of `n` tokens.
+    pub fn block_size(mut self, n: u32) -> Spec {
+        self.block_size = n;
+        self
+    }
 
-/// [`write_config_kv`] plus lines for the prefill and the decode pool's sections (e.g.
-/// `device = "cuda:0"`).
-pub fn write_config_pools(
-    dir: &Path,
-    prefill: bool,
-    block_size: u32,
-    decode_blocks: u32,
-    kv: &str,
-    pools: [&str; 2],
-) -> PathBuf {
-    write_config_all(dir, prefill, block_size, decode_blocks, kv, pools, "")
-}
+    /// `n` KV blocks per decode worker (512 by default).
+    pub fn decode_blocks(mut self, n: u32) -> Spec {
+        self.decode_blocks = n;
+        self
+    }
 
-/// [`write_config_pools`] plus lines for the `[router]` section.
-pub fn write_config_all(
-    dir: &Path,
-    prefill: bool,
-    block_size: u32,
-    decode_blocks: u32,
-    kv: &str,
-    [prefill_lines, decode_lines]: [&str; 2],
-    router_lines: &str,
-) -> PathBuf {
-    let model = crate::model_path();
-    let prefill = if prefill {
-        format!(
-            "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n{prefill_lines}\n"
-        )
-    } else {
-        String::new()
-    };
-    let text = format!(
-        "[model]\npath = {model:?}\nblock_size = {block_size}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n{router_lines}\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {decode_blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
-    );
-    let tag: String = format!("{kv}{prefill_lines}-{decode_lines}{router_lines}")
-        .chars()
-        .filter(|c| c.is_ascii_alphanumeric())
-        .collect();
-    let path = dir.join(format!(
-        "cluster-{block_size}-{decode_blocks}{tag}-{}.toml",
-        if prefill.is_empty() {
-            "colocated"
-        } else {
-            "pd"
+    /// Lines for the `[kv_transfer]` section (e.g. `prefer = ["tcp"]`).
+    pub fn kv(mut self, lines: &str) -> Spec {
+        self.kv = lines.into();
+        self
+    }
+
+    /// Lines for the prefill and the decode pool's sections (e.g. `device = "cuda:0"`).
+    pub fn pools(mut self, [prefill, decode]: [&str; 2]) -> Spec {
+        self.pools = [prefill.into(), decode.into()];
+        self
+    }
+
+    /// Lines for the `[router]` section (e.g. `local_prefill_max_tokens = 64`).
+    pub fn router(mut self, lines: &str) -> Spec {
+        self.router = lines.into();
+        self
+    }
+
+    /// Environment variables for every process of the cluster.
+    pub fn env(mut self, env: &[(String, String)]) -> Spec {
+        self.env = env.to_vec();
+        self
+    }
+
+    /// The model at `path` instead of the default one.
+    pub fn model(mut self, path: &Path) -> Spec {
+        self.model = path.into();
+        self
+    }
+
+    /// The whole cluster.toml but its `[model]` section, instead of the one built from the
+    /// parts above.
+    pub fn toml(mut self, text: &str) -> Spec {
+        self.toml = Some(text.into());
+        self
+    }
+
+    /// The cluster.toml's text.
+    fn text(&self) -> String {
+        let (model, bs) = (&self.model, self.block_size);
+        let head = format!("[model]\npath = {model:?}\nblock_size = {bs}\n\n");
+        if let Some(t) = &self.toml {
+            return head + t;
         }
-    ));
-    std::fs::write(&path, text).expect("write cluster.toml");
-    path
+        let [prefill_lines, decode_lines] = &self.pools;
+        let prefill = match self.prefill {
+            0 => String::new(),
+            _ => format!(
+                "[prefill]\nthreads = 1\nkv_blocks = 256\nmax_batch_tokens = 256\n{prefill_lines}\n"
+            ),
+        };
+        let (router, kv, blocks) = (&self.router, &self.kv, self.decode_blocks);
+        head + &format!(
+            "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n{router}\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
+        )
+    }
+
+    /// Writes the cluster.toml into `dir` (under a name of its own); its path.
+    pub fn write(&self, dir: &Path) -> PathBuf {
+        let path = dir.join(format!("cluster-{}.toml", unique()));
+        std::fs::write(&path, self.text()).expect("write cluster.toml");
+        path
+    }
+
+    /// Starts the router and the workers, and waits until all have joined.
+    pub fn start(self, exe: &Path) -> Cluster {
+        let dir = scratch_dir();
+        let cfg = self.write(&dir);
+        Cluster::start_config(exe, dir, cfg, &self)
+    }
 }
 
 impl Cluster {
-    /// Starts a router and `prefill` + `decode` workers (no prefill pool when `prefill == 0`),
-    /// and waits until all have joined.
+    /// A cluster of `prefill` + `decode` workers to configure and start (see [`Spec`]).
+    pub fn of(prefill: usize, decode: usize) -> Spec {
+        Spec {
+            prefill,
+            decode,
+            model: crate::model_path(),
+            block_size: 16,
+            decode_blocks: 512,
+            kv: String::new(),
+            pools: Default::default(),
+            router: String::new(),
+            env: Vec::new(),
+            toml: None,
+        }
+    }
+
+    /// `Cluster::of(prefill, decode).start(exe)`: the default cluster.
     pub fn start(exe: &Path, prefill: usize, decode: usize) -> Cluster {
-        Cluster::start_with(exe, prefill, decode, 512)
+        Cluster::of(prefill, decode).start(exe)
     }
 
-    /// [`Cluster::start`] with `decode_blocks` KV blocks per decode worker.
-    pub fn start_with(exe: &Path, prefill: usize, decode: usize, decode_blocks: u32) -> Cluster {
-        Cluster::start_kv(exe, prefill, decode, decode_blocks, "")
-    }
-
-    /// [`Cluster::start_with`] with extra `[kv_transfer]` lines.
-    pub fn start_kv(
-        exe: &Path,
-        prefill: usize,
-        decode: usize,
-        decode_blocks: u32,
-        kv: &str,
-    ) -> Cluster {
-        Cluster::start_pools(exe, prefill, decode, decode_blocks, kv, ["", ""], &[])
-    }
-
-    /// [`Cluster::start_kv`] with lines for the prefill and the decode pool's sections, and
-    /// `env` set for every process of the cluster.
-    pub fn start_pools(
-        exe: &Path,
-        prefill: usize,
-        decode: usize,
-        decode_blocks: u32,
-        kv: &str,
-        pools: [&str; 2],
-        env: &[(String, String)],
-    ) -> Cluster {
-        let dir = scratch_dir();
-        let cfg = write_config_pools(&dir, prefill > 0, 16, decode_blocks, kv, pools);
-        Cluster::start_config(exe, dir, cfg, prefill, decode, env)
-    }
-
-    /// A router with `router_lines` in its section (e.g. `local_prefill_max_tokens = 64`) and
-    /// `prefill` + `decode` workers.
-    pub fn start_router(exe: &Path, prefill: usize, decode: usize, router_lines: &str) -> Cluster {
-        let dir = scratch_dir();
-        let cfg = write_config_all(&dir, prefill > 0, 16, 512, "", ["", ""], router_lines);
-        Cluster::start_config(exe, dir, cfg, prefill, decode, &[])
-    }
-
-    /// A cluster from the text of a cluster.toml without its `[model]` section (the default
-    /// model, blocks of 16 tokens, are added), with `prefill` + `decode` worker processes.
-    pub fn start_toml(exe: &Path, toml: &str, prefill: usize, decode: usize) -> Cluster {
-        Cluster::start_model_toml(exe, &crate::model_path(), toml, prefill, decode)
-    }
-
-    /// [`Cluster::start_toml`] serving the model at `model`.
-    pub fn start_model_toml(
-        exe: &Path,
-        model: &Path,
-        toml: &str,
-        prefill: usize,
-        decode: usize,
-    ) -> Cluster {
-        let dir = scratch_dir();
-        let cfg = dir.join("cluster.toml");
-        let text = format!("[model]\npath = {model:?}\nblock_size = 16\n\n{toml}");
-        std::fs::write(&cfg, text).expect("write cluster.toml");
-        Cluster::start_config(exe, dir, cfg, prefill, decode, &[])
-    }
-
-    fn start_config(
-        exe: &Path,
-        dir: PathBuf,
-        cfg: PathBuf,
-        prefill: usize,
-        decode: usize,
-        env: &[(String, String)],
-    ) -> Cluster {
+    fn start_config(exe: &Path, dir: PathBuf, cfg: PathBuf, spec: &Spec) -> Cluster {
+        let (prefill, decode, env) = (spec.prefill, spec.decode, &spec.env);
         let mut router = Command::new(exe)
             .envs(env.iter().cloned())
             .args(["router", "--config"])
@@ -222,9 +198,10 @@ impl Cluster {
         c
     }
 
-    /// The config file of this cluster (for extra workers).
-    pub fn config(&self, prefill: bool) -> PathBuf {
-        write_config(&self.dir, prefill, 16)
+    /// A config file for more workers of this cluster's kind: `spec` written into its
+    /// scratch directory.
+    pub fn config(&self, spec: &Spec) -> PathBuf {
+        spec.write(&self.dir)
     }
 
     /// The scratch directory of this cluster.
@@ -303,20 +280,13 @@ impl Cluster {
 
     /// Waits until exactly this many workers are joined.
     pub fn wait_for(&self, prefill: usize, decode: usize) {
-        let t0 = Instant::now();
-        loop {
-            if let Ok((_, body)) = get(self.http, "/health") {
+        let what = format!("{prefill} + {decode} workers joined");
+        wait_until(&what, Duration::from_secs(60), || {
+            get(self.http, "/health").is_ok_and(|(_, body)| {
                 let v: Value = serde_json::from_str(&body).unwrap_or_default();
-                if v["prefill_workers"] == prefill && v["decode_workers"] == decode {
-                    return;
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "workers did not join within 60 s"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+                v["prefill_workers"] == prefill && v["decode_workers"] == decode
+            })
+        });
     }
 
     /// Live worker stats from `/debug/workers`.
@@ -330,23 +300,16 @@ impl Cluster {
     /// router counts a transfer when the prefill call returns, which may be after the client's
     /// response is complete); panics after 10 s.
     pub fn wait_transfers(&self, transport: &str, n: u64) {
-        let t0 = Instant::now();
-        loop {
-            let ws = self.workers();
-            let count: u64 = ws
+        let what = format!("{n} transfers over {transport}");
+        wait_until(&what, Duration::from_secs(10), || {
+            let count: u64 = self
+                .workers()
                 .iter()
                 .filter(|w| w["role"] == "prefill")
                 .map(|w| w["kv_transfers"][transport].as_u64().unwrap_or(0))
                 .sum();
-            if count == n {
-                return;
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "expected {n} transfers over {transport}: {ws:?}"
-            );
-            std::thread::sleep(Duration::from_millis(10));
-        }
+            count == n
+        });
     }
 
     /// Polls until every worker reports all KV blocks free and nothing running; returns how
@@ -374,18 +337,9 @@ pub fn all_idle(workers: &[Value]) -> bool {
 
 /// Polls `workers` until [`all_idle`]; how long that took, or a panic after `limit`.
 pub fn wait_idle(limit: Duration, workers: impl Fn() -> Vec<Value>) -> Duration {
-    let t0 = Instant::now();
-    loop {
-        let ws = workers();
-        if all_idle(&ws) {
-            return t0.elapsed();
-        }
-        assert!(
-            t0.elapsed() < limit,
-            "KV blocks not all free after {limit:?}: {ws:?}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("every KV block free, nothing running", limit, || {
+        all_idle(&workers())
+    })
 }
 
 impl Drop for Cluster {

@@ -7,11 +7,26 @@ pub mod etcd;
 pub mod netns;
 pub mod up;
 
-use engine::RequestId;
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use engine::RequestId;
 use serde::Deserialize;
+
+/// Polls `done` every 20 ms until it holds; how long that took. Panics (naming `what`) once
+/// `limit` has passed: every wait in a test has a deadline.
+pub fn wait_until(
+    what: &str,
+    limit: std::time::Duration,
+    mut done: impl FnMut() -> bool,
+) -> std::time::Duration {
+    let t0 = std::time::Instant::now();
+    while !done() {
+        assert!(t0.elapsed() < limit, "{what}: not within {limit:?}");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    t0.elapsed()
+}
 
 /// The default model's path, fetched into the cache if it is not there yet.
 pub fn model_path() -> PathBuf {

@@ -118,23 +118,21 @@ impl Up {
     /// Waits (up to `limit`) until the router has exactly `prefill` + `decode` workers, none
     /// stalled; how long it took.
     pub fn wait_joined(&self, prefill: usize, decode: usize, limit: Duration) -> Duration {
-        let t0 = Instant::now();
-        loop {
+        let what = format!("{prefill} + {decode} workers joined, none stalled");
+        crate::wait_until(&what, limit, || {
             let ws = self.workers();
             let count = |role: &str| {
                 ws.iter()
                     .filter(|w| w["role"] == role && w["stalled"] == false)
                     .count()
             };
-            if count("prefill") == prefill && count("decode") == decode {
-                return t0.elapsed();
-            }
-            assert!(
-                t0.elapsed() < limit,
-                "{prefill} + {decode} workers within {limit:?}: {ws:?}"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            count("prefill") == prefill && count("decode") == decode
+        })
+    }
+
+    /// The scratch directory its cluster.toml is in.
+    pub fn dir(&self) -> &Path {
+        &self.dir
     }
 }
 

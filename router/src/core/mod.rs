@@ -17,12 +17,14 @@
 mod line;
 mod request;
 mod table;
+mod vocab;
 
 pub use line::{Eligible, Line, HOLD_AFTER};
-pub use request::{
-    Action, Cx, Held, Input, Note, Params, Phase, PhaseName, PrefillDecision, Recompute, Request,
-    Reservation, Settings, Trace, TtftPhases,
-};
+pub use request::Request;
 pub use table::{
     Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker,
+};
+pub use vocab::{
+    Action, Cx, Held, Input, Note, Params, Phase, PhaseName, PrefillDecision, Recompute,
+    Reservation, Settings, Trace, TtftPhases,
 };

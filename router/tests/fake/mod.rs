@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use engine::SamplingParams;
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::worker_server::{Worker, WorkerServer};
@@ -20,7 +21,10 @@ use proto::grpc::{
 };
 use proto::grpc::{JoinRequest, KvOffer};
 use proto::{Cause, Pool};
+use router::core::PhaseName;
+use router::openai::ApiError;
 use router::registry::{Liveness, Registry};
+use router::request::{self, Started};
 use router::State;
 use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::{ReceiverStream, TcpListenerStream};
@@ -28,6 +32,75 @@ use tonic::{Request, Response, Status};
 use types::WorkerId;
 
 // The router under test, and fakes joined to it.
+
+/// The prompt most tests send.
+pub const PROMPT: [u32; 6] = [1, 2, 3, 4, 5, 6];
+
+/// A router state over the default model's tokenizer, with no worker yet.
+pub fn state(admission_wait: Duration) -> Arc<State> {
+    state_with(admission_wait, |_| {})
+}
+
+/// [`state`], with `set` changing its settings first.
+pub fn state_with(admission_wait: Duration, set: impl FnOnce(&mut State)) -> Arc<State> {
+    state_on(Liveness::default(), admission_wait, set)
+}
+
+/// A decode script streaming `t`.
+pub fn tokens(t: &[u32]) -> DecodeScript {
+    DecodeScript::Tokens(t.to_vec())
+}
+
+/// Every token of a started request, how it ended, and its phases.
+pub async fn finish(s: Started) -> (Vec<u32>, Result<(), ApiError>, Vec<PhaseName>) {
+    let mut out = Vec::new();
+    let mut end = Ok(());
+    let mut next = Some(s.first);
+    let mut rest = s.rest;
+    while let Some(r) = next {
+        match r {
+            Ok(t) => {
+                out.push(t.id);
+                if t.finish.is_some() {
+                    break;
+                }
+            }
+            Err(e) => {
+                end = Err(e);
+                break;
+            }
+        }
+        next = rest.recv().await;
+    }
+    (out, end, s.trace.await.unwrap().phases)
+}
+
+/// Runs [`PROMPT`] for 8 greedy tokens through the router: [`finish`]'s answer.
+pub async fn run(state: &Arc<State>) -> (Vec<u32>, Result<(), ApiError>, Vec<PhaseName>) {
+    finish(request::start(state, PROMPT.to_vec(), &SamplingParams::greedy(8)).await).await
+}
+
+/// Tells the registry, as worker `id`'s heartbeat would, that its cache holds `prompt`'s blocks.
+pub fn cached_on(st: &State, id: WorkerId, prompt: &[u32]) {
+    let blocks =
+        engine::block_hash::prompt_hashes(st.core.block_seed, 16, &prompt[..prompt.len() - 1]);
+    let kv = grpc::KvEvents {
+        first: 0,
+        next: blocks.len() as u64,
+        hashes: blocks.iter().map(|b| b.0).collect(),
+        stored: Vec::new(),
+        snapshot: true,
+    };
+    let beat = grpc::Heartbeat {
+        worker_id: id.0,
+        load: Some(grpc::WorkerLoad::default()),
+        kv: Some(kv),
+    };
+    assert!(
+        !st.registry.beat(beat).unwrap(),
+        "a snapshot needs no resync"
+    );
+}
 
 /// [`state_with`] over a registry giving up on workers by `liveness`.
 pub fn state_on(

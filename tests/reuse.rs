@@ -1,0 +1,226 @@
+//! KV reuse through real clusters on the real engine: a conversation moves only its new blocks
+//! and matches the cold engine bit for bit; short uncached suffixes are prefilled on the decode
+//! worker and counted by reason; a conversation stays on the decode worker that caches it.
+
+use std::time::{Duration, Instant};
+
+use engine::{Engine, EngineConfig, SamplingParams};
+use serde_json::json;
+use tandem_tests::cluster::{metric_at, post_json, Cluster};
+use tandem_tests::load_model;
+
+use router::core::PrefillDecision as Decision;
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
+
+#[test]
+fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
+    let (model, tok) = load_model();
+    let c = Cluster::start(EXE.as_ref(), 1, 1);
+    let per_token = (model.config.n_layers * 4 * model.config.kv_width()) as f64;
+    let bs = 16;
+    let greedy = SamplingParams::greedy(8);
+    let seeded = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        seed: 11,
+        ..SamplingParams::greedy(8)
+    };
+    let mut transfers = 0;
+    for (conv, params) in [greedy, seeded].into_iter().enumerate() {
+        let user = |k: usize| -> Vec<u32> {
+            (0..20 + 3 * k as u32)
+                .map(|i| 300 + (conv as u32 * 7 + k as u32 * 7919 + i * 104_729) % 40_000)
+                .collect()
+        };
+        let mut prompt: Vec<u32> = Vec::new();
+        let (mut decode_held, mut prefill_held) = (0usize, 0usize);
+        for k in 0..6 {
+            prompt.extend(user(k));
+            let mut cold = EngineConfig::default();
+            cold.prefix_cache = false;
+            let mut e = Engine::new(model.clone(), cold, tok.stop_ids().to_vec()).unwrap();
+            let params = SamplingParams {
+                ignore_eos: true,
+                ..params.clone()
+            };
+            e.add(engine::RequestId(0), prompt.clone(), params.clone())
+                .unwrap();
+            let want = e
+                .run_to_completion()
+                .unwrap()
+                .remove(&engine::RequestId(0))
+                .unwrap();
+            let bytes0 = metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
+            let hits0 = prefill_hits(&c);
+            let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
+                              "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
+            let (status, v) = post_json(c.http, "/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            assert_eq!(
+                v["choices"][0]["text"],
+                tok.decode(&want, true).unwrap(),
+                "conv {conv} turn {k}"
+            );
+            transfers += 1;
+            c.wait_transfers("tcp", transfers);
+            let sent =
+                metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}") - bytes0;
+            let held = decode_held.min((prompt.len() - 2) / bs * bs);
+            let want_sent = (prompt.len() - 1 - held) as f64 * per_token;
+            assert_eq!(
+                sent, want_sent,
+                "conv {conv} turn {k}: only the blocks the decode worker lacks"
+            );
+            let hit = prefill_hits(&c) - hits0;
+            assert_eq!(
+                hit,
+                prefill_held.min((prompt.len() - 2) / bs * bs) as u64,
+                "conv {conv} turn {k}: the prefill computed only what it lacked"
+            );
+            // What each worker holds for the next turn, in whole blocks: the decode worker the
+            // prompt and the answer but its last token; the prefill worker the prompt less its
+            // last token.
+            prefill_held = (prompt.len() - 1) / bs * bs;
+            prompt.extend(&want);
+            decode_held = (prompt.len() - 1) / bs * bs;
+        }
+    }
+    assert!(
+        metric_at(
+            c.http,
+            "tandem_router_prefill_decisions_total{decision=\"remote\"}"
+        ) >= 12.0
+    );
+    c.wait_all_free(Duration::from_secs(5));
+}
+
+/// The prefill worker's prefix-cache hits (prompt tokens not computed), asked live.
+fn prefill_hits(c: &Cluster) -> u64 {
+    c.workers()
+        .iter()
+        .filter(|w| w["role"] == "prefill")
+        .map(|w| w["stats"]["prefix_hit_tokens"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+#[test]
+fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_reason() {
+    let (model, tok) = load_model();
+    let mut c = Cluster::of(1, 1)
+        .router("local_prefill_max_tokens = 40")
+        .start(EXE.as_ref());
+    let cold = |prompt: &[u32]| {
+        let mut cfg = EngineConfig::default();
+        cfg.prefix_cache = false;
+        let mut e = Engine::new(model.clone(), cfg, tok.stop_ids().to_vec()).unwrap();
+        let params = SamplingParams {
+            ignore_eos: true,
+            ..SamplingParams::greedy(8)
+        };
+        e.add(engine::RequestId(0), prompt.to_vec(), params)
+            .unwrap();
+        e.run_to_completion()
+            .unwrap()
+            .remove(&engine::RequestId(0))
+            .unwrap()
+    };
+    let http = c.http;
+    let ask = |prompt: &[u32]| {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+        let (status, v) = post_json(http, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let decisions = |c: &Cluster, d: Decision| {
+        let d = d.label();
+        metric_at(
+            c.http,
+            &format!("tandem_router_prefill_decisions_total{{decision=\"{d}\"}}"),
+        )
+    };
+    let transfers = |c: &Cluster| -> u64 {
+        let ws = c.workers();
+        ws.iter()
+            .map(|w| w["kv_transfers"]["tcp"].as_u64().unwrap_or(0))
+            .sum()
+    };
+    // 99 tokens to compute: the prefill pool does it.
+    let mut prompt: Vec<u32> = (0..100).map(|i| 300 + i * 389 % 40_000).collect();
+    let answer = cold(&prompt);
+    assert_eq!(ask(&prompt), tok.decode(&answer, true).unwrap());
+    c.wait_transfers("tcp", 1);
+    assert_eq!(decisions(&c, Decision::Remote), 1.0);
+    // The next turn: the decode worker holds 96 tokens; 21 are left, under 40: computed there.
+    prompt.extend(&answer);
+    prompt.extend((0..10).map(|i| 5_000 + i));
+    let answer = cold(&prompt);
+    assert_eq!(ask(&prompt), tok.decode(&answer, true).unwrap());
+    assert_eq!(decisions(&c, Decision::LocalShortSuffix), 1.0);
+    assert_eq!(transfers(&c), 1, "no KV moved for it");
+    // Without a prefill worker the decode worker prefills, and says why.
+    c.kill_worker("prefill-0");
+    let t0 = Instant::now();
+    while c.workers().iter().any(|w| w["role"] == "prefill") {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the prefill worker is dropped"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let other: Vec<u32> = (0..50).map(|i| 7_000 + i).collect();
+    assert_eq!(ask(&other), tok.decode(&cold(&other), true).unwrap());
+    assert_eq!(decisions(&c, Decision::LocalNoPrefillWorker), 1.0);
+    c.wait_all_free(Duration::from_secs(5));
+}
+
+#[test]
+fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
+    let c = Cluster::start(EXE.as_ref(), 0, 2);
+    let mut prompt: Vec<u32> = (0..60).map(|i| 2_000 + i * 13).collect();
+    let stats = |c: &Cluster, key: &str| -> Vec<u64> {
+        let ws = c.workers();
+        ws.iter()
+            .map(|w| w["stats"][key].as_u64().unwrap_or(0))
+            .collect()
+    };
+    for turn in 0..4 {
+        let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true, "temperature": 0});
+        let (status, v) = post_json(c.http, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        // The next turn is routed by what the workers' heartbeats have told the index: wait
+        // until it holds at least this prompt's full blocks (16 tokens each). The workers'
+        // own counts come by the same heartbeats, so they cannot tell whether one has arrived.
+        let full_blocks = prompt.len() as u64 / 16;
+        let t0 = Instant::now();
+        while (metric_at(c.http, "tandem_router_kv_index_blocks") as u64) < full_blocks {
+            assert!(
+                t0.elapsed() < Duration::from_secs(5),
+                "turn {turn}: the index hears of the blocks"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        prompt.extend((0..20).map(|i| 9_000 + turn * 100 + i));
+    }
+    let hits = stats(&c, "prefix_hit_tokens");
+    let prompts = stats(&c, "prompt_tokens");
+    assert!(
+        hits.iter().filter(|&&h| h > 0).count() == 1,
+        "one worker reused the conversation: {hits:?}"
+    );
+    let (busy, idle) = if prompts[0] > prompts[1] {
+        (0, 1)
+    } else {
+        (1, 0)
+    };
+    assert_eq!(
+        prompts[idle], 0,
+        "every turn went to the same worker: {prompts:?}"
+    );
+    assert!(
+        hits[busy] >= 3 * 64,
+        "turns 1..3 each found the earlier turns cached: {hits:?}"
+    );
+    c.wait_all_free(Duration::from_secs(5));
+}
