@@ -73,7 +73,7 @@ impl Holders {
 pub struct KvIndex {
     /// Block name → workers holding it.
     holders: NameMap<u64, Holders>,
-    workers: HashMap<WorkerId, Held>,
+    workers: NameMap<WorkerId, Held>,
 }
 
 impl KvIndex {
@@ -153,16 +153,18 @@ impl KvIndex {
         let Some(first) = blocks.first().and_then(|h| self.holders.get(&h.0)) else {
             return out;
         };
-        let mut live: Vec<WorkerId> = first.to_vec();
-        live.retain(|&w| among(w));
+        // Each candidate's own set, looked up once: per block, one membership test a worker
+        // (a block every worker holds — a shared system prompt — costs one lookup a worker,
+        // not a scan of its holder list).
+        let mut live: Vec<(WorkerId, &NameSet)> = first
+            .to_vec()
+            .into_iter()
+            .filter(|&w| among(w))
+            .filter_map(|w| Some((w, &self.workers.get(&w)?.blocks)))
+            .collect();
         for (i, h) in blocks.iter().enumerate() {
-            // Each candidate's own set, not the block's holder list: a block every worker holds
-            // (a shared system prompt) costs one lookup a worker, not a scan of the list.
-            live.retain(|w| {
-                let keep = self
-                    .workers
-                    .get(w)
-                    .is_some_and(|held| held.blocks.contains(&h.0));
+            live.retain(|(w, held)| {
+                let keep = held.contains(&h.0);
                 if !keep {
                     out.insert(*w, i);
                 }
@@ -172,7 +174,7 @@ impl KvIndex {
                 return out;
             }
         }
-        for w in live {
+        for (w, _) in live {
             out.insert(w, blocks.len());
         }
         out

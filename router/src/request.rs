@@ -8,6 +8,8 @@
 //! besides the dropped calls.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +27,7 @@ use types::{RequestId, WorkerId};
 use crate::core::{self, Action, Cx, Input, Note, Phase, Trace};
 use crate::openai::ApiError;
 use crate::planner::PendingPrefill;
-use crate::registry::InFlight;
+use crate::registry::{InFlight, Registry};
 use crate::State;
 
 /// A generated token as the decode worker sent it.
@@ -92,6 +94,7 @@ pub async fn start_on(
     let (core, first) = with_cx(state, |cx| {
         core::Request::start(prompt, core_params, pin, Instant::now(), cx)
     });
+    let deadline = core.deadline(&state.core);
     let driver = Driver {
         state: state.clone(),
         core,
@@ -104,6 +107,9 @@ pub async fn start_on(
         known: HashMap::new(),
         seen: seen.clone(),
         trace: Trace::default(),
+        deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
+        lost: Lost::default(),
+        prefill_lost: Lost::default(),
     };
     let trace = tokio::spawn(driver.run(first));
     let first = rest.recv().await.unwrap_or_else(|| {
@@ -165,26 +171,49 @@ struct Driver {
     /// The decode worker reserved on, for [`Started::decode_worker`].
     seen: Arc<std::sync::Mutex<Option<WorkerId>>>,
     trace: Trace,
+    /// The request's deadline (`request_timeout`).
+    deadline: Pin<Box<tokio::time::Sleep>>,
+    /// Whether the decode worker, and the prefill worker while prefilling, are lost: kept
+    /// across tokens (one watch a worker, not one a token).
+    lost: Lost,
+    prefill_lost: Lost,
+}
+
+/// The loss of one worker, watched for as long as the request is on it.
+#[derive(Default)]
+struct Lost(Option<(WorkerId, Pin<Box<dyn Future<Output = ()> + Send>>)>);
+
+impl Lost {
+    /// Resolves when `worker` is lost (never without one); the watch carries over while the
+    /// worker stays the same.
+    async fn watch(&mut self, worker: Option<WorkerId>, registry: &Arc<Registry>) {
+        let Some(w) = worker else {
+            self.0 = None;
+            return std::future::pending().await;
+        };
+        if self.0.as_ref().is_none_or(|(x, _)| *x != w) {
+            let registry = registry.clone();
+            self.0 = Some((w, Box::pin(async move { registry.lost(w).await })));
+        }
+        let (_, lost) = self.0.as_mut().expect("set above");
+        lost.as_mut().await;
+        self.0 = None;
+    }
 }
 
 impl Driver {
     async fn run(mut self, first: Vec<Action>) -> Trace {
-        let deadline = self.core.deadline(&self.state.core);
         let mut actions = first;
         loop {
             let mut inputs = VecDeque::new();
             for a in actions {
-                match tokio::time::timeout_at(deadline.into(), self.act(a)).await {
-                    Ok(input) => inputs.extend(input),
-                    Err(_) => inputs.push_back(Input::Timeout),
-                }
+                inputs.extend(self.act(a).await);
             }
             if self.core.ended() {
                 break;
             }
             if inputs.is_empty() {
-                let next = tokio::time::timeout_at(deadline.into(), self.next());
-                inputs.push_back(next.await.unwrap_or(Input::Timeout));
+                inputs.push_back(self.next().await);
             }
             actions = Vec::new();
             for input in inputs {
@@ -195,10 +224,14 @@ impl Driver {
         self.trace
     }
 
-    /// The core's next move on `input`.
+    /// The core's next move on `input` (a token's without the registry's lock: it needs
+    /// only the planner's signals).
     fn handle(&mut self, input: Input) -> Vec<Action> {
-        let core = &mut self.core;
-        with_cx(&self.state, |cx| core.handle(Instant::now(), input, cx))
+        let (now, core) = (Instant::now(), &mut self.core);
+        match input {
+            Input::Token { id, finish } => core.token(now, id, finish, &self.state.signals),
+            input => with_cx(&self.state, |cx| core.handle(now, input, cx)),
+        }
     }
 
     /// Carries out one action; what comes of it at once, if anything.
@@ -208,7 +241,11 @@ impl Driver {
                 worker,
                 remote,
                 local_max,
-            } => Some(self.open(worker, remote, local_max).await),
+            } => {
+                let at = self.deadline.deadline();
+                let open = tokio::time::timeout_at(at, self.open(worker, remote, local_max));
+                Some(open.await.unwrap_or(Input::Timeout))
+            }
             Action::Prefill {
                 worker,
                 decode,
@@ -394,29 +431,24 @@ impl Driver {
     async fn next(&mut self) -> Input {
         let registry = self.state.registry.clone();
         let decode = self.core.phase().decode_worker();
-        let lost = async {
-            match decode {
-                Some(w) => registry.lost(w).await,
-                None => std::future::pending().await,
-            }
+        let prefill = match self.core.phase() {
+            Phase::Prefilling { prefill, .. } => Some(*prefill),
+            _ => None,
         };
-        let prefill_lost = async {
-            match self.core.phase() {
-                Phase::Prefilling { prefill, .. } => registry.lost(*prefill).await,
-                _ => std::future::pending().await,
-            }
-        };
+        let lost = self.lost.watch(decode, &registry);
+        let prefill_lost = self.prefill_lost.watch(prefill, &registry);
         let stall = self
             .core
             .owes_token_since()
             .map(|t| tokio::time::Instant::from_std(t + registry.liveness.stall));
         let admit_by = tokio::time::Instant::from_std(self.core.admit_by());
         let reserving = matches!(self.core.phase(), Phase::Reserving { .. });
-        let prefill = prefill_answer(&mut self.prefill);
+        let answer = prefill_answer(&mut self.prefill);
         let changes = &mut self.changes;
         let message = message(&mut self.stream, &mut self.token);
         tokio::select! {
             _ = self.tx.closed() => Input::ClientGone,
+            _ = &mut self.deadline => Input::Timeout,
             _ = lost => Input::DecodeLost,
             _ = prefill_lost => Input::PrefillLost,
             _ = sleep_until(stall) => Input::Stalled,
@@ -424,7 +456,7 @@ impl Driver {
                 Ok(_) => Input::Changed,
                 Err(_) => Input::AdmissionDeadline,
             },
-            input = prefill => input,
+            input = answer => input,
             input = message => input,
         }
     }

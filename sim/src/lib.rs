@@ -210,7 +210,7 @@ enum Event {
     Input {
         req: usize,
         id: RequestId,
-        input: Input,
+        input: Box<Input>,
     },
     /// The router's call to open request `req`'s stream reaches decode worker `worker`.
     Open {
@@ -314,6 +314,8 @@ struct Req {
     refusals: u32,
     /// An admission-deadline event is scheduled for the current try.
     deadline_set: Option<RequestId>,
+    /// The try `by_id` knows it by.
+    known_as: Option<RequestId>,
 }
 
 /// The simulation state.
@@ -500,7 +502,7 @@ impl Sim {
     fn dispatch(&mut self, ev: Event) {
         match ev {
             Event::Arrive(r) => self.arrive(r),
-            Event::Input { req, id, input } => self.input(req, id, input, self.now),
+            Event::Input { req, id, input } => self.input(req, id, *input, self.now),
             Event::Open {
                 req,
                 id,

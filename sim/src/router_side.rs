@@ -43,7 +43,10 @@ impl Sim {
     /// way out): now if it is due, else when it is.
     pub(crate) fn input_at(&mut self, r: usize, id: RequestId, input: Input, at: u64) {
         match at > self.now {
-            true => self.schedule(at, Event::Input { req: r, id, input }),
+            true => {
+                let input = Box::new(input);
+                self.schedule(at, Event::Input { req: r, id, input })
+            }
             false => self.input(r, id, input, at),
         }
     }
@@ -214,8 +217,12 @@ impl Sim {
     /// After request `r` moved: counted out once it has ended; in the waiting list (with its
     /// admission deadline) while it waits for room; draining workers it left may retire.
     fn settled(&mut self, r: usize) {
+        let id = self.id(r);
+        if self.reqs[r].known_as != Some(id) {
+            self.reqs[r].known_as = Some(id);
+            self.by_id.insert(id, r);
+        }
         let core = self.reqs[r].core.as_ref().expect("started");
-        self.by_id.insert(core.id(), r);
         if core.ended() {
             if !std::mem::replace(&mut self.reqs[r].done, true) {
                 self.open -= 1;
@@ -231,10 +238,12 @@ impl Sim {
                 self.schedule(ns(at), Event::AdmissionDeadline { req: r, id });
             }
         }
-        for w in self.draining.clone() {
-            self.retire(w);
+        if !self.draining.is_empty() {
+            for w in self.draining.clone() {
+                self.retire(w);
+            }
+            self.draining.retain(|&w| self.workers[w].stopped.is_none());
         }
-        self.draining.retain(|&w| self.workers[w].stopped.is_none());
     }
 
     /// The requests waiting for room ask again, in the order they came to wait: after decode

@@ -32,6 +32,7 @@ use super::line::Eligible;
 use super::table::{Route, Table, Worker};
 use super::vocab::*;
 use crate::openai::ApiError;
+use crate::planner::Signals;
 use crate::routing::Policy;
 
 /// One request.
@@ -448,12 +449,7 @@ impl Request {
                 let decode = self.take_decode();
                 self.recompute(decode, e, Recompute::PrefillWorkerLost, cx, out);
             }
-            // The KV arrived before the prefill's reply did; the call finishes on its own.
-            Input::Token { id, finish } => {
-                let decode = self.take_decode();
-                self.go(Phase::Decoding { decode }, out);
-                self.token(now, id, finish, cx, out);
-            }
+            Input::Token { id, finish } => out.extend(self.token(now, id, finish, cx.signals)),
             input => self.stream_trouble(now, input, cx, out),
         }
     }
@@ -461,7 +457,7 @@ impl Request {
     /// Decoding's inputs.
     fn decoding(&mut self, now: Instant, input: Input, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
         match input {
-            Input::Token { id, finish } => self.token(now, id, finish, cx, out),
+            Input::Token { id, finish } => out.extend(self.token(now, id, finish, cx.signals)),
             // The prefill's late answer: the call has ended.
             Input::PrefillDone | Input::PrefillFailed(..) => self.prefill_call = None,
             Input::PrefillLost => {}
@@ -545,16 +541,39 @@ impl Request {
         );
     }
 
-    /// A token: passed on, counted in the planner's signals; the last one ends the request.
-    fn token(
+    /// A token from the decode worker at `now` ([`Input::Token`]; it needs none of the table,
+    /// so a driver may hand it in without one): passed on, counted in the planner's signals;
+    /// the last one ends the request.
+    pub fn token(
         &mut self,
         now: Instant,
         id: u32,
         finish: Option<FinishReason>,
-        cx: &mut Cx<'_>,
+        signals: &Signals,
+    ) -> Vec<Action> {
+        let mut out = Vec::new();
+        match self.phase.name() {
+            PhaseName::Prefilling => {
+                // The KV arrived before the prefill's reply did; the call finishes on its own.
+                let decode = self.take_decode();
+                self.go(Phase::Decoding { decode }, &mut out);
+            }
+            PhaseName::Decoding => {}
+            _ => return out,
+        }
+        self.pass_on(now, id, finish, signals, &mut out);
+        out
+    }
+
+    /// Passes token `id` on and counts it in the planner's signals.
+    fn pass_on(
+        &mut self,
+        now: Instant,
+        id: u32,
+        finish: Option<FinishReason>,
+        signals: &Signals,
         out: &mut Vec<Action>,
     ) {
-        let signals = cx.signals;
         match (self.last_token, self.reserved) {
             (None, reserved) => {
                 if let Some(t) = self.ttft_phases(now) {

@@ -5,7 +5,7 @@
 //! one table behind a lock (`registry::Registry` adds the change channels and the `Control`
 //! service), the simulator keeps one on its virtual clock.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -326,17 +326,14 @@ impl Table {
         keep: impl Fn(&Worker) -> bool,
         route: &Route,
     ) -> (Vec<WorkerId>, Vec<Candidate>) {
-        let ws: Vec<&Worker> = self
-            .iter()
-            .filter(|w| w.pool == pool && w.usable() && keep(w))
-            .collect();
+        let is = |w: &Worker| w.pool == pool && w.usable() && keep(w);
+        let ws: Vec<&Worker> = self.iter().filter(|w| is(w)).collect();
         let ids: Vec<WorkerId> = ws.iter().map(|w| w.id).collect();
-        // The candidates' cached prefixes only.
+        // The candidates' cached prefixes only (asked of the few holding the first block).
         let overlap = match self.routing.policy {
-            Policy::Kv => {
-                let among: HashSet<WorkerId> = ids.iter().copied().collect();
-                self.index.overlap_in(&route.blocks, |w| among.contains(&w))
-            }
+            Policy::Kv => self
+                .index
+                .overlap_in(&route.blocks, |w| self.workers.get(&w).is_some_and(is)),
             _ => Default::default(),
         };
         let bs = self.block_size();
