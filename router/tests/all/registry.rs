@@ -1,7 +1,7 @@
 //! The router's registry of workers: joining (its own id, protocol and model checks), picking
 //! the least loaded, forgetting the silent.
 
-mod fake;
+use crate::fake;
 
 use std::time::Duration;
 

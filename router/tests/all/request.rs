@@ -2,7 +2,7 @@
 //! `fake/`): every transition, asserted by the phases the request went through and by what the
 //! workers were asked; and routing by the KV index.
 
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::Duration;

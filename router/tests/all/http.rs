@@ -1,7 +1,7 @@
 //! The router's HTTP handlers, driven with `oneshot` over fake workers: the OpenAI API's
 //! answers, errors, limits and keys, and what reaches the decode worker.
 
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::Duration;

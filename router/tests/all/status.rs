@@ -1,8 +1,7 @@
 //! The status page's handlers with `oneshot`, over workers joined to the registry by hand (the
 //! fakes' join: nothing serves behind them, the page reads the registry only).
 
-#[allow(dead_code)]
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};

@@ -4,7 +4,7 @@
 //! virtual clock), and each of its four requests takes the same path in both: the same phases,
 //! the same prefill decisions, refused where it should be.
 
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::Duration;

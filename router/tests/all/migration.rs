@@ -1,7 +1,7 @@
 //! Migration against fake workers: a decode worker lost mid-stream (killed, frozen, stalled)
 //! is left and the client's stream goes on elsewhere, up to the migration limit.
 
-mod fake;
+use crate::fake;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -7,7 +7,7 @@
 //!
 //! `TANDEM_FUZZ_SEED` replays a run.
 
-mod fake;
+use crate::fake;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
