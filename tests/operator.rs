@@ -107,7 +107,7 @@ fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
     );
 
     // A worker joins: the open page shows it.
-    let cfg = c.dir().join("cluster.toml");
+    let cfg = c.config_file().to_path_buf();
     c.add_worker("decode", "decode-1", &cfg);
     let shown = b
         .eval(&rows_when("r => r.some(x => x.startsWith('decode-1:'))"))

@@ -16,6 +16,7 @@ use crate::wait_until;
 pub struct Cluster {
     exe: PathBuf,
     dir: PathBuf,
+    config: PathBuf,
     /// The router's HTTP address.
     pub http: SocketAddr,
     /// The router's control endpoint.
@@ -182,6 +183,7 @@ impl Cluster {
         let mut c = Cluster {
             exe: exe.into(),
             dir,
+            config: cfg.clone(),
             http,
             control,
             router,
@@ -209,6 +211,11 @@ impl Cluster {
         &self.dir
     }
 
+    /// The cluster.toml the cluster was started with (for more workers of the same kind).
+    pub fn config_file(&self) -> &Path {
+        &self.config
+    }
+
     /// Starts one more worker of `role` with `config`.
     pub fn add_worker(&mut self, role: &str, name: &str, config: &Path) {
         let child = self.spawn_worker(role, name, config);
@@ -228,6 +235,8 @@ impl Cluster {
         config: &Path,
         extra: &[&str],
     ) -> Child {
+        // A worker given a missing file exits at once, and a test would wait for it to join.
+        assert!(config.is_file(), "no config file {}", config.display());
         Command::new(&self.exe)
             .envs(self.env.iter().cloned())
             .args([role, "--router", &self.control, "--name", name])

@@ -143,17 +143,25 @@ async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
     assert!(d.seen.lock().unwrap().generate.is_empty());
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
+/// A chat request of one short message with `k` set to `v`.
+fn chat_with(k: &str, v: Value) -> Value {
+    let mut b = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1});
+    b[k] = v;
+    b
+}
+
+/// A router with one fake decode worker joined.
+async fn one_decode_worker() -> (Arc<State>, Fake) {
     let st = state(Duration::from_secs(5));
     let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
     join(&st, Pool::Decode, &d).await;
-    let msgs = json!([{"role": "user", "content": "hi"}]);
-    let with = |k: &str, v: Value| {
-        let mut b = json!({"messages": msgs, "max_tokens": 1});
-        b[k] = v;
-        b
-    };
+    (st, d)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
+    let (st, d) = one_decode_worker().await;
+    let with = chat_with;
     let refused = [
         with("top_logprobs", json!(3)),
         with("top_logprobs", json!(21)),
@@ -190,7 +198,13 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         d.seen.lock().unwrap().generate.is_empty(),
         "none reached a worker"
     );
-    // Defaults that ask for nothing, metadata and the developer role are served.
+}
+
+/// Defaults that ask for nothing, metadata and the developer role are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parameters_that_ask_for_nothing_are_served() {
+    let (st, d) = one_decode_worker().await;
+    let with = chat_with;
     let served = [
         with("logprobs", json!(false)),
         with("logprobs", json!(true)),
@@ -201,10 +215,19 @@ async fn parameters_the_server_does_not_implement_are_refused_not_ignored() {
         with("logprobs", Value::Null),
         json!({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}], "max_tokens": 1}),
     ];
+    let n = served.len();
     for body in served {
         let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
         assert_eq!(got, StatusCode::OK, "{body}: {text}");
     }
+    assert_eq!(d.seen.lock().unwrap().generate.len(), n);
+}
+
+/// Tools where the template renders none, and the completions API's `suffix` and `best_of`,
+/// are refused by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_without_a_template_and_suffix_or_best_of_are_refused_by_name() {
+    let (st, _d) = one_decode_worker().await;
     let tools = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
         "tools": [{"type": "function", "function": {"name": "f"}}]});
     let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(tools)).await;

@@ -66,29 +66,23 @@ fn registry() -> Arc<Registry> {
     Registry::with_timeout(engine::identity_of(&config, 16), Duration::from_secs(60))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn scaling_patches_each_pools_deployment_scale_with_a_fresh_token() {
-    let fake = Fake::default();
+/// The fake API server on a loopback port.
+async fn serve_api(fake: Fake) -> std::net::SocketAddr {
     let app = axum::Router::new()
         .route(
             "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
             patch(scale),
         )
-        .with_state(fake.clone());
+        .with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    let dir = std::env::temp_dir().join(format!("tandem-kube-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let token = dir.join("token");
-    std::fs::write(&token, "tok-1\n").unwrap();
-    let api = KubeApi {
-        base: format!("http://{addr}"),
-        token_file: token.clone(),
-        ca_pem: None,
-        namespace: "serving".into(),
-    };
-    let targets = HashMap::from([
+    addr
+}
+
+/// The decode pool's deployment in the API's namespace, the prefill pool's in its own.
+fn two_targets() -> HashMap<Pool, Target> {
+    HashMap::from([
         (
             Pool::Decode,
             Target {
@@ -103,8 +97,24 @@ async fn scaling_patches_each_pools_deployment_scale_with_a_fresh_token() {
                 namespace: Some("other".into()),
             },
         ),
-    ]);
-    let mut k = Kubernetes::new(api, targets).unwrap();
+    ])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scaling_patches_each_pools_deployment_scale_with_a_fresh_token() {
+    let fake = Fake::default();
+    let addr = serve_api(fake.clone()).await;
+    let dir = std::env::temp_dir().join(format!("tandem-kube-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let token = dir.join("token");
+    std::fs::write(&token, "tok-1\n").unwrap();
+    let api = KubeApi {
+        base: format!("http://{addr}"),
+        token_file: token.clone(),
+        ca_pem: None,
+        namespace: "serving".into(),
+    };
+    let mut k = Kubernetes::new(api, two_targets()).unwrap();
     let reg = registry();
     let seen = || fake.seen.lock().unwrap().clone();
 
@@ -152,11 +162,8 @@ async fn scaling_patches_each_pools_deployment_scale_with_a_fresh_token() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// The API server over HTTPS, its certificate issued by the cluster's CA: the actuator trusts
-/// that CA alone (a raw TLS listener records the request and answers 200).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn https_to_the_api_server_trusts_the_clusters_ca() {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+/// A TLS acceptor for 127.0.0.1, its certificate signed by a new CA, and that CA's PEM.
+fn tls_signed_by_a_new_ca() -> (tokio_rustls::TlsAcceptor, Vec<u8>) {
     let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     let ca = rcgen::CertifiedIssuer::self_signed(ca_params, rcgen::KeyPair::generate().unwrap())
@@ -177,8 +184,15 @@ async fn https_to_the_api_server_trusts_the_clusters_ca() {
         )
         .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(server));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    (acceptor, ca.pem().into_bytes())
+}
+
+/// A raw TLS listener that records the first request (up to its JSON body) and answers 200.
+fn record_one_patch(
+    listener: tokio::net::TcpListener,
+    acceptor: tokio_rustls::TlsAcceptor,
+) -> Arc<Mutex<String>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let seen = Arc::new(Mutex::new(String::new()));
     let record = seen.clone();
     tokio::spawn(async move {
@@ -199,13 +213,24 @@ async fn https_to_the_api_server_trusts_the_clusters_ca() {
         tls.write_all(answer.as_bytes()).await.unwrap();
         tls.flush().await.unwrap();
     });
+    seen
+}
+
+/// The API server over HTTPS, its certificate issued by the cluster's CA: the actuator trusts
+/// that CA alone (a raw TLS listener records the request and answers 200).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_to_the_api_server_trusts_the_clusters_ca() {
+    let (acceptor, ca_pem) = tls_signed_by_a_new_ca();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = record_one_patch(listener, acceptor);
     let dir = std::env::temp_dir().join(format!("tandem-kube-tls-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     std::fs::write(dir.join("token"), "tok").unwrap();
     let api = KubeApi {
         base: format!("https://{addr}"),
         token_file: dir.join("token"),
-        ca_pem: Some(ca.pem().into_bytes()),
+        ca_pem: Some(ca_pem),
         namespace: "serving".into(),
     };
     let targets = HashMap::from([(
