@@ -110,7 +110,9 @@ impl Registry {
 
     /// Snapshot of the live workers, by id.
     pub fn workers(&self) -> Vec<Worker> {
-        self.with(|t| t.iter().cloned().collect())
+        let mut all: Vec<Worker> = self.with(|t| t.iter().cloned().collect());
+        all.sort_by_key(|w| w.id);
+        all
     }
 
     /// Number of live workers of a pool, not draining nor stalled.

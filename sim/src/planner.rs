@@ -66,7 +66,7 @@ impl Sim {
     /// Replicas of `pool` in the router's table, not draining (as the router's planner counts).
     fn live(&self, pool: Pool) -> u32 {
         let t = &self.table;
-        t.iter().filter(|w| w.pool == pool && !w.draining).count() as u32
+        t.pool(pool).filter(|w| !w.draining).count() as u32
     }
 
     fn starting(&self, pool: Pool) -> u32 {

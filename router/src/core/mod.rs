@@ -17,6 +17,8 @@
 mod line;
 mod request;
 mod table;
+#[cfg(test)]
+mod tests;
 mod vocab;
 
 pub use line::{Eligible, Line, HOLD_AFTER};

@@ -248,7 +248,12 @@ impl Request {
                     drop(held);
                     out.push(Action::Note(Note::Refused));
                     let beats = cx.table.get(w).map_or(0, |w| w.beats);
-                    refused.push((w, beats));
+                    // One entry a worker: a request waiting for room is refused again after each
+                    // heartbeat, and a growing list made every retry slower (quadratic).
+                    match refused.iter_mut().find(|(r, _)| *r == w) {
+                        Some(e) => e.1 = beats,
+                        None => refused.push((w, beats)),
+                    }
                     self.reserve(now, cx, out);
                 }
             },

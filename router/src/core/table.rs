@@ -209,7 +209,8 @@ pub struct UnknownWorker(pub WorkerId);
 pub struct Table {
     identity: ModelIdentity,
     next_id: u64,
-    workers: BTreeMap<WorkerId, Worker>,
+    /// Each pool's workers (prefill, decode), by id: a pick looks at its pool only.
+    workers: [BTreeMap<WorkerId, Worker>; 2],
     index: KvIndex,
     routing: Routing,
     /// Round-robin counters: prefill, decode.
@@ -227,7 +228,7 @@ impl Table {
         Table {
             identity,
             next_id: 1,
-            workers: BTreeMap::new(),
+            workers: Default::default(),
             index: KvIndex::default(),
             routing,
             turns: [0; 2],
@@ -251,19 +252,33 @@ impl Table {
         self.index.len()
     }
 
-    /// The workers, by id.
+    /// The workers: the prefill pool's, then the decode pool's, each by id.
     pub fn iter(&self) -> impl Iterator<Item = &Worker> {
-        self.workers.values()
+        self.workers.iter().flat_map(|m| m.values())
+    }
+
+    /// The workers of `pool`, by id.
+    pub fn pool(&self, pool: Pool) -> impl Iterator<Item = &Worker> {
+        self.workers[slot(pool)].values()
     }
 
     /// Worker `id`, if it is here.
     pub fn get(&self, id: WorkerId) -> Option<&Worker> {
-        self.workers.get(&id)
+        self.workers.iter().find_map(|m| m.get(&id))
+    }
+
+    fn get_mut(&mut self, id: WorkerId) -> Option<&mut Worker> {
+        self.workers.iter_mut().find_map(|m| m.get_mut(&id))
+    }
+
+    /// Takes worker `id` out of its pool's map.
+    fn take(&mut self, id: WorkerId) -> Option<Worker> {
+        self.workers.iter_mut().find_map(|m| m.remove(&id))
     }
 
     /// Number of workers of a pool that take requests.
     pub fn count(&self, pool: Pool) -> usize {
-        self.iter().filter(|w| w.pool == pool && w.usable()).count()
+        self.pool(pool).filter(|w| w.usable()).count()
     }
 
     /// Drops the workers silent past the heartbeat timeout at `now`; returns them.
@@ -275,7 +290,7 @@ impl Table {
             .map(|w| w.id)
             .collect();
         for &id in &gone {
-            let w = self.workers.remove(&id).expect("listed");
+            let w = self.take(id).expect("listed");
             tracing::warn!(worker = %id, name = %w.name, "worker missed its heartbeats; dropped");
             self.index.remove_worker(id);
         }
@@ -285,7 +300,7 @@ impl Table {
     /// Forgets a worker at once (its connection broke, its lease expired), and its cache;
     /// whether it was here.
     pub fn remove(&mut self, id: WorkerId) -> bool {
-        let here = self.workers.remove(&id).is_some();
+        let here = self.take(id).is_some();
         if here {
             self.index.remove_worker(id);
             tracing::warn!(worker = %id, "worker removed");
@@ -295,7 +310,7 @@ impl Table {
 
     /// Stops routing new requests to worker `id` (it is being drained).
     pub fn set_draining(&mut self, id: WorkerId) {
-        if let Some(w) = self.workers.get_mut(&id) {
+        if let Some(w) = self.get_mut(id) {
             w.draining = true;
         }
     }
@@ -303,7 +318,7 @@ impl Table {
     /// Marks worker `id` stalled (a request of it saw no token within the stall timeout): it is
     /// not routed to until its engine's steps move again.
     pub fn set_stalled(&mut self, id: WorkerId) {
-        if let Some(w) = self.workers.get_mut(&id) {
+        if let Some(w) = self.get_mut(id) {
             tracing::warn!(worker = %id, name = %w.name, "worker stalled: a request saw no progress");
             w.stalled = true;
         }
@@ -312,7 +327,7 @@ impl Table {
     /// When worker `id` is lost unless a heartbeat comes first; `None` when it is lost already
     /// (removed, or stalled).
     pub fn due(&self, id: WorkerId) -> Option<Instant> {
-        match self.workers.get(&id) {
+        match self.get(id) {
             Some(w) if !w.stalled => Some(w.last_beat + self.liveness.heartbeat),
             _ => None,
         }
@@ -327,13 +342,17 @@ impl Table {
         route: &Route,
     ) -> (Vec<WorkerId>, Vec<Candidate>) {
         let is = |w: &Worker| w.pool == pool && w.usable() && keep(w);
-        let ws: Vec<&Worker> = self.iter().filter(|w| is(w)).collect();
+        let ws: Vec<&Worker> = self.pool(pool).filter(|w| is(w)).collect();
         let ids: Vec<WorkerId> = ws.iter().map(|w| w.id).collect();
-        // The candidates' cached prefixes only (asked of the few holding the first block).
+        if ids.is_empty() {
+            return (ids, Vec::new());
+        }
+        // The candidates' cached prefixes only (asked of the few holding the first block); `ids`
+        // is in id order.
         let overlap = match self.routing.policy {
             Policy::Kv => self
                 .index
-                .overlap_in(&route.blocks, |w| self.workers.get(&w).is_some_and(is)),
+                .overlap_in(&route.blocks, |w| ids.binary_search(&w).is_ok()),
             _ => Default::default(),
         };
         let bs = self.block_size();
@@ -354,14 +373,14 @@ impl Table {
         route: &Route,
     ) -> Option<Picked> {
         let (ids, c) = self.candidates(pool, keep, route);
-        let k = (pool == Pool::Decode) as usize;
+        let k = slot(pool);
         let turn = self.turns[k];
         self.turns[k] += 1;
         let i = match pool {
             Pool::Decode => routing::decode(self.routing.policy, &c, turn),
             Pool::Prefill => routing::prefill(&self.routing, &c, route.prompt_tokens, turn),
         }?;
-        let w = &self.workers[&ids[i]];
+        let w = &self.workers[k][&ids[i]];
         let queued = match pool {
             Pool::Prefill => route.prompt_tokens.saturating_sub(c[i].cached) as u64,
             Pool::Decode => 0,
@@ -395,8 +414,8 @@ impl Table {
     /// another (see [`Line::kept_off`]), over the decode workers that take requests.
     pub fn kept_off(&mut self, id: types::RequestId, now: Instant) -> Option<WorkerId> {
         let free: Vec<(WorkerId, u32)> = self
-            .iter()
-            .filter(|w| w.pool == Pool::Decode && w.usable())
+            .pool(Pool::Decode)
+            .filter(|w| w.usable())
             .map(|w| (w.id, w.load.kv_blocks_free))
             .collect();
         self.line.kept_off(id, now, &free)
@@ -404,7 +423,7 @@ impl Table {
 
     /// Counts a KV transfer made by worker `id` and keeps its timings.
     pub fn record_transfer(&mut self, id: WorkerId, reply: &grpc::PrefillReply) {
-        if let Some(w) = self.workers.get_mut(&id) {
+        if let Some(w) = self.get_mut(id) {
             *w.kv_transfers.entry(reply.transport.clone()).or_default() += 1;
             w.last_prefill_us = (reply.compute_us, reply.transfer_us);
         }
@@ -435,12 +454,12 @@ impl Table {
                 self.next_id += 1;
                 WorkerId(self.next_id - 1)
             }
-            id if self.workers.contains_key(&id) => return Ok(id),
+            id if self.get(id).is_some() => return Ok(id),
             id => id,
         };
         let w = joined(id, pool, j, now);
         tracing::info!(worker = %id, %pool, name = %w.name, endpoint = %w.endpoint, "worker joined");
-        self.workers.insert(id, w);
+        self.workers[slot(pool)].insert(id, w);
         Ok(id)
     }
 
@@ -448,7 +467,7 @@ impl Table {
     pub fn beat(&mut self, b: Heartbeat, now: Instant) -> Result<Beaten, UnknownWorker> {
         let id = WorkerId(b.worker_id);
         let stall = self.liveness.stall;
-        let w = self.workers.get_mut(&id).ok_or(UnknownWorker(id))?;
+        let w = self.get_mut(id).ok_or(UnknownWorker(id))?;
         w.load = b.load.unwrap_or_default();
         w.last_beat = now;
         w.beats += 1;
@@ -463,6 +482,14 @@ impl Table {
             None => false,
         };
         Ok(Beaten { resync, stalled })
+    }
+}
+
+/// `pool`'s place in the table's maps.
+fn slot(pool: Pool) -> usize {
+    match pool {
+        Pool::Prefill => 0,
+        Pool::Decode => 1,
     }
 }
 

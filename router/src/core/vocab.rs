@@ -111,8 +111,8 @@ pub enum Phase {
     Reserving {
         /// The decode worker asked.
         asking: Option<Held>,
-        /// Workers that refused it for room, with their heartbeat count then: each is asked
-        /// again only after its next heartbeat (news of its load).
+        /// Workers that refused it for room, each once, with its heartbeat count at its last
+        /// refusal: it is asked again only after its next heartbeat (news of its load).
         refused: Vec<(WorkerId, u64)>,
         /// In the line of requests waiting for room.
         waiting: bool,

@@ -139,7 +139,7 @@ impl Watch {
 pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant) -> Observed {
     let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
     let sent = signals.prefill_sent_tokens.load(Ordering::SeqCst);
-    let live = |pool: Pool| table.iter().filter(move |w| w.pool == pool && !w.draining);
+    let live = |pool: Pool| table.pool(pool).filter(|w| !w.draining);
     let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
         live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
     };
@@ -234,7 +234,7 @@ pub async fn run(
         }
         let now = Instant::now();
         let (mut observed, live) = registry.with(|t| {
-            let live = |pool| t.iter().filter(|w| w.pool == pool && !w.draining).count() as u32;
+            let live = |pool| t.pool(pool).filter(|w| !w.draining).count() as u32;
             let o = observe(&state.signals, &mut watch, t, now);
             (o, [live(Pool::Prefill), live(Pool::Decode)])
         });
