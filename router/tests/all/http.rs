@@ -96,9 +96,7 @@ async fn streamed_completions_end_with_usage_of_their_own_object_and_done() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
-    let st = state(Duration::from_secs(5));
-    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
-    join(&st, Pool::Decode, &d).await;
+    let (st, d) = one_decode_worker().await;
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let cases = [
         (
@@ -312,9 +310,7 @@ async fn echo_starts_with_the_prompt_and_prompt_logprobs_stay_on_the_decode_work
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sampling_controls_reach_the_decode_worker_as_sent() {
-    let st = state(Duration::from_secs(5));
-    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
-    join(&st, Pool::Decode, &d).await;
+    let (st, d) = one_decode_worker().await;
     let body = json!({"prompt": "hi", "max_tokens": 3, "presence_penalty": 0.5,
         "frequency_penalty": -0.25, "repetition_penalty": 1.1, "logit_bias": {"7": 5, "11": -100},
         "min_p": 0.05, "min_tokens": 2, "stop_token_ids": [9]});
@@ -475,9 +471,7 @@ async fn tokenizer_endpoints_round_trip_and_refuse_bad_input() {
 /// `response_format` and the `guided_*` extensions reach the decode worker as one constraint.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_formats_reach_the_decode_worker_as_constraints() {
-    let st = state(Duration::from_secs(5));
-    let d = Fake::new(tokens(&[1]), PrefillScript::Deliver, Arc::default());
-    join(&st, Pool::Decode, &d).await;
+    let (st, d) = one_decode_worker().await;
     let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
     let msgs = json!([{"role": "user", "content": "hi"}]);
     let bodies = [
