@@ -127,11 +127,11 @@ impl Decoder {
     fn kv(&mut self, ev: KvEvent) {
         match ev {
             KvEvent::Arriving(id) => {
-                self.engine.kv_arriving(RequestId(id));
-                self.engine.renew_lease(RequestId(id));
+                self.engine.kv_arriving(id);
+                self.engine.renew_lease(id);
             }
             KvEvent::Renewed(id) => {
-                self.engine.renew_lease(RequestId(id));
+                self.engine.renew_lease(id);
             }
             KvEvent::Abandoned { request_id, error } => {
                 metrics::counter!("tandem_kv_receive_failures_total").increment(1);
@@ -139,7 +139,7 @@ impl Decoder {
                 // ABORTED: the request never started here; the router recomputes it.
                 let msg = format!("the KV of request {request_id} did not arrive: {error}");
                 self.end(
-                    RequestId(request_id),
+                    request_id,
                     Release::TransferFailed,
                     Some(Cause::KvTransfer.status(msg)),
                 );
@@ -149,13 +149,13 @@ impl Decoder {
                 n_tokens,
                 reply,
             } => {
-                let blocks = self.engine.grant(RequestId(request_id), n_tokens as usize);
+                let blocks = self.engine.grant(request_id, n_tokens as usize);
                 let _ = reply.send(blocks.map_err(|e| e.to_string()));
             }
             KvEvent::Complete(kv) => {
                 let bytes = kv.layers.iter().map(|l| l.len() as u64).sum::<u64>();
                 metrics::counter!("tandem_kv_received_bytes_total", "transport" => kv.transport.name()).increment(bytes);
-                let id = RequestId(kv.request_id);
+                let id = kv.request_id;
                 let r = if !self.streams.contains_key(&id) {
                     Err(format!(
                         "request {id} is not waiting for KV here (cancelled?)"

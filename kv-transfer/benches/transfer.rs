@@ -13,6 +13,7 @@ use kv_transfer::quic::QuicKvReceiver;
 use kv_transfer::{KvSender, Local, Offer, Transport};
 use proto::ModelIdentity;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use types::RequestId;
 
 struct Layout {
     name: &'static str,
@@ -207,7 +208,7 @@ async fn main() {
                 };
                 let per = timed!(n, {
                     s.send(
-                        1,
+                        RequestId(1),
                         n_tokens as u32,
                         width,
                         kv_transfer::Layers::Ready(&kv),

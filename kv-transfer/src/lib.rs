@@ -24,6 +24,8 @@ pub mod wire;
 
 use std::time::Duration;
 
+use types::RequestId;
+
 pub use core::Timeouts;
 pub use negotiate::Offer;
 pub use wire::{IncomingKv, KvEvent, Layer, Layers, Local};
@@ -84,16 +86,16 @@ impl KvSender {
     /// Sends one request's KV and waits for the receiver's ack, within `timeout`.
     pub async fn send(
         &mut self,
-        request_id: u64,
+        request_id: RequestId,
         n_tokens: u32,
         width: u32,
         layers: crate::wire::Layers<'_>,
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         match self {
-            KvSender::Tcp(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
-            KvSender::Quic(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
-            KvSender::Rdma(s) => s.send(request_id, n_tokens, width, layers, timeout).await,
+            KvSender::Tcp(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
+            KvSender::Quic(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
+            KvSender::Rdma(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
         }
     }
 }

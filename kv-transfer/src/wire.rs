@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 use proto::ModelIdentity;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, oneshot};
+use types::RequestId;
 
 use crate::core::{Client, ClientEvent, Received, Server, ServerEvent, Timeouts};
 use crate::frame::{Frame, HEADER};
@@ -500,7 +501,7 @@ pub async fn deadline<T>(
 #[derive(Debug)]
 pub struct IncomingKv {
     /// The request.
-    pub request_id: u64,
+    pub request_id: RequestId,
     /// Tokens covered.
     pub n_tokens: u32,
     /// One buffer per layer: keys then values.
@@ -537,16 +538,16 @@ impl Drop for IncomingKv {
 #[derive(Debug)]
 pub enum KvEvent {
     /// A request's KV started to arrive.
-    Arriving(u64),
+    Arriving(RequestId),
     /// The sender of a request's KV is alive and still at it: extend the lease on its blocks.
-    Renewed(u64),
+    Renewed(RequestId),
     /// A request's KV is here whole; answer it.
     Complete(IncomingKv),
     /// In-place transfers: the blocks the request's KV of `n_tokens` tokens is to be written
     /// into, or why there are none.
     Grant {
         /// The request.
-        request_id: u64,
+        request_id: RequestId,
         /// Tokens to be written.
         n_tokens: u32,
         /// Where the answer goes.
@@ -555,7 +556,7 @@ pub enum KvEvent {
     /// A request's KV will not come (the transfer broke); free what it holds.
     Abandoned {
         /// The request.
-        request_id: u64,
+        request_id: RequestId,
         /// Why.
         error: String,
     },
@@ -625,10 +626,16 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     n_tokens,
                 } => grant(&mut core, &receiving.tx, request_id, n_tokens).await,
                 ServerEvent::Begun { request_id, .. } => {
-                    let _ = receiving.tx.send(KvEvent::Arriving(request_id)).await;
+                    let _ = receiving
+                        .tx
+                        .send(KvEvent::Arriving(RequestId(request_id)))
+                        .await;
                 }
                 ServerEvent::Renewed { request_id } => {
-                    let _ = receiving.tx.send(KvEvent::Renewed(request_id)).await;
+                    let _ = receiving
+                        .tx
+                        .send(KvEvent::Renewed(RequestId(request_id)))
+                        .await;
                 }
                 ServerEvent::Received {
                     request_id,
@@ -640,7 +647,10 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                     let error = error.to_string();
                     let _ = receiving
                         .tx
-                        .send(KvEvent::Abandoned { request_id, error })
+                        .send(KvEvent::Abandoned {
+                            request_id: RequestId(request_id),
+                            error,
+                        })
                         .await;
                 }
                 ServerEvent::Closed(TransferError::Io(e))
@@ -711,7 +721,7 @@ async fn set_up<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
 async fn grant(core: &mut Server, tx: &mpsc::Sender<KvEvent>, request_id: u64, n_tokens: u32) {
     let (reply, answer) = oneshot::channel();
     let ask = KvEvent::Grant {
-        request_id,
+        request_id: RequestId(request_id),
         n_tokens,
         reply,
     };
@@ -749,7 +759,7 @@ async fn received(
     }
     let (reply, verdict) = oneshot::channel();
     let incoming = IncomingKv {
-        request_id,
+        request_id: RequestId(request_id),
         n_tokens,
         layers,
         in_place: crcs,

@@ -10,6 +10,7 @@ use kv_transfer::{
 };
 use proto::ModelIdentity;
 use tokio::sync::mpsc;
+use types::RequestId;
 
 fn identity(block_size: u32) -> ModelIdentity {
     ModelIdentity {
@@ -82,7 +83,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
     let got = tokio::spawn(async move {
         let mut seen = Vec::new();
         while let Some(kv) = rx.recv().await {
-            let ok = kv.request_id % 2 == 0;
+            let ok = kv.request_id.0 % 2 == 0;
             seen.push((kv.request_id, kv.transport, kv.n_tokens, kv.layers.clone()));
             kv.answer(if ok { Ok(()) } else { Err("no room".into()) });
             if seen.len() == 4 {
@@ -105,13 +106,13 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
     for offer in &offers {
         let mut s = KvSender::connect(offer, &local(16, None), t).await.unwrap();
         let stats = s
-            .send(2, 5, width, kv_transfer::Layers::Ready(&kv), t)
+            .send(RequestId(2), 5, width, kv_transfer::Layers::Ready(&kv), t)
             .await
             .unwrap();
         assert_eq!(stats.transport, offer.transport);
         assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
         let e = s
-            .send(3, 5, width, kv_transfer::Layers::Ready(&kv), t)
+            .send(RequestId(3), 5, width, kv_transfer::Layers::Ready(&kv), t)
             .await
             .unwrap_err()
             .to_string();
@@ -119,7 +120,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
         // A peer with another block size is refused before any KV moves.
         let refused = match KvSender::connect(offer, &local(32, None), t).await {
             Ok(mut s) => s
-                .send(4, 5, width, kv_transfer::Layers::Ready(&kv), t)
+                .send(RequestId(4), 5, width, kv_transfer::Layers::Ready(&kv), t)
                 .await
                 .map(|_| ()),
             Err(e) => Err(e),
@@ -134,7 +135,7 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
     let seen = got.await.unwrap();
     assert_eq!(seen.len(), 4);
     for (id, transport, n, l) in seen {
-        assert!(id == 2 || id == 3);
+        assert!(id == RequestId(2) || id == RequestId(3));
         assert!(matches!(transport, Transport::Tcp | Transport::Quic));
         assert_eq!(n, 5);
         assert_eq!(l, layers);
@@ -175,7 +176,7 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
         ] {
             let r = match KvSender::connect(offer, &local(16, secret), t).await {
                 Ok(mut s) => s
-                    .send(1, 1, 16, kv_transfer::Layers::Ready(&layers), t)
+                    .send(RequestId(1), 1, 16, kv_transfer::Layers::Ready(&layers), t)
                     .await
                     .map(|_| ()),
                 Err(e) => Err(e),
@@ -189,7 +190,7 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
         let l2 = layers.clone();
         let sent = tokio::spawn(async move {
             s.send(
-                8,
+                RequestId(8),
                 1,
                 16,
                 kv_transfer::Layers::Ready(&l2),
@@ -199,7 +200,7 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
             .map(|_| ())
         });
         let kv = rx.recv().await.expect("the authenticated transfer arrives");
-        assert_eq!(kv.request_id, 8);
+        assert_eq!(kv.request_id, RequestId(8));
         kv.answer(Ok(()));
         sent.await.unwrap().unwrap();
     }

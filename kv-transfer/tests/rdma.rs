@@ -16,6 +16,7 @@ use kv_transfer::{
     rdma, KvEvent, KvRegions, KvSender, Layer, Layers, Local, Offer, Timeouts, Transport,
 };
 use proto::ModelIdentity;
+use types::RequestId;
 
 #[test]
 fn probe_answers_with_devices_or_a_reason() {
@@ -100,7 +101,7 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
         .await
         .unwrap();
     let stats = s
-        .send(1, n as u32, width as u32, Layers::Ready(&kv), t)
+        .send(RequestId(1), n as u32, width as u32, Layers::Ready(&kv), t)
         .await
         .unwrap();
     assert_eq!(stats.transport, Transport::Rdma);

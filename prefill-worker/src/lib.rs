@@ -278,7 +278,7 @@ impl Service {
                 n_layers: self.n_layers,
                 rx,
             };
-            return conn.send(id.0, n_tokens, self.width, layers, timeout).await;
+            return conn.send(id, n_tokens, self.width, layers, timeout).await;
         }
         let mut all = Vec::with_capacity(self.n_layers as usize);
         while all.len() < self.n_layers as usize {
@@ -291,7 +291,7 @@ impl Service {
                 }
             }
         }
-        conn.send(id.0, n_tokens, self.width, Layers::Ready(&all), timeout)
+        conn.send(id, n_tokens, self.width, Layers::Ready(&all), timeout)
             .await
     }
 }
