@@ -91,6 +91,50 @@ fn secret(cfg: &ClusterConfig) -> Result<Option<std::sync::Arc<Vec<u8>>>> {
     }
 }
 
+/// This process's security: mutual TLS with credentials for `role` from the cluster's
+/// certificate directory (made with a new CA when empty), or plain under `insecure = true`,
+/// said loudly.
+pub(crate) fn security(
+    cfg: &ClusterConfig,
+    config: &Path,
+    role: pki::Role,
+    name: &str,
+) -> Result<pki::Security> {
+    if cfg.security.insecure {
+        let s = pki::Security::Insecure;
+        s.warn_if_insecure(&format!("the {role} {name}"));
+        return Ok(s);
+    }
+    let dir = cfg.pki_dir(config);
+    let creds = pki::Store::at(&dir)
+        .credentials(role, name)
+        .with_context(|| {
+            format!(
+                "the cluster's certificates ([security] dir = {})",
+                dir.display()
+            )
+        })?;
+    Ok(pki::Security::Mutual(std::sync::Arc::new(creds)))
+}
+
+/// Makes the cluster CA before `tandem up` starts anything (unless `insecure = true`) and
+/// says how the internal hops are secured.
+fn up_security(cfg: &ClusterConfig, config: &Path) -> Result<()> {
+    if cfg.security.insecure {
+        pki::Security::Insecure.warn_if_insecure("this cluster");
+        return Ok(());
+    }
+    let dir = cfg.pki_dir(config);
+    pki::Store::at(&dir)
+        .init()
+        .with_context(|| format!("making the cluster CA in {}", dir.display()))?;
+    eprintln!(
+        "tandem up: internal hops are mutual TLS under the cluster CA in {}",
+        dir.display()
+    );
+    Ok(())
+}
+
 /// The router's HTTP limits, with its API keys read.
 fn limits(cfg: &ClusterConfig) -> Result<router::guard::Limits> {
     let r = &cfg.router;
@@ -117,9 +161,11 @@ fn worker_settings(
     pool: &PoolSection,
     model: PathBuf,
     a: &RoleArgs,
-    role: &str,
+    role: pki::Role,
 ) -> Result<worker::Settings> {
+    let name = a.name.clone().unwrap_or_else(|| role.name().into());
     Ok(worker::Settings {
+        security: security(cfg, &a.config, role, &name)?,
         model,
         device: pool.device.get_ref().clone(),
         mock: mock_timing(pool),
@@ -127,7 +173,7 @@ fn worker_settings(
         engine: engine_config(cfg, pool),
         host: a.host.clone().unwrap_or_else(|| pool.host.clone()),
         router: control_endpoint(cfg, a),
-        name: a.name.clone().unwrap_or_else(|| role.into()),
+        name,
         require: cfg.kv_transfer.require.as_ref().map(|r| *r.get_ref()),
         secret: secret(cfg)?,
         discovery: discovery(cfg),
@@ -249,6 +295,7 @@ fn peers(cfg: &ClusterConfig, flags: &[String]) -> Result<Vec<(String, String)>>
 pub fn router(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let rc = router::RouterConfig {
+        security: security(&cfg, &a.config, pki::Role::Router, "router")?,
         listen: a
             .listen
             .clone()
@@ -342,7 +389,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
         .ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
     let t = &cfg.kv_transfer;
     let pc = prefill_worker::PrefillConfig {
-        worker: worker_settings(&cfg, pool, model, &a, "prefill")?,
+        worker: worker_settings(&cfg, pool, model, &a, pki::Role::Prefill)?,
         connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
         transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
         prefer: t.prefer.get_ref().clone(),
@@ -356,7 +403,7 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
 pub fn decode(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
     let dc = decode_worker::DecodeConfig {
-        worker: worker_settings(&cfg, &cfg.decode, model, &a, "decode")?,
+        worker: worker_settings(&cfg, &cfg.decode, model, &a, pki::Role::Decode)?,
         kv_advertise: a.kv_advertise.clone(),
         transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
     };
@@ -516,6 +563,7 @@ async fn start_stack(
 /// is started first, the same way, and the main router answers for its model.
 pub fn up(config: PathBuf) -> Result<()> {
     let (cfg, model) = load(&config)?;
+    up_security(&cfg, &config)?;
     let exe = std::env::current_exe().context("locating the tandem binary")?;
     runtime()?.block_on(async move {
         let (mut procs, mut children, mut stacks, mut peers) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());

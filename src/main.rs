@@ -3,11 +3,13 @@
 //! `model path` and `model list` manage the model cache; `bench engine` measures prefill/decode
 //! throughput, `bench load` puts an open-loop load on an OpenAI endpoint; `simulate` runs the
 //! cluster of cluster.toml on a virtual clock; `status` shows a running cluster's pools and
-//! workers; `plan` finds the cheapest static fleets that meet latency targets, by simulation.
+//! workers; `plan` finds the cheapest static fleets that meet latency targets, by simulation;
+//! `pki` makes the cluster's certificates for a deployment.
 
 mod cluster;
 mod download;
 mod load;
+mod pki;
 mod plan;
 mod plot;
 mod simulate;
@@ -64,6 +66,9 @@ enum Cmd {
     /// The cheapest static fleets that meet TTFT and ITL targets under a load, against the
     /// planner (by simulation).
     Plan(plan::PlanArgs),
+    /// The cluster's certificates for a deployment (`tandem up` makes its own).
+    #[command(subcommand)]
+    Pki(pki::PkiCmd),
 }
 
 #[derive(Subcommand)]
@@ -171,6 +176,7 @@ fn main() -> Result<()> {
         Cmd::Simulate(a) => simulate::run(a),
         Cmd::Status(a) => status::run(a),
         Cmd::Plan(a) => plan::run(a),
+        Cmd::Pki(c) => pki::run(c),
     }
 }
 

@@ -358,6 +358,10 @@ async fn kv_endpoints(
     let local = kv_transfer::Local {
         identity: loaded.identity.clone(),
         secret: s.secret.clone(),
+        security: s.security.clone(),
+        max_kv_tokens: (loaded.model.kv_pages(s.engine.num_blocks) * s.engine.block_size)
+            .try_into()
+            .unwrap_or(u32::MAX),
     };
     // A transfer ends when its sender goes silent this long (renewals count).
     let timeouts = kv_transfer::Timeouts {
@@ -371,7 +375,8 @@ async fn kv_endpoints(
     let ip = s.host.parse().map_err(|_| {
         WorkerError::Bind(s.host.clone(), std::io::Error::other("not an IP address"))
     })?;
-    let quic = kv_transfer::quic::QuicKvReceiver::bind(std::net::SocketAddr::new(ip, 0))?;
+    let quic =
+        kv_transfer::quic::QuicKvReceiver::bind(std::net::SocketAddr::new(ip, 0), &s.security)?;
     let quic_addr = quic.local_addr()?;
     let tcp_endpoint = cfg
         .kv_advertise

@@ -114,7 +114,7 @@ async fn main() {
         ));
         let quic = {
             let _inside = rt.enter();
-            QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap()
+            QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap(), &pki::Security::Insecure).unwrap()
         };
         let quic_addr = quic.local_addr().unwrap();
         let cert = quic.cert_der.clone();

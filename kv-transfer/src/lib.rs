@@ -19,6 +19,7 @@ pub mod rdma;
 #[cfg(not(feature = "rdma"))]
 #[path = "rdma_off.rs"]
 pub mod rdma;
+pub mod stream;
 pub mod tcp;
 pub mod wire;
 

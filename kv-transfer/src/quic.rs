@@ -1,13 +1,16 @@
 //! The QUIC transport (quinn + rustls/ring): one connection per peer, one bidirectional stream
-//! per transfer (handshake frame included, so streams are independent). The decode worker
-//! generates a self-signed certificate at start and advertises it in its offer; the prefill
-//! worker trusts exactly that certificate.
+//! per transfer (handshake frame included, so streams are independent). Under mutual TLS (the
+//! default) both ends present their cluster certificates: the prefill worker checks it reached
+//! a decode worker, the decode worker that a prefill worker connected. Under `insecure = true`
+//! the decode worker generates a self-signed certificate at start and advertises it in its
+//! offer; the prefill worker trusts exactly that certificate (encrypted, not authenticated).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::wire::Local;
+use pki::{Role, Security};
 use quinn::crypto::rustls::{QuicClientConfig, QuicServerConfig};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 use tokio::sync::mpsc;
@@ -35,18 +38,16 @@ pub struct QuicKvReceiver {
 }
 
 impl QuicKvReceiver {
-    /// Binds a QUIC endpoint on `addr` with a fresh self-signed certificate.
-    pub fn bind(addr: SocketAddr) -> Result<QuicKvReceiver, TransferError> {
-        let cert =
-            rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(tls)?;
-        let cert_der = cert.cert.der().clone();
-        let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der()));
-        let crypto = rustls::ServerConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(tls)?
-            .with_no_client_auth()
-            .with_single_cert(vec![cert_der.clone()], key)
-            .map_err(tls)?;
+    /// Binds a QUIC endpoint on `addr`: with this worker's cluster certificate (client
+    /// certificates required) under mutual TLS, else a fresh self-signed one.
+    pub fn bind(addr: SocketAddr, security: &Security) -> Result<QuicKvReceiver, TransferError> {
+        let (crypto, cert_der) = match security {
+            Security::Mutual(c) => (
+                c.server_config(pki::ALPN_KV).map_err(tls)?,
+                c.cert().clone(),
+            ),
+            Security::Insecure => self_signed()?,
+        };
         let mut config = quinn::ServerConfig::with_crypto(Arc::new(
             QuicServerConfig::try_from(crypto).map_err(tls)?,
         ));
@@ -72,11 +73,18 @@ impl QuicKvReceiver {
             pool: wire::BufferPool::default(),
             timeouts,
         };
+        let mutual = matches!(receiving.local.security, Security::Mutual(_));
         while let Some(incoming) = self.endpoint.accept().await {
             let receiving = receiving.clone();
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
                 let peer = conn.remote_address();
+                if mutual && !from_prefill_worker(&conn) {
+                    metrics::counter!("tandem_auth_refused_total", "listener" => "kv_quic", "reason" => "wrong_role")
+                        .increment(1);
+                    tracing::warn!(%peer, "refused a QUIC KV connection: not a prefill worker");
+                    return conn.close(1u32.into(), b"not a prefill worker");
+                }
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                     let receiving = receiving.clone();
                     tokio::spawn(async move {
@@ -90,6 +98,56 @@ impl QuicKvReceiver {
             });
         }
     }
+}
+
+/// A self-signed certificate's server configuration and the certificate (`insecure`).
+fn self_signed() -> Result<(Arc<rustls::ServerConfig>, CertificateDer<'static>), TransferError> {
+    let cert = rcgen::generate_simple_self_signed(vec![SERVER_NAME.to_string()]).map_err(tls)?;
+    let cert_der = cert.cert.der().clone();
+    let key = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(cert.signing_key.serialize_der()));
+    let crypto = rustls::ServerConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_no_client_auth()
+        .with_single_cert(vec![cert_der.clone()], key)
+        .map_err(tls)?;
+    Ok((Arc::new(crypto), cert_der))
+}
+
+/// Whether the peer of an accepted connection presented a prefill worker's certificate (the
+/// chain was verified in the handshake).
+fn from_prefill_worker(conn: &quinn::Connection) -> bool {
+    let certs = conn
+        .peer_identity()
+        .and_then(|i| i.downcast::<Vec<CertificateDer<'static>>>().ok());
+    certs
+        .and_then(|c| c.first().and_then(Role::of))
+        .is_some_and(|r| r == Role::Prefill)
+}
+
+/// The client's configuration: the cluster certificate under mutual TLS (the server must
+/// hold a decode worker's), else trust in exactly the offer's certificate; and the name to
+/// connect to.
+fn client_crypto(
+    security: &Security,
+    cert_der: &[u8],
+) -> Result<(Arc<rustls::ClientConfig>, &'static str), TransferError> {
+    if let Security::Mutual(c) = security {
+        return Ok((
+            c.client_config(pki::ALPN_KV).map_err(tls)?,
+            Role::Decode.dns(),
+        ));
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots
+        .add(CertificateDer::from(cert_der.to_vec()))
+        .map_err(tls)?;
+    let crypto = rustls::ClientConfig::builder_with_provider(provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls)?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok((Arc::new(crypto), SERVER_NAME))
 }
 
 /// Large windows: KV transfers are bulk data on fast links.
@@ -122,15 +180,7 @@ impl QuicKvSender {
         let sock: SocketAddr = addr
             .parse()
             .map_err(|_| TransferError::Protocol(format!("{addr:?} is not a socket address")))?;
-        let mut roots = rustls::RootCertStore::empty();
-        roots
-            .add(CertificateDer::from(cert_der.to_vec()))
-            .map_err(tls)?;
-        let crypto = rustls::ClientConfig::builder_with_provider(provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .map_err(tls)?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let (crypto, server_name) = client_crypto(&local.security, cert_der)?;
         let mut config =
             quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(crypto).map_err(tls)?));
         config.transport_config(Arc::new(transport_config()));
@@ -148,7 +198,7 @@ impl QuicKvSender {
             || format!("connecting to {addr} over QUIC"),
             async {
                 endpoint
-                    .connect(sock, SERVER_NAME)
+                    .connect(sock, server_name)
                     .map_err(|e| TransferError::Protocol(format!("QUIC connect: {e}")))?
                     .await
                     .map_err(|e| TransferError::Protocol(format!("QUIC connect: {e}")))

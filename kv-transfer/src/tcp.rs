@@ -4,39 +4,28 @@
 use std::time::{Duration, Instant};
 
 use tokio::io::{BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::core::Timeouts;
+use crate::stream::{self, Gate, ReadHalf, WriteHalf};
 use crate::wire::{self, Conn, KvEvent, Local};
 use crate::{TransferError, TransferStats, Transport};
 
 /// The sending side of a connection to one decode worker.
 pub struct TcpKvSender {
-    conn: Conn<BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>>,
+    conn: Conn<BufReader<ReadHalf>, BufWriter<WriteHalf>>,
 }
 
 impl TcpKvSender {
-    /// Connects to `addr` and completes the handshake within `timeout`.
+    /// Connects to `addr` (TLS under mutual TLS) and completes the handshake within
+    /// `timeout`.
     pub async fn connect(
         addr: &str,
         local: &Local,
         timeout: Duration,
     ) -> Result<TcpKvSender, TransferError> {
-        let stream = wire::deadline(
-            timeout,
-            || format!("connecting to {addr} over TCP"),
-            async { Ok(TcpStream::connect(addr).await?) },
-        )
-        .await?;
-        stream.set_nodelay(true)?;
-        let (r, w) = stream.into_split();
-        // Small frames (headers, small layers) leave in few writes; big layers bypass the buffer.
-        let (r, w) = (
-            BufReader::with_capacity(64 << 10, r),
-            BufWriter::with_capacity(256 << 10, w),
-        );
+        let (r, w) = stream::dial(addr, local, timeout, "TCP").await?;
         let timeouts = Timeouts {
             handshake: timeout,
             ..Timeouts::default()
@@ -73,13 +62,18 @@ impl TcpKvSender {
     }
 }
 
-/// Accepts KV connections on `listener` forever, handing what arrives to `tx`.
+/// Accepts KV connections on `listener` forever (from prefill workers' certificates under
+/// mutual TLS, at most [`stream::MAX_CONNECTIONS`] at once), handing what arrives to `tx`.
 pub async fn serve(
     listener: TcpListener,
     local: Local,
     tx: mpsc::Sender<KvEvent>,
     timeouts: Timeouts,
 ) {
+    let gate = match Gate::new(&local, "kv_tcp") {
+        Ok(g) => g,
+        Err(e) => return tracing::error!("KV listener (tcp) not served: {e}"),
+    };
     let receiving = wire::Receiving {
         local,
         transport: Transport::Tcp,
@@ -88,13 +82,18 @@ pub async fn serve(
         timeouts,
     };
     loop {
-        let Ok((stream, peer)) = listener.accept().await else {
+        let Ok((tcp, peer)) = listener.accept().await else {
             continue;
         };
-        let receiving = receiving.clone();
+        let Some(slot) = gate.admit(peer) else {
+            continue;
+        };
+        let (receiving, gate) = (receiving.clone(), gate.clone());
         tokio::spawn(async move {
-            let _ = stream.set_nodelay(true);
-            let (r, mut w) = stream.into_split();
+            let _slot = slot;
+            let Some((r, mut w)) = gate.open(tcp, peer).await else {
+                return;
+            };
             // Small: control frames are buffered, but a layer larger than this is read straight
             // from the socket into its pooled buffer instead of through a second copy.
             let mut r = BufReader::with_capacity(64 << 10, r);

@@ -175,14 +175,22 @@ pub struct Local {
     pub identity: ModelIdentity,
     /// The cluster secret (HMAC-SHA256 key); `None` when the cluster runs without one.
     pub secret: Option<std::sync::Arc<Vec<u8>>>,
+    /// This end's credentials (mutual TLS on every KV stream), or `insecure`.
+    pub security: pki::Security,
+    /// A receiver refuses a transfer of more tokens than this (its whole cache) before it
+    /// reads any of it.
+    pub max_kv_tokens: u32,
 }
 
 impl Local {
-    /// An end without a cluster secret.
+    /// An end without a cluster secret or credentials: plain streams (for tests of the
+    /// protocol above the stream, and `insecure = true`).
     pub fn open(identity: ModelIdentity) -> Local {
         Local {
             identity,
             secret: None,
+            security: pki::Security::Insecure,
+            max_kv_tokens: u32::MAX,
         }
     }
 }
@@ -666,15 +674,10 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
 }
 
-/// Reads the stream's next frame into `core`, within its deadline (and, before the handshake
-/// is done, within [`MAX_CONTROL_FRAME`]).
+/// Reads the stream's next frame into `core`, within its deadline and its size limit
+/// ([`Server::frame_limit`]: no bigger than a layer a begun transfer expects).
 async fn next_frame<R: AsyncRead + Unpin>(core: &mut Server, r: &mut R, pool: &BufferPool) {
-    let limit = if core.is_open() {
-        crate::frame::MAX_FRAME
-    } else {
-        MAX_CONTROL_FRAME
-    };
-    let read = read_frame_limited(r, Some(pool), limit);
+    let read = read_frame_limited(r, Some(pool), core.frame_limit());
     let frame = match core.poll_timeout() {
         Some(d) => match tokio::time::timeout_at(d.into(), read).await {
             Ok(f) => f,

@@ -28,6 +28,8 @@ fn local(block_size: u32, secret: Option<&str>) -> Local {
     Local {
         identity: identity(block_size),
         secret: secret.map(|s| Arc::new(s.as_bytes().to_vec())),
+        security: pki::Security::Insecure,
+        max_kv_tokens: u32::MAX,
     }
 }
 
@@ -57,7 +59,8 @@ async fn receivers_with(secret: Option<&str>) -> (Vec<Offer>, mpsc::Receiver<Inc
         tx.clone(),
         Timeouts::default(),
     ));
-    let quic = QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let quic =
+        QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap(), &pki::Security::Insecure).unwrap();
     let quic_addr = quic.local_addr().unwrap();
     let cert = quic.cert_der.clone();
     tokio::spawn(quic.serve(local(16, secret), tx, Timeouts::default()));

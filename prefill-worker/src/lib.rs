@@ -382,6 +382,8 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         local: kv_transfer::Local {
             identity: loaded.identity.clone(),
             secret: cfg.worker.secret.clone(),
+            security: cfg.worker.security.clone(),
+            max_kv_tokens: u32::MAX,
         },
         width: model.config.kv_width() as u32,
         n_layers: model.config.n_layers as u32,

@@ -40,6 +40,35 @@ pub struct ClusterConfig {
     pub models: Vec<MoreModel>,
     /// Membership through etcd instead of (beside) the router's control address.
     pub discovery: Option<DiscoverySection>,
+    /// How the internal hops are secured.
+    #[serde(default)]
+    pub security: SecuritySection,
+}
+
+/// `[security]`: every internal hop (the control plane, the workers' gRPC, the KV transports)
+/// is mutual TLS 1.3 under a cluster CA, each end's role checked, unless `insecure = true`.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SecuritySection {
+    /// Plain TCP with no certificates: anyone who reaches an internal listener is believed.
+    /// Only for a network nobody else reaches; every process says so loudly at start.
+    #[serde(default)]
+    pub insecure: bool,
+    /// The cluster's certificates (`ca.crt`, and `ca.key` or a role's `<role>.crt`/`.key`),
+    /// relative to this file; default `.tandem/pki` beside it, made with a new CA at the first
+    /// start when empty.
+    pub dir: Option<Spanned<PathBuf>>,
+}
+
+impl ClusterConfig {
+    /// The certificate directory of the cluster described by the file at `config`.
+    pub fn pki_dir(&self, config: &Path) -> PathBuf {
+        let beside = config.parent().unwrap_or(Path::new("."));
+        match &self.security.dir {
+            Some(d) => beside.join(d.get_ref()),
+            None => beside.join(".tandem").join("pki"),
+        }
+    }
 }
 
 /// `[discovery]`: workers and routers find each other through etcd.

@@ -4,12 +4,14 @@
 //!   the router refuses a prefill/decode pair that cannot exchange KV.
 //! - [`config`]: the `cluster.toml` schema and its validation.
 //! - [`grpc`]: the control plane between router and workers (`proto/tandem.proto`), and
-//!   [`membership`], the worker side of joining.
+//!   [`membership`], the worker side of joining; [`secure`], gRPC over the cluster's identity
+//!   (mutual TLS, the peer's role).
 
 pub mod cause;
 pub mod config;
 pub mod membership;
 pub mod metrics;
+pub mod secure;
 
 /// Generated gRPC messages, clients and servers of `proto/tandem.proto`.
 #[allow(missing_docs, clippy::all)]

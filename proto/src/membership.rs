@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use pki::{Role, Security};
+
 use crate::grpc::control_client::ControlClient;
 use crate::grpc::{Heartbeat, JoinRequest};
 
@@ -26,6 +28,7 @@ pub enum JoinError {
 /// Returns once joined; heartbeats continue in the background.
 pub async fn join(
     router: String,
+    security: Security,
     request: JoinRequest,
     wait: Duration,
     period: Duration,
@@ -34,9 +37,7 @@ pub async fn join(
     let deadline = tokio::time::Instant::now() + wait;
     let (client, id) = loop {
         let attempt = async {
-            let mut c = ControlClient::connect(router.clone())
-                .await
-                .map_err(|e| e.to_string())?;
+            let mut c = connect(&security, &router).await?;
             match c.join(request.clone()).await {
                 Ok(r) => Ok(Ok((c, r.into_inner().worker_id))),
                 Err(s) if s.code() == tonic::Code::FailedPrecondition => {
@@ -100,13 +101,14 @@ async fn heartbeats(
 /// then heartbeats as [`join`] does. A router that refuses the worker is logged and left.
 pub async fn follow(
     router: String,
+    security: Security,
     request: JoinRequest,
     period: Duration,
     beat: impl FnMut(bool) -> Heartbeat + Send + 'static,
 ) {
     let (client, id) = loop {
         let attempt = async {
-            let mut c = ControlClient::connect(router.clone()).await.ok()?;
+            let mut c = connect(&security, &router).await.ok()?;
             Some(
                 c.join(request.clone())
                     .await
@@ -123,4 +125,18 @@ pub async fn follow(
     };
     tracing::info!(%router, worker_id = id, "joined a router found through etcd");
     heartbeats(client, id, request, period, beat).await
+}
+
+/// A client of the router's `Control` service at `router`, which must hold a router's
+/// certificate under mutual TLS.
+async fn connect(
+    security: &Security,
+    router: &str,
+) -> Result<ControlClient<tonic::transport::Channel>, String> {
+    let channel = crate::secure::endpoint(security, router, Role::Router.dns())
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(ControlClient::new(channel))
 }

@@ -36,7 +36,12 @@ pub enum Kind {
 /// Describes each `(name, kind, help)` to the installed recorder, so `/metrics` carries help
 /// text for every family (Prometheus' linter requires it).
 pub fn describe(catalogue: &[(&'static str, Kind, &'static str)]) {
-    for &(name, kind, help) in catalogue {
+    let every_process = [(
+        "tandem_auth_refused_total",
+        Kind::Counter,
+        "Connections and calls refused on an internal listener, by listener and reason (no_certificate, untrusted_certificate, wrong_role, not_tls, handshake, handshake_timeout, too_many_connections, wrong_pool, not_owner).",
+    )];
+    for &(name, kind, help) in catalogue.iter().chain(&every_process) {
         match kind {
             Kind::Counter => metrics::describe_counter!(name, help),
             Kind::Gauge => metrics::describe_gauge!(name, help),

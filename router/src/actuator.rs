@@ -53,17 +53,20 @@ pub struct Local {
     exe: PathBuf,
     config: PathBuf,
     control: String,
+    security: pki::Security,
     owned: Vec<Owned>,
     started: u32,
 }
 
 impl Local {
-    /// Workers run as `exe <pool> --config <config> --router <control>`.
-    pub fn new(exe: PathBuf, config: PathBuf, control: String) -> Local {
+    /// Workers run as `exe <pool> --config <config> --router <control>`; the router drains
+    /// them with `security`.
+    pub fn new(exe: PathBuf, config: PathBuf, control: String, security: pki::Security) -> Local {
         Local {
             exe,
             config,
             control,
+            security,
             owned: Vec::new(),
             started: 0,
         }
@@ -99,12 +102,12 @@ impl Local {
         }
     }
 
-    async fn drain(registry: &Registry, id: WorkerId) {
+    async fn drain(security: &pki::Security, registry: &Registry, id: WorkerId) {
         registry.set_draining(id);
         let Some(w) = registry.workers().into_iter().find(|w| w.id == id) else {
             return;
         };
-        let Ok(ch) = tonic::transport::Endpoint::from_shared(w.endpoint.clone()) else {
+        let Ok(ch) = proto::secure::endpoint(security, &w.endpoint, pki::Role::WORKER_DNS) else {
             return;
         };
         let call = async {
@@ -207,7 +210,7 @@ impl Local {
                 tracing::info!(pool = pool.name(), name = %self.owned[i].name, "planner: draining a worker");
                 eprintln!("tandem router: planner draining {}", self.owned[i].name);
                 self.owned[i].phase = Phase::Draining(id, Instant::now());
-                Local::drain(registry, id).await;
+                Local::drain(&self.security, registry, id).await;
             }
         }
         self.owned

@@ -46,6 +46,8 @@ use crate::registry::{ControlService, Registry};
 /// How the router runs.
 #[derive(Debug, Clone)]
 pub struct RouterConfig {
+    /// How the control plane and the calls to workers are secured.
+    pub security: pki::Security,
     /// HTTP listen address (`host:0` picks a port).
     pub listen: String,
     /// gRPC control listen address.
@@ -147,6 +149,8 @@ pub struct State {
     /// Prometheus rendering of this process's metrics (`None` when another recorder is set).
     metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
+    /// How calls to workers are secured (set before the state is shared).
+    pub security: pki::Security,
 }
 
 impl State {
@@ -178,6 +182,7 @@ impl State {
             next_id: AtomicU64::new(first_request_id()),
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
+            security: pki::Security::Insecure,
         }
     }
 
@@ -209,7 +214,7 @@ impl State {
         if let Some(c) = cache.get(endpoint) {
             return Ok(c.clone());
         }
-        let c = tonic::transport::Endpoint::from_shared(endpoint.to_string())
+        let c = proto::secure::endpoint(&self.security, endpoint, pki::Role::WORKER_DNS)
             .map_err(|e| {
                 proto::Cause::Unreachable.status(format!("bad worker endpoint {endpoint}: {e}"))
             })?
@@ -288,6 +293,7 @@ fn state(cfg: &RouterConfig) -> Result<State, RouterError> {
     state.core.migration_limit = cfg.migration_limit;
     state.core.request_timeout = cfg.request_timeout;
     state.limits = cfg.limits.clone();
+    state.security = cfg.security.clone();
     if let Some((own, _)) = cfg.peers.iter().find(|(n, _)| *n == state.model_id) {
         return Err(RouterError::OwnModelAsPeer(own.clone()));
     }
@@ -310,9 +316,12 @@ fn actuator(
     control: String,
 ) -> Result<Box<dyn actuator::Actuator>, RouterError> {
     Ok(match &cfg.actuator {
-        ActuatorConfig::Local { exe, config } => {
-            Box::new(actuator::Local::new(exe.clone(), config.clone(), control))
-        }
+        ActuatorConfig::Local { exe, config } => Box::new(actuator::Local::new(
+            exe.clone(),
+            config.clone(),
+            control,
+            cfg.security.clone(),
+        )),
         ActuatorConfig::Command(c) => Box::new(actuator::Command::new(c.clone())),
         ActuatorConfig::Kubernetes(targets) => {
             let api = kubernetes::KubeApi::in_cluster().ok_or(RouterError::Actuator(
@@ -336,9 +345,15 @@ pub async fn run(
     let (http_l, http_addr) = bind(&cfg.listen).await?;
     let (ctrl_l, ctrl_addr) = bind(&cfg.control).await?;
     let app = app(state.clone());
+    // Only workers join and heartbeat.
+    let workers = [pki::Role::Prefill, pki::Role::Decode];
+    let incoming = proto::secure::incoming(ctrl_l, &cfg.security, &workers, "control")
+        .map_err(|e| RouterError::Serve(e.to_string()))?;
     let control = tonic::transport::Server::builder()
-        .add_service(ControlServer::new(ControlService(state.registry.clone())))
-        .serve_with_incoming(proto::grpc_incoming(ctrl_l));
+        .add_service(ControlServer::new(ControlService::new(
+            state.registry.clone(),
+        )))
+        .serve_with_incoming(incoming);
     on_ready(http_addr, ctrl_addr);
     let router_id = discovery::random_id();
     if let Some(d) = &cfg.discovery {

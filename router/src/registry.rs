@@ -5,6 +5,7 @@
 //! a watch channel, which requests waiting for room wait on; a worker removed or stalled is
 //! announced on a second one, which requests on it wait on ([`Registry::lost`]).
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -203,18 +204,84 @@ impl Registry {
     }
 }
 
-/// The `Control` gRPC service over a registry.
-pub struct ControlService(pub Arc<Registry>);
+/// The `Control` gRPC service over a registry. Under mutual TLS only workers reach it (the
+/// listener checks the role); a worker joins only its certificate's pool, gets an id nobody can
+/// guess, and only the certificate it joined with may heartbeat for that id.
+pub struct ControlService {
+    registry: Arc<Registry>,
+    owners: Mutex<HashMap<WorkerId, [u8; 32]>>,
+}
+
+impl ControlService {
+    /// The service over `registry`.
+    pub fn new(registry: Arc<Registry>) -> ControlService {
+        ControlService {
+            registry,
+            owners: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether the certificate `fingerprint` may speak for worker `id`: the one it joined (or,
+    /// for a worker adopted from etcd, first heartbeat) with.
+    fn own(&self, id: WorkerId, fingerprint: [u8; 32]) -> Result<(), Status> {
+        let mut owners = self.owners.lock().expect("owners lock");
+        match owners.get(&id) {
+            Some(f) if *f != fingerprint => Err(refused(
+                "not_owner",
+                format!("worker {id} belongs to another certificate"),
+            )),
+            Some(_) => Ok(()),
+            None => {
+                owners.insert(id, fingerprint);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A control-plane refusal, counted by reason.
+fn refused(reason: &'static str, why: String) -> Status {
+    metrics::counter!("tandem_auth_refused_total", "listener" => "control", "reason" => reason)
+        .increment(1);
+    tracing::warn!("control plane refused a call: {why}");
+    Status::permission_denied(why)
+}
 
 #[tonic::async_trait]
 impl Control for ControlService {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
-        let worker_id = self.0.join(req.into_inner())?.0;
+        let peer = proto::secure::peer(&req).cloned();
+        let mut j = req.into_inner();
+        if let Some(p) = &peer {
+            let pool = match p.role {
+                pki::Role::Prefill => grpc::Role::Prefill,
+                pki::Role::Decode => grpc::Role::Decode,
+                pki::Role::Router => grpc::Role::Unspecified,
+            };
+            if j.role != pool as i32 {
+                let why = format!("a {} certificate may not join another pool", p.role);
+                return Err(refused("wrong_pool", why));
+            }
+        }
+        if j.worker_id == 0 {
+            // Not a counter: an id is what heartbeats name, so nobody may guess one.
+            j.worker_id = pki::store::random_u64().max(1);
+        }
+        if let Some(p) = &peer {
+            self.own(WorkerId(j.worker_id), p.fingerprint)?;
+        }
+        let worker_id = self.registry.join(j)?.0;
+        let live = self.registry.workers();
+        let mut owners = self.owners.lock().expect("owners lock");
+        owners.retain(|id, _| live.iter().any(|w| w.id == *id));
         Ok(Response::new(JoinReply { worker_id }))
     }
 
     async fn beat(&self, req: Request<Heartbeat>) -> Result<Response<HeartbeatReply>, Status> {
-        let resync = self.0.beat(req.into_inner())?;
+        if let Some(p) = proto::secure::peer(&req) {
+            self.own(WorkerId(req.get_ref().worker_id), p.fingerprint)?;
+        }
+        let resync = self.registry.beat(req.into_inner())?;
         Ok(Response::new(HeartbeatReply { resync }))
     }
 }

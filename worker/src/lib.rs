@@ -49,6 +49,8 @@ pub struct Settings {
     pub name: String,
     /// The only KV transport allowed, if the cluster requires one.
     pub require: Option<kv_transfer::Transport>,
+    /// How the worker's hops are secured: its credentials (mutual TLS) or `insecure`.
+    pub security: pki::Security,
     /// The cluster secret for KV transfers (HMAC), if the cluster has one.
     pub secret: Option<Arc<Vec<u8>>>,
     /// Membership through etcd (`[discovery]`): the worker registers there and heartbeats to
@@ -79,6 +81,9 @@ pub enum WorkerError {
     /// The thread-count setting failed.
     #[error(transparent)]
     Kernel(#[from] kernels::KernelError),
+    /// The worker's credentials could not be used.
+    #[error("security: {0}")]
+    Security(String),
     /// The KV transport could not be set up (or a required one is missing).
     #[error(transparent)]
     Transfer(#[from] kv_transfer::TransferError),
@@ -173,10 +178,13 @@ pub async fn serve<C: Send + 'static>(
         .local_addr()
         .map_err(|e| WorkerError::Bind("gRPC".into(), e))?;
     let routes = routes.add_service(service::server(engine.clone()));
+    // Only the router calls a worker (reserve, generate, prefill, cancel, drain).
+    let incoming = proto::secure::incoming(listener, &s.security, &[pki::Role::Router], "worker")
+        .map_err(|e| WorkerError::Security(e.to_string()))?;
     let server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_routes(routes)
-            .serve_with_incoming(proto::grpc_incoming(listener)),
+            .serve_with_incoming(incoming),
     );
     let metrics_at = start_metrics(s, announce.pool, announce.metrics).await?;
     let join = grpc::JoinRequest {
@@ -197,6 +205,7 @@ pub async fn serve<C: Send + 'static>(
             let beat = beats(engine.clone());
             let id = proto::membership::join(
                 s.router.clone(),
+                s.security.clone(),
                 join,
                 Duration::from_secs(60),
                 period,
@@ -205,7 +214,7 @@ pub async fn serve<C: Send + 'static>(
             .await?;
             tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);
         }
-        Some(d) => etcd_membership(d, join, engine.clone(), period),
+        Some(d) => etcd_membership(d, join, s.security.clone(), engine.clone(), period),
     }
     if let Some(f) = &s.ready_file {
         std::fs::write(f, format!("{grpc_addr}\n"))
@@ -242,6 +251,7 @@ fn beats<C: Send + 'static>(handle: EngineHandle<C>) -> impl FnMut(bool) -> grpc
 fn etcd_membership<C: Send + 'static>(
     d: &discovery::Config,
     mut join: grpc::JoinRequest,
+    security: pki::Security,
     engine: EngineHandle<C>,
     period: Duration,
 ) {
@@ -257,8 +267,13 @@ fn etcd_membership<C: Send + 'static>(
             let Some(control) = router_control(value) else {
                 return tracing::warn!(router = rid, "unreadable router registration in etcd");
             };
-            let task =
-                proto::membership::follow(control, join.clone(), period, beats(engine.clone()));
+            let task = proto::membership::follow(
+                control,
+                security.clone(),
+                join.clone(),
+                period,
+                beats(engine.clone()),
+            );
             if let Some(old) = following.insert(rid, tokio::spawn(task)) {
                 old.abort();
             }

@@ -98,9 +98,14 @@ impl Incoming {
     }
 }
 
+/// Transfers one connection may have begun and not finished (a sender has one per request it
+/// is sending; the prefill worker's connection pool opens more connections beyond this).
+pub const MAX_OPEN_TRANSFERS: usize = 64;
+
 /// The server end of one connection: it checks the peer, then receives transfers.
 pub struct Server {
     identity: ModelIdentity,
+    max_kv_tokens: u32,
     secret: Option<Arc<Vec<u8>>>,
     timeouts: Timeouts,
     in_place: bool,
@@ -123,6 +128,7 @@ impl Server {
     ) -> Server {
         Server {
             identity: local.identity.clone(),
+            max_kv_tokens: local.max_kv_tokens,
             secret: local.secret.clone(),
             timeouts,
             in_place,
@@ -139,6 +145,22 @@ impl Server {
     /// Whether the peer passed the handshake.
     pub fn is_open(&self) -> bool {
         matches!(self.state, State::Open)
+    }
+
+    /// The largest frame the next read may carry: before the handshake is done and while no
+    /// transfer waits for a layer, a control frame's; else the biggest next layer that a begun
+    /// transfer expects (plus its 12-byte head) — so a peer makes the reader allocate no more
+    /// than the transfers it began, each within [`wire::Local::max_kv_tokens`](crate::wire::Local).
+    pub fn frame_limit(&self) -> u32 {
+        let layer = self
+            .transfers
+            .values()
+            .filter_map(|t| t.layer_bytes.get(t.arrived()))
+            .max()
+            .map_or(0, |b| b + 12);
+        layer
+            .min(u64::from(crate::frame::MAX_FRAME))
+            .max(u64::from(crate::wire::MAX_CONTROL_FRAME)) as u32
     }
 
     /// Whether the connection is finished.
@@ -257,6 +279,17 @@ impl Server {
         if self.transfers.contains_key(&request_id) {
             return self.close(TransferError::Protocol(format!(
                 "request {request_id} began twice"
+            )));
+        }
+        if n_tokens > self.max_kv_tokens {
+            return self.close(TransferError::Protocol(format!(
+                "request {request_id}: {n_tokens} tokens, more than this receiver's cache holds ({})",
+                self.max_kv_tokens
+            )));
+        }
+        if self.transfers.len() >= MAX_OPEN_TRANSFERS {
+            return self.close(TransferError::Protocol(format!(
+                "request {request_id}: {MAX_OPEN_TRANSFERS} transfers already open on this connection"
             )));
         }
         self.transfers.insert(

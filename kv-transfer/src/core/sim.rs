@@ -350,6 +350,8 @@ fn the_cluster_secret_is_proven_and_outsiders_never_reach_a_transfer() {
     let member = Local {
         identity: identity(),
         secret: secret.clone(),
+        security: pki::Security::Insecure,
+        max_kv_tokens: u32::MAX,
     };
     let mut s = Sim::new(&member, &member, false, MS);
     s.run_for(10 * MS);
@@ -359,6 +361,8 @@ fn the_cluster_secret_is_proven_and_outsiders_never_reach_a_transfer() {
         Local {
             identity: identity(),
             secret: Some(std::sync::Arc::new(b"guess".to_vec())),
+            security: pki::Security::Insecure,
+            max_kv_tokens: u32::MAX,
         },
         Local::open(identity()),
     ] {
@@ -615,6 +619,8 @@ mod fuzz {
             let member = Local {
                 identity: identity(),
                 secret: Some(std::sync::Arc::new(b"s3cret".to_vec())),
+                security: pki::Security::Insecure,
+                max_kv_tokens: u32::MAX,
             };
             let t0 = Instant::now();
             let mut server = Server::new(&member, Timeouts::default(), false, [3; 16], t0);

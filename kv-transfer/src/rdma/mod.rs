@@ -19,11 +19,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::io::{BufReader, BufWriter};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 
 use crate::core::Timeouts;
+use crate::stream::{Gate, ReadHalf, WriteHalf};
 use crate::wire::{self, Conn, InPlaceSide, KvEvent, Layer, Layers, Local};
 use crate::{KvRegions, TransferError, TransferStats, Transport};
 use verbs::{Context, Cq, Endpoint, Mr, Pd, PreparedQp, Qp, Write};
@@ -176,14 +176,23 @@ impl RdmaKvReceiver {
             pool: wire::BufferPool::default(),
             timeouts,
         };
+        let gate = match Gate::new(&receiving.local, "kv_rdma") {
+            Ok(g) => g,
+            Err(e) => return tracing::error!("KV listener (rdma) not served: {e}"),
+        };
         loop {
-            let Ok((stream, peer)) = self.listener.accept().await else {
+            let Ok((tcp, peer)) = self.listener.accept().await else {
                 continue;
             };
-            let (receiving, dev) = (receiving.clone(), self.dev.clone());
+            let Some(slot) = gate.admit(peer) else {
+                continue;
+            };
+            let (receiving, dev, gate) = (receiving.clone(), self.dev.clone(), gate.clone());
             tokio::spawn(async move {
-                let _ = stream.set_nodelay(true);
-                let (r, mut w) = stream.into_split();
+                let _slot = slot;
+                let Some((r, mut w)) = gate.open(tcp, peer).await else {
+                    return;
+                };
                 let mut r = BufReader::with_capacity(64 << 10, r);
                 let mut side = ServerSide {
                     dev,
@@ -268,7 +277,7 @@ impl InPlaceSide for ServerSide {
 /// The prefill side: a side-channel connection and a connected queue pair to one decode
 /// worker, with a registered staging buffer.
 pub struct RdmaKvSender {
-    conn: Conn<BufReader<OwnedReadHalf>, BufWriter<OwnedWriteHalf>>,
+    conn: Conn<BufReader<ReadHalf>, BufWriter<WriteHalf>>,
     qp: Qp,
     pd: Arc<Pd>,
     staging: Mr,
@@ -290,15 +299,7 @@ impl RdmaKvSender {
         let pd = Pd::new(&ctx).map_err(io)?;
         let cq = Cq::new(&ctx, (SEND_DEPTH + 16) as i32).map_err(io)?;
         let prepared = PreparedQp::new(&pd, &cq, SEND_DEPTH, 16).map_err(io)?;
-        let stream = wire::deadline(
-            timeout,
-            || format!("connecting to {addr} (RDMA side channel)"),
-            async { Ok(TcpStream::connect(addr).await?) },
-        )
-        .await?;
-        stream.set_nodelay(true)?;
-        let (r, w) = stream.into_split();
-        let (r, w) = (BufReader::new(r), BufWriter::new(w));
+        let (r, w) = crate::stream::dial(addr, local, timeout, "RDMA side channel").await?;
         let timeouts = Timeouts {
             handshake: timeout,
             ..Timeouts::default()
