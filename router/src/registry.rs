@@ -222,8 +222,10 @@ impl ControlService {
     }
 
     /// Whether the certificate `fingerprint` may speak for worker `id`: the one it joined (or,
-    /// for a worker adopted from etcd, first heartbeat) with.
-    fn own(&self, id: WorkerId, fingerprint: [u8; 32]) -> Result<(), Status> {
+    /// for a worker adopted from etcd, first heartbeat) with. An id nobody owns is taken by
+    /// `fingerprint` when `take` (joining) or when the router knows the worker (adopted).
+    fn own(&self, id: WorkerId, fingerprint: [u8; 32], take: bool) -> Result<(), Status> {
+        let known = || self.registry.with(|t| t.iter().any(|w| w.id == id));
         let mut owners = self.owners.lock().expect("owners lock");
         match owners.get(&id) {
             Some(f) if *f != fingerprint => Err(refused(
@@ -231,10 +233,12 @@ impl ControlService {
                 format!("worker {id} belongs to another certificate"),
             )),
             Some(_) => Ok(()),
-            None => {
+            None if take || known() => {
                 owners.insert(id, fingerprint);
                 Ok(())
             }
+            // Not a worker here: the heartbeat is refused as unknown.
+            None => Ok(()),
         }
     }
 }
@@ -268,7 +272,7 @@ impl Control for ControlService {
             j.worker_id = pki::store::random_u64().max(1);
         }
         if let Some(p) = &peer {
-            self.own(WorkerId(j.worker_id), p.fingerprint)?;
+            self.own(WorkerId(j.worker_id), p.fingerprint, true)?;
         }
         let worker_id = self.registry.join(j)?.0;
         let live = self.registry.workers();
@@ -279,7 +283,7 @@ impl Control for ControlService {
 
     async fn beat(&self, req: Request<Heartbeat>) -> Result<Response<HeartbeatReply>, Status> {
         if let Some(p) = proto::secure::peer(&req) {
-            self.own(WorkerId(req.get_ref().worker_id), p.fingerprint)?;
+            self.own(WorkerId(req.get_ref().worker_id), p.fingerprint, false)?;
         }
         let resync = self.registry.beat(req.into_inner())?;
         Ok(Response::new(HeartbeatReply { resync }))

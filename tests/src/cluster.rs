@@ -222,6 +222,14 @@ impl Cluster {
         self.workers.push((name.into(), child));
     }
 
+    /// The process id of the worker named `name`.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.workers
+            .iter()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| c.id())
+    }
+
     /// Starts a worker process without tracking it (the caller owns it).
     pub fn spawn_worker(&self, role: &str, name: &str, config: &Path) -> Child {
         self.spawn_worker_with(role, name, config, &[])

@@ -602,6 +602,48 @@ fn a_lost_connection_fails_every_transfer_on_it_and_abandons_every_incomplete_on
     assert!(s.client.poll_timeout().is_none() && s.server.poll_timeout().is_none());
 }
 
+/// A peer makes the receiver read no frame bigger than a layer of a transfer it began, and may
+/// not begin one bigger than the receiver's cache.
+#[test]
+fn frames_are_bounded_by_the_transfers_begun_and_the_cache() {
+    let receiver = Local {
+        max_kv_tokens: 64,
+        ..Local::open(identity())
+    };
+    let t0 = Instant::now();
+    let mut server = Server::new(&receiver, Timeouts::default(), false, [3; 16], t0);
+    assert_eq!(server.frame_limit(), crate::wire::MAX_CONTROL_FRAME);
+    let hello = Frame::Hello {
+        version: proto::PROTOCOL_VERSION,
+        identity: identity(),
+    };
+    server.handle(t0, hello);
+    assert!(server.is_open());
+    assert_eq!(
+        server.frame_limit(),
+        crate::wire::MAX_CONTROL_FRAME,
+        "no transfer begun"
+    );
+    let width = identity().n_kv_heads * identity().head_dim;
+    let begin = |request_id, n_tokens| Frame::Begin {
+        request_id,
+        n_tokens,
+        n_layers: identity().n_layers,
+        width,
+    };
+    server.handle(t0, begin(1, 64));
+    let layer = super::layer_bytes(&identity(), 0, 64) + 12;
+    assert_eq!(
+        u64::from(server.frame_limit()),
+        layer.max(crate::wire::MAX_CONTROL_FRAME.into())
+    );
+    server.handle(t0, begin(2, 65));
+    assert!(
+        server.is_closed(),
+        "a transfer bigger than the cache is refused"
+    );
+}
+
 mod fuzz {
     use proptest::prelude::*;
 

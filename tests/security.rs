@@ -1,0 +1,273 @@
+//! Nobody gets in without the cluster's credentials: a rogue process next to a running cluster
+//! (secure by default: the test's cluster.toml says nothing about security) tries every
+//! internal door — joining and heartbeating on the control plane, each worker's gRPC calls,
+//! the KV listeners with a handshake in the clear and with frames — as a stranger with no
+//! certificate, as one whose certificate is from another CA, and as a compromised worker whose
+//! genuine certificate names the wrong role. Each attempt is refused, and the test asserts the
+//! path: the refusals counted by listener and reason, no worker joined or drained, no prompt
+//! reached the rogue, the KV index unchanged, the decode worker's memory flat.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pki::{Credentials, Role, Security, Store};
+use proto::grpc;
+use serde_json::{json, Value};
+use tandem_tests::cluster::{metric_at, post_json, Cluster};
+
+const EXE: &str = env!("CARGO_BIN_EXE_tandem");
+
+/// Who the rogue pretends to be.
+fn impostors(c: &Cluster) -> Vec<(&'static str, Security)> {
+    let own = Store::at(c.dir().join("rogue-pki"))
+        .credentials(Role::Router, "rogue")
+        .unwrap();
+    let (cert, key, _) = own.pems();
+    // The cluster CA's certificate is no secret: the stranger trusts it, so the refusal is the
+    // server's, of a certificate from another CA.
+    let ca = std::fs::read_to_string(c.dir().join(".tandem/pki/ca.crt")).unwrap();
+    let stranger = Credentials::from_pems(Role::Router, cert.into(), key.into(), ca).unwrap();
+    vec![
+        ("no certificate", Security::Insecure),
+        ("another CA", Security::Mutual(Arc::new(stranger))),
+    ]
+}
+
+/// A compromised decode worker: a genuine certificate of the cluster, of the wrong role for
+/// everything but receiving KV.
+fn decode_worker_cert(c: &Cluster) -> Security {
+    let creds = Store::at(c.dir().join(".tandem/pki"))
+        .credentials(Role::Decode, "compromised")
+        .unwrap();
+    Security::Mutual(Arc::new(creds))
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+fn refused(metrics: SocketAddr, listener: &str, reason: &str) -> f64 {
+    let series =
+        format!("tandem_auth_refused_total{{listener=\"{listener}\",reason=\"{reason}\"}}");
+    metric_at(metrics, &series)
+}
+
+/// Every call the rogue makes fails; returns how many it made.
+async fn attack_grpc(security: &Security, control: &str, workers: &[Value]) -> usize {
+    let mut calls = 0;
+    let channel = |uri: &str, name: &str| {
+        let e = proto::secure::endpoint(security, uri, name).unwrap();
+        e.connect_timeout(Duration::from_secs(2))
+            .timeout(Duration::from_secs(5))
+            .connect_lazy()
+    };
+    let mut ctl = grpc::control_client::ControlClient::new(channel(control, Role::Router.dns()));
+    let join = grpc::JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Prefill as i32,
+        name: "rogue".into(),
+        endpoint: "http://127.0.0.1:9".into(),
+        ..Default::default()
+    };
+    assert!(ctl.join(join).await.is_err(), "a rogue joined");
+    calls += 1;
+    for guess in 1..=3 {
+        let beat = grpc::Heartbeat {
+            worker_id: guess,
+            ..Default::default()
+        };
+        assert!(
+            ctl.beat(beat).await.is_err(),
+            "a rogue beat for worker {guess}"
+        );
+        calls += 1;
+    }
+    for w in workers {
+        calls += attack_worker(
+            &channel(w["endpoint"].as_str().unwrap(), Role::WORKER_DNS),
+            w,
+        )
+        .await;
+    }
+    calls
+}
+
+async fn attack_worker(ch: &tonic::transport::Channel, w: &Value) -> usize {
+    let mut worker = grpc::worker_client::WorkerClient::new(ch.clone());
+    assert!(
+        worker.drain(grpc::DrainRequest {}).await.is_err(),
+        "drained {w}"
+    );
+    let cancel = grpc::CancelRequest {
+        request_id: 1,
+        ..Default::default()
+    };
+    assert!(worker.cancel(cancel).await.is_err(), "cancelled on {w}");
+    if w["role"] == "decode" {
+        let mut d = grpc::decode_client::DecodeClient::new(ch.clone());
+        let g = grpc::GenerateRequest {
+            request_id: 7,
+            prompt: vec![1, 2, 3],
+            ..Default::default()
+        };
+        assert!(d.generate(g).await.is_err(), "generated on {w}");
+    } else {
+        // Relaying: the rogue asks the prefill worker to send KV (and so to answer a handshake)
+        // to an endpoint of its choosing.
+        let mut p = grpc::prefill_client::PrefillClient::new(ch.clone());
+        let r = grpc::PrefillRequest {
+            request_id: 7,
+            tokens: vec![1, 2, 3],
+            offers: vec![grpc::KvOffer {
+                transport: "tcp".into(),
+                endpoint: "127.0.0.1:9".into(),
+                ..Default::default()
+            }],
+            skip_tokens: 0,
+        };
+        assert!(p.prefill(r).await.is_err(), "prefilled on {w}");
+    }
+    3
+}
+
+/// KV frames at the decode worker's TCP listener: a handshake in the clear (as `insecure`
+/// clusters speak it), then `Begin` and a `Layer` claiming a gigabyte.
+async fn attack_kv(security: &Security, tcp: &str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let identity = proto::ModelIdentity {
+        model: "rogue".into(),
+        kv_dtype: "f16".into(),
+        block_size: 16,
+        n_layers: 1,
+        n_kv_heads: 1,
+        head_dim: 64,
+        windows: Vec::new(),
+    };
+    let local = kv_transfer::Local {
+        security: security.clone(),
+        ..kv_transfer::Local::open(identity)
+    };
+    let offer = kv_transfer::Offer {
+        transport: kv_transfer::Transport::Tcp,
+        endpoint: tcp.into(),
+        cert_der: Vec::new(),
+    };
+    let r = kv_transfer::KvSender::connect(&offer, &local, Duration::from_secs(3)).await;
+    assert!(r.is_err(), "a rogue passed the KV handshake");
+    // Raw frames: kind 4 (Begin) and kind 5 (Layer, 1 GiB announced).
+    let mut s = tokio::net::TcpStream::connect(tcp).await.unwrap();
+    let mut frames = vec![4u8];
+    frames.extend(20u32.to_le_bytes());
+    frames.extend([0u8; 4 + 20]);
+    frames.push(5);
+    frames.extend((1u32 << 30).to_le_bytes());
+    frames.extend([0u8; 4 + 12]);
+    frames.extend(vec![0u8; 1 << 20]);
+    let _ = s.write_all(&frames).await;
+    // At most a TLS alert (record type 21) comes back, then the connection closes.
+    let mut back = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut back)).await;
+    assert!(read.is_ok(), "the KV listener kept the connection open");
+    assert!(
+        back.is_empty() || back[0] == 21,
+        "the KV listener answered {back:?}"
+    );
+}
+
+#[test]
+fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
+    let c = Cluster::of(1, 1).start(EXE.as_ref());
+    let ask = || {
+        let body = json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+        post_json(c.http, "/v1/completions", &body)
+    };
+    let (status, v) = ask();
+    assert_eq!(status, 200, "{v}");
+    let before = c.workers();
+    let decode = before
+        .iter()
+        .find(|w| w["role"] == "decode")
+        .unwrap()
+        .clone();
+    let prefill = before
+        .iter()
+        .find(|w| w["role"] == "prefill")
+        .unwrap()
+        .clone();
+    let metrics = |w: &Value| {
+        w["metrics_endpoint"]
+            .as_str()
+            .unwrap()
+            .parse::<SocketAddr>()
+            .unwrap()
+    };
+    let tcp = decode["kv_offers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|o| o[0] == "tcp")
+        .unwrap()[1]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let indexed = metric_at(c.http, "tandem_router_kv_index_blocks");
+    let pid = c.pid("decode-0").unwrap();
+    let rss0 = rss_kib(pid);
+
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let mut attackers = impostors(&c);
+    attackers.push(("a decode worker's certificate", decode_worker_cert(&c)));
+    for (who, security) in &attackers {
+        let calls = rt.block_on(attack_grpc(security, &c.control, &before));
+        eprintln!("{who}: {calls} gRPC calls refused");
+    }
+    for (_, security) in &attackers {
+        rt.block_on(attack_kv(security, &tcp));
+    }
+
+    // The path: refused at each listener, by reason.
+    for (listener, at) in [
+        ("control", c.http),
+        ("worker", metrics(&decode)),
+        ("worker", metrics(&prefill)),
+    ] {
+        for reason in ["not_tls", "untrusted_certificate"] {
+            assert!(refused(at, listener, reason) >= 1.0, "{listener} {reason}");
+        }
+    }
+    for w in [&decode, &prefill] {
+        assert!(
+            refused(metrics(w), "worker", "wrong_role") >= 1.0,
+            "a decode cert calling {w}"
+        );
+    }
+    // A decode worker's certificate reaches the control plane, but may not join the prefill
+    // pool, and may not send KV.
+    assert!(refused(c.http, "control", "wrong_pool") >= 1.0);
+    for reason in ["not_tls", "untrusted_certificate", "wrong_role"] {
+        assert!(
+            refused(metrics(&decode), "kv_tcp", reason) >= 1.0,
+            "kv_tcp {reason}"
+        );
+    }
+    // Nothing changed: the same two workers, none draining, the KV index as it was, and the
+    // cluster still serves through its prefill pool.
+    let after = c.workers();
+    let ids = |ws: &[Value]| ws.iter().map(|w| w["id"].clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&after), ids(&before));
+    assert!(after.iter().all(|w| w["draining"] == false), "{after:?}");
+    assert_eq!(metric_at(c.http, "tandem_router_kv_index_blocks"), indexed);
+    let transfers =
+        |ws: &[Value]| ws.iter().find(|w| w["role"] == "prefill").unwrap()["kv_transfers"].clone();
+    let (status, v) = ask();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        transfers(&c.workers())["tcp"],
+        transfers(&after)["tcp"].as_u64().unwrap() + 1
+    );
+    let grown = rss_kib(pid).saturating_sub(rss0);
+    assert!(grown < 16 << 10, "the decode worker grew by {grown} KiB");
+}
