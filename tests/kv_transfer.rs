@@ -111,8 +111,9 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
     );
     c.wait_transfers("tcp", 1);
     drop(c);
-    // A decode worker with the secret, and an outsider prefill worker without it: the outsider's
-    // KV is refused at the handshake, before the decode worker reads any of it; the router
+    // A decode worker with the secret, and a prefill worker without it (it holds the cluster's
+    // certificates, so it joins: a process without them cannot, see tests/security.rs): its KV
+    // is refused at the handshake, before the decode worker reads any of it; the router
     // recomputes the prompt on the decode worker, so the client still gets the right answer.
     let c = Cluster::of(0, 1).kv(&kv).start(EXE.as_ref());
     let outsider_cfg = c.config(&Cluster::of(1, 1));

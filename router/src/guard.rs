@@ -63,17 +63,26 @@ pub fn body(b: Result<Bytes, BytesRejection>, limit: usize) -> Result<Bytes, Api
     })
 }
 
-/// Whether `given` is one of `keys`, comparing every byte of every key (no early exit that
-/// would time the comparison).
+/// Whether `given` is one of `keys`: the SHA-256 of each key compared with the given one's,
+/// every byte of every key (no early exit, and no length compared, that would time it).
 fn known_key(keys: &HashSet<String>, given: &str) -> bool {
+    let sha = |s: &str| ring::digest::digest(&ring::digest::SHA256, s.as_bytes());
+    let given = sha(given);
     keys.iter().fold(false, |found, k| {
-        let same = k.len() == given.len()
-            && k.bytes()
-                .zip(given.bytes())
-                .fold(0u8, |d, (a, b)| d | (a ^ b))
-                == 0;
-        found | same
+        let k = sha(k);
+        let diff = k
+            .as_ref()
+            .iter()
+            .zip(given.as_ref())
+            .fold(0u8, |d, (a, b)| d | (a ^ b));
+        found | (diff == 0)
     })
+}
+
+/// The key of an `Authorization: Bearer KEY` header (the scheme in any case).
+fn bearer(value: &str) -> Option<&str> {
+    let (scheme, key) = value.trim().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then_some(key)
 }
 
 /// Middleware: headers within `max_header_bytes`, and, where the router has API keys, a known
@@ -101,7 +110,7 @@ pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next
             .headers()
             .get("authorization")
             .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
+            .and_then(bearer);
         match given {
             None => {
                 let m = "an API key is required (Authorization: Bearer KEY)";
@@ -216,5 +225,14 @@ mod tests {
         assert!(known_key(&keys, "sk-one") && known_key(&keys, "sk-two"));
         assert!(!known_key(&keys, "sk-on") && !known_key(&keys, "sk-one2"));
         assert!(!known_key(&keys, ""));
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_read_in_any_case() {
+        assert_eq!(bearer("Bearer sk-one"), Some("sk-one"));
+        assert_eq!(bearer("bearer sk-one"), Some("sk-one"));
+        assert_eq!(bearer("BEARER sk-one"), Some("sk-one"));
+        assert_eq!(bearer("Basic sk-one"), None);
+        assert_eq!(bearer("sk-one"), None);
     }
 }

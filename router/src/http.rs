@@ -212,9 +212,18 @@ fn constraint(c: &Common) -> Result<Option<Constraint>, ApiError> {
     Ok(first)
 }
 
-/// `stop_token_ids`, checked against the vocabulary.
+/// The most `stop_token_ids` a request may carry.
+const MAX_STOP_TOKEN_IDS: usize = 256;
+
+/// `stop_token_ids`, at most [`MAX_STOP_TOKEN_IDS`], checked against the vocabulary.
 fn stop_token_ids(c: &Common, vocab: usize) -> Result<Vec<u32>, ApiError> {
     let ids = c.stop_token_ids.clone().unwrap_or_default();
+    if ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(ApiError::BadRequest(format!(
+            "stop_token_ids: {} ids, at most {MAX_STOP_TOKEN_IDS} allowed",
+            ids.len()
+        )));
+    }
     match ids.iter().find(|&&t| t as usize >= vocab) {
         Some(bad) => Err(ApiError::BadRequest(format!(
             "stop_token_ids: token id {bad} is outside the vocabulary of {vocab}"
