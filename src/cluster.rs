@@ -151,6 +151,7 @@ fn limits(cfg: &ClusterConfig) -> Result<router::guard::Limits> {
         max_body_bytes: *r.max_body_bytes.get_ref() as usize,
         max_header_bytes: *r.max_header_bytes.get_ref() as usize,
         max_connections: *r.max_connections.get_ref() as usize,
+        max_connections_per_address: *r.max_connections_per_address.get_ref() as usize,
         api_keys,
     })
 }

@@ -224,3 +224,45 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
     );
     c.wait_all_free(Duration::from_secs(5));
 }
+
+/// Prompt tokens served from a worker's prefix cache, over every worker.
+fn hits(c: &Cluster) -> u64 {
+    c.workers()
+        .iter()
+        .map(|w| w["stats"]["prefix_hit_tokens"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+#[test]
+fn tenants_with_different_cache_salts_never_share_a_cached_block() {
+    let c = Cluster::start(EXE.as_ref(), 0, 1);
+    let prompt: Vec<u32> = (0..80).map(|i| 500 + i * 37).collect();
+    let ask = |salt: Option<&str>| {
+        let mut body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0});
+        if let Some(s) = salt {
+            body["cache_salt"] = json!(s);
+        }
+        let before = hits(&c);
+        let (status, v) = post_json(c.http, "/v1/completions", &body);
+        assert_eq!(status, 200, "{v}");
+        hits(&c) - before
+    };
+    assert_eq!(ask(Some("tenant-a")), 0, "a cold cache");
+    assert!(
+        ask(Some("tenant-a")) >= 64,
+        "the same tenant hits its own blocks"
+    );
+    assert_eq!(
+        ask(Some("tenant-b")),
+        0,
+        "another tenant's salt shares nothing"
+    );
+    assert_eq!(ask(None), 0, "nor does a request without a salt");
+    assert!(ask(Some("tenant-b")) >= 64, "tenant b hits its own blocks");
+    let (status, v) = post_json(
+        c.http,
+        "/v1/completions",
+        &json!({"model": MODEL, "prompt": "hi", "cache_salt": ""}),
+    );
+    assert_eq!(status, 400, "{v}");
+}

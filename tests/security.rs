@@ -126,7 +126,7 @@ async fn attack_worker(ch: &tonic::transport::Channel, w: &Value) -> usize {
                 endpoint: "127.0.0.1:9".into(),
                 ..Default::default()
             }],
-            skip_tokens: 0,
+            ..Default::default()
         };
         assert!(p.prefill(r).await.is_err(), "prefilled on {w}");
     }

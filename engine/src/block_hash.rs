@@ -49,9 +49,24 @@ pub fn identity_seed(config: &ModelConfig, block_size: usize) -> u64 {
     seed(&format!("{:?}", crate::identity_of(config, block_size)))
 }
 
-/// The names of the whole blocks of `tokens`, in order.
-pub fn prompt_hashes(seed: u64, block_size: usize, tokens: &[u32]) -> Vec<BlockHash> {
-    let mut parent = ROOT;
+/// Where a request's chain starts: [`ROOT`], or under a `cache_salt` a root of that salt's own
+/// (the first 8 bytes of a SHA-256 of it), so that requests of different salts, or with none,
+/// never name a block alike — a tenant's cached blocks are hits for that tenant only.
+pub fn root(salt: Option<&str>) -> u64 {
+    use sha2::Digest;
+    let Some(salt) = salt else {
+        return ROOT;
+    };
+    let mut h = sha2::Sha256::new();
+    h.update(b"tandem cache salt\0");
+    h.update(salt.as_bytes());
+    let d = h.finalize();
+    u64::from_le_bytes(d[..8].try_into().expect("8 bytes"))
+}
+
+/// The names of the whole blocks of `tokens`, in order, from the chain's `root`.
+pub fn prompt_hashes(seed: u64, root: u64, block_size: usize, tokens: &[u32]) -> Vec<BlockHash> {
+    let mut parent = root;
     tokens
         .chunks_exact(block_size)
         .map(|b| {

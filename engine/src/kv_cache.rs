@@ -435,13 +435,13 @@ impl KvCache {
     /// continues).
     pub fn share_prefix(
         &mut self,
-        seed: u64,
+        (seed, root): (u64, u64),
         table: &mut BlockTable,
         tokens: &[u32],
     ) -> (usize, u64) {
         debug_assert!(table.groups.iter().all(|t| t.blocks.is_empty()));
         let bs = self.block_size;
-        let chain = self.pool.lookup(seed, bs, tokens);
+        let chain = self.pool.lookup(seed, root, bs, tokens);
         // Per group, each block of the chain found or not, and runs of found blocks.
         let found: Vec<Vec<Option<u32>>> = (0..self.groups.len())
             .map(|g| {
@@ -484,7 +484,7 @@ impl KvCache {
             }
             t.valid_from = lo * bs;
         }
-        let last = m.checked_sub(1).map_or(crate::prefix::ROOT, |i| chain[i].1);
+        let last = m.checked_sub(1).map_or(root, |i| chain[i].1);
         (m * bs, last)
     }
 

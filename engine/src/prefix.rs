@@ -194,9 +194,16 @@ impl BlockPool {
     }
 
     /// Group 0's cached blocks holding the longest prefix of `tokens` in whole blocks of
-    /// `block_size`, in order (not yet retained), each with its prefix's hash.
-    pub fn lookup(&self, seed: u64, block_size: usize, tokens: &[u32]) -> Vec<(u32, u64)> {
-        let mut parent = ROOT;
+    /// `block_size` whose chain starts at `root`, in order (not yet retained), each with its
+    /// prefix's hash.
+    pub fn lookup(
+        &self,
+        seed: u64,
+        root: u64,
+        block_size: usize,
+        tokens: &[u32],
+    ) -> Vec<(u32, u64)> {
+        let mut parent = root;
         let mut out = Vec::new();
         for block in tokens.chunks_exact(block_size) {
             let hash = chain(seed, parent, block);
@@ -224,7 +231,7 @@ mod tests {
     use super::*;
 
     fn blocks(p: &BlockPool, seed: u64, tokens: &[u32]) -> Vec<u32> {
-        p.lookup(seed, 2, tokens)
+        p.lookup(seed, ROOT, 2, tokens)
             .into_iter()
             .map(|(b, _)| b)
             .collect()
@@ -289,7 +296,7 @@ mod tests {
         p.register(1, b, ROOT, &[5]);
         p.release(b);
         assert_eq!(p.counts().free, 1, "the duplicate is not cached");
-        assert_eq!(p.lookup(1, 1, &[5]), vec![(a, chain(1, ROOT, &[5]))]);
+        assert_eq!(p.lookup(1, ROOT, 1, &[5]), vec![(a, chain(1, ROOT, &[5]))]);
     }
 
     #[test]

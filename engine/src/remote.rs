@@ -69,7 +69,9 @@ impl Engine {
         let mut seq = self.new_seq(id, prompt, params, false)?;
         if let Some(seed) = self.prefix_seed {
             let known = &seq.tokens[..seq.prompt_len - 2];
-            let (shared, last) = self.kv.share_prefix(seed, &mut seq.table, known);
+            let (shared, last) = self
+                .kv
+                .share_prefix((seed, seq.root), &mut seq.table, known);
             (seq.computed, seq.chain) = (shared, (seq.table.blocks().len(), last));
         }
         let need = seq.prompt_len + seq.max_tokens;

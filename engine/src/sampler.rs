@@ -57,6 +57,10 @@ pub struct SamplingParams {
     pub prompt_logprobs: Option<usize>,
     /// What the output must match (structured output); compiled by the decode worker.
     pub constraint: Option<Constraint>,
+    /// The tenant's prefix-cache salt (vLLM's `cache_salt`): its prompt's blocks are named
+    /// under a root of their own ([`crate::block_hash::root`]), shared only with requests of
+    /// the same salt.
+    pub cache_salt: Option<String>,
 }
 
 /// A grammar the output must match (see `engine::grammar`): the sequence ends, with
@@ -149,6 +153,7 @@ impl Default for SamplingParams {
             logprobs: None,
             prompt_logprobs: None,
             constraint: None,
+            cache_salt: None,
         }
     }
 }

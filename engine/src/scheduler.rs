@@ -99,6 +99,8 @@ pub(crate) struct Seq {
     pub(crate) prefill_only: bool,
     /// Blocks registered in the prefix cache so far, and the last one's hash.
     pub(crate) chain: (usize, u64),
+    /// Where its chain of block names starts ([`crate::block_hash::root`] of its cache salt).
+    pub(crate) root: u64,
     /// Prefill-only: the tokens before this one are not exported (the receiver holds them).
     pub(crate) send_from: usize,
     /// Prompt log-probabilities asked for (how many likeliest tokens each), and those computed.
@@ -258,6 +260,7 @@ impl Engine {
         id: RequestId,
         tokens: Vec<u32>,
         send_from: usize,
+        cache_salt: Option<String>,
     ) -> Result<()> {
         if send_from >= tokens.len() {
             return Err(EngineError::InvalidRequest(format!(
@@ -267,6 +270,7 @@ impl Engine {
         }
         let params = SamplingParams {
             max_tokens: Some(1),
+            cache_salt,
             ..Default::default()
         };
         let mut seq = self.new_seq(id, tokens, params, true)?;
@@ -370,6 +374,7 @@ impl Engine {
         let prompt_len = prompt.len();
         let prompt_lp = params.prompt_logprobs.map(|k| (k, Vec::new()));
         let guide = self.guide(&params, &prompt)?;
+        let root = crate::block_hash::root(params.cache_salt.as_deref());
         Ok(Seq {
             id,
             prompt_len,
@@ -380,7 +385,8 @@ impl Engine {
             sampler: Sampler::for_prompt(params, prompt_len, stop_ids.clone()),
             stop_ids,
             prefill_only,
-            chain: (0, crate::prefix::ROOT),
+            chain: (0, root),
+            root,
             send_from: 0,
             prompt_lp,
             guide,
@@ -452,7 +458,9 @@ impl Engine {
         let reuse = fresh && front.prompt_lp.is_none();
         if let (Some(seed), true) = (self.prefix_seed, reuse) {
             let prompt = &front.tokens[..front.prompt_len - 1];
-            let (shared, last) = self.kv.share_prefix(seed, &mut front.table, prompt);
+            let (shared, last) = self
+                .kv
+                .share_prefix((seed, front.root), &mut front.table, prompt);
             front.computed = shared;
             front.chain = (front.table.blocks().len(), last);
         }
@@ -464,7 +472,7 @@ impl Engine {
                 // Wait without holding shared blocks; the lookup runs again next time.
                 self.kv.release(std::mem::take(&mut front.table));
                 front.computed = 0;
-                front.chain = (0, crate::prefix::ROOT);
+                front.chain = (0, front.root);
             }
             return false;
         }
@@ -492,9 +500,10 @@ impl Engine {
             return false;
         }
         let want = &front.tokens[..end];
-        self.running
-            .iter()
-            .any(|r| r.chain.0 <= k && r.computed < end && r.tokens.get(..end) == Some(want))
+        self.running.iter().any(|r| {
+            let same = r.root == front.root && r.tokens.get(..end) == Some(want);
+            r.chain.0 <= k && r.computed < end && same
+        })
     }
 
     fn step_inner(&mut self, sink: Option<KvSink<'_>>) -> Result<Vec<TokenEvent>> {

@@ -65,6 +65,7 @@ struct Cmd {
     id: RequestId,
     tokens: Vec<u32>,
     send_from: usize,
+    cache_salt: Option<String>,
     accepted: oneshot::Sender<Result<(), Status>>,
     layers: LayerTx,
 }
@@ -130,7 +131,7 @@ impl worker::Role for Prefiller {
             Err(Cause::Draining.status("this prefill worker is draining"))
         } else {
             self.engine
-                .add_prefill_only(c.id, c.tokens, c.send_from)
+                .add_prefill_only(c.id, c.tokens, c.send_from, c.cache_salt)
                 .map(|()| {
                     self.outs.insert(c.id, c.layers);
                 })
@@ -315,11 +316,13 @@ impl Prefill for Service {
             tx,
             done: done.clone(),
         };
+        let cache_salt = (!req.cache_salt.is_empty()).then_some(req.cache_salt);
         let tokens = req.tokens;
         self.engine.send(Cmd {
             id,
             tokens,
             send_from,
+            cache_salt,
             accepted,
             layers,
         })?;

@@ -177,6 +177,11 @@ pub struct RouterSection {
     /// HTTP connections served at once (the next waits in the kernel's backlog).
     #[serde(default = "default_max_connections")]
     pub max_connections: Spanned<u64>,
+    /// HTTP connections one client address may hold at once (more are closed at once), so one
+    /// client cannot fill `max_connections`. Behind a proxy every client shares its address:
+    /// raise it to `max_connections` there.
+    #[serde(default = "default_max_connections_per_address")]
+    pub max_connections_per_address: Spanned<u64>,
     /// A file of API keys, one per line: requests must carry one (`Authorization: Bearer
     /// KEY`), or get a 401. Unset: no key needed.
     #[serde(default)]
@@ -202,6 +207,10 @@ fn default_max_header_bytes() -> Spanned<u64> {
 
 fn default_max_connections() -> Spanned<u64> {
     Spanned::new(0..0, 1024)
+}
+
+fn default_max_connections_per_address() -> Spanned<u64> {
+    Spanned::new(0..0, 256)
 }
 
 fn default_migration_limit() -> u32 {
@@ -242,6 +251,7 @@ impl Default for RouterSection {
             request_timeout_ms: default_request_timeout_ms(),
             max_body_bytes: default_max_body_bytes(),
             max_header_bytes: default_max_header_bytes(),
+            max_connections_per_address: default_max_connections_per_address(),
             max_connections: default_max_connections(),
             api_keys_file: None,
             models: Default::default(),

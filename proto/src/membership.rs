@@ -134,9 +134,9 @@ async fn connect(
     router: &str,
 ) -> Result<ControlClient<tonic::transport::Channel>, String> {
     let channel = crate::secure::endpoint(security, router, Role::Router.dns())
-        .map_err(|e| e.to_string())?
+        .map_err(|e| crate::secure::explain(&e))?
         .connect()
         .await
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| crate::secure::explain(&e))?;
     Ok(ControlClient::new(channel))
 }

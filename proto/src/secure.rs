@@ -104,6 +104,19 @@ pub fn incoming(
     })
 }
 
+/// An error with its causes (tonic's transport errors say only "transport error"; the cause
+/// says which: a refused connection, a certificate the peer does not trust, …).
+pub fn explain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        out.push_str(": ");
+        out.push_str(&c.to_string());
+        cause = c.source();
+    }
+    out
+}
+
 /// The authenticated peer a request came from (`None` on a plain connection).
 pub fn peer<T>(req: &tonic::Request<T>) -> Option<&Peer> {
     req.extensions().get::<ConnInfo>()?.peer.as_ref()

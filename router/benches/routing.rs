@@ -33,7 +33,8 @@ fn main() {
                         .map(|i| 10_000 + w as u32 * 10_000_000 + conv * 1_000 + i),
                 )
                 .collect();
-            let names = engine::block_hash::prompt_hashes(seed, BLOCK, &tokens);
+            let names =
+                engine::block_hash::prompt_hashes(seed, engine::block_hash::ROOT, BLOCK, &tokens);
             hashes.extend(names.iter().map(|b| b.0));
         }
         hashes.sort_unstable();
@@ -65,7 +66,8 @@ fn main() {
     let mut chosen = 0;
     for _ in 0..runs {
         let t = Instant::now();
-        let blocks = engine::block_hash::prompt_hashes(seed, BLOCK, &prompt);
+        let blocks =
+            engine::block_hash::prompt_hashes(seed, engine::block_hash::ROOT, BLOCK, &prompt);
         let overlap = index.overlap(&blocks);
         let cands: Vec<Candidate> = (0..WORKERS)
             .map(|w| Candidate {

@@ -1,11 +1,9 @@
 //! The HTTP surface's limits, each failing as an OpenAI error body: API keys (`[router]
-//! api_keys_file`), header and body sizes, and the number of connections served at once.
+//! api_keys_file`), header and body sizes, the body's deadline; the connection caps are the
+//! front's (`front.rs`).
 
 use std::collections::HashSet;
-use std::io;
-use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
@@ -13,9 +11,6 @@ use axum::extract::{Request, State as AxState};
 use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::openai::ApiError;
 use crate::State;
@@ -29,6 +24,8 @@ pub struct Limits {
     pub max_header_bytes: usize,
     /// Connections served at once (more wait to be accepted).
     pub max_connections: usize,
+    /// Connections one client address may hold at once (more are closed).
+    pub max_connections_per_address: usize,
     /// The API keys a request must carry one of (`Authorization: Bearer KEY`); none: open.
     pub api_keys: Option<Arc<HashSet<String>>>,
 }
@@ -39,7 +36,18 @@ impl Default for Limits {
             max_body_bytes: 8 << 20,
             max_header_bytes: 32 << 10,
             max_connections: 1024,
+            max_connections_per_address: 256,
             api_keys: None,
+        }
+    }
+}
+
+impl Limits {
+    /// The connection caps of the HTTP front.
+    pub fn caps(&self) -> crate::front::Caps {
+        crate::front::Caps {
+            total: self.max_connections,
+            per_address: self.max_connections_per_address,
         }
     }
 }
@@ -122,96 +130,47 @@ pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next
             Some(_) => {}
         }
     }
-    next.run(req).await
-}
-
-/// A TCP listener that serves at most `max` connections at once: the next is accepted only
-/// when one closes (the kernel's backlog holds the rest).
-pub struct Limited {
-    inner: TcpListener,
-    permits: Arc<Semaphore>,
-}
-
-impl Limited {
-    /// Wraps `inner`.
-    pub fn new(inner: TcpListener, max: usize) -> Limited {
-        Limited {
-            inner,
-            permits: Arc::new(Semaphore::new(max.clamp(1, Semaphore::MAX_PERMITS))),
-        }
+    match whole_body(req, limits.max_body_bytes).await {
+        Ok(req) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
 }
 
-/// A connection counted against its listener's limit until dropped.
-pub struct Counted {
-    stream: TcpStream,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl axum::serve::Listener for Limited {
-    type Io = Counted;
-    type Addr = std::net::SocketAddr;
-
-    async fn accept(&mut self) -> (Counted, std::net::SocketAddr) {
-        let permit = self
-            .permits
-            .clone()
-            .acquire_owned()
-            .await
-            .expect("the semaphore is never closed");
-        loop {
-            match self.inner.accept().await {
-                Ok((stream, addr)) => {
-                    let _ = stream.set_nodelay(true);
-                    return (
-                        Counted {
-                            stream,
-                            _permit: permit,
-                        },
-                        addr,
-                    );
-                }
-                // As axum's own listener does: a failed accept (e.g. out of descriptors) is
-                // logged and retried after a pause, never fatal.
-                Err(e) => {
-                    tracing::warn!("accepting an HTTP connection failed: {e}");
-                    tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-                }
+/// The request with its body read whole within [`BODY_TIMEOUT`](crate::front::BODY_TIMEOUT)
+/// and `limit` bytes: a client trickling its body holds its connection no longer than that.
+async fn whole_body(req: Request, limit: usize) -> Result<Request, ApiError> {
+    let too_large = || ApiError::PayloadTooLarge(format!("the request body exceeds {limit} bytes"));
+    let announced = req
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok()?.parse::<usize>().ok());
+    if announced.is_some_and(|n| n > limit) {
+        return Err(too_large());
+    }
+    let (parts, body) = req.into_parts();
+    let read = axum::body::to_bytes(body, limit);
+    let bytes = match tokio::time::timeout(crate::front::BODY_TIMEOUT, read).await {
+        Err(_) => {
+            let s = crate::front::BODY_TIMEOUT.as_secs();
+            return Err(ApiError::RequestTimeout(format!(
+                "the request body did not arrive within {s} s"
+            )));
+        }
+        // Beyond the limit (a chunked body announces no length), or the client broke off.
+        Ok(Err(e)) => {
+            let e = e.into_inner();
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
+                return Err(too_large());
             }
+            return Err(ApiError::BadRequest(format!(
+                "the request body could not be read: {e}"
+            )));
         }
-    }
-
-    fn local_addr(&self) -> io::Result<std::net::SocketAddr> {
-        self.inner.local_addr()
-    }
-}
-
-impl AsyncRead for Counted {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for Counted {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.stream).poll_write(cx, buf)
-    }
-
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_flush(cx)
-    }
-
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.stream).poll_shutdown(cx)
-    }
+        Ok(Ok(b)) => b,
+    };
+    Ok(Request::from_parts(parts, axum::body::Body::from(bytes)))
 }
 
 #[cfg(test)]

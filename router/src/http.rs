@@ -167,7 +167,21 @@ fn sampling(
         logprobs,
         prompt_logprobs: None,
         constraint: constraint(c)?,
+        cache_salt: cache_salt(c)?,
     })
+}
+
+/// The longest `cache_salt` accepted, in bytes.
+const MAX_CACHE_SALT: usize = 256;
+
+/// `cache_salt`: a non-empty string of at most [`MAX_CACHE_SALT`] bytes.
+fn cache_salt(c: &Common) -> Result<Option<String>, ApiError> {
+    match c.cache_salt.as_deref() {
+        Some(s) if s.is_empty() || s.len() > MAX_CACHE_SALT => Err(ApiError::BadRequest(format!(
+            "cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} bytes"
+        ))),
+        salt => Ok(salt.map(String::from)),
+    }
 }
 
 /// The grammar the output must match: `response_format` or one of the `guided_*` extensions
@@ -248,6 +262,20 @@ fn logit_bias(c: &Common, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
         .collect()
 }
 
+/// `f` — rendering a template, tokenising a prompt: work that grows with the request — on the
+/// blocking pool, at most [`crate::TOKENIZING`] at once, never on the runtime's threads, which
+/// carry heartbeats and every stream's tokens.
+async fn off_runtime<T: Send + 'static>(
+    state: &Arc<State>,
+    f: impl FnOnce(&State) -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    let _slot = state.tokenizing.acquire().await.expect("never closed");
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || f(&st))
+        .await
+        .map_err(|e| ApiError::Internal(format!("tokenising: {e}")))?
+}
+
 /// `POST /v1/chat/completions`.
 pub async fn chat(
     AxState(state): AxState<Arc<State>>,
@@ -277,14 +305,16 @@ pub async fn chat(
                 })
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
-        let text = state
-            .tokenizer
-            .apply_chat_template(&messages, true)
-            .map_err(|e| ApiError::BadRequest(e.to_string()))?;
-        let ids = state
-            .tokenizer
-            .encode(&text)
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let ids = off_runtime(&state, move |s| {
+            let text = s
+                .tokenizer
+                .apply_chat_template(&messages, true)
+                .map_err(|e| ApiError::BadRequest(e.to_string()))?;
+            s.tokenizer
+                .encode(&text)
+                .map_err(|e| ApiError::Internal(e.to_string()))
+        })
+        .await?;
         let top = match (req.logprobs, req.top_logprobs) {
             (Some(true), k) if (0..=20).contains(&k.unwrap_or(0)) => Some(k.unwrap_or(0) as usize),
             (Some(true), Some(k)) => {
@@ -320,7 +350,8 @@ pub async fn completions(
         }
         let req: CompletionRequest = parse(&headers, &body)?;
         openai::refuse_unsupported(&req.extra)?;
-        let (text, ids) = prompt(&state, &req.prompt)?;
+        let asked = req.prompt.clone();
+        let (text, ids) = off_runtime(&state, move |s| prompt(s, &asked)).await?;
         let top = match req.logprobs {
             None => None,
             Some(k) if (0..=5).contains(&k) => Some(k as usize),

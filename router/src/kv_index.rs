@@ -77,12 +77,14 @@ pub struct KvIndex {
 }
 
 impl KvIndex {
-    /// Applies worker `w`'s events; `true` when the index missed some and wants a snapshot.
-    pub fn apply(&mut self, w: WorkerId, ev: &KvEvents) -> bool {
+    /// Applies worker `w`'s events, holding no more than `cap` blocks for it (its cache's
+    /// size: a worker cannot cache more, so what it claims beyond is dropped); `true` when the
+    /// index missed some and wants a snapshot.
+    pub fn apply(&mut self, w: WorkerId, ev: &KvEvents, cap: usize) -> bool {
         if ev.snapshot {
             self.remove_worker(w);
             for &h in &ev.hashes {
-                self.store(w, h);
+                self.store(w, h, cap);
             }
             self.workers.entry(w).or_default().next = Some(ev.next);
             return false;
@@ -95,7 +97,7 @@ impl KvIndex {
         held.next = Some(ev.next);
         for (&h, &stored) in ev.hashes.iter().zip(&ev.stored) {
             if stored {
-                self.store(w, h);
+                self.store(w, h, cap);
             } else {
                 self.forget(w, h);
             }
@@ -103,8 +105,12 @@ impl KvIndex {
         false
     }
 
-    fn store(&mut self, w: WorkerId, h: u64) {
-        if self.workers.entry(w).or_default().blocks.insert(h) {
+    fn store(&mut self, w: WorkerId, h: u64, cap: usize) {
+        let held = &mut self.workers.entry(w).or_default().blocks;
+        if held.len() >= cap {
+            return;
+        }
+        if held.insert(h) {
             self.holders
                 .entry(h)
                 .or_insert_with(|| Holders::Few(Vec::new()))
@@ -220,28 +226,37 @@ mod tests {
     }
 
     #[test]
+    fn a_worker_is_held_to_no_more_blocks_than_its_cache() {
+        let mut ix = KvIndex::default();
+        let many: Vec<u64> = (0..1000).collect();
+        assert!(!ix.apply(WorkerId(1), &snapshot(0, &many), 8));
+        assert_eq!(ix.len(), 8);
+    }
+
+    #[test]
     fn events_overlap_gaps_and_leaving() {
         let mut ix = KvIndex::default();
         assert!(
-            ix.apply(WorkerId(1), &events(0, &[(true, 10)])),
+            ix.apply(WorkerId(1), &events(0, &[(true, 10)]), 100),
             "no snapshot yet: resync"
         );
-        assert!(!ix.apply(WorkerId(1), &snapshot(0, &[])));
+        assert!(!ix.apply(WorkerId(1), &snapshot(0, &[]), 100));
         assert!(!ix.apply(
             WorkerId(1),
-            &events(0, &[(true, 10), (true, 11), (true, 12)])
+            &events(0, &[(true, 10), (true, 11), (true, 12)]),
+            100
         ));
-        assert!(!ix.apply(WorkerId(2), &snapshot(5, &[10, 11])));
+        assert!(!ix.apply(WorkerId(2), &snapshot(5, &[10, 11]), 100));
         let o = ix.overlap(&b(&[10, 11, 12, 13]));
         assert_eq!((o[&WorkerId(1)], o[&WorkerId(2)]), (3, 2));
-        assert!(!ix.apply(WorkerId(1), &events(3, &[(false, 11)])));
+        assert!(!ix.apply(WorkerId(1), &events(3, &[(false, 11)]), 100));
         assert_eq!(
             ix.overlap(&b(&[10, 11, 12]))[&WorkerId(1)],
             1,
             "a forgotten block ends the run"
         );
         assert!(
-            ix.apply(WorkerId(2), &events(9, &[(true, 12)])),
+            ix.apply(WorkerId(2), &events(9, &[(true, 12)]), 100),
             "events 5..9 were missed"
         );
         assert_eq!(

@@ -9,6 +9,7 @@
 
 pub mod actuator;
 pub mod core;
+pub mod front;
 pub mod guard;
 pub mod http;
 pub mod kubernetes;
@@ -151,7 +152,12 @@ pub struct State {
     channels: Mutex<HashMap<String, tonic::transport::Channel>>,
     /// How calls to workers are secured (set before the state is shared).
     pub security: pki::Security,
+    /// Requests being rendered and tokenised (off the runtime), at most [`TOKENIZING`].
+    pub tokenizing: tokio::sync::Semaphore,
 }
+
+/// Prompts rendered and tokenised at once, each on the blocking pool.
+pub const TOKENIZING: usize = 2;
 
 impl State {
     /// Shared state over `registry` for a model of `config` served as `model_id`.
@@ -183,6 +189,7 @@ impl State {
             metrics: proto::metrics::install().inspect(|_| describe()),
             channels: Mutex::new(HashMap::new()),
             security: pki::Security::Insecure,
+            tokenizing: tokio::sync::Semaphore::new(TOKENIZING),
         }
     }
 
@@ -375,7 +382,7 @@ pub async fn run(
         tokio::spawn(planner::run(state.clone(), plans, actuator, leader));
     }
     tokio::select! {
-        r = axum::serve(guard::Limited::new(http_l, cfg.limits.max_connections), app) => r.map_err(|e| RouterError::Serve(e.to_string())),
+        r = front::serve(http_l, app, cfg.limits.caps()) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
     }
 }
@@ -385,6 +392,11 @@ use proto::metrics::Kind::{Counter, Gauge, Histogram};
 /// Every metric the router exports, with its help text (beside one gauge per worker load
 /// figure, `tandem_worker_<field>`, described from [`proto::grpc::LOAD_FIELDS`]).
 const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
+    (
+        "tandem_router_connections_refused_total",
+        Counter,
+        "HTTP connections closed at accept, by reason (per_address: the client's address held max_connections_per_address already).",
+    ),
     (
         "tandem_router_requests_total",
         Counter,

@@ -18,6 +18,9 @@ pub enum ApiError {
     /// The body is larger than `[router] max_body_bytes` (413).
     #[error("{0}")]
     PayloadTooLarge(String),
+    /// The client did not send its request body in time (408).
+    #[error("{0}")]
+    RequestTimeout(String),
     /// The headers are larger than `[router] max_header_bytes` (431).
     #[error("{0}")]
     HeadersTooLarge(String),
@@ -65,6 +68,11 @@ impl ApiError {
                 StatusCode::PAYLOAD_TOO_LARGE,
                 "invalid_request_error",
                 "payload_too_large",
+            ),
+            ApiError::RequestTimeout(_) => (
+                StatusCode::REQUEST_TIMEOUT,
+                "invalid_request_error",
+                "request_timeout",
             ),
             ApiError::HeadersTooLarge(_) => (
                 StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
@@ -257,6 +265,9 @@ pub struct Common {
     pub guided_regex: Option<String>,
     /// Extension: output exactly one of these texts.
     pub guided_choice: Option<Vec<String>>,
+    /// vLLM's `cache_salt`: the prompt's cached KV is shared only with requests of the same
+    /// salt (one per tenant), in the workers' prefix caches and the router's KV index.
+    pub cache_salt: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.

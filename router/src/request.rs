@@ -89,6 +89,7 @@ pub async fn start_on(
         max_tokens: params.max_tokens.map(|m| m as u32),
         prompt_logprobs: params.prompt_logprobs.is_some(),
         generated: params.generated as u32,
+        cache_root: engine::block_hash::root(params.cache_salt.as_deref()),
     };
     let changes = state.registry.subscribe();
     let (core, first) = with_cx(state, |cx| {
@@ -406,6 +407,7 @@ impl Driver {
             tokens: prompt[..prompt.len() - 1].to_vec(),
             offers: dw.offers,
             skip_tokens: skip,
+            cache_salt: self.wire.cache_salt.clone(),
         };
         let registry = self.state.registry.clone();
         let task = tokio::spawn(async move {

@@ -30,6 +30,7 @@ pub fn sampling_params(p: &SamplingParams) -> grpc::SamplingParams {
         constraint: p.constraint.as_ref().map_or_else(String::new, |c| {
             serde_json::to_string(c).expect("serialisable")
         }),
+        cache_salt: p.cache_salt.clone().unwrap_or_default(),
     }
 }
 

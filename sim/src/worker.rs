@@ -291,7 +291,7 @@ impl Sim {
         let tokens = prompt[..prompt.len() - 1].to_vec();
         match self.workers[w]
             .engine
-            .add_prefill_only(id, tokens, skip as usize)
+            .add_prefill_only(id, tokens, skip as usize, None)
         {
             Ok(()) => self.kick(w),
             Err(e) => {

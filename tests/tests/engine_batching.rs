@@ -219,7 +219,7 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
             .reserve_remote(RequestId(i as u64), p.clone(), params(i), 0)
             .unwrap();
         prefill
-            .add_prefill_only(RequestId(i as u64), p[..p.len() - 1].to_vec(), 0)
+            .add_prefill_only(RequestId(i as u64), p[..p.len() - 1].to_vec(), 0, None)
             .unwrap();
         while prefill.take_prefilled().is_empty() {
             assert!(

@@ -91,11 +91,12 @@ fn a_prefill_engine_exports_the_kv_of_a_cold_one_computing_only_the_suffix() {
     let mut warm = Engine::new(model.clone(), cold(true, 64), Vec::new()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let mut off = Engine::new(model.clone(), cold(false, 64), Vec::new()).unwrap();
-        off.add_prefill_only(RequestId(1), p.clone(), 0).unwrap();
+        off.add_prefill_only(RequestId(1), p.clone(), 0, None)
+            .unwrap();
         off.run_to_completion().unwrap();
         let want = off.export_kv(RequestId(1)).unwrap();
         let before = warm.load().prefix_hit_tokens;
-        warm.add_prefill_only(RequestId(i as u64), p.clone(), 0)
+        warm.add_prefill_only(RequestId(i as u64), p.clone(), 0, None)
             .unwrap();
         warm.run_to_completion().unwrap();
         assert_eq!(
@@ -159,7 +160,7 @@ fn a_delta_transfer_carries_only_the_tokens_the_decode_engine_lacks() {
             .cached;
         let known = prompt[..prompt.len() - 1].to_vec();
         prefill
-            .add_prefill_only(RequestId(turn), known, held)
+            .add_prefill_only(RequestId(turn), known, held, None)
             .unwrap();
         prefill.run_to_completion().unwrap();
         let kv = prefill.export_kv(RequestId(turn)).unwrap();

@@ -184,7 +184,7 @@ fn a_transfer_sends_a_windowed_layer_its_window_only() {
     let reserved = decode.reserve_remote(RequestId(7), p.clone(), greedy(), 0);
     assert_eq!(reserved.unwrap().cached, 0);
     prefill
-        .add_prefill_only(RequestId(7), p[..p.len() - 1].to_vec(), 0)
+        .add_prefill_only(RequestId(7), p[..p.len() - 1].to_vec(), 0, None)
         .unwrap();
     while prefill.take_prefilled().is_empty() {
         prefill.step().unwrap();

@@ -37,6 +37,7 @@ pub fn sampling_params(p: grpc::SamplingParams) -> SamplingParams {
             serde_json::from_str(&p.constraint)
                 .unwrap_or_else(|e| Constraint::Unreadable(e.to_string()))
         }),
+        cache_salt: (!p.cache_salt.is_empty()).then(|| p.cache_salt.clone()),
     }
 }
 

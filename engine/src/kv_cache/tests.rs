@@ -38,7 +38,11 @@ fn a_released_sequences_tail_is_evicted_before_its_head() {
     let mut b = BlockTable::default();
     kv.reserve(&mut b, 4).unwrap();
     let mut c = BlockTable::default();
-    assert_eq!(kv.share_prefix(seed, &mut c, &tokens).0, 4);
+    assert_eq!(
+        kv.share_prefix((seed, crate::prefix::ROOT), &mut c, &tokens)
+            .0,
+        4
+    );
     assert_eq!(kv.evicted_blocks(), 1);
     kv.release(b);
     kv.release(c);
@@ -97,7 +101,11 @@ fn a_windowed_group_holds_its_window_and_its_pages_are_promised() {
     // A later sequence with the same first 9 tokens: 4 whole blocks, whose windowed groups
     // need blocks 2 and 3 (the window of a query at 8): cached though trimmed.
     let mut u = BlockTable::default();
-    assert_eq!(kv.share_prefix(3, &mut u, &tokens[..9]).0, 8);
+    assert_eq!(
+        kv.share_prefix((3, crate::prefix::ROOT), &mut u, &tokens[..9])
+            .0,
+        8
+    );
     assert_eq!(u.group(0).len(), 4);
     assert!(u.group(1)[..2].iter().all(|&b| b == GONE));
     assert_eq!(u.held(), 4 + 2 + 2);
@@ -147,7 +155,7 @@ fn sequences_sharing_windowed_blocks_never_overdraw_the_pool() {
         sane(&kv);
     }
     let mut b = BlockTable::default();
-    let (shared, last) = kv.share_prefix(5, &mut b, &tokens[..7]);
+    let (shared, last) = kv.share_prefix((5, crate::prefix::ROOT), &mut b, &tokens[..7]);
     assert_eq!(shared, 6);
     let mut cb = (3, last);
     kv.reserve(&mut b, 10).unwrap();

@@ -136,6 +136,10 @@ impl Ctx<'_> {
         self.at_least(&r.max_body_bytes, "router.max_body_bytes", 1024, fit)?;
         self.at_least(&r.max_header_bytes, "router.max_header_bytes", 1024, fit)?;
         self.positive(&r.max_connections, "router.max_connections")?;
+        self.positive(
+            &r.max_connections_per_address,
+            "router.max_connections_per_address",
+        )?;
         if let Some(f) = &r.api_keys_file {
             let key = "router.api_keys_file";
             match std::fs::read_to_string(f.get_ref()) {

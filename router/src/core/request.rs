@@ -87,7 +87,7 @@ impl Request {
             && cx.table.count(Pool::Prefill) > 0;
         let mut r = Request {
             id: (cx.next_id)(),
-            route: route(cx, &prompt),
+            route: route(cx, &prompt, params.cache_root),
             prompt_len: prompt.len(),
             prompt,
             max_tokens: params.max_tokens,
@@ -713,7 +713,7 @@ impl Request {
         self.params.prompt_logprobs &= streamed == 0;
         // Not finished, so fewer tokens than asked for were streamed.
         self.params.max_tokens = self.max_tokens.map(|m| m - streamed);
-        self.route = route(cx, &self.prompt);
+        self.route = route(cx, &self.prompt, self.params.cache_root);
         self.recomputed = false;
         self.disaggregated = !self.params.prompt_logprobs && cx.table.count(Pool::Prefill) > 0;
         self.id = (cx.next_id)();
@@ -780,12 +780,12 @@ fn no_room(cx: &Cx<'_>) -> ApiError {
 
 /// What the routing policy needs of a prompt: its blocks' names (under the `kv` policy) and
 /// the tokens a prefill would compute.
-fn route(cx: &Cx<'_>, prompt: &[u32]) -> Route {
+fn route(cx: &Cx<'_>, prompt: &[u32], root: u64) -> Route {
     let known = &prompt[..prompt.len().saturating_sub(1)];
     let blocks = match cx.table.policy() {
         Policy::Kv => {
             let bs = cx.table.block_size();
-            engine::block_hash::prompt_hashes(cx.settings.block_seed, bs, known)
+            engine::block_hash::prompt_hashes(cx.settings.block_seed, root, bs, known)
         }
         _ => Vec::new(),
     };

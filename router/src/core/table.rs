@@ -64,6 +64,9 @@ pub struct Worker {
     /// Its engine's step count and when it last moved.
     #[serde(skip)]
     progress: (u64, Instant),
+    /// The KV blocks it said it has when it joined: the most the KV index holds for it.
+    #[serde(skip)]
+    pub kv_capacity: u32,
 }
 
 fn offers<S: Serializer>(o: &[KvOffer], s: S) -> Result<S::Ok, S::Error> {
@@ -477,8 +480,9 @@ impl Table {
             tracing::warn!(worker = %id, name = %w.name, stalled = w.stalled, "worker progress");
         }
         let stalled = w.stalled && !was;
+        let cap = w.kv_capacity as usize;
         let resync = match &b.kv {
-            Some(kv) => self.index.apply(id, kv),
+            Some(kv) => self.index.apply(id, kv, cap),
             None => false,
         };
         Ok(Beaten { resync, stalled })
@@ -517,6 +521,7 @@ fn joined(id: WorkerId, pool: Pool, j: JoinRequest, now: Instant) -> Worker {
         beats: 0,
         last_beat: now,
         progress: (0, now),
+        kv_capacity: j.kv_blocks_total,
     }
 }
 

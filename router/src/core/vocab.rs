@@ -64,7 +64,7 @@ pub struct Cx<'a> {
 
 /// What the core follows of the client's sampling parameters (the driver sends the rest as
 /// the client gave it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Params {
     /// Tokens the current try may still generate (`None`: to the context's end).
     pub max_tokens: Option<u32>,
@@ -73,6 +73,19 @@ pub struct Params {
     /// Tokens of the prompt that are output already streamed (a migrated request's): output to
     /// the penalties and `min_tokens`, prompt to the KV.
     pub generated: u32,
+    /// Where the prompt's block names start: [`engine::block_hash::root`] of its cache salt.
+    pub cache_root: u64,
+}
+
+impl Default for Params {
+    fn default() -> Params {
+        Params {
+            max_tokens: None,
+            prompt_logprobs: false,
+            generated: 0,
+            cache_root: engine::block_hash::ROOT,
+        }
+    }
 }
 
 /// A decode worker's answer to a reservation for a remote prefill.

@@ -82,8 +82,12 @@ pub async fn run(state: &Arc<State>) -> (Vec<u32>, Result<(), ApiError>, Vec<Pha
 
 /// Tells the registry, as worker `id`'s heartbeat would, that its cache holds `prompt`'s blocks.
 pub fn cached_on(st: &State, id: WorkerId, prompt: &[u32]) {
-    let blocks =
-        engine::block_hash::prompt_hashes(st.core.block_seed, 16, &prompt[..prompt.len() - 1]);
+    let blocks = engine::block_hash::prompt_hashes(
+        st.core.block_seed,
+        engine::block_hash::ROOT,
+        16,
+        &prompt[..prompt.len() - 1],
+    );
     let kv = grpc::KvEvents {
         first: 0,
         next: blocks.len() as u64,
