@@ -262,6 +262,20 @@ fn logit_bias(c: &Common, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
         .collect()
 }
 
+/// A 400 for a text of `bytes` that cannot fit the model's context whatever its tokens (each
+/// token is at most [`State::max_token_bytes`] long): refused before any time goes into
+/// tokenising it.
+fn fits(state: &State, bytes: usize) -> Result<(), ApiError> {
+    let most = state.context_len.saturating_mul(state.max_token_bytes);
+    if bytes > most {
+        return Err(ApiError::BadRequest(format!(
+            "the prompt is {bytes} bytes: more than the model's context of {} tokens can hold",
+            state.context_len
+        )));
+    }
+    Ok(())
+}
+
 /// `f` — rendering a template, tokenising a prompt: work that grows with the request — on the
 /// blocking pool, at most [`crate::TOKENIZING`] at once, never on the runtime's threads, which
 /// carry heartbeats and every stream's tokens.
@@ -305,6 +319,7 @@ pub async fn chat(
                 })
             })
             .collect::<Result<Vec<_>, ApiError>>()?;
+        fits(&state, messages.iter().map(|m| m.content.len()).sum())?;
         let ids = off_runtime(&state, move |s| {
             let text = s
                 .tokenizer
@@ -350,6 +365,9 @@ pub async fn completions(
         }
         let req: CompletionRequest = parse(&headers, &body)?;
         openai::refuse_unsupported(&req.extra)?;
+        if let Prompt::Text(t) = &req.prompt {
+            fits(&state, t.len())?;
+        }
         let asked = req.prompt.clone();
         let (text, ids) = off_runtime(&state, move |s| prompt(s, &asked)).await?;
         let top = match req.logprobs {

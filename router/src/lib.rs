@@ -133,6 +133,9 @@ pub struct State {
     pub model_id: String,
     /// The model's context length.
     pub context_len: usize,
+    /// The longest token's text in bytes: a text longer than this times the context cannot fit,
+    /// and is refused before it is tokenised.
+    pub max_token_bytes: usize,
     /// The model's vocabulary size.
     pub vocab_size: usize,
     /// What the planner reads.
@@ -170,11 +173,13 @@ impl State {
         window: Duration,
     ) -> State {
         let block_seed = engine::block_hash::identity_seed(config, registry.block_size());
+        let max_token_bytes = max_token_bytes(&tokenizer);
         State {
             registry,
             tokenizer,
             model_id,
             context_len: config.context_len,
+            max_token_bytes,
             vocab_size: config.vocab_size,
             signals: Arc::new(planner::Signals::new(window)),
             core: core::Settings {
@@ -230,6 +235,16 @@ impl State {
         cache.insert(endpoint.to_string(), c.clone());
         Ok(c)
     }
+}
+
+/// The longest token of `tokenizer`'s vocabulary, in bytes (at least 1).
+fn max_token_bytes(tokenizer: &Tokenizer) -> usize {
+    (0..tokenizer.vocab_size() as u32)
+        .filter_map(|id| tokenizer.token_bytes(id).ok())
+        .map(|b| b.len())
+        .max()
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// This router's first request id: a random prefix in the high 32 bits (from the standard
