@@ -295,6 +295,16 @@ fn peers(cfg: &ClusterConfig, flags: &[String]) -> Result<Vec<(String, String)>>
 /// `tandem router`.
 pub fn router(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
+    if let Some(l) = &a.listen {
+        let loopback = l.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
+        if !loopback && cfg.router.api_keys_file.is_none() && !cfg.router.allow_no_keys {
+            bail!(
+                "--listen {l} is reachable from other machines and {} has no router.api_keys_file: \
+                 set one, or router.allow_no_keys = true to serve anyone who reaches it",
+                a.config.display()
+            );
+        }
+    }
     let rc = router::RouterConfig {
         security: security(&cfg, &a.config, pki::Role::Router, "router")?,
         listen: a

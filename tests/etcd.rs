@@ -32,6 +32,7 @@ fn config(etcd: &str, prefix: &str, autoscale: bool) -> String {
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+allow_no_keys = true
 heartbeat_timeout_ms = 60000
 stall_timeout_ms = 60000
 

@@ -161,7 +161,7 @@ fn prefill_and_decode_in_separate_network_namespaces() {
         std::fs::write(
             &path,
             format!(
-                "[model]\npath = {model:?}\n[router]\nlisten = \"0.0.0.0:0\"\ncontrol = \"0.0.0.0:0\"\n\
+                "[model]\npath = {model:?}\n[router]\nlisten = \"0.0.0.0:0\"\ncontrol = \"0.0.0.0:0\"\nallow_no_keys = true\n\
                  [prefill]\nhost = \"{host}\"\nkv_blocks = 256\n[decode]\nhost = \"{host}\"\nkv_blocks = 512\n\
                  [kv_transfer]\nprefer = [\"tcp\"]\ntransfer_timeout_ms = 5000\nconnect_timeout_ms = 2000\n"
             ),

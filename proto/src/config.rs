@@ -186,6 +186,10 @@ pub struct RouterSection {
     /// KEY`), or get a 401. Unset: no key needed.
     #[serde(default)]
     pub api_keys_file: Option<Spanned<PathBuf>>,
+    /// Serve an address other than loopback with no `api_keys_file`: anyone who reaches it may
+    /// use the cluster. Without it such a router refuses to start.
+    #[serde(default)]
+    pub allow_no_keys: bool,
     /// Other models' routers this one answers for, by model name (`{ "name" = "host:port" }`):
     /// a request naming one is passed to it; `/v1/models` lists them. Each is a cluster of
     /// its own (its cluster.toml: model, pools, SLOs).
@@ -254,6 +258,7 @@ impl Default for RouterSection {
             max_connections_per_address: default_max_connections_per_address(),
             max_connections: default_max_connections(),
             api_keys_file: None,
+            allow_no_keys: false,
             models: Default::default(),
         }
     }

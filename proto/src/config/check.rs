@@ -140,6 +140,19 @@ impl Ctx<'_> {
             &r.max_connections_per_address,
             "router.max_connections_per_address",
         )?;
+        let loopback = r
+            .listen
+            .get_ref()
+            .parse::<SocketAddr>()
+            .is_ok_and(|a| a.ip().is_loopback());
+        if !loopback && r.api_keys_file.is_none() && !r.allow_no_keys {
+            let m = format!(
+                "{} is reachable from other machines and there is no api_keys_file: set one, or \
+                 allow_no_keys = true to serve anyone who reaches it",
+                r.listen.get_ref()
+            );
+            return self.err(r.listen.span(), "router.listen", m);
+        }
         if let Some(f) = &r.api_keys_file {
             let key = "router.api_keys_file";
             match std::fs::read_to_string(f.get_ref()) {

@@ -188,3 +188,24 @@ fn defaults_and_errors_name_file_line_and_key() {
     .unwrap();
     assert_eq!(*c.decode.autoscale.unwrap().max.get_ref(), 4);
 }
+
+#[test]
+fn an_api_open_to_other_machines_needs_keys_or_says_so() {
+    let e = parse("[router]\nlisten = \"0.0.0.0:8000\"\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("cluster.toml:2: router.listen: "), "{e}");
+    assert!(e.contains("allow_no_keys"), "{e}");
+    parse("[router]\nlisten = \"0.0.0.0:8000\"\nallow_no_keys = true\n[decode]\n").unwrap();
+    parse("[router]\nlisten = \"127.0.0.1:8000\"\n[decode]\n").unwrap();
+    let c = parse("[decode]\n[security]\ninsecure = true\ndir = \"pki\"\n").unwrap();
+    assert!(c.security.insecure);
+    assert_eq!(
+        c.pki_dir(Path::new("/etc/tandem/cluster.toml")),
+        Path::new("/etc/tandem/pki")
+    );
+    let d = parse("[decode]\n")
+        .unwrap()
+        .pki_dir(Path::new("/srv/cluster.toml"));
+    assert_eq!(d, Path::new("/srv/.tandem/pki"));
+}

@@ -129,6 +129,22 @@ async fn bad_requests_get_openai_errors_without_reaching_a_worker() {
             StatusCode::BAD_REQUEST,
             "invalid_request",
         ),
+        (
+            json!({"messages": msgs, "stop_token_ids": vec![1; 257]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            json!({"messages": msgs, "cache_salt": ""}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
+        (
+            // More text than the context could hold at the longest token: never tokenised.
+            json!({"messages": [{"role": "user", "content": "x".repeat(st.context_len * st.max_token_bytes + 1)}]}),
+            StatusCode::BAD_REQUEST,
+            "invalid_request",
+        ),
     ];
     for (body, want, code) in cases {
         let (got, text) = call(&st, "POST", "/v1/chat/completions", Some(body.clone())).await;
