@@ -4,7 +4,8 @@
 //!     cargo bench -p kv-transfer --bench transfer
 //!
 //! `TANDEM_BENCH_ONLY=tcp|quic` leaves the other transport out; `TANDEM_BENCH_MB=16` runs one
-//! size.
+//! size. TCP runs twice: plain (`insecure = true`) and under mutual TLS 1.3 with the cluster's
+//! certificates (the default; ring's AES-GCM).
 //! Loopback on one machine: the receiver acknowledges as soon as a transfer is whole (no model).
 
 use std::time::{Duration, Instant};
@@ -112,6 +113,25 @@ async fn main() {
             tx.clone(),
             Default::default(),
         ));
+        // The same listener under mutual TLS: a decode worker's certificate, a prefill worker's
+        // connecting.
+        let pki_dir = std::env::temp_dir().join(format!("tandem-bench-pki-{}", std::process::id()));
+        let store = pki::Store::at(&pki_dir);
+        let mutual = |role| {
+            pki::Security::Mutual(std::sync::Arc::new(store.credentials(role, "bench").unwrap()))
+        };
+        let tls_local = |role| Local {
+            security: mutual(role),
+            ..local.clone()
+        };
+        let tls = on_rx(std::net::TcpListener::bind("127.0.0.1:0").unwrap());
+        let tls_addr = tls.local_addr().unwrap();
+        rt.spawn(kv_transfer::tcp::serve(
+            tls,
+            tls_local(pki::Role::Decode),
+            tx.clone(),
+            Default::default(),
+        ));
         let quic = {
             let _inside = rt.enter();
             QuicKvReceiver::bind("127.0.0.1:0".parse().unwrap(), &pki::Security::Insecure).unwrap()
@@ -153,19 +173,31 @@ async fn main() {
                 cert_der: cert,
             },
         ];
-        let mut senders = Vec::new();
+        let mut senders: Vec<(&str, KvSender)> = Vec::new();
         // `TANDEM_BENCH_ONLY=tcp` (or quic) measures one transport, e.g. under a profiler.
         let only = std::env::var("TANDEM_BENCH_ONLY").ok();
         for o in offers
             .iter()
             .filter(|o| only.as_deref().is_none_or(|t| t == o.transport.name()))
         {
-            senders.push(
-                KvSender::connect(o, &local, Duration::from_secs(5))
-                    .await
-                    .unwrap(),
-            );
+            let name = match o.transport {
+                Transport::Tcp => "tandem TCP (plain)",
+                _ => "tandem QUIC",
+            };
+            let s = KvSender::connect(o, &local, Duration::from_secs(5)).await;
+            senders.push((name, s.unwrap()));
         }
+        if only.as_deref().is_none_or(|t| t == "tcp") {
+            let o = Offer {
+                transport: Transport::Tcp,
+                endpoint: tls_addr.to_string(),
+                cert_der: vec![],
+            };
+            let prefill = tls_local(pki::Role::Prefill);
+            let s = KvSender::connect(&o, &prefill, Duration::from_secs(5)).await;
+            senders.push(("tandem TCP (mutual TLS)", s.unwrap()));
+        }
+        let _ = std::fs::remove_dir_all(&pki_dir);
         println!(
             "| **{}** (per token {} KB) | | | |",
             layout.name,
@@ -200,12 +232,7 @@ async fn main() {
                 raw_c.read_exact(&mut ack).await.unwrap();
             });
             row("raw TCP socket", bytes, per);
-            for s in senders.iter_mut() {
-                let name = match s {
-                    KvSender::Tcp(_) => "tandem TCP",
-                    KvSender::Quic(_) => "tandem QUIC",
-                    KvSender::Rdma(_) => "tandem RDMA",
-                };
+            for (name, s) in senders.iter_mut() {
                 let per = timed!(n, {
                     s.send(
                         RequestId(1),
