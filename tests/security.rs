@@ -8,6 +8,7 @@
 //! reached the rogue, the KV index unchanged, the decode worker's memory flat.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,15 +19,15 @@ use tandem_tests::cluster::{metric_at, post_json, Cluster};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 
-/// Who the rogue pretends to be.
-fn impostors(c: &Cluster) -> Vec<(&'static str, Security)> {
-    let own = Store::at(c.dir().join("rogue-pki"))
+/// Who the rogue pretends to be, next to a cluster whose config file is in `dir`.
+fn impostors(dir: &Path) -> Vec<(&'static str, Security)> {
+    let own = Store::at(dir.join("rogue-pki"))
         .credentials(Role::Router, "rogue")
         .unwrap();
     let (cert, key, _) = own.pems();
     // The cluster CA's certificate is no secret: the stranger trusts it, so the refusal is the
     // server's, of a certificate from another CA.
-    let ca = std::fs::read_to_string(c.dir().join(".tandem/pki/ca.crt")).unwrap();
+    let ca = std::fs::read_to_string(dir.join(".tandem/pki/ca.crt")).unwrap();
     let stranger = Credentials::from_pems(Role::Router, cert.into(), key.into(), ca).unwrap();
     vec![
         ("no certificate", Security::Insecure),
@@ -36,8 +37,8 @@ fn impostors(c: &Cluster) -> Vec<(&'static str, Security)> {
 
 /// A compromised decode worker: a genuine certificate of the cluster, of the wrong role for
 /// everything but receiving KV.
-fn decode_worker_cert(c: &Cluster) -> Security {
-    let creds = Store::at(c.dir().join(".tandem/pki"))
+fn decode_worker_cert(dir: &Path) -> Security {
+    let creds = Store::at(dir.join(".tandem/pki"))
         .credentials(Role::Decode, "compromised")
         .unwrap();
     Security::Mutual(Arc::new(creds))
@@ -204,22 +205,14 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
             .parse::<SocketAddr>()
             .unwrap()
     };
-    let tcp = decode["kv_offers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|o| o[0] == "tcp")
-        .unwrap()[1]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let tcp = tcp_offer(&decode);
     let indexed = metric_at(c.http, "tandem_router_kv_index_blocks");
     let pid = c.pid("decode-0").unwrap();
     let rss0 = rss_kib(pid);
 
     let rt = tokio::runtime::Runtime::new().unwrap();
-    let mut attackers = impostors(&c);
-    attackers.push(("a decode worker's certificate", decode_worker_cert(&c)));
+    let mut attackers = impostors(c.dir());
+    attackers.push(("a decode worker's certificate", decode_worker_cert(c.dir())));
     for (who, security) in &attackers {
         let calls = rt.block_on(attack_grpc(security, &c.control, &before));
         eprintln!("{who}: {calls} gRPC calls refused");
@@ -270,4 +263,71 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
     );
     let grown = rss_kib(pid).saturating_sub(rss0);
     assert!(grown < 16 << 10, "the decode worker grew by {grown} KiB");
+}
+
+/// A decode worker's TCP KV endpoint, from `/debug/workers`.
+fn tcp_offer(decode: &Value) -> String {
+    let offers = decode["kv_offers"].as_array().unwrap();
+    let tcp = offers.iter().find(|o| o[0] == "tcp").unwrap();
+    tcp[1].as_str().unwrap().to_string()
+}
+
+/// `tandem up` with nothing said about security is secure: the rogue's attacks fail against it.
+#[test]
+fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
+    let toml = format!(
+        "[model]\npath = {:?}\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\
+         [prefill]\nengine = \"mock\"\n[decode]\nengine = \"mock\"\n",
+        tandem_tests::model_path()
+    );
+    let up = tandem_tests::up::Up::start(EXE.as_ref(), &toml);
+    up.wait_joined(1, 1, Duration::from_secs(30));
+    let log = up.log();
+    let control = log
+        .split("(control ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or_else(|| panic!("the router's control address is not in the log:\n{log}"))
+        .to_string();
+    let workers = up.workers();
+    let decode = workers.iter().find(|w| w["role"] == "decode").unwrap();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    for (who, security) in impostors(up.dir()) {
+        let calls = rt.block_on(attack_grpc(&security, &control, &workers));
+        rt.block_on(attack_kv(&security, &tcp_offer(decode)));
+        eprintln!("{who}: {calls} gRPC calls and the KV listener refused");
+    }
+    let metrics = |w: &Value| {
+        w["metrics_endpoint"]
+            .as_str()
+            .unwrap()
+            .parse::<SocketAddr>()
+            .unwrap()
+    };
+    for reason in ["not_tls", "untrusted_certificate"] {
+        assert!(
+            refused(up.http, "control", reason) >= 1.0,
+            "control {reason}"
+        );
+        assert!(
+            refused(metrics(decode), "kv_tcp", reason) >= 1.0,
+            "kv_tcp {reason}"
+        );
+        for w in &workers {
+            assert!(
+                refused(metrics(w), "worker", reason) >= 1.0,
+                "worker {reason}"
+            );
+        }
+    }
+    let ids = |ws: &[Value]| ws.iter().map(|w| w["id"].clone()).collect::<Vec<_>>();
+    assert_eq!(
+        ids(&up.workers()),
+        ids(&workers),
+        "no worker joined or left"
+    );
+    assert!(
+        log.contains("mutual TLS"),
+        "tandem up says how its hops are secured:\n{log}"
+    );
 }

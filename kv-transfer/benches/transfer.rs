@@ -118,7 +118,9 @@ async fn main() {
         let pki_dir = std::env::temp_dir().join(format!("tandem-bench-pki-{}", std::process::id()));
         let store = pki::Store::at(&pki_dir);
         let mutual = |role| {
-            pki::Security::Mutual(std::sync::Arc::new(store.credentials(role, "bench").unwrap()))
+            pki::Security::Mutual(std::sync::Arc::new(
+                store.credentials(role, "bench").unwrap(),
+            ))
         };
         let tls_local = |role| Local {
             security: mutual(role),
