@@ -39,7 +39,13 @@ struct Entry {
     state: Holding,
     blocks: u32,
     lease: Option<Instant>,
+    renewals: u32,
 }
+
+/// The most times one reservation's lease is renewed (its sender renews it about once a
+/// second while the prompt waits or computes): a sender that never sends cannot hold the
+/// blocks for ever.
+pub const MAX_RENEWALS: u32 = 900;
 
 /// Blocks and requests per state, plus how many requests were freed in all.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -79,6 +85,7 @@ impl Ledger {
                 state: Holding::Reserved,
                 blocks,
                 lease,
+                renewals: 0,
             },
         );
         true
@@ -103,11 +110,12 @@ impl Ledger {
     }
 
     /// Extends the lease of a request not yet committed to `until` (its sender renewed it);
-    /// `false` if there is no such lease.
+    /// `false` if there is no such lease, or it was renewed [`MAX_RENEWALS`] times already.
     pub fn renew(&mut self, request_id: RequestId, until: Instant) -> bool {
         match self.entries.get_mut(&request_id) {
-            Some(e) if e.lease.is_some() => {
+            Some(e) if e.lease.is_some() && e.renewals < MAX_RENEWALS => {
                 e.lease = Some(until);
+                e.renewals += 1;
                 true
             }
             _ => false,
@@ -211,6 +219,12 @@ mod tests {
             "its sender renews it"
         );
         assert!(!l.renew(RequestId(7), t0), "no such request");
+        assert!(l.reserve(RequestId(3), 1, Some(t0)));
+        let renewed = (0..MAX_RENEWALS + 5)
+            .filter(|_| l.renew(RequestId(3), t0))
+            .count();
+        assert_eq!(renewed as u32, MAX_RENEWALS, "a lease is renewed a bounded number of times");
+        assert_eq!(l.free(RequestId(3)), Some(Holding::Reserved));
         assert!(l.expired(t0).is_empty());
         assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![RequestId(1)]);
         assert_eq!(l.free(RequestId(1)), Some(Holding::Reserved));
@@ -227,6 +241,6 @@ mod tests {
         assert_eq!(l.free(RequestId(2)), Some(Holding::Committed));
         assert_eq!(l.free(RequestId(2)), None, "freed exactly once");
         assert!(l.is_empty());
-        assert_eq!(l.counts().freed, 2);
+        assert_eq!(l.counts().freed, 3);
     }
 }
