@@ -165,8 +165,10 @@ fn worker_settings(
     role: pki::Role,
 ) -> Result<worker::Settings> {
     let name = a.name.clone().unwrap_or_else(|| role.name().into());
+    let security = security(cfg, &a.config, role, &name)?;
     Ok(worker::Settings {
-        security: security(cfg, &a.config, role, &name)?,
+        discovery: discovery(cfg, &security),
+        security,
         model,
         device: pool.device.get_ref().clone(),
         mock: mock_timing(pool),
@@ -177,7 +179,6 @@ fn worker_settings(
         name,
         require: cfg.kv_transfer.require.as_ref().map(|r| *r.get_ref()),
         secret: secret(cfg)?,
-        discovery: discovery(cfg),
         ready_file: a.ready_file.clone(),
     })
 }
@@ -204,13 +205,22 @@ pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
     }
 }
 
-/// `[discovery]` as the members use it.
-fn discovery(cfg: &ClusterConfig) -> Option<discovery::Config> {
+/// `[discovery]` as a member with `security` uses it (its credentials for `https://` etcd).
+fn discovery(cfg: &ClusterConfig, security: &pki::Security) -> Option<discovery::Config> {
     let d = cfg.discovery.as_ref()?;
+    let tls = security.credentials().map(|c| {
+        let (cert, key, ca) = c.pems();
+        discovery::Tls {
+            ca: ca.into(),
+            cert: cert.into(),
+            key: key.into(),
+        }
+    });
     Some(discovery::Config {
         endpoints: d.etcd.get_ref().clone(),
         prefix: d.prefix.get_ref().clone(),
         ttl: Duration::from_millis(*d.lease_ttl_ms.get_ref()),
+        tls,
     })
 }
 
@@ -305,8 +315,10 @@ pub fn router(a: RoleArgs) -> Result<()> {
             );
         }
     }
+    let security = security(&cfg, &a.config, pki::Role::Router, "router")?;
     let rc = router::RouterConfig {
-        security: security(&cfg, &a.config, pki::Role::Router, "router")?,
+        discovery: discovery(&cfg, &security),
+        security,
         listen: a
             .listen
             .clone()
@@ -339,7 +351,6 @@ pub fn router(a: RoleArgs) -> Result<()> {
             itl_p90: cfg.decode.slo.itl_p90_ms.map(Duration::from_millis),
         },
         peers: peers(&cfg, &a.peers)?,
-        discovery: discovery(&cfg),
         actuator: {
             // One actuator for the cluster: Kubernetes if any pool names it, else a command if
             // any pool names one, else local.

@@ -92,12 +92,23 @@ fn normalise(name: &str) -> String {
 }
 
 /// The wheel of `spec` (`name==version`) the index lists.
-fn find(http: &ureq::Agent, index: &str, spec: &str, allow_http: bool) -> Result<Wheel, String> {
+fn find(http: &ureq::Agent, index: &str, spec: &str, allow_http: bool) -> Result<Wheel, Failure> {
+    let found = listed(http, index, spec)?;
+    // A wheel the index lists over plain http is refused outright, as the index itself is.
+    checked(&found.url, allow_http).map_err(Failure::Download)?;
+    Ok(found)
+}
+
+/// The wheel of `spec` as the index lists it (its URL not yet checked).
+fn listed(http: &ureq::Agent, index: &str, spec: &str) -> Result<Wheel, Failure> {
+    listed_at(http, index, spec).map_err(Failure::Index)
+}
+
+fn listed_at(http: &ureq::Agent, index: &str, spec: &str) -> Result<Wheel, String> {
     let (name, version) = spec
         .split_once("==")
         .ok_or_else(|| format!("{spec}: not name==version"))?;
     let full = format!("{index}/{}/", normalise(name));
-    checked(&full, allow_http)?;
     let url = redact(&full);
     let mut r = http
         .get(&full)
@@ -129,7 +140,6 @@ fn find(http: &ureq::Agent, index: &str, spec: &str, allow_http: bool) -> Result
     let file_url = f["url"].as_str().unwrap_or_default();
     // A relative URL is relative to the project's page.
     let file_url = join(&full, file_url);
-    checked(&file_url, allow_http)?;
     let listed = f["filename"].as_str().unwrap_or_default();
     let name = bare(listed)
         .ok_or_else(|| format!("{url}: the file name {listed:?} is not a bare name"))?;
@@ -220,9 +230,11 @@ fn direct(m: &KnownModel, dir: &Path, index: &str, allow_http: bool) -> Result<(
         .timeout_recv_body(Some(BODY_WAIT))
         .build()
         .into();
+    // A plain-http index is refused outright: not an index failure pip would retry over it.
+    checked(index, allow_http).map_err(Failure::Download)?;
     let mut wheels = Vec::new();
     for (spec, _) in m.packages {
-        wheels.push(find(&http, index, spec, allow_http).map_err(Failure::Index)?);
+        wheels.push(find(&http, index, spec, allow_http)?);
     }
     let total: u64 = wheels.iter().filter_map(|w| w.size).sum();
     eprintln!(
@@ -397,8 +409,8 @@ mod tests {
         // Plain http only where it is allowed.
         let plain = tokio::task::spawn_blocking(move || direct(&MODEL, &dir2(), &good, false));
         match plain.await.unwrap() {
-            Err(Failure::Index(e)) => assert!(e.contains("not an https URL"), "{e}"),
-            _ => panic!("an http index must be refused unless allowed"),
+            Err(Failure::Download(e)) => assert!(e.contains("not an https URL"), "{e}"),
+            _ => panic!("an http index must be refused, not retried with pip, unless allowed"),
         }
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -17,7 +17,7 @@ pub enum PkiCmd {
     Issue {
         #[command(flatten)]
         dir: DirArgs,
-        /// `router`, `prefill` or `decode`.
+        /// `router`, `prefill`, `decode` or `etcd` (the certificate etcd serves with).
         #[arg(long)]
         role: String,
     },
@@ -44,7 +44,9 @@ pub fn run(cmd: PkiCmd) -> Result<()> {
             let role = pki::Role::ALL
                 .into_iter()
                 .find(|r| r.name() == role)
-                .with_context(|| format!("--role {role:?}: one of router, prefill, decode"))?;
+                .with_context(|| {
+                    format!("--role {role:?}: one of router, prefill, decode, etcd")
+                })?;
             let (crt, key) = pki::Store::at(&dir.dir).export(role).with_context(|| {
                 format!("issuing a {role} certificate in {}", dir.dir.display())
             })?;

@@ -467,3 +467,43 @@ fn etcd_routers_and_workers_on_separate_hosts() {
         "workers registered their hosts' addresses: {endpoints:?}"
     );
 }
+
+/// etcd with mutual TLS under the cluster CA (`https://` endpoints): the members find each
+/// other through it and serve; a client without the cluster's certificate gets nothing from it.
+#[test]
+fn members_find_each_other_through_etcd_over_mutual_tls() {
+    if !etcd::available() {
+        return eprintln!("skipped: no etcd binary (apt install etcd-server)");
+    }
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    let dir = std::env::temp_dir().join(format!("tandem-etcd-tls-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // The cluster's own certificate directory (the default beside cluster.toml).
+    let etcd = Etcd::start_tls(&dir.join(".tandem/pki"));
+    assert!(etcd.endpoint().starts_with("https://"));
+    let cfg = dir.join("cluster.toml");
+    let text = format!(
+        "[model]\npath = {:?}\nblock_size = 16\n{}",
+        tandem_tests::model_path(),
+        config(&etcd.endpoint(), "/tandem/tls", false)
+    );
+    std::fs::write(&cfg, text).unwrap();
+    let mut procs = Procs(Vec::new());
+    let (r, http) = router(&cfg);
+    procs.0.push(("router".into(), r));
+    for (role, name) in [("prefill", "prefill-0"), ("decode", "decode-0")] {
+        procs.0.push((name.into(), worker(&cfg, role, name)));
+    }
+    wait_counts(http, (1, 1), Duration::from_secs(30));
+    complete(http, &prompt(0));
+    // Plain HTTP to etcd's client port (its JSON gateway) is refused: TLS only.
+    let plain = get(etcd.client, "/health");
+    assert!(
+        !plain.as_ref().is_ok_and(|(s, _)| *s == 200),
+        "etcd answered in the clear: {plain:?}"
+    );
+    drop(procs);
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -238,7 +238,19 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         );
     }
     // A decode worker's certificate reaches the control plane, but may not join the prefill
-    // pool, and may not send KV.
+    // pool, nor heartbeat for another decode worker, and may not send KV.
+    let id = decode["id"].as_u64().unwrap();
+    let beat = rt.block_on(async {
+        let e = proto::secure::endpoint(&attackers[2].1, &c.control, Role::Router.dns()).unwrap();
+        let mut ctl = grpc::control_client::ControlClient::new(e.connect().await.unwrap());
+        let b = grpc::Heartbeat {
+            worker_id: id,
+            ..Default::default()
+        };
+        ctl.beat(b).await
+    });
+    assert_eq!(beat.unwrap_err().code(), tonic::Code::PermissionDenied);
+    assert!(refused(c.http, "control", "not_owner") >= 1.0);
     assert!(refused(c.http, "control", "wrong_pool") >= 1.0);
     for reason in ["not_tls", "untrusted_certificate", "wrong_role"] {
         assert!(

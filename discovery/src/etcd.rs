@@ -106,14 +106,33 @@ pub fn prefix_end(prefix: &[u8]) -> Vec<u8> {
     vec![0]
 }
 
+/// The endpoint `e`: under `https://`, mutual TLS with `tls` against a server certificate for
+/// [`crate::ETCD_NAME`].
+fn endpoint(e: &str, tls: Option<&crate::Tls>) -> Result<Endpoint, String> {
+    let endpoint = Endpoint::from_shared(e.to_string()).map_err(|err| err.to_string())?;
+    if !e.starts_with("https://") {
+        return Ok(endpoint);
+    }
+    let t = tls.ok_or("an https endpoint needs the cluster's credentials (not insecure = true)")?;
+    let config = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(&t.ca))
+        .identity(tonic::transport::Identity::from_pem(&t.cert, &t.key))
+        .domain_name(crate::ETCD_NAME);
+    endpoint.tls_config(config).map_err(|err| err.to_string())
+}
+
 impl Etcd {
     /// Connects to the first of `endpoints` that answers within `deadline`; the connection
     /// pings every `ping` (not below 5 s: etcd closes connections that ping more often) and
     /// fails when a ping goes unanswered for `deadline`.
-    pub async fn connect(endpoints: &[String], deadline: Duration) -> Result<Etcd, EtcdError> {
+    pub async fn connect(
+        endpoints: &[String],
+        deadline: Duration,
+        tls: Option<&crate::Tls>,
+    ) -> Result<Etcd, EtcdError> {
         let mut why = String::from("no endpoint");
         for e in endpoints {
-            let endpoint = match Endpoint::from_shared(e.clone()) {
+            let endpoint = match endpoint(e, tls) {
                 Ok(x) => x,
                 Err(err) => {
                     why = format!("{e}: {err}");

@@ -32,6 +32,23 @@ pub struct Config {
     /// A member's lease: it is gone this long after its last renewal (at least 2 s: etcd's
     /// minimum with its default timing).
     pub ttl: Duration,
+    /// For `https://` endpoints: the cluster's credentials (etcd must serve a certificate for
+    /// [`ETCD_NAME`] from the cluster CA, and may require this client's).
+    pub tls: Option<Tls>,
+}
+
+/// The name etcd's certificate must carry (`tandem pki issue --role etcd`).
+pub const ETCD_NAME: &str = "etcd.tandem";
+
+/// A member's TLS to etcd, PEM-encoded.
+#[derive(Debug, Clone)]
+pub struct Tls {
+    /// The cluster CA.
+    pub ca: String,
+    /// This member's certificate.
+    pub cert: String,
+    /// Its key.
+    pub key: String,
 }
 
 /// What a member is, and so which prefix its key lives under.
@@ -105,7 +122,7 @@ impl Config {
 
     async fn connect(&self) -> Result<Etcd> {
         let d = self.deadline();
-        timeout(d, Etcd::connect(&self.endpoints, d))
+        timeout(d, Etcd::connect(&self.endpoints, d, self.tls.as_ref()))
             .await
             .map_err(|_| DiscoveryError::Timeout(d))?
             .map_err(Into::into)
@@ -284,6 +301,7 @@ mod tests {
             endpoints: vec![],
             prefix: "/tandem/a".into(),
             ttl: Duration::from_secs(3),
+            tls: None,
         };
         let k = c.key(Kind::Worker, 0xabc);
         assert_eq!(k, "/tandem/a/workers/0000000000000abc");

@@ -223,7 +223,10 @@ mod tests {
         let renewed = (0..MAX_RENEWALS + 5)
             .filter(|_| l.renew(RequestId(3), t0))
             .count();
-        assert_eq!(renewed as u32, MAX_RENEWALS, "a lease is renewed a bounded number of times");
+        assert_eq!(
+            renewed as u32, MAX_RENEWALS,
+            "a lease is renewed a bounded number of times"
+        );
         assert_eq!(l.free(RequestId(3)), Some(Holding::Reserved));
         assert!(l.expired(t0).is_empty());
         assert_eq!(l.expired(t0 + Duration::from_secs(1)), vec![RequestId(1)]);

@@ -1,7 +1,10 @@
 //! The byte streams under the TCP transport and the RDMA side channel: under mutual TLS (the
 //! default) a connection is a TLS 1.3 session between a prefill worker's certificate and a
 //! decode worker's, both checked before any frame; plain TCP only where the cluster says
-//! `insecure = true`. A listener holds at most [`MAX_CONNECTIONS`] connections at once.
+//! `insecure = true`. A listener holds at most [`MAX_CONNECTIONS`] authenticated connections
+//! at once; handshakes in progress are capped per address
+//! ([`pki::accept::MAX_HANDSHAKES_PER_ADDRESS`]), so strangers cannot take the slots of
+//! prefill workers.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -22,7 +25,7 @@ pub type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 /// The client side's buffered halves.
 pub type Buffered = (BufReader<ReadHalf>, BufWriter<WriteHalf>);
 
-/// KV connections one listener holds at once; more are refused at accept (and counted).
+/// Authenticated KV connections one listener holds at once; more are refused (and counted).
 pub const MAX_CONNECTIONS: usize = 256;
 
 /// Dials a decode worker's KV listener at `addr` within `timeout` (`what` names it in errors):
@@ -68,6 +71,7 @@ pub async fn dial(
 pub struct Gate {
     acceptor: Option<Acceptor>,
     slots: Arc<Semaphore>,
+    handshaking: pki::PerAddress,
     name: &'static str,
 }
 
@@ -84,35 +88,39 @@ impl Gate {
         Ok(Gate {
             acceptor,
             slots: Arc::new(Semaphore::new(MAX_CONNECTIONS)),
+            handshaking: pki::PerAddress::default(),
             name,
         })
     }
 
-    /// A slot for a new connection from `peer`, or `None` (counted) when all are taken.
-    pub fn admit(&self, peer: SocketAddr) -> Option<OwnedSemaphorePermit> {
-        let slot = self.slots.clone().try_acquire_owned().ok();
-        if slot.is_none() {
+    /// The halves of a connection from `peer` once it is authenticated, with its slot among
+    /// [`MAX_CONNECTIONS`]; `None` (counted) when its address has too many handshakes in
+    /// progress, it is refused, or every slot is taken.
+    pub async fn open(
+        &self,
+        tcp: TcpStream,
+        peer: SocketAddr,
+    ) -> Option<(ReadHalf, WriteHalf, OwnedSemaphorePermit)> {
+        let _ = tcp.set_nodelay(true);
+        let (r, w): (ReadHalf, WriteHalf) = match &self.acceptor {
+            None => {
+                let (r, w) = tcp.into_split();
+                (Box::new(r), Box::new(w))
+            }
+            Some(a) => {
+                let held = a.admit(&self.handshaking, peer)?;
+                let (tls, _) = a.accept(tcp, Some(peer)).await.ok()?;
+                drop(held);
+                let (r, w) = tokio::io::split(tls);
+                (Box::new(r), Box::new(w))
+            }
+        };
+        let Ok(slot) = self.slots.clone().try_acquire_owned() else {
             metrics::counter!("tandem_auth_refused_total", "listener" => self.name, "reason" => "too_many_connections")
                 .increment(1);
             tracing::warn!(%peer, listener = self.name, "refused: {MAX_CONNECTIONS} KV connections open");
-        }
-        slot
-    }
-
-    /// The halves of an accepted connection once its peer is authenticated; `None` (counted
-    /// by the acceptor) when it is refused.
-    pub async fn open(&self, tcp: TcpStream, peer: SocketAddr) -> Option<(ReadHalf, WriteHalf)> {
-        let _ = tcp.set_nodelay(true);
-        match &self.acceptor {
-            None => {
-                let (r, w) = tcp.into_split();
-                Some((Box::new(r), Box::new(w)))
-            }
-            Some(a) => {
-                let (tls, _) = a.accept(tcp, Some(peer)).await.ok()?;
-                let (r, w) = tokio::io::split(tls);
-                Some((Box::new(r), Box::new(w)))
-            }
-        }
+            return None;
+        };
+        Some((r, w, slot))
     }
 }

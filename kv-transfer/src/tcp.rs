@@ -85,13 +85,9 @@ pub async fn serve(
         let Ok((tcp, peer)) = listener.accept().await else {
             continue;
         };
-        let Some(slot) = gate.admit(peer) else {
-            continue;
-        };
         let (receiving, gate) = (receiving.clone(), gate.clone());
         tokio::spawn(async move {
-            let _slot = slot;
-            let Some((r, mut w)) = gate.open(tcp, peer).await else {
+            let Some((r, mut w, _slot)) = gate.open(tcp, peer).await else {
                 return;
             };
             // Small: control frames are buffered, but a layer larger than this is read straight

@@ -17,6 +17,8 @@ use crate::{fingerprint, Credentials, PkiError, Role};
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(5);
 /// Handshakes in progress at once on one listener; more connections wait to be accepted.
 pub const MAX_HANDSHAKES: usize = 256;
+/// Handshakes in progress at once from one address; more are closed at once (and counted).
+pub const MAX_HANDSHAKES_PER_ADDRESS: usize = 16;
 
 /// Who is on the other end of an accepted connection.
 #[derive(Debug, Clone)]
@@ -150,6 +152,17 @@ impl Acceptor {
         ))
     }
 
+    /// A handshake slot for `addr` among `open`'s, or `None` (counted) when it has
+    /// [`MAX_HANDSHAKES_PER_ADDRESS`] in progress already.
+    pub fn admit(&self, open: &crate::PerAddress, addr: SocketAddr) -> Option<crate::Held> {
+        let held = open.take(addr.ip(), MAX_HANDSHAKES_PER_ADDRESS);
+        if held.is_none() {
+            metrics::counter!("tandem_auth_refused_total", "listener" => self.listener, "reason" => "too_many_handshakes")
+                .increment(1);
+        }
+        held
+    }
+
     /// Accepts on `listener` for as long as the receiver lives: each connection's handshake on
     /// a task of its own (at most [`MAX_HANDSHAKES`] at once), the authenticated ones sent on.
     pub fn incoming(
@@ -158,6 +171,7 @@ impl Acceptor {
     ) -> tokio::sync::mpsc::Receiver<(TlsStream<TcpStream>, Peer)> {
         let (tx, rx) = tokio::sync::mpsc::channel(64);
         let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
+        let per_address = crate::PerAddress::default();
         let me = Arc::new(self);
         tokio::spawn(async move {
             loop {
@@ -175,11 +189,15 @@ impl Acceptor {
                 if tx.is_closed() {
                     return;
                 }
+                let Some(held) = me.admit(&per_address, addr) else {
+                    continue;
+                };
                 let _ = tcp.set_nodelay(true);
                 let (me, tx) = (me.clone(), tx.clone());
                 tokio::spawn(async move {
-                    if let Ok(c) = me.accept(tcp, Some(addr)).await {
-                        drop(slot);
+                    let accepted = me.accept(tcp, Some(addr)).await;
+                    drop((slot, held));
+                    if let Ok(c) = accepted {
                         let _ = tx.send(c).await;
                     }
                 });

@@ -14,6 +14,7 @@
 //!   `insecure = true`.
 
 pub mod accept;
+pub mod per_address;
 pub mod store;
 
 use std::sync::Arc;
@@ -21,6 +22,7 @@ use std::sync::Arc;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 
 pub use accept::{Acceptor, Peer, Refusal};
+pub use per_address::{Held, PerAddress};
 pub use store::Store;
 
 /// What a process is in the cluster: the role its certificate names.
@@ -32,11 +34,14 @@ pub enum Role {
     Prefill,
     /// A decode worker: joins the router, receives KV.
     Decode,
+    /// etcd, under `[discovery]` with `https://` endpoints: the certificate it serves with
+    /// (`tandem pki issue --role etcd`); it connects to nothing of tandem's.
+    Etcd,
 }
 
 impl Role {
     /// Every role.
-    pub const ALL: [Role; 3] = [Role::Router, Role::Prefill, Role::Decode];
+    pub const ALL: [Role; 4] = [Role::Router, Role::Prefill, Role::Decode, Role::Etcd];
 
     /// The role's name (file names, logs, metric labels).
     pub fn name(self) -> &'static str {
@@ -44,6 +49,7 @@ impl Role {
             Role::Router => "router",
             Role::Prefill => "prefill",
             Role::Decode => "decode",
+            Role::Etcd => "etcd",
         }
     }
 
@@ -53,6 +59,7 @@ impl Role {
             Role::Router => "router.tandem",
             Role::Prefill => "prefill.tandem",
             Role::Decode => "decode.tandem",
+            Role::Etcd => "etcd.tandem",
         }
     }
 

@@ -60,6 +60,10 @@ impl Store {
             return self.load_role(role);
         }
         let has_files = std::fs::read_dir(&self.dir).is_ok_and(|mut d| d.next().is_some());
+        // Another process may have renamed a new CA into place since the first look.
+        if has_files && self.file("ca.key").exists() {
+            return self.issue(role, name);
+        }
         if has_files {
             return Err(PkiError::Invalid(format!(
                 "{}: no ca.key and no {role}.crt: this directory holds no credentials for a \
@@ -196,7 +200,7 @@ fn ca_params(fresh: bool) -> CertificateParams {
 /// both ends of TLS.
 fn leaf_params(role: Role, name: &str) -> Result<CertificateParams, PkiError> {
     let mut names = vec![role.dns().to_string()];
-    if role != Role::Router {
+    if matches!(role, Role::Prefill | Role::Decode) {
         names.push(Role::WORKER_DNS.to_string());
     }
     let mut p = CertificateParams::new(names).map_err(invalid)?;

@@ -374,6 +374,7 @@ pub async fn run(
     let control = tonic::transport::Server::builder()
         .add_service(ControlServer::new(ControlService::new(
             state.registry.clone(),
+            cfg.security.credentials().is_some(),
         )))
         .serve_with_incoming(incoming);
     on_ready(http_addr, ctrl_addr);

@@ -210,36 +210,71 @@ impl Registry {
 pub struct ControlService {
     registry: Arc<Registry>,
     owners: Mutex<HashMap<WorkerId, [u8; 32]>>,
+    /// Under mutual TLS: a call with no authenticated peer is refused (never waved through).
+    mutual: bool,
 }
 
 impl ControlService {
-    /// The service over `registry`.
-    pub fn new(registry: Arc<Registry>) -> ControlService {
+    /// The service over `registry`; `mutual` when its listener is mutual TLS.
+    pub fn new(registry: Arc<Registry>, mutual: bool) -> ControlService {
         ControlService {
             registry,
             owners: Mutex::new(HashMap::new()),
+            mutual,
         }
     }
 
-    /// Whether the certificate `fingerprint` may speak for worker `id`: the one it joined (or,
-    /// for a worker adopted from etcd, first heartbeat) with. An id nobody owns is taken by
-    /// `fingerprint` when `take` (joining) or when the router knows the worker (adopted).
-    fn own(&self, id: WorkerId, fingerprint: [u8; 32], take: bool) -> Result<(), Status> {
-        let known = || self.registry.with(|t| t.iter().any(|w| w.id == id));
+    /// The authenticated peer of `req`; under mutual TLS a call without one is refused.
+    fn peer<T>(&self, req: &Request<T>) -> Result<Option<pki::Peer>, Status> {
+        match proto::secure::peer(req) {
+            Some(p) => Ok(Some(p.clone())),
+            None if self.mutual => Err(refused("no_certificate", "no authenticated peer".into())),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether the certificate of `peer` may speak for worker `id`: the one it joined (or, for
+    /// a worker adopted from etcd, first heartbeat) with. An id nobody owns is taken by the
+    /// peer when `take` (joining) or when the router knows the worker and it is of the peer's
+    /// pool (adopted).
+    fn own(&self, id: WorkerId, peer: &pki::Peer, take: bool) -> Result<(), Status> {
+        let pool = || {
+            self.registry
+                .with(|t| t.iter().find(|w| w.id == id).map(|w| w.pool))
+        };
         let mut owners = self.owners.lock().expect("owners lock");
         match owners.get(&id) {
-            Some(f) if *f != fingerprint => Err(refused(
+            Some(f) if *f != peer.fingerprint => Err(refused(
                 "not_owner",
                 format!("worker {id} belongs to another certificate"),
             )),
             Some(_) => Ok(()),
-            None if take || known() => {
-                owners.insert(id, fingerprint);
+            None if take => {
+                owners.insert(id, peer.fingerprint);
                 Ok(())
             }
-            // Not a worker here: the heartbeat is refused as unknown.
-            None => Ok(()),
+            None => match pool() {
+                Some(p) if pool_of(peer.role) != Some(p) => Err(refused(
+                    "wrong_pool",
+                    format!("worker {id} is not of the {} pool", peer.role),
+                )),
+                Some(_) => {
+                    owners.insert(id, peer.fingerprint);
+                    Ok(())
+                }
+                // Not a worker here: the heartbeat is refused as unknown.
+                None => Ok(()),
+            },
         }
+    }
+}
+
+/// The pool a certificate's role may join.
+fn pool_of(role: pki::Role) -> Option<Pool> {
+    match role {
+        pki::Role::Prefill => Some(Pool::Prefill),
+        pki::Role::Decode => Some(Pool::Decode),
+        pki::Role::Router | pki::Role::Etcd => None,
     }
 }
 
@@ -254,14 +289,10 @@ fn refused(reason: &'static str, why: String) -> Status {
 #[tonic::async_trait]
 impl Control for ControlService {
     async fn join(&self, req: Request<JoinRequest>) -> Result<Response<JoinReply>, Status> {
-        let peer = proto::secure::peer(&req).cloned();
+        let peer = self.peer(&req)?;
         let mut j = req.into_inner();
         if let Some(p) = &peer {
-            let pool = match p.role {
-                pki::Role::Prefill => grpc::Role::Prefill,
-                pki::Role::Decode => grpc::Role::Decode,
-                pki::Role::Router => grpc::Role::Unspecified,
-            };
+            let pool = pool_of(p.role).map_or(grpc::Role::Unspecified, grpc::Role::from);
             if j.role != pool as i32 {
                 let why = format!("a {} certificate may not join another pool", p.role);
                 return Err(refused("wrong_pool", why));
@@ -272,7 +303,7 @@ impl Control for ControlService {
             j.worker_id = pki::store::random_u64().max(1);
         }
         if let Some(p) = &peer {
-            self.own(WorkerId(j.worker_id), p.fingerprint, true)?;
+            self.own(WorkerId(j.worker_id), p, true)?;
         }
         let worker_id = self.registry.join(j)?.0;
         let live = self.registry.workers();
@@ -282,8 +313,8 @@ impl Control for ControlService {
     }
 
     async fn beat(&self, req: Request<Heartbeat>) -> Result<Response<HeartbeatReply>, Status> {
-        if let Some(p) = proto::secure::peer(&req) {
-            self.own(WorkerId(req.get_ref().worker_id), p.fingerprint, false)?;
+        if let Some(p) = self.peer(&req)? {
+            self.own(WorkerId(req.get_ref().worker_id), &p, false)?;
         }
         let resync = self.registry.beat(req.into_inner())?;
         Ok(Response::new(HeartbeatReply { resync }))

@@ -20,6 +20,9 @@ pub struct Etcd {
     /// Its client address.
     pub client: SocketAddr,
     peer: SocketAddr,
+    /// Under TLS: the cluster's certificate directory (etcd serves `etcd.crt` from it and
+    /// requires clients' certificates from its CA), and the plain address of its health check.
+    tls: Option<(PathBuf, SocketAddr)>,
 }
 
 /// Whether an `etcd` binary is installed; outside CI a test may skip without one.
@@ -66,6 +69,29 @@ impl Etcd {
             dir,
             client,
             peer,
+            tls: None,
+        };
+        e.restart();
+        e
+    }
+
+    /// Starts etcd with mutual TLS under the cluster CA in `pki` (made there if missing): it
+    /// serves a certificate for `etcd.tandem` and accepts only clients with the CA's.
+    pub fn start_tls(pki: &std::path::Path) -> Etcd {
+        let store = pki::Store::at(pki);
+        store.init().expect("a cluster CA");
+        store.export(pki::Role::Etcd).expect("etcd's certificate");
+        let n = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let dir = std::env::temp_dir().join(format!("tandem-etcd-{}-{n}", std::process::id()));
+        let mut e = Etcd {
+            child: None,
+            netns: None,
+            dir,
+            client: free_port(),
+            peer: free_port(),
+            tls: Some((pki.to_path_buf(), free_port())),
         };
         e.restart();
         e
@@ -73,7 +99,8 @@ impl Etcd {
 
     /// The endpoint members are configured with.
     pub fn endpoint(&self) -> String {
-        format!("http://{}", self.client)
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
+        format!("{scheme}://{}", self.client)
     }
 
     /// Kills etcd with SIGKILL.
@@ -87,10 +114,7 @@ impl Etcd {
     /// Starts etcd (again) on the same ports and data; returns once it is healthy.
     pub fn restart(&mut self) {
         self.kill();
-        let (c, p) = (
-            format!("http://{}", self.client),
-            format!("http://{}", self.peer),
-        );
+        let (c, p) = (self.endpoint(), format!("http://{}", self.peer));
         let mut cmd = match &self.netns {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -110,6 +134,7 @@ impl Etcd {
                 &p,
             ])
             .args(["--initial-cluster", &format!("t={p}")])
+            .args(self.tls_args())
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -117,10 +142,29 @@ impl Etcd {
             .expect("start etcd");
         self.child = Some(child);
         let t0 = Instant::now();
-        while !get(self.client, "/health").is_ok_and(|(s, b)| s == 200 && b.contains("true")) {
+        let health = self.tls.as_ref().map_or(self.client, |t| t.1);
+        while !get(health, "/health").is_ok_and(|(s, b)| s == 200 && b.contains("true")) {
             assert!(t0.elapsed() < Duration::from_secs(30), "etcd did not start");
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    fn tls_args(&self) -> Vec<String> {
+        let Some((pki, metrics)) = &self.tls else {
+            return Vec::new();
+        };
+        let f = |name: &str| pki.join(name).to_string_lossy().to_string();
+        vec![
+            "--cert-file".into(),
+            f("etcd.crt"),
+            "--key-file".into(),
+            f("etcd.key"),
+            "--trusted-ca-file".into(),
+            f("ca.crt"),
+            "--client-cert-auth".into(),
+            "--listen-metrics-urls".into(),
+            format!("http://{metrics}"),
+        ]
     }
 
     /// The keys under `prefix` with their leases.

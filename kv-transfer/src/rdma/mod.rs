@@ -184,13 +184,9 @@ impl RdmaKvReceiver {
             let Ok((tcp, peer)) = self.listener.accept().await else {
                 continue;
             };
-            let Some(slot) = gate.admit(peer) else {
-                continue;
-            };
             let (receiving, dev, gate) = (receiving.clone(), self.dev.clone(), gate.clone());
             tokio::spawn(async move {
-                let _slot = slot;
-                let Some((r, mut w)) = gate.open(tcp, peer).await else {
+                let Some((r, mut w, _slot)) = gate.open(tcp, peer).await else {
                     return;
                 };
                 let mut r = BufReader::with_capacity(64 << 10, r);

@@ -249,12 +249,14 @@ impl Ctx<'_> {
 
     /// `[discovery]`.
     pub(super) fn discovery(&self, d: &DiscoverySection) -> Result<(), ConfigError> {
-        let bad = d.etcd.get_ref().iter().find(|e| !e.starts_with("http://"));
+        let scheme = |e: &&String| e.starts_with("http://") || e.starts_with("https://");
+        let bad = d.etcd.get_ref().iter().find(|e| !scheme(e));
         if d.etcd.get_ref().is_empty() || bad.is_some() {
             return self.err(
                 d.etcd.span(),
                 "discovery.etcd",
-                "must list etcd's client endpoints as http://host:port",
+                "must list etcd's client endpoints as https://host:port (or http:// for an etcd \
+                 without TLS)",
             );
         }
         if !d.prefix.get_ref().starts_with('/') || d.prefix.get_ref().ends_with('/') {

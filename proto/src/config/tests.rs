@@ -34,6 +34,7 @@ fn the_kubernetes_manifests_cluster_toml_is_valid() {
 
 #[test]
 fn discovery_names_etcd_and_checks_its_prefix_and_lease() {
+    parse("[decode]\n[discovery]\netcd = [\"https://10.0.0.5:2379\"]\n").unwrap();
     let c = parse("[decode]\n[discovery]\netcd = [\"http://10.0.0.5:2379\"]\n").unwrap();
     let d = c.discovery.unwrap();
     assert_eq!(d.etcd.get_ref(), &["http://10.0.0.5:2379"]);
@@ -44,7 +45,7 @@ fn discovery_names_etcd_and_checks_its_prefix_and_lease() {
     for (body, want) in [
         (
             "etcd = [\"10.0.0.5:2379\"]",
-            "cluster.toml:3: discovery.etcd: must list etcd's client endpoints as http://host:port",
+            "cluster.toml:3: discovery.etcd: must list etcd's client endpoints as https://host:port",
         ),
         ("etcd = []", "cluster.toml:3: discovery.etcd:"),
         (
