@@ -117,6 +117,23 @@ pub(crate) fn security(
     Ok(pki::Security::Mutual(std::sync::Arc::new(creds)))
 }
 
+/// A `--listen` beyond loopback needs API keys or `allow_no_keys`, as `router.listen` does
+/// (checked with the config file).
+fn open_listen(cfg: &ClusterConfig, a: &RoleArgs) -> Result<()> {
+    let Some(l) = &a.listen else {
+        return Ok(());
+    };
+    let loopback = l.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
+    if !loopback && cfg.router.api_keys_file.is_none() && !cfg.router.allow_no_keys {
+        bail!(
+            "--listen {l} is reachable from other machines and {} has no router.api_keys_file: \
+             set one, or router.allow_no_keys = true to serve anyone who reaches it",
+            a.config.display()
+        );
+    }
+    Ok(())
+}
+
 /// Makes the cluster CA before `tandem up` starts anything (unless `insecure = true`) and
 /// says how the internal hops are secured.
 fn up_security(cfg: &ClusterConfig, config: &Path) -> Result<()> {
@@ -305,16 +322,7 @@ fn peers(cfg: &ClusterConfig, flags: &[String]) -> Result<Vec<(String, String)>>
 /// `tandem router`.
 pub fn router(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
-    if let Some(l) = &a.listen {
-        let loopback = l.parse::<SocketAddr>().is_ok_and(|a| a.ip().is_loopback());
-        if !loopback && cfg.router.api_keys_file.is_none() && !cfg.router.allow_no_keys {
-            bail!(
-                "--listen {l} is reachable from other machines and {} has no router.api_keys_file: \
-                 set one, or router.allow_no_keys = true to serve anyone who reaches it",
-                a.config.display()
-            );
-        }
-    }
+    open_listen(&cfg, &a)?;
     let security = security(&cfg, &a.config, pki::Role::Router, "router")?;
     let rc = router::RouterConfig {
         discovery: discovery(&cfg, &security),

@@ -198,13 +198,6 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         .find(|w| w["role"] == "prefill")
         .unwrap()
         .clone();
-    let metrics = |w: &Value| {
-        w["metrics_endpoint"]
-            .as_str()
-            .unwrap()
-            .parse::<SocketAddr>()
-            .unwrap()
-    };
     let tcp = tcp_offer(&decode);
     let indexed = metric_at(c.http, "tandem_router_kv_index_blocks");
     let pid = c.pid("decode-0").unwrap();
@@ -258,21 +251,7 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
             "kv_tcp {reason}"
         );
     }
-    // Nothing changed: the same two workers, none draining, the KV index as it was, and the
-    // cluster still serves through its prefill pool.
-    let after = c.workers();
-    let ids = |ws: &[Value]| ws.iter().map(|w| w["id"].clone()).collect::<Vec<_>>();
-    assert_eq!(ids(&after), ids(&before));
-    assert!(after.iter().all(|w| w["draining"] == false), "{after:?}");
-    assert_eq!(metric_at(c.http, "tandem_router_kv_index_blocks"), indexed);
-    let transfers =
-        |ws: &[Value]| ws.iter().find(|w| w["role"] == "prefill").unwrap()["kv_transfers"].clone();
-    let (status, v) = ask();
-    assert_eq!(status, 200, "{v}");
-    assert_eq!(
-        transfers(&c.workers())["tcp"],
-        transfers(&after)["tcp"].as_u64().unwrap() + 1
-    );
+    unchanged(&c, &before, indexed);
     let grown = rss_kib(pid).saturating_sub(rss0);
     assert!(grown < 16 << 10, "the decode worker grew by {grown} KiB");
 }
@@ -309,13 +288,6 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
         rt.block_on(attack_kv(&security, &tcp_offer(decode)));
         eprintln!("{who}: {calls} gRPC calls and the KV listener refused");
     }
-    let metrics = |w: &Value| {
-        w["metrics_endpoint"]
-            .as_str()
-            .unwrap()
-            .parse::<SocketAddr>()
-            .unwrap()
-    };
     for reason in ["not_tls", "untrusted_certificate"] {
         assert!(
             refused(up.http, "control", reason) >= 1.0,
@@ -341,5 +313,29 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
     assert!(
         log.contains("mutual TLS"),
         "tandem up says how its hops are secured:\n{log}"
+    );
+}
+
+/// A worker's metrics endpoint, from `/debug/workers`.
+fn metrics(w: &Value) -> SocketAddr {
+    w["metrics_endpoint"].as_str().unwrap().parse().unwrap()
+}
+
+/// Nothing changed: the same workers as `before`, none draining, the KV index as it was
+/// (`indexed` blocks), and the cluster still serves through its prefill pool.
+fn unchanged(c: &Cluster, before: &[Value], indexed: f64) {
+    let after = c.workers();
+    let ids = |ws: &[Value]| ws.iter().map(|w| w["id"].clone()).collect::<Vec<_>>();
+    assert_eq!(ids(&after), ids(before));
+    assert!(after.iter().all(|w| w["draining"] == false), "{after:?}");
+    assert_eq!(metric_at(c.http, "tandem_router_kv_index_blocks"), indexed);
+    let transfers =
+        |ws: &[Value]| ws.iter().find(|w| w["role"] == "prefill").unwrap()["kv_transfers"].clone();
+    let body = json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});
+    let (status, v) = post_json(c.http, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        transfers(&c.workers())["tcp"],
+        transfers(&after)["tcp"].as_u64().unwrap() + 1
     );
 }

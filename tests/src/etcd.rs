@@ -40,6 +40,14 @@ pub fn available() -> bool {
     found
 }
 
+/// A fresh scratch directory for one etcd's data.
+fn data_dir() -> PathBuf {
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    std::env::temp_dir().join(format!("tandem-etcd-{}-{n}", std::process::id()))
+}
+
 fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -59,14 +67,10 @@ impl Etcd {
     }
 
     fn start_at(netns: Option<String>, client: SocketAddr, peer: SocketAddr) -> Etcd {
-        let n = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir = std::env::temp_dir().join(format!("tandem-etcd-{}-{n}", std::process::id()));
         let mut e = Etcd {
             child: None,
             netns,
-            dir,
+            dir: data_dir(),
             client,
             peer,
             tls: None,
@@ -81,14 +85,10 @@ impl Etcd {
         let store = pki::Store::at(pki);
         store.init().expect("a cluster CA");
         store.export(pki::Role::Etcd).expect("etcd's certificate");
-        let n = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
-        let dir = std::env::temp_dir().join(format!("tandem-etcd-{}-{n}", std::process::id()));
         let mut e = Etcd {
             child: None,
             netns: None,
-            dir,
+            dir: data_dir(),
             client: free_port(),
             peer: free_port(),
             tls: Some((pki.to_path_buf(), free_port())),
