@@ -17,16 +17,7 @@ import time
 
 import tandem_cluster
 
-CONFIG = """
-[router]
-listen = "127.0.0.1:0"
-control = "127.0.0.1:0"
-[decode]
-replicas = 1
-threads = 1
-kv_blocks = 1024
-max_batch_tokens = 256
-"""
+CONFIG = tandem_cluster.colocated("kv_blocks = 1024\nmax_batch_tokens = 256\n")
 
 # A schema whose pattern's automaton grows exponentially (the n-th symbol from the end is
 # fixed), nested arrays, and wide alternatives.
@@ -86,9 +77,6 @@ def batch(addr, n, tokens):
     return ts, gaps
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 def metric(addr, prefix):
@@ -147,6 +135,7 @@ def main():
         counts = {}
         for r in results:
             counts[str(r)] = counts.get(str(r), 0) + 1
+        pct = tandem_cluster.pct
         q50, q99, l50, l99 = pct(quiet, 50), pct(quiet, 99), pct(loud, 50), pct(loud, 99)
         print(f"{a.streams} streams x {a.tokens} tokens: quiet ITL p50 {q50*1000:.1f} ms p99 {q99*1000:.1f} ms; "
               f"with the greedy clients p50 {l50*1000:.1f} ms p99 {l99*1000:.1f} ms (p99 ratio {l99/q99:.2f})")

@@ -20,16 +20,7 @@ import time
 
 import tandem_cluster
 
-CONFIG = """
-[router]
-listen = "127.0.0.1:0"
-control = "127.0.0.1:0"
-[decode]
-replicas = 1
-threads = 1
-engine = "mock"
-kv_blocks = 1024
-"""
+CONFIG = tandem_cluster.colocated("engine = \"mock\"\nkv_blocks = 1024\n")
 
 
 def completion(addr):
@@ -49,8 +40,6 @@ def run_client(addr, n):
     return sorted(completion(addr) for _ in range(n))
 
 
-def pct(xs, p):
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 class Health(threading.Thread):
@@ -140,6 +129,7 @@ def main():
         t.join(timeout=30)
         health.stop = True
         health.join()
+        pct = tandem_cluster.pct
         q50, q99, l50, l99 = pct(quiet, 50), pct(quiet, 99), pct(loud, 50), pct(loud, 99)
         print(f"normal client, {a.requests} requests: quiet p50 {q50*1000:.1f} ms p99 {q99*1000:.1f} ms; "
               f"with {a.attackers} slow clients p50 {l50*1000:.1f} ms p99 {l99*1000:.1f} ms "

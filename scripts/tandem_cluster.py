@@ -49,3 +49,16 @@ def worker_stats(addr):
     """Every worker's (name, role, live stats) from `/debug/workers`, by name."""
     ws = get_json(addr, "/debug/workers")["workers"]
     return sorted((w["name"], w["role"], w["stats"]) for w in ws)
+
+
+def colocated(decode_lines):
+    """A cluster.toml of one colocated decode worker on loopback ports the OS picks, with
+    `decode_lines` added to its [decode] section."""
+    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+            "[decode]\nreplicas = 1\nthreads = 1\n" + decode_lines)
+
+
+def pct(xs, p):
+    """The `p`-th percentile of `xs` (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
