@@ -49,6 +49,8 @@ type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
 enum Cmd {
     Generate {
         req: GenerateRequest,
+        /// Its sampling parameters, a constraint compiled ([`worker::grammar::Compiler`]).
+        params: engine::SamplingParams,
         events: EventTx,
     },
     Kv(KvEvent),
@@ -86,13 +88,18 @@ impl Decoder {
         held
     }
 
-    fn generate(&mut self, req: GenerateRequest, events: EventTx, draining: bool) {
+    fn generate(
+        &mut self,
+        cmd: (GenerateRequest, engine::SamplingParams),
+        events: EventTx,
+        draining: bool,
+    ) {
         if draining {
             let _ = events.send(Err(Cause::Draining.status("this decode worker is draining")));
             return;
         }
+        let (req, params) = cmd;
         let id = RequestId(req.request_id);
-        let params = worker::wire::sampling_params(req.params.unwrap_or_default());
         let added = if req.remote_prefill {
             let n = req.prompt.len();
             let local_max = req.local_prefill_max_tokens as usize;
@@ -187,7 +194,11 @@ impl worker::Role for Decoder {
 
     fn command(&mut self, cmd: Cmd, draining: bool) {
         match cmd {
-            Cmd::Generate { req, events } => self.generate(req, events, draining),
+            Cmd::Generate {
+                req,
+                params,
+                events,
+            } => self.generate((req, params), events, draining),
             Cmd::Kv(ev) => self.kv(ev),
         }
     }
@@ -286,7 +297,10 @@ impl tokio_stream::Stream for Events {
     }
 }
 
-struct Service(EngineHandle<Cmd>);
+struct Service {
+    engine: EngineHandle<Cmd>,
+    grammars: worker::grammar::Compiler,
+}
 
 #[tonic::async_trait]
 impl Decode for Service {
@@ -296,13 +310,20 @@ impl Decode for Service {
         &self,
         req: Request<GenerateRequest>,
     ) -> Result<Response<Self::GenerateStream>, Status> {
-        let req = req.into_inner();
+        let mut req = req.into_inner();
         let id = RequestId(req.request_id);
+        let mut params = worker::wire::sampling_params(req.params.take().unwrap_or_default());
+        self.grammars.prepare(&mut params.constraint).await?;
         let (tx, rx) = mpsc::unbounded_channel();
-        self.0.send(Cmd::Generate { req, events: tx })?;
+        let events = tx;
+        self.engine.send(Cmd::Generate {
+            req,
+            params,
+            events,
+        })?;
         Ok(Response::new(Events {
             rx: UnboundedReceiverStream::new(rx),
-            _release: ReleaseOnDrop::new(&self.0, id),
+            _release: ReleaseOnDrop::new(&self.engine, id),
         }))
     }
 }
@@ -314,9 +335,10 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let loaded = worker::load(s).await?;
     let stop = loaded.tokenizer.stop_ids().to_vec();
     let mut engine = Engine::new(loaded.model.clone(), s.engine.clone(), stop)?;
-    // Structured output: the vocabulary's token trie, built once.
+    // Structured output: the vocabulary's token trie, built once; each request's grammar is
+    // compiled before it reaches the engine thread.
     let grammars = engine::grammar::Grammars::new(&loaded.tokenizer)?;
-    engine.set_grammars(std::sync::Arc::new(grammars));
+    let grammars = worker::grammar::Compiler::new(std::sync::Arc::new(grammars));
     let regions = engine.kv_regions().map_err(|e| e.to_string());
     let handle = worker::engine_thread::spawn(
         "decode-engine",
@@ -326,7 +348,11 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         },
     );
     let (offers, detail) = kv_endpoints(&cfg, &loaded, regions, &handle).await?;
-    let routes = tonic::service::Routes::new(DecodeServer::new(Service(handle.clone())));
+    let service = Service {
+        engine: handle.clone(),
+        grammars,
+    };
+    let routes = tonic::service::Routes::new(DecodeServer::new(service));
     let announce = worker::Announce {
         pool: Pool::Decode,
         kv_offers: offers,
@@ -400,7 +426,7 @@ async fn kv_endpoints(
     let engine = engine.clone();
     tokio::spawn(async move {
         while let Some(kv) = kv_rx.recv().await {
-            if engine.send(Cmd::Kv(kv)).is_err() {
+            if engine.follow(Cmd::Kv(kv)).is_err() {
                 return;
             }
         }
@@ -461,4 +487,5 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_decode_kv_queue_seconds", Histogram, "From a request's KV landing whole to the engine thread taking it (it takes arrivals between steps); the prefill's exposed wait includes it."),
     ("tandem_decode_kv_admit_seconds", Histogram, "Engine-thread time to admit one request's arrived KV (written into the cache, or checked in place); the batch's next step waits for it."),
     ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
+    ("tandem_decode_grammar_timeouts_total", Counter, "Requests refused because their response format did not compile within grammar::BUDGET."),
 ];

@@ -7,7 +7,7 @@
 //! `-inf`; the end-of-sequence token only where the grammar may end) and moves past each token
 //! drawn. When the grammar is complete the sequence ends.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
 use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
@@ -75,6 +75,7 @@ impl Grammars {
                     "the response format could not be read: {why}"
                 )))
             }
+            Constraint::Compiled(c) => return c.take(),
         };
         let parser = self.factory.create_parser(grammar);
         let m = Matcher::new(parser);
@@ -84,6 +85,38 @@ impl Grammars {
             )));
         }
         Ok(Guide { m })
+    }
+}
+
+/// A guide compiled ahead of its request, off the engine thread (a decode worker compiles each
+/// request's constraint on a blocking thread within a time budget), carried to the engine in
+/// [`Constraint::Compiled`], which takes it once.
+#[derive(Clone)]
+pub struct Compiled(Arc<Mutex<Option<Guide>>>);
+
+impl Compiled {
+    /// `guide`, to be taken by the engine.
+    pub fn new(guide: Guide) -> Compiled {
+        Compiled(Arc::new(Mutex::new(Some(guide))))
+    }
+
+    pub(crate) fn take(&self) -> Result<Guide> {
+        let taken = self.0.lock().map(|mut g| g.take());
+        taken.ok().flatten().ok_or_else(|| {
+            EngineError::Internal("a compiled grammar was used by two requests".into())
+        })
+    }
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Compiled(..)")
+    }
+}
+
+impl PartialEq for Compiled {
+    fn eq(&self, other: &Compiled) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
     }
 }
 

@@ -76,6 +76,11 @@ pub enum Constraint {
     Choice(Vec<String>),
     /// A constraint that arrived in a form this engine cannot read (the reason): refused.
     Unreadable(String),
+    /// A constraint compiled ahead, off the engine thread, within a time budget (a decode
+    /// worker's): the engine takes its guide as it is. Never on the wire.
+    #[cfg(feature = "runtime")]
+    #[serde(skip)]
+    Compiled(crate::grammar::Compiled),
 }
 
 /// A sampled token's log-probability and the likeliest tokens', under the distribution the

@@ -27,7 +27,7 @@ use crate::error::{EngineError, Result};
 use crate::grammar::{Grammars, Guide};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{Logits, Model, SeqChunk};
-use crate::sampler::{FinishReason, Sampler, SamplingParams, TokenLogprobs};
+use crate::sampler::{Constraint, FinishReason, Sampler, SamplingParams, TokenLogprobs};
 
 /// Sizes of the scheduler and its cache.
 #[derive(Debug, Clone)]
@@ -395,13 +395,17 @@ impl Engine {
 
     /// The guide of a request with a constraint, past the output it already has (a migration's).
     fn guide(&self, params: &SamplingParams, prompt: &[u32]) -> Result<Option<Guide>> {
-        let Some(c) = &params.constraint else {
-            return Ok(None);
+        let mut g = match &params.constraint {
+            None => return Ok(None),
+            Some(Constraint::Compiled(c)) => c.take()?,
+            Some(c) => {
+                let grammars = self.grammars.as_ref().ok_or_else(|| {
+                    let msg = "this worker does not serve structured output";
+                    EngineError::InvalidRequest(msg.into())
+                })?;
+                grammars.guide(c)?
+            }
         };
-        let grammars = self.grammars.as_ref().ok_or_else(|| {
-            EngineError::InvalidRequest("this worker does not serve structured output".into())
-        })?;
-        let mut g = grammars.guide(c)?;
         g.replay(&prompt[prompt.len().saturating_sub(params.generated)..])?;
         Ok(Some(g))
     }

@@ -132,3 +132,33 @@ fn regexes_and_choices_are_matched_and_bad_grammars_refused() {
         );
     }
 }
+
+/// A decode worker compiles each grammar before its request reaches the engine thread: an
+/// engine with no grammar compiler of its own takes the compiled guide, and only once.
+#[test]
+fn a_grammar_compiled_ahead_is_taken_by_an_engine_without_a_compiler_once() {
+    let (model, tok) = load_model();
+    let grammars = Grammars::new(&tok).unwrap();
+    let mut e = Engine::new(model, EngineConfig::default(), tok.stop_ids().to_vec()).unwrap();
+    let rx = Constraint::Regex(r"[0-9]{3}-[0-9]{4}".into());
+    let compiled = engine::grammar::Compiled::new(grammars.guide(&rx).unwrap());
+    let params = SamplingParams {
+        constraint: Some(Constraint::Compiled(compiled)),
+        ..SamplingParams::greedy(40)
+    };
+    let r = generate(&mut e, &tok, 1, "Give me a phone number.", params.clone());
+    assert_eq!(r.text.len(), 8, "{:?}", r.text);
+    assert_eq!(r.finish, Some(FinishReason::Stop));
+    let again = e.add(RequestId(7), vec![1, 2, 3], params).unwrap_err();
+    assert!(matches!(again, engine::EngineError::Internal(_)), "{again}");
+    let plain = Constraint::Regex("a".into());
+    let without = SamplingParams {
+        constraint: Some(plain),
+        ..SamplingParams::greedy(4)
+    };
+    let refused = e.add(RequestId(8), vec![1, 2, 3], without).unwrap_err();
+    assert!(
+        matches!(refused, engine::EngineError::InvalidRequest(_)),
+        "{refused}"
+    );
+}

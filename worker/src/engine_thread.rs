@@ -3,7 +3,13 @@
 //! With nothing to step it blocks on its command channel — or, when the role holds something
 //! with a deadline (a decode worker's KV reservations), until the earliest deadline. It never
 //! polls: a caller that goes away sends a release (see [`crate::service::ReleaseOnDrop`]).
+//!
+//! New work waits in the channel only up to [`MAX_QUEUED`] commands: past that a request is
+//! refused as `Full` (the router tries another worker or waits), never queued without bound.
+//! What follows admitted work — a release, arriving KV — is never refused: it is bounded by
+//! the work admitted, and refusing it would leak what that work holds.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -42,8 +48,14 @@ pub trait Role: Send + 'static {
     }
 }
 
+/// Most commands of new work waiting for the engine thread at once.
+pub const MAX_QUEUED: usize = 1024;
+
 enum Command<C> {
+    /// New work: counted against [`MAX_QUEUED`].
     Role(C),
+    /// What follows work already admitted: never refused.
+    Follow(C),
     Release {
         id: RequestId,
         found: Option<oneshot::Sender<bool>>,
@@ -57,6 +69,8 @@ type Live = Arc<dyn Fn(&mut WorkerLoad) + Send + Sync>;
 /// The way into an engine thread, shared by the gRPC services of its worker.
 pub struct EngineHandle<C> {
     tx: mpsc::Sender<Command<C>>,
+    /// Commands of new work sent and not yet taken by the engine thread.
+    queued: Arc<AtomicUsize>,
     load: Arc<Mutex<WorkerLoad>>,
     live: Option<Live>,
     kv: Arc<Mutex<KvLog>>,
@@ -66,6 +80,7 @@ impl<C> Clone for EngineHandle<C> {
     fn clone(&self) -> Self {
         EngineHandle {
             tx: self.tx.clone(),
+            queued: self.queued.clone(),
             load: self.load.clone(),
             live: self.live.clone(),
             kv: self.kv.clone(),
@@ -78,9 +93,22 @@ fn stopped() -> Status {
 }
 
 impl<C: Send + 'static> EngineHandle<C> {
-    /// Sends one of the role's commands.
+    /// Sends one of the role's commands bringing new work; refused as `Full` while
+    /// [`MAX_QUEUED`] wait.
     pub fn send(&self, cmd: C) -> Result<(), Status> {
+        if self.queued.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUED {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            metrics::counter!("tandem_worker_commands_refused_total").increment(1);
+            let msg = format!("{MAX_QUEUED} commands wait for this worker's engine");
+            return Err(proto::Cause::Full.status(msg));
+        }
         self.tx.send(Command::Role(cmd)).map_err(|_| stopped())
+    }
+
+    /// Sends one of the role's commands following work already admitted (arriving KV):
+    /// never refused.
+    pub fn follow(&self, cmd: C) -> Result<(), Status> {
+        self.tx.send(Command::Follow(cmd)).map_err(|_| stopped())
     }
 
     /// Releases request `id`; whether it held anything here.
@@ -132,13 +160,15 @@ pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(Mutex::new(role.load()));
     let kv = Arc::new(Mutex::new(KvLog::default()));
-    let (l, k) = (load.clone(), kv.clone());
+    let queued = Arc::new(AtomicUsize::new(0));
+    let (l, k, q) = (load.clone(), kv.clone(), queued.clone());
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || run(role, rx, l, k))
+        .spawn(move || run(role, rx, q, (l, k)))
         .expect("engine thread starts");
     EngineHandle {
         tx,
+        queued,
         load,
         live: None,
         kv,
@@ -165,8 +195,8 @@ fn next<C>(rx: &mpsc::Receiver<C>, busy: bool, deadline: Option<Instant>) -> Res
 fn run<R: Role>(
     mut role: R,
     rx: mpsc::Receiver<Command<R::Cmd>>,
-    load: Arc<Mutex<WorkerLoad>>,
-    kv: Arc<Mutex<KvLog>>,
+    queued: Arc<AtomicUsize>,
+    (load, kv): (Arc<Mutex<WorkerLoad>>, Arc<Mutex<KvLog>>),
 ) {
     let mut draining = false;
     while let Ok(first) = next(&rx, role.has_work(), role.deadline()) {
@@ -175,7 +205,11 @@ fn run<R: Role>(
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))
         {
             match cmd {
-                Command::Role(c) => role.command(c, draining),
+                Command::Role(c) => {
+                    queued.fetch_sub(1, Ordering::AcqRel);
+                    role.command(c, draining)
+                }
+                Command::Follow(c) => role.command(c, draining),
                 Command::Release { id, found } => {
                     let held = role.release(id);
                     if let Some(f) = found {

@@ -5,6 +5,8 @@
 //! - [`engine_thread`]: the one thread that owns an [`engine::Engine`], blocked on its command
 //!   channel (or the role's next deadline) whenever there is nothing to step; the role plugs in
 //!   what differs through [`engine_thread::Role`].
+//! - [`grammar`]: structured output's grammars compiled off the engine thread, within a
+//!   time budget.
 //! - [`service`]: the `Worker` gRPC service every worker serves (cancel, drain, stats), and
 //!   the guard that releases a request when its caller goes away.
 //! - [`serve`]: gRPC listener, metrics endpoint, joining the router and heartbeating.
@@ -12,6 +14,7 @@
 //!   gRPC status.
 
 pub mod engine_thread;
+pub mod grammar;
 pub mod kv_log;
 pub mod service;
 pub mod wire;
@@ -324,6 +327,10 @@ async fn start_metrics(
         .await
         .map_err(|e| WorkerError::Bind("metrics".into(), e))?;
     proto::metrics::describe(catalogue);
+    metrics::describe_counter!(
+        "tandem_worker_commands_refused_total",
+        "New requests refused because engine_thread::MAX_QUEUED commands already waited for the engine."
+    );
     if let Some(a) = at {
         eprintln!("tandem {pool} {}: metrics on http://{a}/metrics", s.name);
     }
