@@ -60,6 +60,9 @@ enum Cmd {
 struct Decoder {
     engine: Engine,
     streams: HashMap<RequestId, EventTx>,
+    /// The transfer tickets of the reservations waiting for a prefill worker's KV, shared
+    /// with the KV listeners.
+    tickets: kv_transfer::Tickets,
 }
 
 fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
@@ -81,6 +84,7 @@ impl Decoder {
     /// Releases request `id` from the engine (blocks and ledger entry) and its stream, telling
     /// the caller `status` if there is one.
     fn end(&mut self, id: RequestId, why: Release, status: Option<Status>) -> bool {
+        self.tickets.revoke(id);
         let held = self.engine.release(id, why);
         if let (Some(tx), Some(s)) = (self.streams.remove(&id), status) {
             let _ = tx.send(Err(s));
@@ -107,16 +111,19 @@ impl Decoder {
                 .engine
                 .reserve_remote(id, req.prompt, params, local_max);
             reserved.map(|r| {
+                let n = u32::try_from(n).unwrap_or(u32::MAX);
+                let ticket = (!r.local).then(|| self.tickets.issue(id, n));
                 let r = Reservation {
                     cached_tokens: r.cached as u32,
                     local: r.local,
+                    transfer_ticket: ticket.map_or_else(Vec::new, |t| t.0.to_vec()),
                 };
                 let event = generate_event::Event::Reserved(r.clone());
                 let _ = events.send(Ok(GenerateEvent {
                     event: Some(event),
                     ..Default::default()
                 }));
-                tracing::debug!(request = %id, prompt = n, ?r, "reserved");
+                tracing::debug!(request = %id, prompt = n, cached = r.cached_tokens, local = r.local, "reserved");
             })
         } else {
             self.engine.add(id, req.prompt, params)
@@ -340,14 +347,16 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let grammars = engine::grammar::Grammars::new(&loaded.tokenizer)?;
     let grammars = worker::grammar::Compiler::new(std::sync::Arc::new(grammars));
     let regions = engine.kv_regions().map_err(|e| e.to_string());
+    let tickets = kv_transfer::Tickets::default();
     let handle = worker::engine_thread::spawn(
         "decode-engine",
         Decoder {
             engine,
             streams: HashMap::new(),
+            tickets: tickets.clone(),
         },
     );
-    let (offers, detail) = kv_endpoints(&cfg, &loaded, regions, &handle).await?;
+    let (offers, detail) = kv_endpoints(&cfg, &loaded, (regions, tickets), &handle).await?;
     let service = Service {
         engine: handle.clone(),
         grammars,
@@ -376,7 +385,7 @@ fn offer(transport: &str, endpoint: String, cert_der: Vec<u8>) -> KvOffer {
 async fn kv_endpoints(
     cfg: &DecodeConfig,
     loaded: &worker::Loaded,
-    regions: Result<kv_transfer::KvRegions, String>,
+    (regions, tickets): (Result<kv_transfer::KvRegions, String>, kv_transfer::Tickets),
     engine: &EngineHandle<Cmd>,
 ) -> Result<(Vec<KvOffer>, String), WorkerError> {
     let s = &cfg.worker;
@@ -388,6 +397,7 @@ async fn kv_endpoints(
         max_kv_tokens: (loaded.model.kv_pages(s.engine.num_blocks) * s.engine.block_size)
             .try_into()
             .unwrap_or(u32::MAX),
+        tickets: Some(tickets),
     };
     // A transfer ends when its sender goes silent this long (renewals count).
     let timeouts = kv_transfer::Timeouts {

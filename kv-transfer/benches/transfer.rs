@@ -237,7 +237,7 @@ async fn main() {
             for (name, s) in senders.iter_mut() {
                 let per = timed!(n, {
                     s.send(
-                        RequestId(1),
+                        (RequestId(1), kv_transfer::TransferTicket::default()),
                         n_tokens as u32,
                         width,
                         kv_transfer::Layers::Ready(&kv),

@@ -4,8 +4,8 @@
 //! the payload and is checked before a frame is used.
 //!
 //! A connection starts with `Hello` (magic, protocol version, model identity) answered by
-//! `HelloOk` or `Refuse`. Then transfers follow one after another: `Begin` (request id, tokens,
-//! layers, width), one `Layer` per layer (request id, layer index, keys then values as f16),
+//! `HelloOk` or `Refuse`. Then transfers follow one after another: `Begin` (request id, the
+//! receiver's transfer ticket for it, tokens, layers, width), one `Layer` per layer (request id, layer index, keys then values as f16),
 //! answered by one `Ack` (request id, ok flag, message). In-place (RDMA) transfers replace the
 //! `Layer` frames by `Grant` (the receiver's block ids) and one `Written` (layer, CRC) per layer
 //! whose bytes were written into those blocks directly.
@@ -41,6 +41,8 @@ pub enum Frame {
     Begin {
         /// The request the KV belongs to.
         request_id: u64,
+        /// The receiver's permission for this transfer (issued with the reservation).
+        ticket: types::TransferTicket,
         /// Tokens covered.
         n_tokens: u32,
         /// Layers that follow.
@@ -201,11 +203,13 @@ impl Frame {
             Frame::Refuse(m) => put_str(&mut p, m),
             Frame::Begin {
                 request_id,
+                ticket,
                 n_tokens,
                 n_layers,
                 width,
             } => {
                 p.extend(request_id.to_le_bytes());
+                p.extend(ticket.0);
                 for v in [n_tokens, n_layers, width] {
                     p.extend(v.to_le_bytes());
                 }
@@ -313,6 +317,7 @@ impl Frame {
             3 => Frame::Refuse(r.string()?),
             4 => Frame::Begin {
                 request_id: r.u64()?,
+                ticket: types::TransferTicket(r.take(16)?.try_into().expect("16")),
                 n_tokens: r.u32()?,
                 n_layers: r.u32()?,
                 width: r.u32()?,
@@ -395,6 +400,7 @@ mod tests {
         roundtrip(Frame::Refuse("no".into()));
         roundtrip(Frame::Begin {
             request_id: 7,
+            ticket: types::TransferTicket([9; 16]),
             n_tokens: 5,
             n_layers: 2,
             width: 192,
@@ -434,6 +440,7 @@ mod tests {
         // Truncated, unknown and oversized frames are errors, not panics.
         let b = Frame::Begin {
             request_id: 1,
+            ticket: types::TransferTicket::default(),
             n_tokens: 1,
             n_layers: 1,
             width: 1,

@@ -21,6 +21,7 @@ pub mod rdma;
 pub mod rdma;
 pub mod stream;
 pub mod tcp;
+pub mod tickets;
 pub mod wire;
 
 use std::time::Duration;
@@ -29,6 +30,8 @@ use types::RequestId;
 
 pub use core::Timeouts;
 pub use negotiate::Offer;
+pub use tickets::Tickets;
+pub use types::TransferTicket;
 pub use wire::{IncomingKv, KvEvent, Layer, Layers, Local};
 
 /// A way to move KV between workers (the config's names: `rdma`, `quic`, `tcp`).
@@ -87,16 +90,25 @@ impl KvSender {
     /// Sends one request's KV and waits for the receiver's ack, within `timeout`.
     pub async fn send(
         &mut self,
-        request_id: RequestId,
+        (request_id, ticket): (RequestId, TransferTicket),
         n_tokens: u32,
         width: u32,
         layers: crate::wire::Layers<'_>,
         timeout: Duration,
     ) -> Result<TransferStats, TransferError> {
         match self {
-            KvSender::Tcp(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
-            KvSender::Quic(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
-            KvSender::Rdma(s) => s.send(request_id.0, n_tokens, width, layers, timeout).await,
+            KvSender::Tcp(s) => {
+                s.send((request_id.0, ticket), n_tokens, width, layers, timeout)
+                    .await
+            }
+            KvSender::Quic(s) => {
+                s.send((request_id.0, ticket), n_tokens, width, layers, timeout)
+                    .await
+            }
+            KvSender::Rdma(s) => {
+                s.send((request_id.0, ticket), n_tokens, width, layers, timeout)
+                    .await
+            }
         }
     }
 }

@@ -216,7 +216,7 @@ impl QuicKvSender {
     /// Sends one request's KV on a new stream and waits for the receiver to admit it.
     pub async fn send(
         &mut self,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         layers: crate::wire::Layers<'_>,
@@ -241,7 +241,7 @@ impl QuicKvSender {
                 };
                 let mut stream = Conn::open(recv, send, &self.local, timeouts).await?;
                 let bytes = stream
-                    .send(request_id, n_tokens, width, layers, timeout)
+                    .send((request_id, ticket), n_tokens, width, layers, timeout)
                     .await?;
                 let (_, send) = stream.into_parts();
                 let _ = send.into_inner().finish();

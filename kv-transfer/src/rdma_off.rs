@@ -53,7 +53,7 @@ impl RdmaKvSender {
     /// Unreachable: no sender exists.
     pub async fn send(
         &mut self,
-        _: u64,
+        _: (u64, types::TransferTicket),
         _: u32,
         _: u32,
         _: Layers<'_>,

@@ -43,7 +43,7 @@ impl TcpKvSender {
     /// Sends one request's KV and waits for the receiver to admit it, within `timeout`.
     pub async fn send(
         &mut self,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         layers: crate::wire::Layers<'_>,
@@ -52,7 +52,7 @@ impl TcpKvSender {
         let t0 = Instant::now();
         let bytes = self
             .conn
-            .send(request_id, n_tokens, width, layers, timeout)
+            .send((request_id, ticket), n_tokens, width, layers, timeout)
             .await?;
         Ok(TransferStats {
             bytes,

@@ -180,6 +180,10 @@ pub struct Local {
     /// A receiver refuses a transfer of more tokens than this (its whole cache) before it
     /// reads any of it.
     pub max_kv_tokens: u32,
+    /// A receiver's transfer tickets: with them, a transfer begins only into a reservation
+    /// made here, with its ticket (a decode worker's always); `None` (a sender's, or a test of
+    /// the protocol) checks none.
+    pub tickets: Option<crate::Tickets>,
 }
 
 impl Local {
@@ -191,6 +195,7 @@ impl Local {
             secret: None,
             security: pki::Security::Insecure,
             max_kv_tokens: u32::MAX,
+            tickets: None,
         }
     }
 }
@@ -322,7 +327,7 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
     /// Sends one request's KV and waits for the receiver's verdict, within `timeout` from now.
     pub async fn send(
         &mut self,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         layers: Layers<'_>,
@@ -330,7 +335,7 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
     ) -> Result<u64, TransferError> {
         self.core.set_transfer_timeout(timeout);
         self.core
-            .begin(Instant::now(), request_id, n_tokens, width)?;
+            .begin(Instant::now(), (request_id, ticket), n_tokens, width)?;
         self.transmit().await;
         let n_layers = match &layers {
             Layers::Ready(l) => l.len() as u32,
@@ -447,14 +452,14 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
     /// In-place transfers: begins `request_id` and waits for the receiver's blocks.
     pub async fn begin_granted(
         &mut self,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         timeout: Duration,
     ) -> Result<Vec<u32>, TransferError> {
         self.core.set_transfer_timeout(timeout);
         self.core
-            .begin(Instant::now(), request_id, n_tokens, width)?;
+            .begin(Instant::now(), (request_id, ticket), n_tokens, width)?;
         self.transmit().await;
         self.until(request_id, |e| match e {
             ClientEvent::Granted {

@@ -30,6 +30,7 @@ fn local(block_size: u32, secret: Option<&str>) -> Local {
         secret: secret.map(|s| Arc::new(s.as_bytes().to_vec())),
         security: pki::Security::Insecure,
         max_kv_tokens: u32::MAX,
+        tickets: None,
     }
 }
 
@@ -109,13 +110,25 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
     for offer in &offers {
         let mut s = KvSender::connect(offer, &local(16, None), t).await.unwrap();
         let stats = s
-            .send(RequestId(2), 5, width, kv_transfer::Layers::Ready(&kv), t)
+            .send(
+                (RequestId(2), kv_transfer::TransferTicket::default()),
+                5,
+                width,
+                kv_transfer::Layers::Ready(&kv),
+                t,
+            )
             .await
             .unwrap();
         assert_eq!(stats.transport, offer.transport);
         assert_eq!(stats.bytes, 3 * 4 * 5 * 16);
         let e = s
-            .send(RequestId(3), 5, width, kv_transfer::Layers::Ready(&kv), t)
+            .send(
+                (RequestId(3), kv_transfer::TransferTicket::default()),
+                5,
+                width,
+                kv_transfer::Layers::Ready(&kv),
+                t,
+            )
             .await
             .unwrap_err()
             .to_string();
@@ -123,7 +136,13 @@ async fn kv_arrives_whole_over_tcp_and_quic_and_bad_peers_are_refused() {
         // A peer with another block size is refused before any KV moves.
         let refused = match KvSender::connect(offer, &local(32, None), t).await {
             Ok(mut s) => s
-                .send(RequestId(4), 5, width, kv_transfer::Layers::Ready(&kv), t)
+                .send(
+                    (RequestId(4), kv_transfer::TransferTicket::default()),
+                    5,
+                    width,
+                    kv_transfer::Layers::Ready(&kv),
+                    t,
+                )
                 .await
                 .map(|_| ()),
             Err(e) => Err(e),
@@ -179,7 +198,13 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
         ] {
             let r = match KvSender::connect(offer, &local(16, secret), t).await {
                 Ok(mut s) => s
-                    .send(RequestId(1), 1, 16, kv_transfer::Layers::Ready(&layers), t)
+                    .send(
+                        (RequestId(1), kv_transfer::TransferTicket::default()),
+                        1,
+                        16,
+                        kv_transfer::Layers::Ready(&layers),
+                        t,
+                    )
                     .await
                     .map(|_| ()),
                 Err(e) => Err(e),
@@ -193,7 +218,7 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
         let l2 = layers.clone();
         let sent = tokio::spawn(async move {
             s.send(
-                RequestId(8),
+                (RequestId(8), kv_transfer::TransferTicket::default()),
                 1,
                 16,
                 kv_transfer::Layers::Ready(&l2),

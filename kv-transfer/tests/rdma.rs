@@ -101,7 +101,13 @@ async fn one_sided_writes_land_in_the_granted_blocks() {
         .await
         .unwrap();
     let stats = s
-        .send(RequestId(1), n as u32, width as u32, Layers::Ready(&kv), t)
+        .send(
+            (RequestId(1), kv_transfer::TransferTicket::default()),
+            n as u32,
+            width as u32,
+            Layers::Ready(&kv),
+            t,
+        )
         .await
         .unwrap();
     assert_eq!(stats.transport, Transport::Rdma);

@@ -269,7 +269,7 @@ impl Service {
     async fn transfer(
         &self,
         conn: &mut KvSender,
-        id: RequestId,
+        id: (RequestId, kv_transfer::TransferTicket),
         n_tokens: u32,
         rx: &mut mpsc::UnboundedReceiver<kv_transfer::Layer>,
     ) -> Result<kv_transfer::TransferStats, kv_transfer::TransferError> {
@@ -305,6 +305,8 @@ impl Prefill for Service {
     ) -> Result<Response<PrefillReply>, Status> {
         let req = req.into_inner();
         let id = RequestId(req.request_id);
+        let ticket = kv_transfer::TransferTicket::from_slice(&req.transfer_ticket)
+            .ok_or_else(|| Cause::BadRequest.status("transfer_ticket must be 16 bytes"))?;
         let send_from = req.skip_tokens as usize;
         // Tokens whose KV travels: those after what the decode worker holds.
         let n = req.tokens.len().saturating_sub(send_from) as u32;
@@ -337,7 +339,7 @@ impl Prefill for Service {
         let mut conn = self.connection(&offer).await?;
         let transport = offer.transport.name();
         let stats = self
-            .transfer(&mut conn, id, n, &mut rx)
+            .transfer(&mut conn, (id, ticket), n, &mut rx)
             .await
             .map_err(|e| {
                 metrics::counter!("tandem_kv_send_failures_total", "transport" => transport)
@@ -383,6 +385,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let service = Service {
         engine: handle.clone(),
         local: kv_transfer::Local {
+            tickets: None,
             identity: loaded.identity.clone(),
             secret: cfg.worker.secret.clone(),
             security: cfg.worker.security.clone(),

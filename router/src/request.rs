@@ -251,9 +251,10 @@ impl Driver {
                 worker,
                 decode,
                 skip,
+                ticket,
                 guard,
                 pending,
-            } => self.start_prefill(worker, decode, skip, (guard, pending)),
+            } => self.start_prefill(worker, decode, (skip, ticket), (guard, pending)),
             Action::Release {
                 pool,
                 worker,
@@ -388,7 +389,7 @@ impl Driver {
         &mut self,
         w: WorkerId,
         decode: WorkerId,
-        skip: u32,
+        (skip, ticket): (u32, types::TransferTicket),
         guards: (InFlight, PendingPrefill),
     ) -> Option<Input> {
         let (Some(pw), Some(dw)) = (self.known(w), self.known(decode)) else {
@@ -408,6 +409,7 @@ impl Driver {
             offers: dw.offers,
             skip_tokens: skip,
             cache_salt: self.wire.cache_salt.clone(),
+            transfer_ticket: ticket.0.to_vec(),
         };
         let registry = self.state.registry.clone();
         let task = tokio::spawn(async move {
@@ -497,6 +499,7 @@ async fn open(
             Some(core::Reservation {
                 cached_tokens: r.cached_tokens,
                 local: r.local,
+                ticket: types::TransferTicket::from_slice(&r.transfer_ticket).unwrap_or_default(),
             }),
         )),
         other => {

@@ -262,9 +262,11 @@ impl Sim {
                 .engine
                 .reserve_remote(o.id, prompt, params, o.local_max as usize)
             {
+                // The simulator moves no bytes: a ticket's check is the KV listener's.
                 Ok(r) => Input::Opened(Some(Reservation {
                     cached_tokens: r.cached as u32,
                     local: r.local,
+                    ticket: types::TransferTicket::default(),
                 })),
                 Err(e) => refused(e),
             },

@@ -3,7 +3,8 @@
 //! speak these.
 //!
 //! - ids: [`WorkerId`], [`RequestId`], [`BlockHash`] — newtypes, so a worker id is never
-//!   passed where a request id belongs;
+//!   passed where a request id belongs; [`TransferTicket`], a decode worker's permission for
+//!   one KV transfer;
 //! - [`ModelIdentity`]: what two workers must agree on to exchange KV;
 //! - [`KvEvent`]: a worker's prefix-cache change on its way to the router's KV index;
 //! - [`KvRegions`]: a KV pool as raw memory, for RDMA registration.
@@ -13,5 +14,5 @@ mod ids;
 mod kv;
 
 pub use identity::ModelIdentity;
-pub use ids::{BlockHash, RequestId, WorkerId};
+pub use ids::{BlockHash, RequestId, TransferTicket, WorkerId};
 pub use kv::{KvEvent, KvRegions, Tier};

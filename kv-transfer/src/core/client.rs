@@ -122,12 +122,12 @@ impl Client {
         matches!(self.state, State::Closed)
     }
 
-    /// Starts sending the KV of `n_tokens` tokens of `request_id`, due by `now` plus the
-    /// transfer timeout.
+    /// Starts sending the KV of `n_tokens` tokens of `request_id` under the receiver's
+    /// `ticket` for it, due by `now` plus the transfer timeout.
     pub fn begin(
         &mut self,
         now: Instant,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
     ) -> Result<(), TransferError> {
@@ -162,6 +162,7 @@ impl Client {
         );
         self.out.push_back(Frame::Begin {
             request_id,
+            ticket,
             n_tokens,
             n_layers: self.identity.n_layers,
             width,
@@ -243,9 +244,7 @@ impl Client {
                 self.state = State::Open;
                 self.events.push_back(ClientEvent::Connected);
             }
-            (State::Handshake { .. }, Frame::Refuse(why)) => {
-                self.close(TransferError::Refused(why))
-            }
+            (_, Frame::Refuse(why)) => self.close(TransferError::Refused(why)),
             (State::Open, Frame::Grant { request_id, blocks }) => {
                 match self.transfers.get_mut(&request_id) {
                     Some(t) if self.in_place && !t.granted && blocks.len() == t.blocks => {

@@ -106,6 +106,7 @@ pub const MAX_OPEN_TRANSFERS: usize = 64;
 pub struct Server {
     identity: ModelIdentity,
     max_kv_tokens: u32,
+    tickets: Option<crate::Tickets>,
     secret: Option<Arc<Vec<u8>>>,
     timeouts: Timeouts,
     in_place: bool,
@@ -129,6 +130,7 @@ impl Server {
         Server {
             identity: local.identity.clone(),
             max_kv_tokens: local.max_kv_tokens,
+            tickets: local.tickets.clone(),
             secret: local.secret.clone(),
             timeouts,
             in_place,
@@ -229,11 +231,12 @@ impl Server {
                 State::Open,
                 Frame::Begin {
                     request_id,
+                    ticket,
                     n_tokens,
                     n_layers,
                     width,
                 },
-            ) => self.begin(now, request_id, n_tokens, n_layers, width),
+            ) => self.begin(now, (request_id, ticket), n_tokens, (n_layers, width)),
             (
                 State::Open,
                 Frame::Layer {
@@ -267,7 +270,13 @@ impl Server {
         }
     }
 
-    fn begin(&mut self, now: Instant, request_id: u64, n_tokens: u32, n_layers: u32, width: u32) {
+    fn begin(
+        &mut self,
+        now: Instant,
+        (request_id, ticket): (u64, types::TransferTicket),
+        n_tokens: u32,
+        (n_layers, width): (u32, u32),
+    ) {
         let own = self.identity.n_kv_heads * self.identity.head_dim;
         if n_layers != self.identity.n_layers || width != own || n_tokens == 0 {
             return self.close(TransferError::Protocol(format!(
@@ -291,6 +300,17 @@ impl Server {
             return self.close(TransferError::Protocol(format!(
                 "request {request_id}: {MAX_OPEN_TRANSFERS} transfers already open on this connection"
             )));
+        }
+        // Only into a reservation this receiver made, with the ticket it issued for it.
+        let id = types::RequestId(request_id);
+        if let Some(Err(why)) = self
+            .tickets
+            .as_ref()
+            .map(|t| t.redeem(id, &ticket, n_tokens))
+        {
+            metrics::counter!("tandem_auth_refused_total", "listener" => "kv", "reason" => "ticket")
+                .increment(1);
+            return self.refuse(why);
         }
         self.transfers.insert(
             request_id,

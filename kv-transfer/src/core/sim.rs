@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine::ledger::{Holding, Ledger};
 use proto::ModelIdentity;
-use types::RequestId;
+use types::{RequestId, TransferTicket};
 
 use super::*;
 use crate::frame::{Frame, HEADER};
@@ -71,6 +71,8 @@ struct Sim {
     now: Instant,
     client: Client,
     server: Server,
+    /// The receiver's tickets, when it checks them: [`Sim::begin`] reserves with one.
+    tickets: Option<crate::Tickets>,
     c2s: Link,
     s2c: Link,
     /// The server owner's verdict on every received transfer.
@@ -110,6 +112,7 @@ impl Sim {
             now,
             client: Client::new(client, t, in_place, now),
             server: Server::new(server, t, in_place, [7; 16], now),
+            tickets: server.tickets.clone(),
             c2s: Link {
                 delay,
                 ..Link::default()
@@ -254,11 +257,16 @@ impl Sim {
     /// The decode side reserves, then the prefill side begins a transfer.
     fn begin(&mut self, request_id: u64, n_tokens: u32) {
         let lease = self.now + Duration::from_secs(1);
-        assert!(self
-            .ledger
-            .reserve(RequestId(request_id), n_tokens.div_ceil(16), Some(lease)));
+        let id = RequestId(request_id);
+        assert!(self.ledger.reserve(id, n_tokens.div_ceil(16), Some(lease)));
+        let ticket = self.tickets.as_ref().map(|t| t.issue(id, n_tokens));
         self.client
-            .begin(self.now, request_id, n_tokens, 16)
+            .begin(
+                self.now,
+                (request_id, ticket.unwrap_or_default()),
+                n_tokens,
+                16,
+            )
             .unwrap();
     }
 
@@ -352,6 +360,7 @@ fn the_cluster_secret_is_proven_and_outsiders_never_reach_a_transfer() {
         secret: secret.clone(),
         security: pki::Security::Insecure,
         max_kv_tokens: u32::MAX,
+        tickets: None,
     };
     let mut s = Sim::new(&member, &member, false, MS);
     s.run_for(10 * MS);
@@ -363,6 +372,7 @@ fn the_cluster_secret_is_proven_and_outsiders_never_reach_a_transfer() {
             secret: Some(std::sync::Arc::new(b"guess".to_vec())),
             security: pki::Security::Insecure,
             max_kv_tokens: u32::MAX,
+            tickets: None,
         },
         Local::open(identity()),
     ] {
@@ -540,8 +550,9 @@ fn out_of_protocol_frames_close_the_connection_without_admitting_anything() {
     s.begin(7, 5);
     assert!(s.client.layer(7, 1, 320).is_err());
     assert!(s.client.layer(7, 0, 321).is_err());
-    assert!(s.client.begin(s.now, 7, 5, 16).is_err());
-    assert!(s.client.begin(s.now, 8, 5, 99).is_err());
+    let no_ticket = TransferTicket::default();
+    assert!(s.client.begin(s.now, (7, no_ticket), 5, 16).is_err());
+    assert!(s.client.begin(s.now, (8, no_ticket), 5, 99).is_err());
     assert!(s.client.written(7, 0, 0).is_err(), "inline connection");
 }
 
@@ -602,6 +613,56 @@ fn a_lost_connection_fails_every_transfer_on_it_and_abandons_every_incomplete_on
     assert!(s.client.poll_timeout().is_none() && s.server.poll_timeout().is_none());
 }
 
+/// With tickets, a transfer begins only into a reservation the receiver made, with that
+/// reservation's ticket, once: a sender with a wrong, a spent or no ticket is refused before any
+/// layer is read, and the receiver's reservations are untouched.
+#[test]
+fn a_transfer_begins_only_with_the_ticket_of_its_reservation() {
+    let receiver = Local {
+        tickets: Some(crate::Tickets::default()),
+        ..Local::open(identity())
+    };
+    let mut s = Sim::new(&Local::open(identity()), &receiver, false, MS);
+    s.run_for(10 * MS);
+    s.begin(1, 20);
+    for l in 0..identity().n_layers {
+        s.send_layer(1, l, 20);
+    }
+    s.run_for(20 * MS);
+    assert_eq!(
+        s.delivered(),
+        vec![1],
+        "its own ticket opens its reservation"
+    );
+
+    let tickets = receiver.tickets.clone().unwrap();
+    let flipped = |mut t: TransferTicket| {
+        t.0[0] ^= 1;
+        t
+    };
+    type Attempt =
+        fn(TransferTicket, fn(TransferTicket) -> TransferTicket) -> (u64, TransferTicket, u32);
+    let attempts: [Attempt; 4] = [
+        |t, flip| (2, flip(t), 20),                // a guess
+        |t, _| (3, t, 20),                         // another reservation's ticket
+        |t, _| (2, t, 21),                         // more tokens than reserved
+        |_, _| (2, TransferTicket::default(), 20), // none
+    ];
+    for attempt in attempts {
+        let mut s = Sim::new(&Local::open(identity()), &receiver, false, MS);
+        s.run_for(10 * MS);
+        let (request_id, ticket, n_tokens) = attempt(tickets.issue(RequestId(2), 20), flipped);
+        s.client
+            .begin(s.now, (request_id, ticket), n_tokens, 16)
+            .unwrap();
+        s.run_for(10 * MS);
+        assert!(s.server.is_closed(), "{request_id}/{n_tokens} refused");
+        let begun = |e: &ServerEvent| matches!(e, ServerEvent::Begun { .. });
+        assert!(!s.server_events.iter().any(begun), "{:?}", s.server_events);
+        assert!(s.failures()[0].contains("refused"), "{:?}", s.failures());
+    }
+}
+
 /// A peer makes the receiver read no frame bigger than a layer of a transfer it began, and may
 /// not begin one bigger than the receiver's cache.
 #[test]
@@ -627,6 +688,7 @@ fn frames_are_bounded_by_the_transfers_begun_and_the_cache() {
     let width = identity().n_kv_heads * identity().head_dim;
     let begin = |request_id, n_tokens| Frame::Begin {
         request_id,
+        ticket: TransferTicket::default(),
         n_tokens,
         n_layers: identity().n_layers,
         width,
@@ -663,6 +725,7 @@ mod fuzz {
                 secret: Some(std::sync::Arc::new(b"s3cret".to_vec())),
                 security: pki::Security::Insecure,
                 max_kv_tokens: u32::MAX,
+                tickets: None,
             };
             let t0 = Instant::now();
             let mut server = Server::new(&member, Timeouts::default(), false, [3; 16], t0);

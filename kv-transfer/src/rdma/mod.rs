@@ -437,7 +437,7 @@ impl RdmaKvSender {
     /// Sends one request's KV and waits for the receiver to admit it, within `timeout`.
     pub async fn send(
         &mut self,
-        request_id: u64,
+        (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         layers: Layers<'_>,
@@ -447,7 +447,7 @@ impl RdmaKvSender {
         let until = t0 + timeout;
         let blocks = self
             .conn
-            .begin_granted(request_id, n_tokens, width, timeout)
+            .begin_granted((request_id, ticket), n_tokens, width, timeout)
             .await?;
         let (n_layers, mut ready, mut rx) = match layers {
             Layers::Ready(all) => (all.len() as u32, Some(all.iter()), None),

@@ -389,14 +389,20 @@ impl Request {
         };
         out.push(Action::Note(Note::Decided(decision)));
         match r {
-            Some(r) if !r.local => self.start_prefill(decode, r.cached_tokens, cx, out),
+            Some(r) if !r.local => self.start_prefill(decode, r, cx, out),
             _ => self.go(Phase::Decoding { decode }, out),
         }
     }
 
     /// Sends the prompt (less its last token) to the prefill worker the policy picks, whose KV
-    /// goes straight to the decode worker — all but the first `skip` tokens, which it holds.
-    fn start_prefill(&mut self, decode: Held, skip: u32, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
+    /// goes straight to the decode worker — all but the first tokens it holds, under its ticket.
+    fn start_prefill(
+        &mut self,
+        decode: Held,
+        r: Reservation,
+        cx: &mut Cx<'_>,
+        out: &mut Vec<Action>,
+    ) {
         let Some(p) = cx.table.pick(Pool::Prefill, |_| true, &self.route) else {
             let why = ApiError::Unavailable("no prefill worker has joined the cluster".into());
             return self.recompute(decode, why, Recompute::NoPrefillWorker, cx, out);
@@ -406,7 +412,8 @@ impl Request {
         out.push(Action::Prefill {
             worker: p.worker,
             decode: decode.worker,
-            skip,
+            skip: r.cached_tokens,
+            ticket: r.ticket,
             guard: p.guard,
             pending: cx.signals.prefill_started(tokens),
         });

@@ -95,6 +95,8 @@ pub struct Reservation {
     pub cached_tokens: u32,
     /// It computes the rest itself.
     pub local: bool,
+    /// The ticket its KV listeners require of the transfer (handed to the prefill worker).
+    pub ticket: types::TransferTicket,
 }
 
 /// A worker a request is on, counted against it while held.
@@ -352,6 +354,8 @@ pub enum Action {
         decode: WorkerId,
         /// Tokens the decode worker holds already.
         skip: u32,
+        /// The decode worker's ticket for the transfer.
+        ticket: types::TransferTicket,
         /// Counts the call against the prefill worker.
         guard: InFlight,
         /// Counts its tokens as pending in the prefill pool.

@@ -349,11 +349,18 @@ fn token(t: u32, last: bool) -> Result<GenerateEvent, Status> {
     })
 }
 
-fn reserved(local: bool) -> Result<GenerateEvent, Status> {
+/// The fake decode worker's transfer ticket for request `id`: its reservation carries it, and
+/// the fake prefill delivers KV only with it (a router that did not hand it on fails there).
+pub fn ticket(id: u64) -> Vec<u8> {
+    [id.to_le_bytes(), (!id).to_le_bytes()].concat()
+}
+
+fn reserved(id: u64, local: bool) -> Result<GenerateEvent, Status> {
     Ok(GenerateEvent {
         event: Some(generate_event::Event::Reserved(grpc::Reservation {
             cached_tokens: 0,
             local,
+            transfer_ticket: if local { Vec::new() } else { ticket(id) },
         })),
         ..Default::default()
     })
@@ -398,7 +405,7 @@ impl Decode for Fake {
         let kv = self.kv.clone();
         tokio::spawn(async move {
             if remote {
-                let _ = tx.send(reserved(local)).await;
+                let _ = tx.send(reserved(id, local)).await;
                 if lose {
                     let _ = tx
                         .send(Err(Cause::KvTransfer.status("scripted: KV lost")))
@@ -437,7 +444,7 @@ fn count(
     let local = r.prompt.len() - 1 <= r.local_prefill_max_tokens as usize;
     tokio::spawn(async move {
         if remote {
-            let _ = tx.send(reserved(local)).await;
+            let _ = tx.send(reserved(id, local)).await;
             if !local && !kv.wait(id).await {
                 let _ = tx.send(Err(Cause::KvTransfer.status("no KV came"))).await;
                 return;
@@ -475,6 +482,9 @@ impl Prefill for Fake {
         self.record(|s| s.prefill.push((r.request_id, r.tokens.clone())));
         if self.prefill == PrefillScript::Fail {
             return Err(Cause::KvTransfer.status("scripted: the transfer broke"));
+        }
+        if r.transfer_ticket != ticket(r.request_id) {
+            return Err(Cause::KvTransfer.status("refused: wrong transfer ticket"));
         }
         self.kv.deliver(r.request_id);
         Ok(Response::new(PrefillReply {
