@@ -22,7 +22,7 @@ RUN apt-get update -qq \
  && useradd --create-home --uid 10001 tandem
 COPY --from=build /usr/local/bin/tandem /usr/local/bin/tandem
 USER 10001
-EXPOSE 8000 8001
+EXPOSE 8000 8001 8002
 # No HEALTHCHECK: one image serves every role and the CLI, and the workers' ports are picked by
 # the OS; the orchestrator probes each role its own way (deploy/kubernetes: the router's /health,
 # the workers' --ready-file).

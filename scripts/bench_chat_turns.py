@@ -24,7 +24,7 @@ TOPICS = ["rivers", "bridges", "volcanoes", "libraries", "bicycles", "forests", 
 
 def config(cache):
     pools = f"threads = 1\nkv_blocks = 1024\nmax_batch_tokens = 512\nprefix_cache = {str(cache).lower()}\n"
-    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
             f"[prefill]\nreplicas = 1\n{pools}[decode]\nreplicas = 1\n{pools}"
             '[kv_transfer]\nprefer = ["tcp"]\n')
 

@@ -80,7 +80,7 @@ def batch(addr, n, tokens):
 
 
 def metric(addr, prefix):
-    host, port = addr.rsplit(":", 1)
+    host, port = tandem_cluster.operator(addr).rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=10)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()

@@ -21,7 +21,7 @@ SYSTEM = 2048
 
 
 def config(policy, a):
-    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\npolicy = "{policy}"\n'
+    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\npolicy = "{policy}"\n'
             '[decode]\nreplicas = 4\nthreads = 1\nkv_blocks = 2048\n'
             f'max_batch_tokens = {a.max_batch_tokens}\n'
             'engine = "mock"\n[decode.mock]\npreset = "h200-llama8b"\n')
@@ -30,7 +30,7 @@ def config(policy, a):
 def run(policy, a, trace):
     with cluster(config(policy, a), "tandem-hot-") as (addr, d):
         out = os.path.join(d, "load.json")
-        subprocess.run([EXE, "bench", "load", "--addr", addr, "--trace", trace, "--requests",
+        subprocess.run([EXE, "bench", "load", "--addr", addr, "--operator", addr.operator, "--trace", trace, "--requests",
                         str(a.requests), "--json", out], check=True, stdout=subprocess.DEVNULL)
         prompt = SYSTEM + 64
         rows = []

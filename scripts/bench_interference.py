@@ -21,9 +21,11 @@ import tempfile
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 EXE = os.path.join(ROOT, "target", "release", "tandem")
 
+from tandem_cluster import up_addresses  # noqa: E402
+
 
 def config(colocated):
-    c = '[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+    c = '[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
     if not colocated:
         c += "[prefill]\nreplicas = 1\nthreads = 1\nkv_blocks = 512\nmax_batch_tokens = 256\n"
     c += f"[decode]\nreplicas = {2 if colocated else 1}\nthreads = 1\nkv_blocks = 1024\nmax_batch_tokens = 256\n"
@@ -36,10 +38,10 @@ def run(colocated, rate, plot=()):
     open(cfg, "w").write(config(colocated))
     up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        http = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
+        http = up_addresses(up.stdout)
         def bench(name, *args):
             out = os.path.join(d, name + ".json")
-            p = subprocess.Popen([EXE, "bench", "load", "--addr", http, "--json", out, *args],
+            p = subprocess.Popen([EXE, "bench", "load", "--addr", http, "--operator", http.operator, "--json", out, *args],
                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             return p, out
         decode = bench("decode", "--rate", str(rate), "--requests", str(int(12 * rate)), "--prompt-tokens", "32",

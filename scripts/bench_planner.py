@@ -23,6 +23,8 @@ import urllib.request
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 EXE = os.path.join(ROOT, "target", "release", "tandem")
+
+from tandem_cluster import up_addresses  # noqa: E402
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 TTFT_MS, ITL_MS = 250, 25
 
@@ -35,7 +37,7 @@ preset = "h200-llama8b"
 
 
 def config(kind, prefill=1, decode=1):
-    c = '[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+    c = '[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
     if kind != "colocated":
         c += f"[prefill]\nreplicas = {prefill}\n" + POOL.format(name="prefill", blocks=1024, batch=2048)
         c += f"[prefill.slo]\nttft_p90_ms = {TTFT_MS}\n"
@@ -49,7 +51,7 @@ def config(kind, prefill=1, decode=1):
 
 
 def metric(http, series):
-    text = urllib.request.urlopen(f"http://{http}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{http.operator}/metrics", timeout=5).read().decode()
     for line in text.splitlines():
         if line.startswith(series + " "):
             return float(line.split()[-1])
@@ -62,13 +64,7 @@ def run(kind, args, prefill=1, decode=1):
     open(cfg, "w").write(config(kind, prefill, decode))
     up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        http = None
-        for line in up.stdout:
-            m = re.search(r"behind http://(\S+)", line)
-            if m:
-                http = m.group(1)
-                break
-        assert http, "tandem up did not come up"
+        http = up_addresses(up.stdout)
         peak = {"prefill": prefill, "decode": decode}
         stop = threading.Event()
 
@@ -84,7 +80,7 @@ def run(kind, args, prefill=1, decode=1):
         ws0 = sum(metric(http, f'tandem_planner_replica_seconds{{pool="{p}"}}') for p in peak)
         out = os.path.join(d, "report.json")
         t0 = time.time()
-        subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", TRACE, "--requests", str(args.requests),
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator, "--trace", TRACE, "--requests", str(args.requests),
                         "--time-scale", str(args.time_scale), "--length-scale", str(args.length_scale),
                         "--ttft-slo-ms", str(TTFT_MS), "--itl-slo-ms", str(ITL_MS), "--json", out],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

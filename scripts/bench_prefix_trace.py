@@ -24,7 +24,7 @@ TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trac
 def config(policy, cache, a):
     pool = (f"replicas = 2\nthreads = 1\nmax_batch_tokens = 2048\n"
             f'prefix_cache = {str(cache).lower()}\nengine = "mock"\n')
-    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\npolicy = "{policy}"\n'
+    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\npolicy = "{policy}"\n'
             f'[prefill]\n{pool}kv_blocks = {a.prefill_blocks}\n[prefill.mock]\npreset = "h200-llama8b"\n'
             f'[decode]\n{pool}kv_blocks = {a.decode_blocks}\n[decode.mock]\npreset = "h200-llama8b"\n'
             '[kv_transfer]\nprefer = ["tcp"]\n')
@@ -34,7 +34,7 @@ def run(policy, cache, a, time_scale, keep, plot=()):
     """One replay; its report is also copied to `keep` (for a later run's --plot-with)."""
     with cluster(config(policy, cache, a), "tandem-prefix-") as (http, d):
         out = os.path.join(d, "load.json")
-        subprocess.run([EXE, "bench", "load", "--addr", http, "--trace", a.trace,
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator, "--trace", a.trace,
                         "--requests", str(a.requests), "--time-scale", str(time_scale),
                         "--length-scale", str(a.length_scale), "--ttft-slo-ms", "200",
                         "--itl-slo-ms", "50", "--json", out, *plot],

@@ -101,7 +101,7 @@ def attack(addr, n, stop):
 
 
 def refused(addr):
-    host, port = addr.rsplit(":", 1)
+    host, port = tandem_cluster.operator(addr).rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=5)
     c.request("GET", "/metrics")
     text = c.getresponse().read().decode()

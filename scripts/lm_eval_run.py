@@ -22,7 +22,7 @@ import tempfile
 
 from tandem_cluster import cluster, get_json
 
-CONFIG = ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+CONFIG = ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
           "[prefill]\nreplicas = 1\nthreads = 1\nkv_blocks = 512\n"
           "[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 1024\n"
           '[kv_transfer]\nprefer = ["tcp"]\n')
@@ -117,7 +117,7 @@ def main():
         if r.returncode != 0:
             print(r.stderr[-4000:], file=sys.stderr)
             sys.exit(r.returncode)
-        metrics = subprocess.run(["curl", "-s", f"http://{addr}/metrics"], text=True,
+        metrics = subprocess.run(["curl", "-s", f"http://{addr.operator}/metrics"], text=True,
                                  capture_output=True).stdout
         for line in metrics.splitlines():
             if re.match(r"tandem_router_(prefill_decisions|requests)_total", line):

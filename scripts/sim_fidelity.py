@@ -25,14 +25,14 @@ import re
 import subprocess
 import tempfile
 
-from tandem_cluster import EXE, ROOT, cluster, get_json
+from tandem_cluster import EXE, ROOT, cluster, get_json, operator
 
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
 
 
 def config(a):
     pool = (f'replicas = 2\nthreads = 1\nmax_batch_tokens = {a.max_batch_tokens}\nengine = "mock"\n')
-    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+    return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
             f'[prefill]\n{pool}kv_blocks = 4096\n[prefill.mock]\npreset = "{a.preset}"\n'
             f'[decode]\n{pool}kv_blocks = 4096\n[decode.mock]\npreset = "{a.preset}"\n'
             '[kv_transfer]\nprefer = ["tcp"]\n')
@@ -45,7 +45,7 @@ def workload(a, out, skip=0):
 
 def fetch_metrics(addr):
     """Prometheus text from host:port/metrics."""
-    host, port = addr.rsplit(":", 1)
+    host, port = operator(addr).rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=30)
     c.request("GET", "/metrics")
     return c.getresponse().read().decode()
@@ -132,13 +132,13 @@ def run_real(a, scratch):
     from the slice after it (held out: the costs a moment later, on other requests)."""
     with cluster(config(a), "tandem-fidelity-") as (http, d):
         out = os.path.join(d, "real.json")
-        subprocess.run([EXE, "bench", "load", "--addr", http] + workload(a, out), check=True,
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator] + workload(a, out), check=True,
                        stdout=subprocess.DEVNULL)
         real = json.load(open(out))
         workers = get_json(http, "/debug/workers")["workers"]
         first = scrape_all(http, workers)
         load = workload(a, os.path.join(d, "next.json"), skip=a.requests)
-        subprocess.run([EXE, "bench", "load", "--addr", http] + load, check=True,
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator] + load, check=True,
                        stdout=subprocess.DEVNULL)
         after = scrape_all(http, workers)
         cfg = open(os.path.join(d, "cluster.toml")).read()

@@ -13,10 +13,36 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 EXE = os.environ.get("TANDEM_EXE") or os.path.join(ROOT, "target", "release", "tandem")
 
 
+class Router(str):
+    """A router's API address (host:port); `.operator` is its operator endpoints' address
+    (`/metrics`, `/status.json`, `/debug/workers`: never on the API's port)."""
+
+    def __new__(cls, api, operator):
+        r = super().__new__(cls, api)
+        r.operator = operator
+        return r
+
+
+def up_addresses(lines):
+    """The Router `tandem up` prints: "... behind http://API", then "status page: http://OPS/status"."""
+    api = None
+    for line in lines:
+        if api is None and (m := re.search(r"behind http://(\S+)", line)):
+            api = m.group(1)
+        elif api and (m := re.search(r"status page: http://([^/\s]+)/status", line)):
+            return Router(api, m.group(1))
+    raise RuntimeError("tandem up did not come up")
+
+
+def operator(addr):
+    """Where `addr` (a Router, or a plain host:port of the operator) serves its operator endpoints."""
+    return getattr(addr, "operator", addr)
+
+
 @contextlib.contextmanager
 def cluster(config, prefix="tandem-bench-"):
     """Starts `tandem up` on `config` (the text of a cluster.toml) in a scratch directory;
-    yields (the router's host:port, the directory); stops the cluster on the way out."""
+    yields (the router's Router address, the directory); stops the cluster on the way out."""
     d = tempfile.mkdtemp(prefix=prefix)
     cfg = os.path.join(d, "cluster.toml")
     with open(cfg, "w") as f:
@@ -24,8 +50,7 @@ def cluster(config, prefix="tandem-bench-"):
     up = subprocess.Popen([EXE, "up", "--config", cfg], stdout=subprocess.PIPE,
                           stderr=subprocess.DEVNULL, text=True)
     try:
-        addr = next(m.group(1) for line in up.stdout if (m := re.search(r"behind http://(\S+)", line)))
-        yield addr, d
+        yield up_addresses(up.stdout), d
     finally:
         up.send_signal(2)
         try:
@@ -35,8 +60,8 @@ def cluster(config, prefix="tandem-bench-"):
 
 
 def get_json(addr, path):
-    """GET `path` from the router at `addr` (host:port), parsed."""
-    host, port = addr.rsplit(":", 1)
+    """GET `path` (an operator endpoint) from the router at `addr`, parsed."""
+    host, port = operator(addr).rsplit(":", 1)
     c = http.client.HTTPConnection(host, int(port), timeout=30)
     try:
         c.request("GET", path)
@@ -54,7 +79,7 @@ def worker_stats(addr):
 def colocated(decode_lines):
     """A cluster.toml of one colocated decode worker on loopback ports the OS picks, with
     `decode_lines` added to its [decode] section."""
-    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\n'
+    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
             "[decode]\nreplicas = 1\nthreads = 1\n" + decode_lines)
 
 

@@ -32,6 +32,9 @@ pub struct RoleArgs {
     /// Control listen address (router), overriding `router.control`.
     #[arg(long)]
     pub control: Option<String>,
+    /// Operator endpoints' listen address (router), overriding `router.operator`.
+    #[arg(long)]
+    pub operator: Option<String>,
     /// Worker name for logs.
     #[arg(long)]
     pub name: Option<String>,
@@ -42,8 +45,9 @@ pub struct RoleArgs {
     /// Decode workers: the TCP KV endpoint to advertise instead of the bound one (NAT, proxies).
     #[arg(long)]
     pub kv_advertise: Option<String>,
-    /// Router: once listening, write `{"http": ADDR, "control": ADDR}` as one line to this
-    /// inherited file descriptor and close it (how `tandem up` learns the addresses).
+    /// Router: once listening, write `{"http": ADDR, "control": ADDR, "operator": ADDR}` as one
+    /// line to this inherited file descriptor and close it (how `tandem up` learns the
+    /// addresses).
     #[arg(long)]
     pub ready_fd: Option<i32>,
     /// Workers: once serving (joined, or registered in etcd), write this file (a readiness
@@ -335,6 +339,10 @@ pub fn router(a: RoleArgs) -> Result<()> {
             .control
             .clone()
             .unwrap_or_else(|| cfg.router.control.get_ref().clone()),
+        operator: a
+            .operator
+            .clone()
+            .unwrap_or_else(|| cfg.router.operator.get_ref().clone()),
         model,
         block_size: *cfg.model.block_size.get_ref() as usize,
         disaggregated: cfg.disaggregated(),
@@ -395,13 +403,14 @@ pub fn router(a: RoleArgs) -> Result<()> {
         },
     };
     let ready_fd = a.ready_fd;
-    runtime()?.block_on(router::run(rc, move |http, control| {
-        eprintln!("tandem router: listening on http://{http} (control http://{control})");
+    runtime()?.block_on(router::run(rc, move |at| {
+        let (http, control, operator) = (at.http, at.control, at.operator);
+        eprintln!("tandem router: listening on http://{http} (control http://{control}, operator http://{operator})");
         if let Some(fd) = ready_fd {
             // SAFETY: `fd` was handed to this process for this one line (`--ready-fd`); nothing
             // else in it uses that descriptor, and the File owns and closes it here.
             let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-            let line = serde_json::json!({"http": http, "control": control});
+            let line = serde_json::json!({"http": http, "control": control, "operator": operator});
             if let Err(e) = writeln!(f, "{line}") {
                 eprintln!("tandem router: cannot report readiness on fd {fd}: {e}");
             }
@@ -489,7 +498,7 @@ async fn start_router(
     exe: &Path,
     config: &str,
     extra: &[String],
-) -> Result<(Child, SocketAddr, String)> {
+) -> Result<(Child, router::Bound)> {
     let mut fds = [0i32; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
@@ -517,18 +526,24 @@ async fn start_router(
     }
     let v: serde_json::Value = serde_json::from_str(&line)
         .with_context(|| format!("the router's readiness line {line:?}"))?;
-    let http = v["http"]
-        .as_str()
-        .unwrap_or_default()
-        .parse::<SocketAddr>()?;
-    let control = format!("http://{}", v["control"].as_str().unwrap_or_default());
-    Ok((router, http, control))
+    let addr = |k: &str| {
+        let a = v[k].as_str().unwrap_or_default();
+        a.parse::<SocketAddr>()
+            .with_context(|| format!("the router's {k} address {a:?}"))
+    };
+    let at = router::Bound {
+        http: addr("http")?,
+        control: addr("control")?,
+        operator: addr("operator")?,
+    };
+    Ok((router, at))
 }
 
 /// One model's processes under `tandem up`: its router and workers.
 struct Stack {
     cfg: ClusterConfig,
     http: SocketAddr,
+    operator: SocketAddr,
 }
 
 /// Starts the router of `config` (with `extra` arguments) and the workers it does not start
@@ -543,17 +558,19 @@ async fn start_stack(
 ) -> Result<Stack> {
     let cfg = load(config)?.0;
     let cfg_s = config.to_string_lossy().to_string();
-    let (router, http, control) = start_router(exe, &cfg_s, extra).await?;
+    let (router, at) = start_router(exe, &cfg_s, extra).await?;
+    let control = format!("http://{}", at.control);
     // Started again on the same addresses, so that its workers find it.
-    let ctrl = control.trim_start_matches("http://").to_string();
     let mut args = [
         "router",
         "--config",
         &cfg_s,
         "--listen",
-        &http.to_string(),
+        &at.http.to_string(),
         "--control",
-        &ctrl,
+        &at.control.to_string(),
+        "--operator",
+        &at.operator.to_string(),
     ]
     .map(String::from)
     .to_vec();
@@ -585,7 +602,11 @@ async fn start_stack(
             procs.push(supervise::Process { name, args });
         }
     }
-    Ok(Stack { cfg, http })
+    Ok(Stack {
+        cfg,
+        http: at.http,
+        operator: at.operator,
+    })
 }
 
 /// `tandem up`: the router and every worker of cluster.toml as child processes, kept running
@@ -619,12 +640,13 @@ pub fn up(config: PathBuf) -> Result<()> {
             });
             return Err(e);
         }
-        let http = stacks.last().expect("the main stack").http;
+        let main = stacks.last().expect("the main stack");
+        let (http, operator) = (main.http, main.operator);
         let model_id = router::model_id(&model);
         let (p, d) = stacks.iter().map(|s| wanted(&s.cfg)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         let models = stacks.len();
         say(format_args!("tandem is up: {p} prefill + {d} decode workers ({models} model(s)) behind http://{http}"));
-        say(format_args!("status page: http://{http}/status (or `tandem status --addr {http} --watch`)"));
+        say(format_args!("status page: http://{operator}/status (or `tandem status --addr {operator} --watch`); metrics: http://{operator}/metrics"));
         // A base model (no chat template) is asked through /v1/completions.
         let chat = engine::inspect(&model).map_or(true, |(_, t)| t.chat_template().is_some());
         if chat {

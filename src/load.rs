@@ -20,6 +20,10 @@ pub struct LoadArgs {
     /// The router's address (host:port).
     #[arg(long, default_value = "127.0.0.1:8000")]
     addr: String,
+    /// The router's operator address (host:port; `router.operator`), where the workers' prompt
+    /// tokens and prefix-cache hits are read before and after the run.
+    #[arg(long, default_value = "127.0.0.1:8002")]
+    operator: String,
     /// Model name to send.
     #[arg(long, default_value = "SmolLM2-135M-Instruct.Q4_1")]
     model: String,
@@ -287,6 +291,10 @@ pub fn run(a: LoadArgs) -> Result<()> {
         .addr
         .parse()
         .with_context(|| format!("--addr {:?} is not host:port", a.addr))?;
+    let operator: SocketAddr = a
+        .operator
+        .parse()
+        .with_context(|| format!("--operator {:?} is not host:port", a.operator))?;
     let planned = plan(&a.work)?;
     if planned.is_empty() {
         bail!("no requests to send");
@@ -298,7 +306,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let sent_prompt: usize = planned.iter().map(|p| p.prompt.len()).sum();
     let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let http = reqwest::Client::new();
-    let before = rt.block_on(cache_counts(&http, addr));
+    let before = rt.block_on(cache_counts(&http, operator));
     let (outcomes, elapsed) = rt.block_on(async {
         let t0 = Instant::now();
         let mut tasks = Vec::new();
@@ -315,7 +323,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
         }
         (out, t0.elapsed())
     });
-    let after = rt.block_on(cache_counts(&http, addr));
+    let after = rt.block_on(cache_counts(&http, operator));
     // The engines' prompt tokens and prefix-cache hits over the run (a tandem router only).
     let cache = before
         .zip(after)

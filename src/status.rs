@@ -12,8 +12,8 @@ use serde_json::Value;
 /// Arguments of `tandem status`.
 #[derive(Args, Debug)]
 pub struct StatusArgs {
-    /// The router's address (host:port).
-    #[arg(long, default_value = "127.0.0.1:8000")]
+    /// The router's operator address (host:port; `router.operator`).
+    #[arg(long, default_value = "127.0.0.1:8002")]
     addr: String,
     /// Redraw every `--every` seconds until interrupted.
     #[arg(long)]

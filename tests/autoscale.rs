@@ -25,6 +25,7 @@ const CONFIG: &str = r#"
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 
 [prefill]
 replicas = 1
@@ -127,17 +128,17 @@ fn live_workers(http: SocketAddr, role: &str) -> Vec<Value> {
 #[test]
 fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     let up = Up::start(EXE.as_ref(), CONFIG);
-    let (http, dir) = (up.http, up.dir().to_path_buf());
+    let (http, dir, ops) = (up.http, up.dir().to_path_buf(), up.operator);
 
     // Baseline: half a prefill replica's capacity. Nothing scales.
     let r = load(http, &dir, 4, 24, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
-    assert_eq!(ups(http, "prefill"), 0.0);
+    assert_eq!(ups(ops, "prefill"), 0.0);
 
     // The prompt load triples: the prefill pool grows; the decode pool has no reason to.
     let r = load(http, &dir, 12, 100, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
-    assert!(ups(http, "prefill") >= 1.0, "the prefill pool did not grow");
+    assert!(ups(ops, "prefill") >= 1.0, "the prefill pool did not grow");
     // Within a bounded number of ticks (the first phase is ~8 s = 32 ticks), p90 TTFT is back
     // under the 800 ms target for the same load.
     let r = load(http, &dir, 12, 100, 128, 16);
@@ -145,17 +146,17 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     let p90 = r["ttft_ms"]["p90"].as_f64().unwrap();
     assert!(p90 < 800.0, "p90 TTFT {p90} ms after scaling: {r}");
     assert_eq!(
-        ups(http, "decode"),
+        ups(ops, "decode"),
         0.0,
         "the decode pool grew for the prefill pool's load"
     );
-    assert!(live_workers(http, "prefill").len() >= 2);
+    assert!(live_workers(ops, "prefill").len() >= 2);
 
     // A decode-heavy load: the decode pool grows on ITL.
     let r = load(http, &dir, 8, 96, 16, 128);
     assert_eq!(r["errors"], 0, "{r}");
     assert!(
-        ups(http, "decode") >= 1.0,
+        ups(ops, "decode") >= 1.0,
         "the decode pool did not grow on ITL"
     );
 
@@ -164,10 +165,10 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
         "both pools back at one replica",
         Duration::from_secs(60),
         || {
-            metric(http, "tandem_planner_desired_replicas{pool=\"prefill\"}") == 1.0
-                && metric(http, "tandem_planner_desired_replicas{pool=\"decode\"}") == 1.0
-                && live_workers(http, "prefill").len() == 1
-                && live_workers(http, "decode").len() == 1
+            metric(ops, "tandem_planner_desired_replicas{pool=\"prefill\"}") == 1.0
+                && metric(ops, "tandem_planner_desired_replicas{pool=\"decode\"}") == 1.0
+                && live_workers(ops, "prefill").len() == 1
+                && live_workers(ops, "decode").len() == 1
         },
     );
     let (status, v) = post_json(
@@ -177,12 +178,12 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     );
     assert_eq!(status, 200, "{v}");
     // The planner's metrics pass Prometheus' linter too.
-    let (_, text) = get(http, "/metrics").unwrap();
+    let (_, text) = get(ops, "/metrics").unwrap();
     tandem_tests::cluster::promtool_check(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
     assert!(text.contains("tandem_planner_replica_seconds{pool=\"prefill\"}"));
 
     // A worker that crashes is dropped from routing and replaced.
-    let victim = live_workers(http, "decode")[0]["name"]
+    let victim = live_workers(ops, "decode")[0]["name"]
         .as_str()
         .unwrap()
         .to_string();
@@ -195,7 +196,7 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
         "a replacement decode worker",
         Duration::from_secs(30),
         || {
-            let ws = live_workers(http, "decode");
+            let ws = live_workers(ops, "decode");
             ws.len() == 1 && ws[0]["name"] != victim.as_str()
         },
     );

@@ -32,6 +32,7 @@ const CONFIG: &str = r#"
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 request_timeout_ms = 60000
 
 [prefill]

@@ -233,7 +233,7 @@ fn a_cluster_serves_gemma3_through_completions() {
         )
         .unwrap();
     drop(e);
-    let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 128\n\n[decode]\nthreads = 1\nkv_blocks = 128\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
+    let toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\nlocal_prefill_max_tokens = 0\n\n[prefill]\nthreads = 1\nkv_blocks = 128\n\n[decode]\nthreads = 1\nkv_blocks = 128\n\n[kv_transfer]\nprefer = [\"tcp\"]\n";
     let c = Cluster::of(1, 1)
         .model(&tandem_tests::gemma3_path())
         .toml(toml)
@@ -601,7 +601,7 @@ fn clusters_with_cuda_pools_answer_berlin_on_the_cuda_emulator() {
 /// forward count); `/v1/models` lists both; an unknown name is a 404 listing them.
 #[test]
 fn one_router_answers_for_two_models_by_name() {
-    let gemma_toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nthreads = 1\nkv_blocks = 64\n";
+    let gemma_toml = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\n\n[decode]\nthreads = 1\nkv_blocks = 64\n";
     let g = Cluster::of(0, 1)
         .model(&tandem_tests::gemma3_path())
         .toml(gemma_toml)
@@ -655,14 +655,14 @@ fn one_router_answers_for_two_models_by_name() {
     assert_eq!(status, 200, "{v}");
     let ok = r#"tandem_router_requests_total{outcome="ok"}"#;
     assert_eq!(
-        metric_at(g.http, ok),
+        metric_at(g.operator, ok),
         2.0,
         "the Gemma router served both Gemma requests"
     );
     let forwarded = format!("tandem_router_forwarded_total{{model=\"{gemma}\"}}");
-    assert_eq!(metric_at(front.http, &forwarded), 2.0);
+    assert_eq!(metric_at(front.operator, &forwarded), 2.0);
     assert_eq!(
-        metric_at(front.http, ok),
+        metric_at(front.operator, ok),
         1.0,
         "the front served its own model's one"
     );

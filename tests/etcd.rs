@@ -9,12 +9,11 @@
 //! Mock-engine workers (real processes, KV transfers, a timing model instead of kernels).
 
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tandem_tests::cluster::{get, metric_at, post_json};
+use tandem_tests::cluster::{get, metric_at, post_json, RouterAt};
 use tandem_tests::etcd::{self, Etcd};
 use tandem_tests::netns::Lan;
 
@@ -32,6 +31,7 @@ fn config(etcd: &str, prefix: &str, autoscale: bool) -> String {
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 allow_no_keys = true
 heartbeat_timeout_ms = 60000
 stall_timeout_ms = 60000
@@ -93,8 +93,8 @@ impl Drop for Procs {
     }
 }
 
-/// Starts a router on `cfg`; returns it and its HTTP address.
-fn router(cfg: &std::path::Path) -> (Child, SocketAddr) {
+/// Starts a router on `cfg`; returns it and its addresses.
+fn router(cfg: &std::path::Path) -> (Child, RouterAt) {
     let c = Command::new(EXE)
         .args(["router", "--config"])
         .arg(cfg)
@@ -105,16 +105,16 @@ fn router(cfg: &std::path::Path) -> (Child, SocketAddr) {
     router_address(c)
 }
 
-/// The router's HTTP address, from its first lines (the rest of its log drained).
-fn router_address(mut c: Child) -> (Child, SocketAddr) {
+/// The router's addresses, from its first lines (the rest of its log drained).
+fn router_address(mut c: Child) -> (Child, RouterAt) {
     let mut lines = BufReader::new(c.stderr.take().unwrap()).lines();
     let http = loop {
         let line = lines
             .next()
             .expect("the router printed its address")
             .unwrap();
-        if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
-            break rest.split_once(' ').unwrap().0.parse().unwrap();
+        if let Some(at) = tandem_tests::cluster::router_line(&line) {
+            break at;
         }
     };
     std::thread::spawn(move || for _ in lines {});
@@ -132,8 +132,8 @@ fn worker(cfg: &std::path::Path, role: &str, name: &str) -> Child {
 }
 
 /// The workers a router counts, (prefill, decode).
-fn counts(http: SocketAddr) -> Option<(u64, u64)> {
-    let (_, body) = get(http, "/health").ok()?;
+fn counts(r: RouterAt) -> Option<(u64, u64)> {
+    let (_, body) = get(r.http, "/health").ok()?;
     let v: Value = serde_json::from_str(&body).ok()?;
     Some((
         v["prefill_workers"].as_u64()?,
@@ -142,13 +142,14 @@ fn counts(http: SocketAddr) -> Option<(u64, u64)> {
 }
 
 /// Waits until `http` counts `want` workers; returns how long it took.
-fn wait_counts(http: SocketAddr, want: (u64, u64), limit: Duration) -> Duration {
+fn wait_counts(r: RouterAt, want: (u64, u64), limit: Duration) -> Duration {
     let t0 = Instant::now();
-    while counts(http) != Some(want) {
+    while counts(r) != Some(want) {
         assert!(
             t0.elapsed() < limit,
-            "router {http} counts {:?}, not {want:?}, after {limit:?}",
-            counts(http)
+            "router {} counts {:?}, not {want:?}, after {limit:?}",
+            r.http,
+            counts(r)
         );
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -156,7 +157,8 @@ fn wait_counts(http: SocketAddr, want: (u64, u64), limit: Duration) -> Duration 
 }
 
 /// A completion through `http`; panics unless it answers 200 with text.
-fn complete(http: SocketAddr, prompt: &str) {
+fn complete(r: RouterAt, prompt: &str) {
+    let http = r.http;
     let body = json!({"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": prompt, "max_tokens": 8,
         "temperature": 0});
     let (status, v) = post_json(http, "/v1/completions", &body);
@@ -170,9 +172,9 @@ fn complete(http: SocketAddr, prompt: &str) {
     );
 }
 
-fn remote(http: SocketAddr) -> f64 {
+fn remote(r: RouterAt) -> f64 {
     metric_at(
-        http,
+        r.operator,
         "tandem_router_prefill_decisions_total{decision=\"remote\"}",
     )
 }
@@ -243,7 +245,8 @@ fn two_routers_and_four_workers_find_each_other_through_etcd_and_survive_deaths(
     for r in [a, b] {
         let gone = wait_counts(r, (2, 1), Duration::from_secs(30));
         eprintln!(
-            "killed decode worker gone from router {r} after {gone:?} (lease TTL {TTL_MS} ms)"
+            "killed decode worker gone from router {} after {gone:?} (lease TTL {TTL_MS} ms)",
+            r.http
         );
     }
     complete(a, &prompt(30));
@@ -312,11 +315,13 @@ fn one_planner_leads_and_another_takes_over_within_the_lease_ttl() {
     procs
         .0
         .extend([("a".to_string(), ra), ("b".to_string(), rb)]);
-    let leader = |http: SocketAddr| {
-        get(http, "/metrics").is_ok_and(|(_, t)| t.lines().any(|l| l == "tandem_planner_leader 1"))
+    let leader = |r: RouterAt| {
+        get(r.operator, "/metrics")
+            .is_ok_and(|(_, t)| t.lines().any(|l| l == "tandem_planner_leader 1"))
     };
-    let follower = |http: SocketAddr| {
-        get(http, "/metrics").is_ok_and(|(_, t)| t.lines().any(|l| l == "tandem_planner_leader 0"))
+    let follower = |r: RouterAt| {
+        get(r.operator, "/metrics")
+            .is_ok_and(|(_, t)| t.lines().any(|l| l == "tandem_planner_leader 0"))
     };
     let t0 = Instant::now();
     let (lead, follow) = loop {
@@ -325,8 +330,10 @@ fn one_planner_leads_and_another_takes_over_within_the_lease_ttl() {
             (false, true, true, _) => break (("b", b), a),
             _ => {}
         }
-        let lines = |http: SocketAddr| -> Vec<String> {
-            let text = get(http, "/metrics").map(|(_, t)| t).unwrap_or_default();
+        let lines = |r: RouterAt| -> Vec<String> {
+            let text = get(r.operator, "/metrics")
+                .map(|(_, t)| t)
+                .unwrap_or_default();
             text.lines()
                 .filter(|l| l.starts_with("tandem_planner_leader"))
                 .map(String::from)
@@ -343,8 +350,8 @@ fn one_planner_leads_and_another_takes_over_within_the_lease_ttl() {
     // Only the leader decides: the follower's decision counters stay at zero.
     std::thread::sleep(Duration::from_millis(1000));
     // Every decision of the decode pool, whatever its action.
-    let decisions = |http: SocketAddr| -> f64 {
-        let (_, text) = get(http, "/metrics").unwrap();
+    let decisions = |r: RouterAt| -> f64 {
+        let (_, text) = get(r.operator, "/metrics").unwrap();
         text.lines()
             .filter(|l| l.starts_with("tandem_planner_decisions_total{pool=\"decode\""))
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
@@ -410,6 +417,8 @@ fn etcd_routers_and_workers_on_separate_hosts() {
                 &at,
                 "--control",
                 &at,
+                "--operator",
+                &at,
             ],
         );
         let (c, http) = router_address(c);
@@ -446,14 +455,18 @@ fn etcd_routers_and_workers_on_separate_hosts() {
         }
         assert!(
             remote(r) >= 3.0,
-            "router {r}: prompts prefilled on the prefill host"
+            "router {}: prompts prefilled on the prefill host",
+            r.http
         );
     }
     // The KV crossed from host 3 to host 4 over TCP (the router's counter: a worker re-admitted
     // under a new id would start its own counts from zero).
-    let sent = metric_at(routers[0], "tandem_kv_transfers_total{transport=\"tcp\"}");
+    let sent = metric_at(
+        routers[0].operator,
+        "tandem_kv_transfers_total{transport=\"tcp\"}",
+    );
     assert!(sent >= 1.0, "no KV crossed hosts");
-    let (_, body) = get(routers[0], "/debug/workers").unwrap();
+    let (_, body) = get(routers[0].operator, "/debug/workers").unwrap();
     let ws: Value = serde_json::from_str(&body).unwrap();
     let endpoints: Vec<&str> = ws["workers"]
         .as_array()

@@ -57,7 +57,7 @@ fn preferring_rdma_without_a_device_falls_back_visibly_and_requiring_it_fails_cl
     assert_eq!(status, 200);
     c.wait_transfers("tcp", 1);
     // The fallback and its reason are in the router's metrics.
-    let (_, metrics) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+    let (_, metrics) = tandem_tests::cluster::get(c.operator, "/metrics").unwrap();
     let chosen = metrics
         .lines()
         .find(|l| l.starts_with("tandem_kv_transport_chosen_total{"))
@@ -135,7 +135,7 @@ fn a_cluster_secret_keeps_outsiders_from_writing_kv() {
     // It was tried: the prompt went to it, its KV was refused, the decode worker recomputed.
     let phase = |name: &str| {
         metric_at(
-            c.http,
+            c.operator,
             &format!("tandem_router_request_phases_total{{phase=\"{name}\"}}"),
         )
     };

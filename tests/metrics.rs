@@ -27,7 +27,7 @@ fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
     );
     assert_eq!(status, 400);
     c.wait_transfers("tcp", 2);
-    let (status, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+    let (status, text) = tandem_tests::cluster::get(c.operator, "/metrics").unwrap();
     assert_eq!(status, 200);
     let value = |needle: &str| -> f64 {
         text.lines()
@@ -61,7 +61,7 @@ fn router_metrics_count_requests_latencies_and_transfers_by_transport() {
     // The ledger from heartbeats: nothing reserved or in flight once the requests are done.
     let t0 = Instant::now();
     loop {
-        let (_, text) = tandem_tests::cluster::get(c.http, "/metrics").unwrap();
+        let (_, text) = tandem_tests::cluster::get(c.operator, "/metrics").unwrap();
         let held: f64 = text
             .lines()
             .filter(|l| {
@@ -98,7 +98,8 @@ fn bench_load_replays_a_mooncake_trace_against_the_cluster() {
     .unwrap();
     let report = dir.join("report.json");
     let out = std::process::Command::new(EXE)
-        .args(["bench", "load", "--addr", &c.http.to_string(), "--trace"])
+        .args(["bench", "load", "--addr", &c.http.to_string()])
+        .args(["--operator", &c.operator.to_string(), "--trace"])
         .arg(&trace)
         .args(["--length-scale", "0.05", "--time-scale", "1", "--json"])
         .arg(&report)
@@ -134,7 +135,9 @@ fn every_process_serves_metrics_that_promtool_accepts() {
     c.wait_transfers("tcp", 1);
     let mut texts = vec![(
         "router".to_string(),
-        tandem_tests::cluster::get(c.http, "/metrics").unwrap().1,
+        tandem_tests::cluster::get(c.operator, "/metrics")
+            .unwrap()
+            .1,
     )];
     for w in c.workers() {
         let at: std::net::SocketAddr = w["metrics_endpoint"].as_str().unwrap().parse().unwrap();

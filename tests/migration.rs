@@ -160,7 +160,7 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_pe
             let v: Value = serde_json::from_str(&text).unwrap();
             assert!(tandem_tests::structured::valid(&v), "{v}");
         }
-        let migrations = metric_at(c.http, "tandem_router_migrations_total");
+        let migrations = metric_at(c.operator, "tandem_router_migrations_total");
         assert_eq!(migrations, (k + 1) as f64, "the stream moved once");
         // The other decode worker served the rest; a new one joins for the next stream.
         let cfg = c.config(&Cluster::of(1, 1));
@@ -183,7 +183,7 @@ fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error
     let error = error.expect("an error event, never silence");
     assert!(error.contains("migration_limit = 0"), "{error}");
     assert!(t0.elapsed() < Duration::from_secs(10), "promptly");
-    assert_eq!(metric_at(c.http, "tandem_router_migrations_total"), 0.0);
+    assert_eq!(metric_at(c.operator, "tandem_router_migrations_total"), 0.0);
 }
 
 #[test]
@@ -233,7 +233,7 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
         "every stream moved on within 5 s of the freeze ({gaps:?}, {:?} in all)",
         frozen.elapsed()
     );
-    assert_eq!(metric_at(c.http, "tandem_router_migrations_total"), 8.0);
+    assert_eq!(metric_at(c.operator, "tandem_router_migrations_total"), 8.0);
     // Thawed, it rejoins (its old streams released) and serves again.
     c.signal_worker("decode-0", libc::SIGCONT);
     c.wait_for(1, 2);
@@ -307,7 +307,7 @@ fn a_prefill_worker_killed_or_frozen_mid_prefill_frees_the_reservation_and_the_r
         assert_eq!(status, 200, "signal {signal}: {v}");
         assert_eq!(v["choices"][0]["text"], want.as_str(), "signal {signal}");
         let recomputed = metric_at(
-            c.http,
+            c.operator,
             "tandem_router_request_phases_total{phase=\"recomputing\"}",
         );
         assert_eq!(

@@ -161,7 +161,7 @@ fn prefill_and_decode_in_separate_network_namespaces() {
         std::fs::write(
             &path,
             format!(
-                "[model]\npath = {model:?}\n[router]\nlisten = \"0.0.0.0:0\"\ncontrol = \"0.0.0.0:0\"\nallow_no_keys = true\n\
+                "[model]\npath = {model:?}\n[router]\nlisten = \"0.0.0.0:0\"\ncontrol = \"0.0.0.0:0\"\noperator = \"0.0.0.0:0\"\nallow_no_keys = true\n\
                  [prefill]\nhost = \"{host}\"\nkv_blocks = 256\n[decode]\nhost = \"{host}\"\nkv_blocks = 512\n\
                  [kv_transfer]\nprefer = [\"tcp\"]\ntransfer_timeout_ms = 5000\nconnect_timeout_ms = 2000\n"
             ),
@@ -173,11 +173,11 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     let mut procs = Procs(Vec::new());
     let mut router = net.spawn(&net.d, &["router", "--config", cfg_d.to_str().unwrap()]);
     let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
-    let (http_port, ctrl_port) = loop {
+    let (http_port, ctrl_port, op_port) = loop {
         let line = lines.next().expect("router output").unwrap();
-        if let Some(rest) = line.strip_prefix("tandem router: listening on http://0.0.0.0:") {
-            let (h, c) = rest.split_once(" (control http://0.0.0.0:").unwrap();
-            break (h.to_string(), c.trim_end_matches(')').to_string());
+        if let Some(at) = tandem_tests::cluster::router_line(&line) {
+            let port = |a: std::net::SocketAddr| a.port().to_string();
+            break (port(at.http), port(at.control), port(at.operator));
         }
     };
     std::thread::spawn(move || for _ in lines {});
@@ -204,6 +204,7 @@ fn prefill_and_decode_in_separate_network_namespaces() {
         ],
     ));
     let http: SocketAddr = format!("10.77.9.2:{http_port}").parse().unwrap();
+    let ops: SocketAddr = format!("10.77.9.2:{op_port}").parse().unwrap();
     let t0 = Instant::now();
     while get(http, "/health").map(|(s, _)| s).ok() != Some(200) {
         assert!(
@@ -271,12 +272,12 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     // transfer when the prefill call returns, which may be after the response: wait for them.
     // The router's counter, not the per-worker counts of /debug/workers: a prefill worker that
     // a broken call had the router drop joins again under a new id, with counts from zero.
-    let sent = || metric_at(http, "tandem_kv_transfers_total{transport=\"tcp\"}") as u64;
+    let sent = || metric_at(ops, "tandem_kv_transfers_total{transport=\"tcp\"}") as u64;
     // Recomputed, or a prefill call that failed after its KV had crossed (the reply lost on
     // the faulty link: the request completed from the KV, but no transfer was counted).
     let failed = || {
-        (metric_at(http, "tandem_kv_transfer_failures_total")
-            + metric_at(http, "tandem_router_prefill_call_failures_total")) as u64
+        (metric_at(ops, "tandem_kv_transfer_failures_total")
+            + metric_at(ops, "tandem_router_prefill_call_failures_total")) as u64
     };
     let t0 = Instant::now();
     while sent() + failed() < 8 && t0.elapsed() < Duration::from_secs(10) {
@@ -284,7 +285,7 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     }
     let (sent, failed) = (sent(), failed());
     println!("KV crossed the link for {sent} requests; {failed} transfers or prefill calls broke");
-    let decisions: Vec<String> = get(http, "/metrics")
+    let decisions: Vec<String> = get(ops, "/metrics")
         .map(|(_, t)| t)
         .unwrap_or_default()
         .lines()
@@ -320,7 +321,7 @@ fn prefill_and_decode_in_separate_network_namespaces() {
     }
     // The ledger balances: nothing reserved, running or pending anywhere.
     let workers = || {
-        let (_, body) = get(http, "/debug/workers").unwrap();
+        let (_, body) = get(ops, "/debug/workers").unwrap();
         let ws: Value = serde_json::from_str(&body).unwrap();
         ws["workers"].as_array().cloned().unwrap_or_default()
     };

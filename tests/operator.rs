@@ -18,6 +18,7 @@ const MOCK_CLUSTER: &str = r#"
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 heartbeat_timeout_ms = 1500
 
 [prefill]
@@ -62,7 +63,7 @@ fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
     let mut c = Cluster::of(1, 1).toml(MOCK_CLUSTER).start(EXE.as_ref());
     complete(c.http, 200);
     c.wait_transfers("tcp", 1);
-    let mut b = Browser::open(&format!("http://{}/status", c.http), 1400, 1000);
+    let mut b = Browser::open(&format!("http://{}/status", c.operator), 1400, 1000);
 
     let shown = b
         .eval(&rows_when("r => r.length === 2"))
@@ -115,7 +116,7 @@ fn the_status_page_shows_every_worker_and_follows_a_join_and_a_death() {
     assert_eq!(shown.as_array().unwrap().len(), 3, "{shown}");
     // `tandem status` prints the same picture in the terminal.
     let out = std::process::Command::new(EXE)
-        .args(["status", "--addr", &c.http.to_string()])
+        .args(["status", "--addr", &c.operator.to_string()])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -148,6 +149,7 @@ const PLANNED_CLUSTER: &str = r#"
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 
 [prefill]
 engine = "mock"
@@ -254,7 +256,7 @@ fn the_grafana_dashboard_queries_only_metrics_a_live_cluster_exports() {
     let up = tandem_tests::up::Up::start(EXE.as_ref(), PLANNED_CLUSTER);
     up.wait_joined(1, 1, Duration::from_secs(60));
     complete(up.http, 200);
-    let (_, targets) = get(up.http, "/prometheus/targets").unwrap();
+    let (_, targets) = get(up.operator, "/prometheus/targets").unwrap();
     let targets: Value = serde_json::from_str(&targets).unwrap();
     let endpoints: Vec<String> = targets
         .as_array()
@@ -268,7 +270,7 @@ fn the_grafana_dashboard_queries_only_metrics_a_live_cluster_exports() {
     let t0 = std::time::Instant::now();
     let scrape = loop {
         let mut names = BTreeSet::new();
-        let (_, text) = get(up.http, "/metrics").unwrap();
+        let (_, text) = get(up.operator, "/metrics").unwrap();
         names.extend(sample_names(&text));
         for e in &endpoints {
             let (_, text) = get(e.parse().unwrap(), "/metrics").unwrap();

@@ -40,6 +40,7 @@ fn a_hot_system_prompt_is_spread_over_the_workers_and_computed_once_on_each() {
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 policy = "kv"
 
 [decode]
@@ -62,7 +63,7 @@ preset = "h200-llama8b"
     let http = c.http;
     complete(http, &ask(0), 32);
     let t0 = Instant::now();
-    while metric(http, "tandem_router_kv_index_blocks") < (SYSTEM / 16) as f64 {
+    while metric(c.operator, "tandem_router_kv_index_blocks") < (SYSTEM / 16) as f64 {
         assert!(
             t0.elapsed() < Duration::from_secs(10),
             "the index hears of the prefix"
@@ -172,6 +173,7 @@ fn caches_overfilled_for_minutes_end_balanced_with_nothing_refused() {
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 policy = "kv"
 
 [prefill]
@@ -218,14 +220,17 @@ prefer = ["tcp"]
     assert!(stat(&c, "prefix_hit_tokens").iter().sum::<u64>() > 0);
     assert_eq!(
         metric(
-            http,
+            c.operator,
             "tandem_router_request_phases_total{phase=\"recomputing\"}"
         ),
         0.0,
         "every transfer went through"
     );
     assert_eq!(
-        metric(http, "tandem_router_request_phases_total{phase=\"done\"}") as u64,
+        metric(
+            c.operator,
+            "tandem_router_request_phases_total{phase=\"done\"}"
+        ) as u64,
         requests
     );
     index_matches_the_caches(&c);
@@ -237,7 +242,7 @@ fn index_matches_the_caches(c: &Cluster) {
     let t0 = Instant::now();
     loop {
         let cached: u64 = stat(c, "kv_blocks_cached").iter().sum();
-        let indexed = metric(c.http, "tandem_router_kv_index_blocks") as u64;
+        let indexed = metric(c.operator, "tandem_router_kv_index_blocks") as u64;
         if indexed == cached {
             return;
         }

@@ -52,7 +52,10 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
                 .unwrap()
                 .remove(&engine::RequestId(0))
                 .unwrap();
-            let bytes0 = metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}");
+            let bytes0 = metric_at(
+                c.operator,
+                "tandem_kv_transfer_bytes_total{transport=\"tcp\"}",
+            );
             let hits0 = prefill_hits(&c);
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
                               "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
@@ -65,8 +68,10 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
             );
             transfers += 1;
             c.wait_transfers("tcp", transfers);
-            let sent =
-                metric_at(c.http, "tandem_kv_transfer_bytes_total{transport=\"tcp\"}") - bytes0;
+            let sent = metric_at(
+                c.operator,
+                "tandem_kv_transfer_bytes_total{transport=\"tcp\"}",
+            ) - bytes0;
             let held = decode_held.min((prompt.len() - 2) / bs * bs);
             let want_sent = (prompt.len() - 1 - held) as f64 * per_token;
             assert_eq!(
@@ -89,7 +94,7 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
     }
     assert!(
         metric_at(
-            c.http,
+            c.operator,
             "tandem_router_prefill_decisions_total{decision=\"remote\"}"
         ) >= 12.0
     );
@@ -136,7 +141,7 @@ fn short_uncached_suffixes_are_prefilled_on_the_decode_worker_and_counted_by_rea
     let decisions = |c: &Cluster, d: Decision| {
         let d = d.label();
         metric_at(
-            c.http,
+            c.operator,
             &format!("tandem_router_prefill_decisions_total{{decision=\"{d}\"}}"),
         )
     };
@@ -194,7 +199,7 @@ fn a_conversation_stays_on_the_decode_worker_that_caches_it() {
         // own counts come by the same heartbeats, so they cannot tell whether one has arrived.
         let full_blocks = prompt.len() as u64 / 16;
         let t0 = Instant::now();
-        while (metric_at(c.http, "tandem_router_kv_index_blocks") as u64) < full_blocks {
+        while (metric_at(c.operator, "tandem_router_kv_index_blocks") as u64) < full_blocks {
             assert!(
                 t0.elapsed() < Duration::from_secs(5),
                 "turn {turn}: the index hears of the blocks"

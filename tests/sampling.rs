@@ -307,10 +307,10 @@ print(json.dumps({{"text": r.choices[0].text, "tokens": lp.tokens, "values": lp.
     }
     let label = router::core::PrefillDecision::LocalPromptLogprobs.label();
     let decided = format!("tandem_router_prefill_decisions_total{{decision=\"{label}\"}}");
-    assert_eq!(metric_at(c.http, &decided), 1.0);
+    assert_eq!(metric_at(c.operator, &decided), 1.0);
     let prefilling = r#"tandem_router_request_phases_total{phase="prefilling"}"#;
     assert_eq!(
-        metric_at(c.http, prefilling),
+        metric_at(c.operator, prefilling),
         0.0,
         "no prefill worker was asked"
     );

@@ -178,6 +178,37 @@ async fn attack_kv(security: &Security, tcp: &str) {
     );
 }
 
+/// A compromised prefill worker — a genuine prefill certificate and the cluster's model — with
+/// no ticket: the KV it sends into a request the router did not hand it is refused at `Begin`.
+async fn send_without_ticket(security: &Security, tcp: &str) -> kv_transfer::TransferError {
+    let (config, _) = engine::inspect(&tandem_tests::model_path()).unwrap();
+    let identity = engine::identity_of(&config, 16);
+    let local = kv_transfer::Local {
+        security: security.clone(),
+        ..kv_transfer::Local::open(identity.clone())
+    };
+    let offer = kv_transfer::Offer {
+        transport: kv_transfer::Transport::Tcp,
+        endpoint: tcp.into(),
+        cert_der: Vec::new(),
+    };
+    let t = Duration::from_secs(5);
+    let mut conn = kv_transfer::KvSender::connect(&offer, &local, t)
+        .await
+        .expect("a prefill worker's certificate passes the handshake");
+    let n_tokens = 16;
+    let layers: Vec<kv_transfer::Layer> = (0..identity.n_layers as usize)
+        .map(|l| kv_transfer::core::layer_bytes(&identity, l, n_tokens) as usize)
+        .map(|n| kv_transfer::Layer::new(vec![7; n]))
+        .collect();
+    let width = identity.n_kv_heads * identity.head_dim;
+    let guess = (engine::RequestId(1), kv_transfer::TransferTicket([1; 16]));
+    let ready = kv_transfer::Layers::Ready(&layers);
+    conn.send(guess, n_tokens, width, ready, t)
+        .await
+        .expect_err("a transfer without its ticket")
+}
+
 #[test]
 fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
     let c = Cluster::of(1, 1).start(EXE.as_ref());
@@ -199,7 +230,7 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         .unwrap()
         .clone();
     let tcp = tcp_offer(&decode);
-    let indexed = metric_at(c.http, "tandem_router_kv_index_blocks");
+    let indexed = metric_at(c.operator, "tandem_router_kv_index_blocks");
     let pid = c.pid("decode-0").unwrap();
     let rss0 = rss_kib(pid);
 
@@ -213,10 +244,16 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
     for (_, security) in &attackers {
         rt.block_on(attack_kv(security, &tcp));
     }
+    let prefill_cert = Store::at(c.dir().join(".tandem/pki"))
+        .credentials(Role::Prefill, "compromised")
+        .unwrap();
+    let e = rt.block_on(send_without_ticket(&Security::Mutual(Arc::new(prefill_cert)), &tcp));
+    assert!(e.to_string().contains("no transfer into request 1"), "{e}");
+    assert!(refused(metrics(&decode), "kv", "ticket") >= 1.0);
 
     // The path: refused at each listener, by reason.
     for (listener, at) in [
-        ("control", c.http),
+        ("control", c.operator),
         ("worker", metrics(&decode)),
         ("worker", metrics(&prefill)),
     ] {
@@ -243,8 +280,8 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         ctl.beat(b).await
     });
     assert_eq!(beat.unwrap_err().code(), tonic::Code::PermissionDenied);
-    assert!(refused(c.http, "control", "not_owner") >= 1.0);
-    assert!(refused(c.http, "control", "wrong_pool") >= 1.0);
+    assert!(refused(c.operator, "control", "not_owner") >= 1.0);
+    assert!(refused(c.operator, "control", "wrong_pool") >= 1.0);
     for reason in ["not_tls", "untrusted_certificate", "wrong_role"] {
         assert!(
             refused(metrics(&decode), "kv_tcp", reason) >= 1.0,
@@ -267,7 +304,7 @@ fn tcp_offer(decode: &Value) -> String {
 #[test]
 fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
     let toml = format!(
-        "[model]\npath = {:?}\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\
+        "[model]\npath = {:?}\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\n\
          [prefill]\nengine = \"mock\"\n[decode]\nengine = \"mock\"\n",
         tandem_tests::model_path()
     );
@@ -277,7 +314,7 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
     let control = log
         .split("(control ")
         .nth(1)
-        .and_then(|r| r.split(')').next())
+        .and_then(|r| r.split([',', ')']).next())
         .unwrap_or_else(|| panic!("the router's control address is not in the log:\n{log}"))
         .to_string();
     let workers = up.workers();
@@ -290,7 +327,7 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
     }
     for reason in ["not_tls", "untrusted_certificate"] {
         assert!(
-            refused(up.http, "control", reason) >= 1.0,
+            refused(up.operator, "control", reason) >= 1.0,
             "control {reason}"
         );
         assert!(
@@ -314,6 +351,13 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
         log.contains("mutual TLS"),
         "tandem up says how its hops are secured:\n{log}"
     );
+    // The map of the cluster is not on the API's port; the operator's (loopback) serves it.
+    for path in ["/metrics", "/status.json", "/prometheus/targets", "/debug/workers"] {
+        let (api, _) = tandem_tests::cluster::get(up.http, path).unwrap();
+        let (ops, _) = tandem_tests::cluster::get(up.operator, path).unwrap();
+        assert_eq!((api, ops), (404, 200), "{path}");
+    }
+    assert!(up.operator.ip().is_loopback(), "{}", up.operator);
 }
 
 /// A worker's metrics endpoint, from `/debug/workers`.
@@ -328,7 +372,10 @@ fn unchanged(c: &Cluster, before: &[Value], indexed: f64) {
     let ids = |ws: &[Value]| ws.iter().map(|w| w["id"].clone()).collect::<Vec<_>>();
     assert_eq!(ids(&after), ids(before));
     assert!(after.iter().all(|w| w["draining"] == false), "{after:?}");
-    assert_eq!(metric_at(c.http, "tandem_router_kv_index_blocks"), indexed);
+    assert_eq!(
+        metric_at(c.operator, "tandem_router_kv_index_blocks"),
+        indexed
+    );
     let transfers =
         |ws: &[Value]| ws.iter().find(|w| w["role"] == "prefill").unwrap()["kv_transfers"].clone();
     let body = json!({"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0});

@@ -19,6 +19,7 @@ const CONFIG: &str = r#"
 [router]
 listen = "127.0.0.1:0"
 control = "127.0.0.1:0"
+operator = "127.0.0.1:0"
 
 [prefill]
 replicas = 1
@@ -153,7 +154,7 @@ fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
         "no client saw a worker's death: {failed:?}"
     );
     assert!(ok >= 20, "the cluster served throughout ({ok} requests)");
-    let (_, metrics) = get(http, "/metrics").unwrap();
+    let (_, metrics) = get(up.operator, "/metrics").unwrap();
     let moved = |series: &str| {
         metrics
             .lines()
@@ -184,9 +185,9 @@ fn killed_workers_are_started_again_and_the_cluster_serves_throughout() {
 /// for both by name, streams included; `/v1/models` lists both.
 #[test]
 fn tandem_up_serves_two_models_from_one_config() {
-    let main = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 128\n\n[[models]]\nconfig = \"gemma.toml\"\n";
+    let main = "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 128\n\n[[models]]\nconfig = \"gemma.toml\"\n";
     let gemma = format!(
-        "[model]\npath = {:?}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 64\n",
+        "[model]\npath = {:?}\n\n[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\n\n[decode]\nreplicas = 1\nthreads = 1\nkv_blocks = 64\n",
         tandem_tests::gemma3_path()
     );
     let up = Up::start_with_files(EXE.as_ref(), main, &[("gemma.toml", &gemma)]);

@@ -136,6 +136,11 @@ pub struct RouterSection {
     /// gRPC control-plane listen address (workers join here).
     #[serde(default = "default_control")]
     pub control: Spanned<String>,
+    /// The operator endpoints' listen address — `/metrics`, `/status`, `/status.json`,
+    /// `/prometheus/targets`, `/debug/workers` — with no API key: loopback unless the operator
+    /// opens it (e.g. to Prometheus in a pod network, behind a NetworkPolicy).
+    #[serde(default = "default_operator")]
+    pub operator: Spanned<String>,
     /// A prompt whose uncached rest on its decode worker is at most this many tokens is
     /// prefilled there instead of on the prefill pool (0: only prompts of one token).
     #[serde(default)]
@@ -239,12 +244,16 @@ fn default_listen() -> Spanned<String> {
 fn default_control() -> Spanned<String> {
     Spanned::new(0..0, "127.0.0.1:8001".into())
 }
+fn default_operator() -> Spanned<String> {
+    Spanned::new(0..0, "127.0.0.1:8002".into())
+}
 
 impl Default for RouterSection {
     fn default() -> Self {
         RouterSection {
             listen: default_listen(),
             control: default_control(),
+            operator: default_operator(),
             local_prefill_max_tokens: 0,
             local_prefill_busy_max_tokens: 0,
             policy: Policy::default(),

@@ -93,10 +93,9 @@ fn bearer(value: &str) -> Option<&str> {
     scheme.eq_ignore_ascii_case("bearer").then_some(key)
 }
 
-/// Middleware: headers within `max_header_bytes`, and, where the router has API keys, a known
-/// `Authorization: Bearer` key on everything but `/health`, `/metrics` (and its workers'
-/// discovery, `/prometheus/targets`) and the status page (`/`, `/status`, `/status.json`: what
-/// an operator reads, like the metrics).
+/// Middleware of the API's listener: headers within `max_header_bytes`, and, where the router
+/// has API keys, a known `Authorization: Bearer` key on everything but `/health`. (What an
+/// operator reads — metrics, the status page — is on the operator's own listener.)
 pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next) -> Response {
     let limits = &state.limits;
     let size: usize = req
@@ -109,10 +108,7 @@ pub async fn check(AxState(state): AxState<Arc<State>>, req: Request, next: Next
         return ApiError::HeadersTooLarge(format!("the request's headers exceed {max} bytes"))
             .into_response();
     }
-    let open = matches!(
-        req.uri().path(),
-        "/health" | "/metrics" | "/prometheus/targets" | "/" | "/status" | "/status.json"
-    );
+    let open = req.uri().path() == "/health";
     if let (Some(keys), false) = (&limits.api_keys, open) {
         let given = req
             .headers()

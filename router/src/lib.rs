@@ -49,10 +49,14 @@ use crate::registry::{ControlService, Registry};
 pub struct RouterConfig {
     /// How the control plane and the calls to workers are secured.
     pub security: pki::Security,
-    /// HTTP listen address (`host:0` picks a port).
+    /// HTTP listen address (`host:0` picks a port): the API and `/health`.
     pub listen: String,
     /// gRPC control listen address.
     pub control: String,
+    /// The operator endpoints' listen address (`/metrics`, `/status`, `/status.json`,
+    /// `/prometheus/targets`, `/debug/*`; loopback by default): they map the cluster, and are
+    /// never served on the API's port.
+    pub operator: String,
     /// The model (the router reads its tokenizer, template and shape, not its weights).
     pub model: PathBuf,
     /// KV block size every worker must use.
@@ -264,7 +268,8 @@ pub fn model_id(path: &std::path::Path) -> String {
     name.strip_suffix(".gguf").unwrap_or(&name).to_string()
 }
 
-/// The HTTP routes over `state`, behind its limits.
+/// The API's HTTP routes over `state`, behind its limits: the OpenAI API, the tokenizer
+/// endpoints and `/health` — nothing that maps the cluster (see [`operator`]).
 pub fn app(state: Arc<State>) -> axum::Router {
     let max_body = state.limits.max_body_bytes;
     axum::Router::new()
@@ -272,12 +277,6 @@ pub fn app(state: Arc<State>) -> axum::Router {
         .route("/v1/completions", post(http::completions))
         .route("/v1/models", get(http::models))
         .route("/health", get(http::health))
-        .route("/debug/workers", get(http::workers))
-        .route("/metrics", get(http::metrics))
-        .route("/", get(status::page))
-        .route("/status", get(status::page))
-        .route("/status.json", get(status::status_json))
-        .route("/prometheus/targets", get(status::prometheus_targets))
         .route("/tokenize", post(tokenize::tokenize))
         .route("/detokenize", post(tokenize::detokenize))
         .route("/tokenizer_info", get(tokenize::tokenizer_info))
@@ -289,6 +288,34 @@ pub fn app(state: Arc<State>) -> axum::Router {
         ))
         .layer(axum::extract::DefaultBodyLimit::max(max_body))
         .with_state(state)
+}
+
+/// The operator endpoints over `state`, for the operator's own listener: the metrics, the
+/// status page and its data, Prometheus's worker targets (every worker's address), the workers'
+/// debug view, and `/health`.
+pub fn operator(state: Arc<State>) -> axum::Router {
+    axum::Router::new()
+        .route("/health", get(http::health))
+        .route("/debug/workers", get(http::workers))
+        .route("/metrics", get(http::metrics))
+        .route("/", get(status::page))
+        .route("/status", get(status::page))
+        .route("/status.json", get(status::status_json))
+        .route("/prometheus/targets", get(status::prometheus_targets))
+        .fallback(http::not_found)
+        .method_not_allowed_fallback(http::method_not_allowed)
+        .with_state(state)
+}
+
+/// Where a router listens, once bound.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    /// The API.
+    pub http: SocketAddr,
+    /// The control plane (workers join).
+    pub control: SocketAddr,
+    /// The operator endpoints.
+    pub operator: SocketAddr,
 }
 
 /// The router's shared state for `cfg`.
@@ -356,17 +383,16 @@ fn actuator(
     })
 }
 
-/// Binds both listeners, reports their addresses (`on_ready(http, control)`), and serves until
-/// the process ends.
-pub async fn run(
-    cfg: RouterConfig,
-    on_ready: impl FnOnce(SocketAddr, SocketAddr),
-) -> Result<(), RouterError> {
+/// Binds the three listeners, reports their addresses (`on_ready`), and serves until the
+/// process ends.
+pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), RouterError> {
     let state = Arc::new(state(&cfg)?);
     tokio::spawn(status::sampler(state.clone()));
     let (http_l, http_addr) = bind(&cfg.listen).await?;
     let (ctrl_l, ctrl_addr) = bind(&cfg.control).await?;
+    let (op_l, op_addr) = bind(&cfg.operator).await?;
     let app = app(state.clone());
+    let ops = operator(state.clone());
     // Only workers join and heartbeat.
     let workers = [pki::Role::Prefill, pki::Role::Decode];
     let incoming = proto::secure::incoming(ctrl_l, &cfg.security, &workers, "control")
@@ -377,7 +403,11 @@ pub async fn run(
             cfg.security.credentials().is_some(),
         )))
         .serve_with_incoming(incoming);
-    on_ready(http_addr, ctrl_addr);
+    on_ready(Bound {
+        http: http_addr,
+        control: ctrl_addr,
+        operator: op_addr,
+    });
     let router_id = discovery::random_id();
     if let Some(d) = &cfg.discovery {
         members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);
@@ -399,6 +429,7 @@ pub async fn run(
     }
     tokio::select! {
         r = front::serve(http_l, app, cfg.limits.caps()) => r.map_err(|e| RouterError::Serve(e.to_string())),
+        r = front::serve(op_l, ops, cfg.limits.caps()) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
     }
 }

@@ -17,10 +17,12 @@ pub struct Cluster {
     exe: PathBuf,
     dir: PathBuf,
     config: PathBuf,
-    /// The router's HTTP address.
+    /// The router's HTTP address (the API, `/health`).
     pub http: SocketAddr,
     /// The router's control endpoint.
     pub control: String,
+    /// The router's operator address (`/metrics`, `/status*`, `/debug/workers`, ...).
+    pub operator: SocketAddr,
     router: Child,
     workers: Vec<(String, Child)>,
     env: Vec<(String, String)>,
@@ -116,7 +118,7 @@ impl Spec {
         };
         let (router, kv, blocks) = (&self.router, &self.kv, self.decode_blocks);
         head + &format!(
-            "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\n{router}\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
+            "[router]\nlisten = \"127.0.0.1:0\"\ncontrol = \"127.0.0.1:0\"\noperator = \"127.0.0.1:0\"\n{router}\n\n{prefill}\n[decode]\nthreads = 1\nkv_blocks = {blocks}\nmax_batch_tokens = 256\n{decode_lines}\n\n[kv_transfer]\n{kv}\n"
         )
     }
 
@@ -168,14 +170,13 @@ impl Cluster {
             .spawn()
             .expect("start router");
         let mut lines = BufReader::new(router.stderr.take().unwrap()).lines();
-        let (http, control) = loop {
+        let at = loop {
             let line = lines
                 .next()
                 .expect("router printed its address")
                 .expect("router output");
-            if let Some(rest) = line.strip_prefix("tandem router: listening on http://") {
-                let (h, c) = rest.split_once(" (control ").unwrap();
-                break (h.parse().unwrap(), c.trim_end_matches(')').to_string());
+            if let Some(at) = router_line(&line) {
+                break at;
             }
         };
         // Keep draining the router's log so it never blocks on a full pipe.
@@ -184,8 +185,9 @@ impl Cluster {
             exe: exe.into(),
             dir,
             config: cfg.clone(),
-            http,
-            control,
+            http: at.http,
+            control: format!("http://{}", at.control),
+            operator: at.operator,
             router,
             workers: Vec::new(),
             env: env.to_vec(),
@@ -308,7 +310,7 @@ impl Cluster {
 
     /// Live worker stats from `/debug/workers`.
     pub fn workers(&self) -> Vec<Value> {
-        let (_, body) = get(self.http, "/debug/workers").expect("debug endpoint");
+        let (_, body) = get(self.operator, "/debug/workers").expect("debug endpoint");
         let v: Value = serde_json::from_str(&body).unwrap();
         v["workers"].as_array().cloned().unwrap_or_default()
     }
@@ -442,10 +444,34 @@ pub fn model_ids(http: SocketAddr) -> Vec<String> {
         .collect()
 }
 
-/// The value of the router's Prometheus series `series` (its name and labels as printed), 0
-/// when absent.
-pub fn metric_at(http: SocketAddr, series: &str) -> f64 {
-    let (_, text) = get(http, "/metrics").unwrap();
+/// Where a router listens, as it prints it.
+#[derive(Debug, Clone, Copy)]
+pub struct RouterAt {
+    /// The API.
+    pub http: SocketAddr,
+    /// The control plane.
+    pub control: SocketAddr,
+    /// The operator endpoints.
+    pub operator: SocketAddr,
+}
+
+/// The addresses in a router's line `tandem router: listening on http://H (control http://C,
+/// operator http://O)`; `None` for any other line.
+pub fn router_line(line: &str) -> Option<RouterAt> {
+    let rest = line.strip_prefix("tandem router: listening on http://")?;
+    let (h, rest) = rest.split_once(" (control http://")?;
+    let (c, o) = rest.split_once(", operator http://")?;
+    Some(RouterAt {
+        http: h.parse().ok()?,
+        control: c.parse().ok()?,
+        operator: o.trim_end_matches(')').parse().ok()?,
+    })
+}
+
+/// The value of the Prometheus series `series` (its name and labels as printed) at `at`'s
+/// `/metrics` (a router's operator address, or a worker's metrics address), 0 when absent.
+pub fn metric_at(at: SocketAddr, series: &str) -> f64 {
+    let (_, text) = get(at, "/metrics").unwrap();
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
         .unwrap_or(0.0)

@@ -19,6 +19,8 @@ pub struct Up {
     dir: PathBuf,
     /// The router's HTTP address.
     pub http: SocketAddr,
+    /// The router's operator address (`/metrics`, `/status*`, `/debug/workers`).
+    pub operator: SocketAddr,
     /// The config file's path (every process of the cluster has it on its command line).
     pub config: String,
     log: Arc<Mutex<String>>,
@@ -64,16 +66,23 @@ impl Up {
             .by_ref()
             .map_while(Result::ok)
             .find_map(|l| l.split("behind http://").nth(1)?.trim().parse().ok());
+        // The next line: "status page: http://OPERATOR/status (...)".
+        let operator = lines.by_ref().map_while(Result::ok).find_map(|l| {
+            let rest = l.strip_prefix("status page: http://")?;
+            rest.split_once("/status")?.0.parse().ok()
+        });
         // Keep reading what `tandem up` prints: a closed pipe would end it.
         std::thread::spawn(move || for _ in lines {});
         let mut up = Up {
             child,
             dir,
             http: "0.0.0.0:0".parse().unwrap(),
+            operator: "0.0.0.0:0".parse().unwrap(),
             config,
             log,
         };
         up.http = http.unwrap_or_else(|| panic!("tandem up did not start:\n{}", up.log()));
+        up.operator = operator.unwrap_or_else(|| panic!("no status page line:\n{}", up.log()));
         up
     }
 
@@ -99,7 +108,7 @@ impl Up {
 
     /// The joined workers (`/debug/workers`, live stats included).
     pub fn workers(&self) -> Vec<Value> {
-        let Ok((_, body)) = get(self.http, "/debug/workers") else {
+        let Ok((_, body)) = get(self.operator, "/debug/workers") else {
             return Vec::new();
         };
         let v: Value = serde_json::from_str(&body).unwrap_or_default();

@@ -18,7 +18,7 @@ use tower::ServiceExt;
 
 async fn get(st: &Arc<State>, uri: &str) -> (StatusCode, String, String) {
     let req = Request::builder().uri(uri).body(Body::empty()).unwrap();
-    let resp = router::app(st.clone()).oneshot(req).await.unwrap();
+    let resp = router::operator(st.clone()).oneshot(req).await.unwrap();
     let status = resp.status();
     let kind = resp
         .headers()
@@ -41,7 +41,7 @@ fn with_keys() -> Arc<State> {
 }
 
 #[tokio::test]
-async fn the_page_is_one_html_file_and_open_like_the_metrics() {
+async fn the_page_is_one_html_file_on_the_operators_listener() {
     let st = with_keys();
     for path in ["/", "/status"] {
         let (code, kind, body) = get(&st, path).await;
@@ -54,9 +54,9 @@ async fn the_page_is_one_html_file_and_open_like_the_metrics() {
             "{path}"
         );
     }
-    // The API surface still wants a key.
-    let (code, _, _) = get(&st, "/debug/workers").await;
-    assert_eq!(code, StatusCode::UNAUTHORIZED);
+    // The operator's listener serves no API.
+    let (code, _, _) = get(&st, "/v1/models").await;
+    assert_eq!(code, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]
