@@ -247,7 +247,10 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
     let prefill_cert = Store::at(c.dir().join(".tandem/pki"))
         .credentials(Role::Prefill, "compromised")
         .unwrap();
-    let e = rt.block_on(send_without_ticket(&Security::Mutual(Arc::new(prefill_cert)), &tcp));
+    let e = rt.block_on(send_without_ticket(
+        &Security::Mutual(Arc::new(prefill_cert)),
+        &tcp,
+    ));
     assert!(e.to_string().contains("no transfer into request 1"), "{e}");
     assert!(refused(metrics(&decode), "kv", "ticket") >= 1.0);
 
@@ -352,7 +355,12 @@ fn tandem_up_with_no_configuration_keeps_the_rogue_out() {
         "tandem up says how its hops are secured:\n{log}"
     );
     // The map of the cluster is not on the API's port; the operator's (loopback) serves it.
-    for path in ["/metrics", "/status.json", "/prometheus/targets", "/debug/workers"] {
+    for path in [
+        "/metrics",
+        "/status.json",
+        "/prometheus/targets",
+        "/debug/workers",
+    ] {
         let (api, _) = tandem_tests::cluster::get(up.http, path).unwrap();
         let (ops, _) = tandem_tests::cluster::get(up.operator, path).unwrap();
         assert_eq!((api, ops), (404, 200), "{path}");

@@ -50,7 +50,7 @@ enum Cmd {
     Generate {
         req: GenerateRequest,
         /// Its sampling parameters, a constraint compiled ([`worker::grammar::Compiler`]).
-        params: engine::SamplingParams,
+        params: Box<engine::SamplingParams>,
         events: EventTx,
     },
     Kv(KvEvent),
@@ -205,7 +205,7 @@ impl worker::Role for Decoder {
                 req,
                 params,
                 events,
-            } => self.generate((req, params), events, draining),
+            } => self.generate((req, *params), events, draining),
             Cmd::Kv(ev) => self.kv(ev),
         }
     }
@@ -325,7 +325,7 @@ impl Decode for Service {
         let events = tx;
         self.engine.send(Cmd::Generate {
             req,
-            params,
+            params: Box::new(params),
             events,
         })?;
         Ok(Response::new(Events {

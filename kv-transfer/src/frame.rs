@@ -66,6 +66,9 @@ pub enum Frame {
         request_id: u64,
         /// Block ids in the receiver's pool.
         blocks: Vec<u32>,
+        /// The transport's access to those blocks alone, opaque to the protocol (RDMA: the
+        /// regions registered for this grant and their keys).
+        access: Vec<u8>,
     },
     /// In-place transfers: one layer has been written into the granted blocks; the CRC32 of
     /// its bytes in the wire layout (keys then values), checked by the receiver before admitting.
@@ -224,12 +227,17 @@ impl Frame {
                 p.extend(layer.to_le_bytes());
                 p.extend(data);
             }
-            Frame::Grant { request_id, blocks } => {
+            Frame::Grant {
+                request_id,
+                blocks,
+                access,
+            } => {
                 p.extend(request_id.to_le_bytes());
                 p.extend((blocks.len() as u32).to_le_bytes());
                 for b in blocks {
                     p.extend(b.to_le_bytes());
                 }
+                p.extend(access);
             }
             Frame::Written {
                 request_id,
@@ -350,7 +358,12 @@ impl Frame {
                     return Err(FrameError(format!("grant of {n} blocks in a short frame")));
                 }
                 let blocks = (0..n).map(|_| r.u32()).collect::<Result<_, _>>()?;
-                Frame::Grant { request_id, blocks }
+                let access = std::mem::take(&mut r.0).to_vec();
+                Frame::Grant {
+                    request_id,
+                    blocks,
+                    access,
+                }
             }
             11 => Frame::Setup(std::mem::take(&mut r.0).to_vec()),
             10 => Frame::Written {
@@ -413,6 +426,7 @@ mod tests {
         roundtrip(Frame::Grant {
             request_id: 7,
             blocks: vec![3, 1, 4],
+            access: vec![1, 5, 9],
         });
         roundtrip(Frame::Setup(vec![5; 40]));
         roundtrip(Frame::Written {

@@ -449,14 +449,15 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
         deadline(timeout, || "transport setup".to_string(), exchange).await
     }
 
-    /// In-place transfers: begins `request_id` and waits for the receiver's blocks.
+    /// In-place transfers: begins `request_id` and waits for the receiver's blocks and the
+    /// transport's access to them.
     pub async fn begin_granted(
         &mut self,
         (request_id, ticket): (u64, types::TransferTicket),
         n_tokens: u32,
         width: u32,
         timeout: Duration,
-    ) -> Result<Vec<u32>, TransferError> {
+    ) -> Result<(Vec<u32>, Vec<u8>), TransferError> {
         self.core.set_transfer_timeout(timeout);
         self.core
             .begin(Instant::now(), (request_id, ticket), n_tokens, width)?;
@@ -465,7 +466,8 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
             ClientEvent::Granted {
                 request_id: id,
                 blocks,
-            } if id == request_id => Some(blocks),
+                access,
+            } if id == request_id => Some((blocks, access)),
             _ => None,
         })
         .await
@@ -599,6 +601,11 @@ pub trait InPlaceSide: Send {
     /// Whether the writes of all `n_layers` layers of `request_id` have landed (their
     /// completions have been seen); never blocks.
     fn try_writes(&mut self, request_id: u64, n_layers: u32) -> Result<bool, TransferError>;
+    /// Opens `blocks` (and nothing else) to the sender's writes for `request_id`; returns the
+    /// access to send with the grant.
+    fn grant(&mut self, request_id: u64, blocks: &[u32]) -> Result<Vec<u8>, TransferError>;
+    /// Closes what [`InPlaceSide::grant`] opened for `request_id` (its transfer is over).
+    fn release(&mut self, request_id: u64);
 }
 
 /// The server side of one stream, driving a [`Server`]: the handshake, then transfers until
@@ -637,7 +644,7 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 ServerEvent::GrantNeeded {
                     request_id,
                     n_tokens,
-                } => grant(&mut core, &receiving.tx, request_id, n_tokens).await,
+                } => grant(&mut core, &receiving.tx, side, (request_id, n_tokens)).await,
                 ServerEvent::Begun { request_id, .. } => {
                     let _ = receiving
                         .tx
@@ -657,6 +664,9 @@ pub async fn serve_stream<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
                 } => received(&mut core, receiving, side, (request_id, n_tokens, kv)).await,
                 ServerEvent::Abandoned { request_id, error } => {
                     broke = true;
+                    if let Some(side) = side {
+                        side.release(request_id);
+                    }
                     let error = error.to_string();
                     let _ = receiving
                         .tx
@@ -725,8 +735,14 @@ async fn set_up<R: AsyncRead + Unpin, W: AsyncWrite + Unpin>(
     }
 }
 
-/// The worker's blocks for an in-place transfer of `n_tokens` of `request_id`, granted.
-async fn grant(core: &mut Server, tx: &mpsc::Sender<KvEvent>, request_id: u64, n_tokens: u32) {
+/// The worker's blocks for an in-place transfer of `n_tokens` of `request_id`, granted with
+/// the transport's access to them alone.
+async fn grant(
+    core: &mut Server,
+    tx: &mpsc::Sender<KvEvent>,
+    side: Option<&mut dyn InPlaceSide>,
+    (request_id, n_tokens): (u64, u32),
+) {
     let (reply, answer) = oneshot::channel();
     let ask = KvEvent::Grant {
         request_id: RequestId(request_id),
@@ -739,9 +755,17 @@ async fn grant(core: &mut Server, tx: &mpsc::Sender<KvEvent>, request_id: u64, n
             .unwrap_or_else(|_| Err("the worker dropped the request".into())),
         Err(_) => Err("the worker is shutting down".into()),
     };
+    let opened = |b: Vec<u32>| {
+        let access = match side {
+            Some(side) => side.grant(request_id, &b)?,
+            None => Vec::new(),
+        };
+        Ok((b, access))
+    };
     let granted = blocks
         .map_err(TransferError::Refused)
-        .and_then(|b| core.grant(request_id, b));
+        .and_then(opened)
+        .and_then(|(b, access)| core.grant(request_id, b, access));
     if let Err(e) = granted {
         core.handle_error(e);
     }
@@ -761,7 +785,11 @@ async fn received(
     };
     if let (Some(side), Some(crcs)) = (side, &crcs) {
         let until = Instant::now() + receiving.timeouts.transfer;
-        if let Err(e) = writes_landed(side, request_id, crcs.len() as u32, until).await {
+        let landed = writes_landed(&mut *side, request_id, crcs.len() as u32, until).await;
+        // Every write has landed (or never will be admitted): the sender's access ends here,
+        // before the worker reads the blocks.
+        side.release(request_id);
+        if let Err(e) = landed {
             return core.handle_error(e);
         }
     }

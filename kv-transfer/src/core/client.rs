@@ -21,6 +21,8 @@ pub enum ClientEvent {
         request_id: u64,
         /// Block ids in the receiver's pool, in token order.
         blocks: Vec<u32>,
+        /// The transport's access to those blocks (see [`Frame::Grant`]).
+        access: Vec<u8>,
     },
     /// The receiver has the request's KV in its cache.
     Delivered {
@@ -245,19 +247,27 @@ impl Client {
                 self.events.push_back(ClientEvent::Connected);
             }
             (_, Frame::Refuse(why)) => self.close(TransferError::Refused(why)),
-            (State::Open, Frame::Grant { request_id, blocks }) => {
-                match self.transfers.get_mut(&request_id) {
-                    Some(t) if self.in_place && !t.granted && blocks.len() == t.blocks => {
-                        t.granted = true;
-                        self.events
-                            .push_back(ClientEvent::Granted { request_id, blocks });
-                    }
-                    _ => self.close(TransferError::Protocol(format!(
-                        "unexpected grant of {} blocks for request {request_id}",
-                        blocks.len()
-                    ))),
+            (
+                State::Open,
+                Frame::Grant {
+                    request_id,
+                    blocks,
+                    access,
+                },
+            ) => match self.transfers.get_mut(&request_id) {
+                Some(t) if self.in_place && !t.granted && blocks.len() == t.blocks => {
+                    t.granted = true;
+                    self.events.push_back(ClientEvent::Granted {
+                        request_id,
+                        blocks,
+                        access,
+                    });
                 }
-            }
+                _ => self.close(TransferError::Protocol(format!(
+                    "unexpected grant of {} blocks for request {request_id}",
+                    blocks.len()
+                ))),
+            },
             (
                 State::Open,
                 Frame::Ack {

@@ -381,13 +381,23 @@ impl Server {
         }
     }
 
-    /// In-place transfers: the blocks the request's KV is to be written into.
-    pub fn grant(&mut self, request_id: u64, blocks: Vec<u32>) -> Result<(), TransferError> {
+    /// In-place transfers: the blocks the request's KV is to be written into, and the
+    /// transport's access to them alone (`access`, opaque here).
+    pub fn grant(
+        &mut self,
+        request_id: u64,
+        blocks: Vec<u32>,
+        access: Vec<u8>,
+    ) -> Result<(), TransferError> {
         let in_place = self.in_place;
         match self.transfers.get_mut(&request_id) {
             Some(t) if in_place && !t.granted => {
                 t.granted = true;
-                self.out.push_back(Frame::Grant { request_id, blocks });
+                self.out.push_back(Frame::Grant {
+                    request_id,
+                    blocks,
+                    access,
+                });
                 Ok(())
             }
             _ => Err(TransferError::Protocol(format!(

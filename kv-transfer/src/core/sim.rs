@@ -214,7 +214,10 @@ impl Sim {
                     n_tokens,
                 } => {
                     let blocks = (0..n_tokens.div_ceil(16)).collect();
-                    self.server.grant(*request_id, blocks).expect("grant");
+                    let access = vec![9; 4];
+                    self.server
+                        .grant(*request_id, blocks, access)
+                        .expect("grant");
                 }
                 ServerEvent::Received { request_id, .. } => {
                     if self.verdict.is_ok() {
@@ -571,10 +574,15 @@ fn in_place_transfers_grant_blocks_then_carry_only_checksums() {
         ClientEvent::Granted {
             request_id: 11,
             blocks,
-        } => Some(blocks.clone()),
+            access,
+        } => Some((blocks.clone(), access.clone())),
         _ => None,
     });
-    assert_eq!(blocks, Some(vec![0, 1, 2]));
+    assert_eq!(
+        blocks,
+        Some((vec![0, 1, 2], vec![9; 4])),
+        "the blocks and their access"
+    );
     for layer in 0..4 {
         s.client.written(11, layer, 100 + layer).unwrap();
     }

@@ -1,18 +1,24 @@
 //! The RDMA transport (cargo feature `rdma`): one-sided RDMA WRITEs straight into the decode
 //! worker's paged KV pool.
 //!
-//! The decode worker registers each layer's key and value pools as memory regions and listens
-//! on a TCP side channel. A prefill worker connects, passes the protocol handshake (version,
-//! layout, cluster secret), then both exchange queue-pair endpoints and the pools' addresses
-//! and keys (`Setup`), and connect a reliable-connected queue pair. Per transfer the receiver
-//! grants the request's block ids; for each layer the sender copies the layer into a registered
+//! The decode worker listens on a TCP side channel. A prefill worker connects, passes the
+//! protocol handshake (version, layout, ticket-checked `Begin`s, cluster secret), then both
+//! exchange queue-pair endpoints (`Setup`) and connect a reliable-connected queue pair. Per
+//! transfer the receiver grants the request's block ids and registers those blocks alone — one
+//! memory region per run of consecutive blocks, per layer, per keys/values pool — sending their
+//! addresses and keys with the grant (`grant.rs`); the regions are deregistered when the
+//! transfer is over, so no peer ever holds a key to the rest of the pool. For each layer the
+//! sender copies the layer into a registered
 //! staging buffer, posts one WRITE per block for keys and one for values (the last carrying the
 //! layer index as immediate data), waits for their completion, and sends `Written` with the
 //! layer's CRC32. The receiver waits for the immediates, checks every CRC against its cache and
 //! only then admits the request. Layout, deadlines and acks are the protocol core's, as for
 //! TCP and QUIC.
 
+mod grant;
 mod verbs;
+
+use std::collections::HashMap;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -97,65 +103,49 @@ impl Cursor<'_> {
 }
 
 /// One remote pool (a layer's keys or values): where, how long, which key.
-#[derive(Debug, Clone, Copy)]
-struct RemotePool {
-    addr: u64,
-    len: u64,
-    rkey: u32,
-}
-
-/// The device side of a decode worker: its KV pools registered for remote writes.
+/// The device side of a decode worker: its KV pools, registered per grant.
 struct Registered {
     ctx: Arc<Context>,
     pd: Arc<Pd>,
-    /// Per layer: keys, values. Declared before `_owners`: deregistered before the memory
-    /// may be freed.
-    pools: Vec<[Mr; 2]>,
+    /// Per layer: the keys' and the values' pool, (address, bytes).
+    pools: Vec<[(usize, usize); 2]>,
     block_bytes: u64,
-    /// Keep the registered memory allocated while the registration lives.
+    /// Keep the pools allocated while any grant's registration lives (every `ServerSide`
+    /// holds this `Registered`, and drops its grants' regions first).
     _owners: Vec<Arc<dyn Send + Sync>>,
 }
 
-/// The decode side: a TCP side channel plus the registered KV pool.
+/// The decode side: a TCP side channel plus the KV pool, opened to writes grant by grant.
 pub struct RdmaKvReceiver {
     listener: TcpListener,
     dev: Arc<Registered>,
 }
 
 impl RdmaKvReceiver {
-    /// Registers the KV pool described by `regions` with the first RDMA device and takes the
-    /// side channel's `listener`.
+    /// Opens the first RDMA device for the KV pool described by `regions` and takes the side
+    /// channel's `listener`. Nothing is registered until a transfer is granted.
     ///
     /// # Safety
     /// Every region must lie inside memory that `regions.owners` keep allocated and unmoved
-    /// (the receiver holds them as long as the registration lives): peers write into it
-    /// whenever a transfer is granted.
+    /// (the receiver holds them as long as any registration lives): peers write into the
+    /// granted blocks of it.
     pub unsafe fn bind(
         listener: TcpListener,
         regions: &KvRegions,
     ) -> Result<RdmaKvReceiver, TransferError> {
         let ctx = Context::open().map_err(io)?;
         let pd = Pd::new(&ctx).map_err(io)?;
-        let mut pools = Vec::with_capacity(regions.layers.len());
-        for [(k, kl), (v, vl)] in &regions.layers {
-            // SAFETY: the caller guarantees `regions.owners` keep this memory allocated, and the
-            // receiver holds them for as long as the registration.
-            let k = unsafe { Mr::register(&pd, *k as *mut u8, *kl) }.map_err(io)?;
-            // SAFETY: as above.
-            let v = unsafe { Mr::register(&pd, *v as *mut u8, *vl) }.map_err(io)?;
-            pools.push([k, v]);
-        }
         tracing::info!(
             device = ctx.name(),
-            layers = pools.len(),
-            "KV pool registered for RDMA"
+            layers = regions.layers.len(),
+            "KV pool open to RDMA writes, registered grant by grant"
         );
         Ok(RdmaKvReceiver {
             listener,
             dev: Arc::new(Registered {
                 ctx,
                 pd,
-                pools,
+                pools: regions.layers.clone(),
                 block_bytes: regions.block_bytes as u64,
                 _owners: regions.owners.clone(),
             }),
@@ -191,6 +181,7 @@ impl RdmaKvReceiver {
                 };
                 let mut r = BufReader::with_capacity(64 << 10, r);
                 let mut side = ServerSide {
+                    grants: HashMap::new(),
                     dev,
                     qp: None,
                     imms: Vec::new(),
@@ -206,6 +197,9 @@ impl RdmaKvReceiver {
 
 /// The decode side of one connection's data path.
 struct ServerSide {
+    /// Each granted transfer's registered regions. Declared before `dev`: deregistered before
+    /// the pool's owners may go.
+    grants: HashMap<u64, Vec<Mr>>,
     dev: Arc<Registered>,
     qp: Option<Qp>,
     /// Immediates (layer indices) seen and not yet consumed by a transfer.
@@ -227,14 +221,45 @@ impl InPlaceSide for ServerSide {
         self.qp = Some(qp);
         ours.extend(self.dev.block_bytes.to_le_bytes());
         ours.extend((self.dev.pools.len() as u32).to_le_bytes());
-        for pair in &self.dev.pools {
-            for mr in pair {
-                ours.extend(mr.addr().to_le_bytes());
-                ours.extend((mr.len() as u64).to_le_bytes());
-                ours.extend(mr.rkey().to_le_bytes());
-            }
-        }
         Ok(ours)
+    }
+
+    fn grant(&mut self, request_id: u64, blocks: &[u32]) -> Result<Vec<u8>, TransferError> {
+        let runs = grant::runs(blocks);
+        let bb = self.dev.block_bytes as usize;
+        let mut mrs = Vec::with_capacity(self.dev.pools.len() * 2 * runs.len());
+        let mut regions = Vec::with_capacity(self.dev.pools.len());
+        for pair in &self.dev.pools {
+            let mut two: [Vec<grant::Region>; 2] = Default::default();
+            for (&(base, len), out) in pair.iter().zip(&mut two) {
+                for &(first, n) in &runs {
+                    let (off, bytes) = (first as usize * bb, n as usize * bb);
+                    if off.saturating_add(bytes) > len {
+                        return Err(TransferError::Protocol(format!(
+                            "request {request_id}: granted block {} lies outside the KV pool",
+                            first as u64 + n as u64 - 1
+                        )));
+                    }
+                    // SAFETY: the range lies inside a pool (checked just above) that the
+                    // pool's owners keep allocated and unmoved (`bind`'s contract; `dev` holds
+                    // them), and this region is deregistered before `dev` is dropped.
+                    let mr = unsafe { Mr::register(&self.dev.pd, (base + off) as *mut u8, bytes) }
+                        .map_err(io)?;
+                    out.push(grant::Region {
+                        addr: mr.addr(),
+                        rkey: mr.rkey(),
+                    });
+                    mrs.push(mr);
+                }
+            }
+            regions.push(two);
+        }
+        self.grants.insert(request_id, mrs);
+        Ok(grant::Access { runs, regions }.encode())
+    }
+
+    fn release(&mut self, request_id: u64) {
+        self.grants.remove(&request_id);
     }
 
     fn try_writes(&mut self, request_id: u64, n_layers: u32) -> Result<bool, TransferError> {
@@ -277,9 +302,10 @@ pub struct RdmaKvSender {
     qp: Qp,
     pd: Arc<Pd>,
     staging: Mr,
-    pools: Vec<[RemotePool; 2]>,
     block_bytes: u64,
     block_size: usize,
+    /// The model's layers (an access has regions for each).
+    n_layers: usize,
     wr_id: u64,
 }
 
@@ -310,25 +336,9 @@ impl RdmaKvSender {
         let n_layers = c.u32()?;
         if n_layers != local.identity.n_layers {
             return Err(TransferError::Protocol(format!(
-                "the receiver registered {n_layers} layers, this model has {}",
+                "the receiver has {n_layers} layers, this model has {}",
                 local.identity.n_layers
             )));
-        }
-        let mut pools = Vec::with_capacity(n_layers as usize);
-        for _ in 0..n_layers {
-            let mut pair = [RemotePool {
-                addr: 0,
-                len: 0,
-                rkey: 0,
-            }; 2];
-            for p in &mut pair {
-                *p = RemotePool {
-                    addr: c.u64()?,
-                    len: c.u64()?,
-                    rkey: c.u32()?,
-                };
-            }
-            pools.push(pair);
         }
         let qp = prepared.connect(peer).map_err(io)?;
         let staging = Mr::alloc(&pd, 1 << 20).map_err(io)?;
@@ -337,20 +347,21 @@ impl RdmaKvSender {
             qp,
             pd,
             staging,
-            pools,
             block_bytes,
             block_size: local.identity.block_size as usize,
+            n_layers: n_layers as usize,
             wr_id: 0,
         })
     }
 
-    /// Writes one layer into the granted blocks and waits for the writes' completion.
+    /// Writes one layer into the granted blocks (through the regions the grant opened) and
+    /// waits for the writes' completion.
     async fn write_layer(
         &mut self,
         layer: u32,
         data: &[u8],
         n_tokens: usize,
-        blocks: &[u32],
+        (blocks, access): (&[u32], &grant::Access),
         until: Instant,
     ) -> Result<(), TransferError> {
         if self.staging.len() < data.len() {
@@ -359,24 +370,24 @@ impl RdmaKvSender {
         self.staging.bytes_mut()[..data.len()].copy_from_slice(data);
         let per_token = data.len() / (2 * n_tokens);
         let mut writes = Vec::with_capacity(2 * blocks.len());
-        for (half, pool) in self.pools[layer as usize].iter().enumerate() {
+        for half in 0..2 {
             for (j, &b) in blocks.iter().enumerate() {
                 let t0 = j * self.block_size;
                 let t1 = (t0 + self.block_size).min(n_tokens);
                 let len = ((t1 - t0) * per_token) as u64;
-                let remote = pool.addr + b as u64 * self.block_bytes;
-                if b as u64 * self.block_bytes + len > pool.len {
+                let place = access.place((layer as usize, half), j, self.block_bytes);
+                let Some((remote, rkey)) = place.filter(|_| len <= self.block_bytes) else {
                     return Err(TransferError::Protocol(format!(
-                        "granted block {b} lies outside the receiver's pool"
+                        "granted block {b} of layer {layer} is not in the grant's regions"
                     )));
-                }
+                };
                 let local = half * n_tokens * per_token + t0 * per_token;
                 writes.push(Write {
                     local: self.staging.addr() + local as u64,
                     lkey: self.staging.lkey(),
                     len: len as u32,
                     remote,
-                    rkey: pool.rkey,
+                    rkey,
                 });
             }
         }
@@ -387,8 +398,8 @@ impl RdmaKvSender {
             // The layer index travels as the immediate of the layer's last write only; earlier
             // chunks carry an index the receiver never expects, so they are sent plain.
             // SAFETY: local bytes are in the staging region, which is neither touched nor freed
-            // until this completion is polled below; remote ranges were bounds-checked against
-            // the receiver's registered pools.
+            // until this completion is polled below; remote ranges lie in the regions the
+            // receiver registered for this grant (a write outside them fails at its NIC).
             unsafe {
                 if last {
                     self.qp.post_writes(chunk, layer, id)
@@ -445,10 +456,11 @@ impl RdmaKvSender {
     ) -> Result<TransferStats, TransferError> {
         let t0 = Instant::now();
         let until = t0 + timeout;
-        let blocks = self
+        let (blocks, access) = self
             .conn
             .begin_granted((request_id, ticket), n_tokens, width, timeout)
             .await?;
+        let access = grant::Access::decode(&access, &blocks, self.n_layers)?;
         let (n_layers, mut ready, mut rx) = match layers {
             Layers::Ready(all) => (all.len() as u32, Some(all.iter()), None),
             Layers::Stream { n_layers, rx } => (n_layers, None, Some(rx)),
@@ -474,7 +486,8 @@ impl RdmaKvSender {
                 }
                 (None, None) => unreachable!("one source"),
             };
-            self.write_layer(l, &data.bytes, n_tokens as usize, &blocks, until)
+            let granted = (&blocks[..], &access);
+            self.write_layer(l, &data.bytes, n_tokens as usize, granted, until)
                 .await?;
             bytes += data.bytes.len() as u64;
             self.conn.written(request_id, l, data.crc).await?;
