@@ -518,7 +518,13 @@ fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_ev
     );
     // Through the prefill pool: the router counted the KV it moved (the counter comes when the
     // prefill call returns, possibly just after the answer).
-    let at: std::net::SocketAddr = addr.parse().unwrap();
+    // ... on the operator's address, which `tandem up` printed too (the API's port has none).
+    let at: std::net::SocketAddr = printed
+        .split("status page: http://")
+        .nth(1)
+        .and_then(|r| r.split_once("/status"))
+        .map(|(a, _)| a.parse().unwrap())
+        .unwrap_or_else(|| panic!("no status page line: {printed}"));
     let t0 = Instant::now();
     loop {
         let (_, m) = tandem_tests::cluster::get(at, "/metrics").unwrap();

@@ -251,8 +251,10 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         &Security::Mutual(Arc::new(prefill_cert)),
         &tcp,
     ));
-    assert!(e.to_string().contains("no transfer into request 1"), "{e}");
-    assert!(refused(metrics(&decode), "kv", "ticket") >= 1.0);
+    // The sender sees the refusal, or (when its layers were still going out as the receiver
+    // closed) a broken pipe; the receiver counted why, before it read a layer.
+    eprintln!("a prefill certificate without the ticket: {e}");
+    assert!(refused(metrics(&decode), "kv", "ticket") >= 1.0, "{e}");
 
     // The path: refused at each listener, by reason.
     for (listener, at) in [

@@ -39,7 +39,7 @@ pub fn describe(catalogue: &[(&'static str, Kind, &'static str)]) {
     let every_process = [(
         "tandem_auth_refused_total",
         Kind::Counter,
-        "Connections and calls refused on an internal listener, by listener and reason (no_certificate, untrusted_certificate, wrong_role, not_tls, handshake, handshake_timeout, too_many_connections, wrong_pool, not_owner).",
+        "Connections and calls refused on an internal listener, by listener and reason (no_certificate, untrusted_certificate, wrong_role, not_tls, handshake, handshake_timeout, too_many_connections, wrong_pool, not_owner; listener kv, reason ticket: a KV transfer without its reservation's ticket).",
     )];
     for &(name, kind, help) in catalogue.iter().chain(&every_process) {
         match kind {
