@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use engine::tiers::{TierConfig, WritePolicy};
 use engine::EngineConfig;
 use proto::config::{ClusterConfig, PoolSection};
 use std::io::Write;
@@ -194,7 +195,10 @@ fn worker_settings(
         device: pool.device.get_ref().clone(),
         mock: mock_timing(pool),
         threads: *pool.threads.get_ref() as usize,
-        engine: engine_config(cfg, pool),
+        engine: EngineConfig {
+            tiers: tier_config(pool, &a.config, &name),
+            ..engine_config(cfg, pool)
+        },
         host: a.host.clone().unwrap_or_else(|| pool.host.clone()),
         router: control_endpoint(cfg, a),
         name,
@@ -215,6 +219,30 @@ pub(crate) fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineCo
         // Blocks reserved for KV that never comes go when their sender stops renewing
         // them, even if the router is gone too (it cancels abandoned requests itself).
         kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
+        tiers: TierConfig::default(),
+    }
+}
+
+/// The KV tiers of worker `name` of `pool` (`[<pool>.kv_tiers]`; none when absent): the
+/// disk tier in a directory of the worker's own under `disk_path`, relative to the config
+/// file `config`.
+pub(crate) fn tier_config(pool: &PoolSection, config: &Path, name: &str) -> TierConfig {
+    use proto::config::WritePolicy as P;
+    let Some(t) = &pool.kv_tiers else {
+        return TierConfig::default();
+    };
+    let beside = config.parent().unwrap_or(Path::new("."));
+    TierConfig {
+        host_bytes: t.host_bytes,
+        disk_path: t
+            .disk_path
+            .as_ref()
+            .map(|p| beside.join(p.get_ref()).join(name)),
+        disk_bytes: t.disk_bytes.as_ref().map_or(0, |b| *b.get_ref()),
+        write_policy: match t.write_policy.as_ref().map(|p| *p.get_ref()) {
+            None | Some(P::Evicted) => WritePolicy::Evicted,
+            Some(P::HitTwice) => WritePolicy::HitTwice,
+        },
     }
 }
 
@@ -223,6 +251,7 @@ pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
     router::routing::Routing {
         policy: cfg.router.policy,
         prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
+        tier_weights: cfg.router.tier_weights.as_ref().map(|w| *w.get_ref()),
     }
 }
 

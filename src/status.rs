@@ -72,6 +72,14 @@ fn ms(v: &Value) -> String {
 }
 
 /// One pool's line: workers, health, its latency against its target.
+/// A KV tier's cell: blocks held and hits served (`–` where the worker has no such tier).
+fn tier_cell(t: &Value) -> String {
+    match (t["blocks"].as_u64(), t["hits"].as_u64()) {
+        (Some(0), Some(0)) | (None, _) | (_, None) => "–".into(),
+        (Some(b), Some(h)) => format!("{b} ({h} hits)"),
+    }
+}
+
 fn pool_line(name: &str, p: &Value, lat: &Value) -> String {
     let (now, target) = (&lat["p90_ms"], &p["target_p90_ms"]);
     let verdict = match (now.as_f64(), target.as_f64()) {
@@ -116,6 +124,8 @@ pub fn render(addr: &str, s: &Value) -> String {
         "KV used",
         "cached",
         "free",
+        "host",
+        "disk",
         "running",
         "waiting",
         "heartbeat",
@@ -154,6 +164,8 @@ pub fn render(addr: &str, s: &Value) -> String {
             format!("{}/{}", kv["used"], kv["total"]),
             text(&kv["cached"]),
             text(&kv["free"]),
+            tier_cell(&w["kv_tiers"]["host"]),
+            tier_cell(&w["kv_tiers"]["disk"]),
             text(&w["running"]),
             text(&w["waiting"]),
             format!("{} ms", w["heartbeat_age_ms"]),
@@ -239,6 +251,7 @@ mod tests {
                  "running": 0, "waiting": 0, "heartbeat_age_ms": 120},
                 {"name": "decode-long-name-0", "role": "decode", "health": "stalled", "device": "mock",
                  "kv_offers": ["tcp", "quic"], "kv_blocks": {"used": 40, "total": 1024, "cached": 0, "free": 984},
+                 "kv_tiers": {"host": {"blocks": 300, "hits": 7}, "disk": {"blocks": 0, "hits": 0}},
                  "running": 3, "waiting": 1, "heartbeat_age_ms": 2500},
             ],
             "prefix": {"hit_ratio": 0.25, "prompt_tokens": 400},
@@ -269,6 +282,7 @@ mod tests {
         let col = lines[header].find("health").unwrap();
         assert_eq!(&lines[header + 1][col..col + 2], "ok", "{text}");
         assert_eq!(&lines[header + 2][col..col + 7], "stalled", "{text}");
+        assert!(lines[header + 2].contains("300 (7 hits)"), "{text}");
         assert!(
             lines[header + 1].contains("tcp×3") && lines[header + 2].contains("tcp,quic"),
             "{text}"

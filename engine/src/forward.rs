@@ -34,6 +34,12 @@ pub trait Forward: Send + Sync {
         true
     }
 
+    /// Whether the host cache holds every step's KV (a GPU keeps decode steps' on the device
+    /// only): what a tier below the pool copies from and into.
+    fn kv_on_host(&self) -> bool {
+        true
+    }
+
     /// Tokens `0..n` of `table` were written into `kv` on the host (KV from a prefill worker).
     fn kv_written(
         &self,
@@ -44,6 +50,10 @@ pub trait Forward: Send + Sync {
     ) -> Result<()> {
         Ok(())
     }
+
+    /// KV moved between the pool and its tiers since the last step: a timing model charges it
+    /// to the next step (real kernels spent it already).
+    fn tier_traffic(&self, _t: &crate::TierTraffic) {}
 
     /// The timing model's time of the last forward, taken (so `None` again until the next
     /// one): the mock engine's; `None` for real kernels.

@@ -102,6 +102,10 @@ impl Forward for GpuForward {
         Ok(())
     }
 
+    fn kv_on_host(&self) -> bool {
+        false
+    }
+
     fn kv_written(
         &self,
         c: &ModelConfig,

@@ -152,6 +152,8 @@ pub struct KvCache {
     pool: BlockPool,
     /// Pages promised to reservations and not taken yet.
     promised: usize,
+    /// Host memory and disk below the pool, when configured ([`crate::tiers`]).
+    tiers: Option<crate::tiers::Tiers>,
 }
 
 /// The groups of layers with windows `windows` (see [`KvCache`]): group 0 sees the most
@@ -236,6 +238,7 @@ impl KvCache {
             max_chunk: max_chunk.max(1),
             pool: BlockPool::new(pages),
             promised: 0,
+            tiers: None,
         })
     }
 
@@ -263,9 +266,14 @@ impl KvCache {
     pub fn group_of(&self, l: usize) -> usize {
         self.layer_at[l].0
     }
-    /// Prefixes registered and forgotten since the last call (see [`BlockPool::take_events`]).
+    /// Prefixes registered and forgotten since the last call (see [`BlockPool::take_events`]),
+    /// then the tiers' (each tier's in order).
     pub fn take_events(&mut self) -> Vec<types::KvEvent> {
-        self.pool.take_events()
+        let mut events = self.pool.take_events();
+        if let Some(t) = self.tiers.as_mut() {
+            events.extend(t.take_events());
+        }
+        events
     }
 
     /// Pages by state (held, cached and unreferenced, free).
@@ -333,7 +341,7 @@ impl KvCache {
         }
         for (g, t) in table.groups.iter_mut().enumerate() {
             for _ in 0..now[g] {
-                t.blocks.push(self.pool.alloc().expect("counted above"));
+                t.blocks.push(self.alloc().expect("counted above"));
             }
             t.promised += promise[g];
             self.promised += promise[g];
@@ -367,7 +375,7 @@ impl KvCache {
                         "group {g} needs block {i} for tokens {start}..{end}: no page free now"
                     )));
                 }
-                t.blocks[i] = self.pool.alloc().ok_or_else(|| {
+                t.blocks[i] = self.alloc().ok_or_else(|| {
                     EngineError::OutOfBlocks(format!("no KV page for group {g}'s block {i}"))
                 })?;
                 if promised {
@@ -441,6 +449,8 @@ impl KvCache {
     ) -> (usize, u64) {
         debug_assert!(table.groups.iter().all(|t| t.blocks.is_empty()));
         let bs = self.block_size;
+        // What the tiers below hold of the chain comes into the pool first, held until shared.
+        let restored = self.restore((seed, root), tokens);
         let chain = self.pool.lookup(seed, root, bs, tokens);
         // Per group, each block of the chain found or not, and runs of found blocks.
         let found: Vec<Vec<Option<u32>>> = (0..self.groups.len())
@@ -483,6 +493,12 @@ impl KvCache {
                 t.blocks.push(*b);
             }
             t.valid_from = lo * bs;
+        }
+        for &(b, _) in &chain[..m] {
+            self.pool.note_hit(b);
+        }
+        for b in restored {
+            self.pool.release(b);
         }
         let last = m.checked_sub(1).map_or(root, |i| chain[i].1);
         (m * bs, last)
@@ -700,6 +716,8 @@ fn copy_le(dst: &mut [f16], src: &[u8]) {
         }
     }
 }
+
+mod tiered;
 
 #[cfg(test)]
 mod tests;

@@ -46,6 +46,8 @@ pub mod sampler;
 pub mod scheduler;
 mod spm;
 pub mod text;
+#[cfg(feature = "runtime")]
+pub mod tiers;
 pub mod tokenizer;
 
 pub use config::ModelConfig;
@@ -54,7 +56,7 @@ pub use error::{EngineError, Result};
 pub use kv_cache::{BlockTable, KvCache};
 #[cfg(feature = "runtime")]
 pub use loader::{load, load_mock};
-pub use mock::MockTiming;
+pub use mock::{MockTiming, TierLink, TierTraffic};
 #[cfg(feature = "runtime")]
 pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 pub use rate::PromptRate;

@@ -8,9 +8,51 @@ use std::time::Duration;
 #[cfg(feature = "runtime")]
 use std::time::Instant;
 
+/// One KV tier's link as the timing model prices it: each batch of blocks moved in a step
+/// costs `latency_us` plus its bytes at the rate.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierLink {
+    /// Fixed cost of a step's loads (or stores) from this tier.
+    pub latency_us: f64,
+    /// Bytes per second loaded into the pool.
+    pub read_bytes_per_s: f64,
+    /// Bytes per second stored from the pool.
+    pub write_bytes_per_s: f64,
+}
+
+impl TierLink {
+    fn time_us(&self, bytes: f64, rate: f64) -> f64 {
+        match bytes > 0.0 && rate > 0.0 {
+            true => self.latency_us + bytes / rate * 1e6,
+            false => 0.0,
+        }
+    }
+}
+
+/// Blocks moved between the pool and the tiers below it since the last step, by tier (host
+/// memory, disk): what a timing model charges the next step.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TierTraffic {
+    /// Tokens a block holds.
+    pub block_tokens: usize,
+    /// Blocks loaded into the pool.
+    pub loaded: [u64; 2],
+    /// Blocks stored on the step's path (the host tier's copies; the disk's writer runs
+    /// beside the steps).
+    pub stored: [u64; 2],
+}
+
+impl TierTraffic {
+    /// Whether nothing moved.
+    pub fn is_empty(&self) -> bool {
+        self.loaded == [0, 0] && self.stored == [0, 0]
+    }
+}
+
 /// How long a mock forward step takes:
 /// `step_us + prefill_token_us × prompt tokens + decode_token_us × decode tokens
-///  + kv_token_ns × KV tokens attended`.
+///  + kv_token_ns × KV tokens attended`, plus the tier traffic charged to it
+/// ([`MockTiming::tier_time`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct MockTiming {
     /// Fixed cost of a step.
@@ -21,6 +63,12 @@ pub struct MockTiming {
     pub decode_token_us: f64,
     /// Per token of KV the step's attention reads.
     pub kv_token_ns: f64,
+    /// KV bytes a token takes in the modelled model: what a tier moves of a block.
+    pub kv_bytes_per_token: f64,
+    /// The host-memory tier (G2): PCIe to pinned memory on a GPU, a copy on a CPU.
+    pub host_tier: TierLink,
+    /// The disk tier (G3).
+    pub disk_tier: TierLink,
 }
 
 impl MockTiming {
@@ -32,6 +80,19 @@ impl MockTiming {
         prefill_token_us: 1030.0,
         decode_token_us: 1350.0,
         kv_token_ns: 0.0,
+        // SmolLM2-135M: 30 layers × 3 KV heads × 64 × (K, V) × 2 bytes (f16).
+        kv_bytes_per_token: 23_040.0,
+        // A copy in this machine's memory (~8 GB/s one core), and its page cache or SSD.
+        host_tier: TierLink {
+            latency_us: 2.0,
+            read_bytes_per_s: 8e9,
+            write_bytes_per_s: 8e9,
+        },
+        disk_tier: TierLink {
+            latency_us: 50.0,
+            read_bytes_per_s: 2e9,
+            write_bytes_per_s: 1e9,
+        },
     };
 
     /// H200-like figures for a Llama-8B-sized model in bf16, estimated from the card's memory
@@ -42,6 +103,20 @@ impl MockTiming {
         prefill_token_us: 50.0,
         decode_token_us: 40.0,
         kv_token_ns: 27.0,
+        // Llama-8B: 32 layers × 8 KV heads × 128 × (K, V) × 2 bytes.
+        kv_bytes_per_token: 131_072.0,
+        // PCIe Gen5 x16 to pinned host memory (~50 GB/s each way in practice).
+        host_tier: TierLink {
+            latency_us: 10.0,
+            read_bytes_per_s: 50e9,
+            write_bytes_per_s: 50e9,
+        },
+        // One NVMe SSD (~7 GB/s sequential read, ~5 GB/s write).
+        disk_tier: TierLink {
+            latency_us: 100.0,
+            read_bytes_per_s: 7e9,
+            write_bytes_per_s: 5e9,
+        },
     };
 
     /// The time of one step.
@@ -56,6 +131,20 @@ impl MockTiming {
             + self.decode_token_us * decode_tokens as f64
             + self.kv_token_ns * kv_tokens as f64 / 1000.0;
         Duration::from_secs_f64(us.max(0.0) / 1e6)
+    }
+
+    /// The time `t` takes on the tiers' links: never free, cheaper than computing the blocks.
+    pub fn tier_time(&self, t: &TierTraffic) -> Duration {
+        let bytes = |blocks: u64| (blocks as usize * t.block_tokens) as f64 * self.kv_bytes_per_token;
+        let links = [&self.host_tier, &self.disk_tier];
+        let us: f64 = (0..2)
+            .map(|i| {
+                let l = links[i];
+                l.time_us(bytes(t.loaded[i]), l.read_bytes_per_s)
+                    + l.time_us(bytes(t.stored[i]), l.write_bytes_per_s)
+            })
+            .sum();
+        Duration::from_secs_f64(us / 1e6)
     }
 }
 
@@ -90,6 +179,8 @@ pub struct MockForward {
     /// The last step's modelled time (nanoseconds; 0: taken), for
     /// [`crate::forward::Forward::take_modelled_time`].
     pub modelled: std::sync::atomic::AtomicU64,
+    /// Tier traffic's time charged to the next step (nanoseconds).
+    pub tier_ns: std::sync::atomic::AtomicU64,
 }
 
 #[cfg(feature = "runtime")]
@@ -100,6 +191,12 @@ impl crate::forward::Forward for MockForward {
 
     fn kv_backed(&self) -> bool {
         self.clock.is_none()
+    }
+
+    fn tier_traffic(&self, t: &TierTraffic) {
+        let ns = self.timing.tier_time(t).as_nanos() as u64;
+        self.tier_ns
+            .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn take_modelled_time(&self) -> Option<Duration> {
@@ -124,7 +221,8 @@ impl crate::forward::Forward for MockForward {
             }
             attended += s.start_pos + s.tokens.len();
         }
-        let total = self.timing.step_time(prefill, decode, attended);
+        let tier = self.tier_ns.swap(0, std::sync::atomic::Ordering::Relaxed);
+        let total = self.timing.step_time(prefill, decode, attended) + Duration::from_nanos(tier);
         // At least 1 ns, so that a step of zero modelled time still counts as one.
         let at_least = (total.as_nanos() as u64).max(1);
         self.modelled

@@ -257,6 +257,7 @@ impl Model {
             timing,
             clock: None,
             modelled: Default::default(),
+            tier_ns: Default::default(),
         });
         Model { config, forward }
     }
@@ -274,6 +275,7 @@ impl Model {
             timing,
             clock: Some(clock.clone()),
             modelled: Default::default(),
+            tier_ns: Default::default(),
         });
         (Model { config, forward }, clock)
     }
@@ -288,6 +290,18 @@ impl Model {
     /// kernels or when no step ran since the last call.
     pub fn take_modelled_time(&self) -> Option<std::time::Duration> {
         self.forward.take_modelled_time()
+    }
+
+    /// KV moved between the pool and its tiers since the last step, for a timing model to
+    /// charge (see [`Forward::tier_traffic`]).
+    pub fn tier_traffic(&self, t: &crate::TierTraffic) {
+        self.forward.tier_traffic(t)
+    }
+
+    /// Whether the host KV cache holds every step's KV (not on a GPU: see
+    /// [`Forward::kv_on_host`]).
+    pub fn kv_on_host(&self) -> bool {
+        self.forward.kv_on_host()
     }
 
     /// The forward's name (backend and device).
@@ -315,6 +329,15 @@ impl Model {
     /// Pages of an engine's cache of `num_blocks` blocks (see [`Model::new_windowed_kv_cache`]).
     pub fn kv_pages(&self, num_blocks: usize) -> usize {
         num_blocks * crate::kv_cache::group_count(&self.windows(true))
+    }
+
+    /// Bytes of one page of this model's KV cache with blocks of `block_size` tokens: one
+    /// block of one layer group's layers, keys and values in f16 — what a KV tier stores of it
+    /// (the mock's cache keeps no values; this is what they would take).
+    pub fn kv_page_bytes(&self, block_size: usize) -> usize {
+        let c = &self.config;
+        let groups = crate::kv_cache::group_count(&self.windows(true)).max(1);
+        (c.n_layers / groups) * 2 * block_size * c.kv_width() * 2
     }
 
     /// Each layer's window as the cache keeps it (`windowed`), or every token.

@@ -25,6 +25,22 @@ struct Cached {
     group: u32,
     hash: u64,
     tokens: Box<[u32]>,
+    /// Times a sequence shared it from the cache (a tier's write policy reads it).
+    hits: u32,
+}
+
+/// A cached block an allocation evicted: what the cache knew of it, for a tier below the
+/// pool to keep (its page's bytes are still there until the new owner writes them).
+#[derive(Debug)]
+pub struct Forgotten {
+    /// Its layer group.
+    pub group: u32,
+    /// Its prefix's name.
+    pub hash: u64,
+    /// Its tokens.
+    pub tokens: Box<[u32]>,
+    /// Times it was shared from the cache.
+    pub hits: u32,
 }
 
 /// Counts of the pool's blocks by state.
@@ -100,8 +116,13 @@ impl BlockPool {
     /// A block for a new owner: a free one, else the least recently used cached one (its
     /// prefix forgotten). `None` when every block is held.
     pub fn alloc(&mut self) -> Option<u32> {
-        let b = match self.free.pop() {
-            Some(b) => b,
+        self.alloc_evicting().map(|(b, _)| b)
+    }
+
+    /// [`BlockPool::alloc`], with what it evicted to make room.
+    pub fn alloc_evicting(&mut self) -> Option<(u32, Option<Forgotten>)> {
+        let (b, forgotten) = match self.free.pop() {
+            Some(b) => (b, None),
             None => {
                 let (_, b) = self.lru.pop_first()?;
                 let old = self.meta[b as usize]
@@ -116,12 +137,25 @@ impl BlockPool {
                     });
                 }
                 self.evicted += 1;
-                b
+                let f = Forgotten {
+                    group: old.group,
+                    hash: old.hash,
+                    tokens: old.tokens,
+                    hits: old.hits,
+                };
+                (b, Some(f))
             }
         };
         debug_assert_eq!(self.refs[b as usize], 0);
         self.refs[b as usize] = 1;
-        Some(b)
+        Some((b, forgotten))
+    }
+
+    /// Block `b` was shared from the cache once more.
+    pub fn note_hit(&mut self, b: u32) {
+        if let Some(c) = self.meta[b as usize].as_mut() {
+            c.hits = c.hits.saturating_add(1);
+        }
     }
 
     /// One more owner of block `b` (a sequence sharing a cached prefix).
@@ -170,12 +204,19 @@ impl BlockPool {
     /// `hash`. Only group 0's prefixes are reported as events (the router's index names a
     /// prefix once, whatever groups a worker's model has).
     pub fn register_in(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32]) {
+        self.register_with(group, b, hash, tokens, 0);
+    }
+
+    /// [`BlockPool::register_in`] for a block shared `hits` times before (one loaded back from
+    /// a tier below the pool).
+    pub fn register_with(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32], hits: u32) {
         if self.meta[b as usize].is_none() && !self.by_hash.contains_key(&(group, hash)) {
             self.by_hash.insert((group, hash), b);
             self.meta[b as usize] = Some(Cached {
                 group,
                 hash,
                 tokens: tokens.into(),
+                hits,
             });
             if group == 0 {
                 let block = BlockHash(hash);

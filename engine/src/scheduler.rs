@@ -46,6 +46,9 @@ pub struct EngineConfig {
     /// Keep computed full blocks as a prefix cache shared by later sequences (see
     /// [`crate::prefix`]).
     pub prefix_cache: bool,
+    /// Host memory and disk below the pool for the prefix cache's evicted blocks (see
+    /// [`crate::tiers`]); needs the prefix cache.
+    pub tiers: crate::tiers::TierConfig,
 }
 
 impl Default for EngineConfig {
@@ -57,6 +60,7 @@ impl Default for EngineConfig {
             max_running: 64,
             kv_lease: None,
             prefix_cache: true,
+            tiers: Default::default(),
         }
     }
 }
@@ -166,6 +170,31 @@ pub struct Load {
     pub kv_refusals: u64,
     /// Forward steps run since start.
     pub engine_steps: u64,
+    /// The tiers below the pool (zeros without them).
+    pub tiers: crate::tiers::TiersStats,
+}
+
+/// The tiers of `config` under the cache `kv` of `model`, whose blocks are named under
+/// `seed`.
+fn open_tiers(
+    model: &Model,
+    config: &EngineConfig,
+    kv: &KvCache,
+    seed: u64,
+) -> Result<crate::tiers::Tiers> {
+    if !config.prefix_cache {
+        let msg = "KV tiers keep the prefix cache's blocks: they need the prefix cache on";
+        return Err(EngineError::Config(msg.into()));
+    }
+    if !model.kv_on_host() {
+        let msg = "KV tiers read and write the KV pool on the host: not yet on a GPU device";
+        return Err(EngineError::Config(msg.into()));
+    }
+    let backed = kv.page_bytes() > 0;
+    // A cache without values (the mock) counts what the model's pages would take.
+    let bytes = model.kv_page_bytes(config.block_size);
+    debug_assert!(!backed || bytes == kv.page_bytes());
+    crate::tiers::Tiers::open(&config.tiers, seed, bytes, backed)
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -190,7 +219,7 @@ impl Engine {
                 "max_batch_tokens and max_running must be positive".into(),
             ));
         }
-        let kv = model.new_windowed_kv_cache(
+        let mut kv = model.new_windowed_kv_cache(
             config.block_size,
             config.num_blocks,
             config.max_batch_tokens,
@@ -198,6 +227,9 @@ impl Engine {
         // Seeded by the model's KV identity: blocks of two models or layouts never match.
         let seed = crate::block_hash::identity_seed(&model.config, config.block_size);
         let prefix_seed = config.prefix_cache.then_some(seed);
+        if config.tiers.enabled() {
+            kv.set_tiers(open_tiers(&model, &config, &kv, seed)?);
+        }
         Ok(Engine {
             model,
             kv,
@@ -295,12 +327,19 @@ impl Engine {
             kv_blocks_evicted: self.kv.evicted_blocks(),
             kv_refusals: self.refusals,
             engine_steps: self.steps,
+            tiers: self.kv.tier_stats().unwrap_or_default(),
         }
     }
 
     /// Prefix-cache blocks registered and forgotten since the last call, in order.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
         self.kv.take_events()
+    }
+
+    /// Waits at most `limit` for the disk tier's queued writes (tests; an orderly shutdown);
+    /// whether they finished. A step never waits on them.
+    pub fn flush_tiers(&mut self, limit: Duration) -> bool {
+        self.kv.tiers_mut().is_none_or(|t| t.flush(limit))
     }
 
     /// Tokens the last step ran: (prompt tokens, decoding sequences).
@@ -608,6 +647,12 @@ impl Engine {
         };
         let exports = plan.iter().any(|c| self.running[c.seq].prefill_only);
         let layer_sink: Option<crate::LayerSink<'_>> = exports.then_some(&mut stream_layers);
+        let bs = self.kv.block_size();
+        if let Some(traffic) = self.kv.tiers_mut().map(|t| t.take_traffic(bs)) {
+            if !traffic.is_empty() {
+                self.model.tier_traffic(&traffic);
+            }
+        }
         self.model.step(&mut self.kv, &chunks, layer_sink)
     }
 

@@ -10,7 +10,7 @@ mod check;
 mod names;
 
 use check::Ctx;
-pub use names::{Actuator, EngineKind, MockPreset, Policy, Transport};
+pub use names::{Actuator, EngineKind, MockPreset, Policy, Transport, WritePolicy};
 
 /// A config error, already formatted as `file:line: key: what is wrong`.
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +157,11 @@ pub struct RouterSection {
     /// to first token is within this many milliseconds of the best worker's.
     #[serde(default = "default_prefill_slack_ms")]
     pub prefill_slack_ms: u64,
+    /// `kv`: what a prompt block held in a worker's host-memory tier and in its disk tier counts
+    /// for against one in its KV pool (1), each in 0..=1. Unset: derived per worker from its
+    /// measured load time against the prefill rate; `[0.0, 0.0]` routes blind to the tiers.
+    #[serde(default)]
+    pub tier_weights: Option<Spanned<[f64; 2]>>,
     /// How many times a request may move to another decode worker when its own dies, freezes
     /// or stalls mid-stream (0: never; the client gets an error event).
     #[serde(default = "default_migration_limit")]
@@ -258,6 +263,7 @@ impl Default for RouterSection {
             local_prefill_busy_max_tokens: 0,
             policy: Policy::default(),
             prefill_slack_ms: default_prefill_slack_ms(),
+            tier_weights: None,
             migration_limit: default_migration_limit(),
             stall_timeout_ms: default_stall_timeout_ms(),
             heartbeat_timeout_ms: default_heartbeat_timeout_ms(),
@@ -312,6 +318,27 @@ pub struct PoolSection {
     pub mock: MockSection,
     /// Autoscaling of this pool on its own latency target; absent: a fixed pool.
     pub autoscale: Option<AutoscaleSection>,
+    /// KV below each worker's pool (host memory, local disk); absent: none.
+    pub kv_tiers: Option<KvTiersSection>,
+}
+
+/// `[<pool>.kv_tiers]`: where a worker's prefix cache keeps the blocks its pool evicts — host
+/// memory (G2), then local disk (G3, kept across restarts).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvTiersSection {
+    /// Bytes of host memory per worker (0: no host tier).
+    #[serde(default)]
+    pub host_bytes: u64,
+    /// The disk tier's directory, relative to this file; each worker uses a directory of its
+    /// own under it, named after the worker.
+    pub disk_path: Option<Spanned<String>>,
+    /// Bytes of block files per worker at most (needs `disk_path`).
+    pub disk_bytes: Option<Spanned<u64>>,
+    /// Which evicted blocks are written down: `"evicted"` (all) or `"hit-twice"` (only those
+    /// shared from the cache at least twice).
+    #[serde(default)]
+    pub write_policy: Option<Spanned<WritePolicy>>,
 }
 
 fn default_device() -> Spanned<String> {

@@ -84,7 +84,7 @@ impl TryFrom<grpc::Role> for Pool {
 }
 
 /// Version of tandem's control and KV-transfer protocols; peers with another version are refused.
-pub const PROTOCOL_VERSION: u32 = 4;
+pub const PROTOCOL_VERSION: u32 = 5;
 
 impl From<grpc::ModelIdentity> for ModelIdentity {
     fn from(g: grpc::ModelIdentity) -> Self {

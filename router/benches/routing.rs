@@ -45,8 +45,9 @@ fn main() {
             hashes,
             stored: Vec::new(),
             snapshot: true,
+            tiers: Vec::new(),
         };
-        index.apply(WorkerId(w), &snapshot);
+        index.apply(WorkerId(w), &snapshot, usize::MAX);
     }
     println!(
         "index: {} block entries over {WORKERS} workers, built in {:?}",

@@ -1,20 +1,59 @@
 //! The cluster-wide KV index: which worker's prefix cache holds which block, by the block's
-//! name (the chained hash of `engine::block_hash`), fed by the workers' numbered events in
-//! their heartbeats. A gap in a worker's numbers (a lost heartbeat) asks it for a snapshot; a
+//! name (the chained hash of `engine::block_hash`), and in which of its tiers (the pool, host
+//! memory, disk), fed by the workers' numbered events in their heartbeats. A gap in a worker's numbers (a lost heartbeat) asks it for a snapshot; a
 //! worker that leaves takes its entries with it. Memory is bounded by the blocks actually
 //! cached.
 
 use std::collections::HashMap;
 
-use engine::block_hash::{NameMap, NameSet};
+use engine::block_hash::NameMap;
 use proto::grpc::KvEvents;
-use types::{BlockHash, WorkerId};
+use types::{BlockHash, Tier, WorkerId};
 
 #[derive(Debug, Default)]
 struct Held {
     /// The next event number expected; `None` until a snapshot arrives.
     next: Option<u64>,
-    blocks: NameSet,
+    /// Each block it holds, with the tiers holding it (bit `1 << tier`, never 0).
+    blocks: NameMap<u64, u8>,
+}
+
+/// A worker's leading run of a prompt's blocks, counted by the nearest tier holding each.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Overlap {
+    /// Blocks by [`Tier::index`]: in the pool, in host memory only, on disk only.
+    pub tiers: [usize; 3],
+}
+
+impl Overlap {
+    /// Leading blocks held in any tier.
+    pub fn blocks(&self) -> usize {
+        self.tiers.iter().sum()
+    }
+
+    /// Leading blocks held in `tier` (nearest tier first).
+    pub fn of(&self, tier: Tier) -> usize {
+        self.tiers[tier.index() as usize]
+    }
+
+    /// The blocks worth as many as computed ones: each tier's count times its weight (the
+    /// pool's 1, a lower tier's what loading it saves against computing it).
+    pub fn weighed(&self, weights: &[f64; 3]) -> f64 {
+        self.tiers.iter().zip(weights).map(|(&n, &w)| n as f64 * w).sum()
+    }
+}
+
+/// The nearest tier in `mask`.
+fn nearest(mask: u8) -> Tier {
+    Tier::from_index(mask.trailing_zeros()).unwrap_or(Tier::Disk)
+}
+
+/// The tier of the `i`-th name of `ev` (the pool when a sender names none: an older worker).
+fn tier_of(ev: &KvEvents, i: usize) -> u8 {
+    match ev.tiers.get(i).copied().and_then(Tier::from_index) {
+        Some(t) => 1 << t.index(),
+        None => 1,
+    }
 }
 
 /// The workers holding one block: a short list, or a set once it is long — a block every
@@ -83,8 +122,8 @@ impl KvIndex {
     pub fn apply(&mut self, w: WorkerId, ev: &KvEvents, cap: usize) -> bool {
         if ev.snapshot {
             self.remove_worker(w);
-            for &h in &ev.hashes {
-                self.store(w, h, cap);
+            for (i, &h) in ev.hashes.iter().enumerate() {
+                self.store(w, h, tier_of(ev, i), cap);
             }
             self.workers.entry(w).or_default().next = Some(ev.next);
             return false;
@@ -95,35 +134,44 @@ impl KvIndex {
             return true;
         }
         held.next = Some(ev.next);
-        for (&h, &stored) in ev.hashes.iter().zip(&ev.stored) {
+        for (i, (&h, &stored)) in ev.hashes.iter().zip(&ev.stored).enumerate() {
             if stored {
-                self.store(w, h, cap);
+                self.store(w, h, tier_of(ev, i), cap);
             } else {
-                self.forget(w, h);
+                self.forget(w, h, tier_of(ev, i));
             }
         }
         false
     }
 
-    fn store(&mut self, w: WorkerId, h: u64, cap: usize) {
+    /// Notes `h` in the tiers `bits` of `w`.
+    fn store(&mut self, w: WorkerId, h: u64, bits: u8, cap: usize) {
         let held = &mut self.workers.entry(w).or_default().blocks;
+        if let Some(mask) = held.get_mut(&h) {
+            *mask |= bits;
+            return;
+        }
         if held.len() >= cap {
             return;
         }
-        if held.insert(h) {
-            self.holders
-                .entry(h)
-                .or_insert_with(|| Holders::Few(Vec::new()))
-                .insert(w);
-        }
+        held.insert(h, bits);
+        self.holders
+            .entry(h)
+            .or_insert_with(|| Holders::Few(Vec::new()))
+            .insert(w);
     }
 
-    fn forget(&mut self, w: WorkerId, h: u64) {
+    /// Notes `h` gone from the tiers `bits` of `w`; gone from the worker when no tier is left.
+    fn forget(&mut self, w: WorkerId, h: u64, bits: u8) {
         let held = self.workers.entry(w).or_default();
-        if !held.blocks.remove(&h) {
+        let Some(mask) = held.blocks.get_mut(&h) else {
             return;
+        };
+        *mask &= !bits;
+        if *mask == 0 {
+            held.blocks.remove(&h);
+            self.unhold(w, h);
         }
-        self.unhold(w, h);
     }
 
     fn unhold(&mut self, w: WorkerId, h: u64) {
@@ -137,15 +185,16 @@ impl KvIndex {
         let Some(held) = self.workers.remove(&w) else {
             return;
         };
-        for h in held.blocks {
+        for h in held.blocks.into_keys() {
             self.unhold(w, h);
         }
     }
 
     /// For each worker holding the first of `blocks` (a prompt's block names, in order), how
-    /// many leading blocks it holds.
+    /// many leading blocks it holds, in any tier.
     pub fn overlap(&self, blocks: &[BlockHash]) -> HashMap<WorkerId, usize> {
-        self.overlap_in(blocks, |_| true)
+        let all = self.overlap_in(blocks, |_| true);
+        all.into_iter().map(|(w, o)| (w, o.blocks())).collect()
     }
 
     /// [`KvIndex::overlap`] for the workers `among` keeps only (a pool's candidates: the
@@ -154,35 +203,36 @@ impl KvIndex {
         &self,
         blocks: &[BlockHash],
         among: impl Fn(WorkerId) -> bool,
-    ) -> HashMap<WorkerId, usize> {
-        let mut out: HashMap<WorkerId, usize> = HashMap::new();
+    ) -> HashMap<WorkerId, Overlap> {
+        let mut out: HashMap<WorkerId, Overlap> = HashMap::new();
         let Some(first) = blocks.first().and_then(|h| self.holders.get(&h.0)) else {
             return out;
         };
-        // Each candidate's own set, looked up once: per block, one membership test a worker
-        // (a block every worker holds — a shared system prompt — costs one lookup a worker,
-        // not a scan of its holder list).
-        let mut live: Vec<(WorkerId, &NameSet)> = first
+        // Each candidate's own map, looked up once: per block, one lookup a worker (a block
+        // every worker holds — a shared system prompt — costs one lookup a worker, not a scan
+        // of its holder list).
+        let mut live: Vec<(WorkerId, &NameMap<u64, u8>, Overlap)> = first
             .to_vec()
             .into_iter()
             .filter(|&w| among(w))
-            .filter_map(|w| Some((w, &self.workers.get(&w)?.blocks)))
+            .filter_map(|w| Some((w, &self.workers.get(&w)?.blocks, Overlap::default())))
             .collect();
-        for (i, h) in blocks.iter().enumerate() {
-            live.retain(|(w, held)| {
-                let keep = held.contains(&h.0);
-                if !keep {
-                    out.insert(*w, i);
+        for h in blocks {
+            live.retain_mut(|(w, held, run)| match held.get(&h.0) {
+                Some(&mask) => {
+                    run.tiers[nearest(mask).index() as usize] += 1;
+                    true
                 }
-                keep
+                None => {
+                    out.insert(*w, *run);
+                    false
+                }
             });
             if live.is_empty() {
                 return out;
             }
         }
-        for (w, _) in live {
-            out.insert(w, blocks.len());
-        }
+        out.extend(live.into_iter().map(|(w, _, run)| (w, run)));
         out
     }
 
@@ -212,6 +262,7 @@ mod tests {
             stored: ev.iter().map(|e| e.0).collect(),
             snapshot: false,
             next: first + ev.len() as u64,
+            tiers: Vec::new(),
         }
     }
 
@@ -222,6 +273,7 @@ mod tests {
             stored: Vec::new(),
             snapshot: true,
             next,
+            tiers: Vec::new(),
         }
     }
 
@@ -271,5 +323,49 @@ mod tests {
         // Among some workers only: the others are not counted.
         let among = ix.overlap_in(&b(&[10, 11, 12, 13]), |w| w == WorkerId(1));
         assert_eq!(among.keys().collect::<Vec<_>>(), vec![&WorkerId(1)]);
+    }
+
+    /// Events naming tiers, as a worker with host and disk tiers sends them.
+    fn tiered(first: u64, ev: &[(bool, u64, Tier)]) -> KvEvents {
+        KvEvents {
+            tiers: ev.iter().map(|e| e.2.index()).collect(),
+            ..events(first, &ev.iter().map(|e| (e.0, e.1)).collect::<Vec<_>>())
+        }
+    }
+
+    #[test]
+    fn a_block_moving_down_the_tiers_stays_held_and_is_counted_by_its_nearest_tier() {
+        let (w, mut ix) = (WorkerId(1), KvIndex::default());
+        assert!(!ix.apply(w, &snapshot(0, &[]), 100));
+        let (pool, host, disk) = (Tier::Pool, Tier::Host, Tier::Disk);
+        let ev = [(true, 1, pool), (true, 2, pool), (true, 3, pool), (true, 4, pool)];
+        assert!(!ix.apply(w, &tiered(0, &ev), 100));
+        // Blocks 2 and 3 leave the pool for host memory; 3 goes on to disk, 4 is written to
+        // disk while still in the pool.
+        let ev = [
+            (true, 2, host),
+            (false, 2, pool),
+            (true, 3, host),
+            (false, 3, pool),
+            (true, 3, disk),
+            (false, 3, host),
+            (true, 4, disk),
+        ];
+        assert!(!ix.apply(w, &tiered(4, &ev), 100));
+        let o = ix.overlap_in(&b(&[1, 2, 3, 4, 5]), |_| true)[&w];
+        assert_eq!(o.tiers, [2, 1, 1], "4 counts as the pool's, its nearest");
+        assert_eq!(ix.len(), 4, "a block in two tiers is one entry");
+        assert_eq!(o.weighed(&[1.0, 0.5, 0.25]), 2.75);
+        // Gone from its last tier, a block ends the run.
+        assert!(!ix.apply(w, &tiered(11, &[(false, 3, disk)]), 100));
+        assert_eq!(ix.overlap(&b(&[1, 2, 3, 4]))[&w], 2);
+        // A snapshot lists a block once per tier.
+        let s = KvEvents {
+            tiers: vec![0, 2, 1, 2],
+            ..snapshot(12, &[1, 1, 2, 3])
+        };
+        assert!(!ix.apply(w, &s, 100));
+        let o = ix.overlap_in(&b(&[1, 2, 3]), |_| true)[&w];
+        assert_eq!((o.tiers, ix.len()), ([1, 1, 1], 3));
     }
 }

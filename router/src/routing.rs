@@ -20,6 +20,9 @@ pub struct Routing {
     /// `kv`: how much later than the best estimate a prefill worker's estimated time to first
     /// token may be and still be chosen for its cache.
     pub prefill_slack: Duration,
+    /// `kv`: what a block in a worker's host-memory and disk tiers counts for against one in
+    /// its pool; `None`: derived per worker from its measured load time ([`tier_weight`]).
+    pub tier_weights: Option<[f64; 2]>,
 }
 
 impl Default for Routing {
@@ -27,6 +30,7 @@ impl Default for Routing {
         Routing {
             policy: Policy::Kv,
             prefill_slack: Duration::from_millis(100),
+            tier_weights: None,
         }
     }
 }
@@ -38,12 +42,25 @@ pub const BUSY_SLACK: usize = 2;
 /// Prompt tokens per second assumed for a prefill worker that has not measured its rate yet.
 pub const DEFAULT_RATE: f64 = 1000.0;
 
+/// What a block held in a tier below the pool counts for before its worker has measured a load
+/// from it (host memory, disk): a copy costs a small part of computing the block.
+pub const UNMEASURED_TIER_WEIGHTS: [f64; 2] = [0.9, 0.7];
+
+/// What a block loaded from a tier counts for against one in the pool (1) and one computed
+/// (0): the share of the block's compute time (`block_tokens` at `rate` tokens/s) that loading
+/// it (`load_s`) saves.
+pub fn tier_weight(load_s: f64, block_tokens: usize, rate: f64) -> f64 {
+    let compute_s = block_tokens as f64 / rate;
+    (1.0 - load_s / compute_s).clamp(0.0, 1.0)
+}
+
 /// One worker that could take the request.
 #[derive(Debug, Clone, Copy)]
 pub struct Candidate {
     /// Requests in flight on it and queued there.
     pub load: usize,
-    /// Prompt tokens it holds in its cache (leading whole blocks).
+    /// Prompt tokens it holds in its cache (leading whole blocks), a block in a tier below
+    /// the pool counted at its tier's weight.
     pub cached: usize,
     /// Prefill: prompt tokens sent to it and not yet done.
     pub queued_tokens: u64,
@@ -203,6 +220,7 @@ mod tests {
         let kv = Routing {
             policy: Policy::Kv,
             prefill_slack: Duration::from_millis(50),
+            tier_weights: None,
         };
         let mut cached = cand(0, 1024);
         let idle = cand(0, 0);
@@ -223,5 +241,13 @@ mod tests {
             ..kv
         };
         assert_eq!(prefill(&none, &[busy, cand(0, 0)], 20, 0), Some(1));
+    }
+
+    #[test]
+    fn a_tier_counts_for_what_loading_saves_against_computing() {
+        // 16 tokens at 1,600 tokens/s: 10 ms to compute.
+        assert_eq!(tier_weight(0.001, 16, 1600.0), 0.9);
+        assert_eq!(tier_weight(0.0, 16, 1600.0), 1.0);
+        assert_eq!(tier_weight(0.02, 16, 1600.0), 0.0, "slower than computing: a miss");
     }
 }

@@ -193,7 +193,34 @@ fn worker(w: &crate::registry::Worker, now: Instant) -> Value {
         "kv_offers": transports, "kv_transfers": w.kv_transfers,
         "prompt_tokens_per_s": l.prompt_tokens_per_s,
         "prompt_tokens": l.prompt_tokens, "prefix_hit_tokens": l.prefix_hit_tokens,
+        "kv_tiers": tiers(l),
     })
+}
+
+/// A worker's KV tiers below its pool (empty without any): per tier, blocks held, hits
+/// (blocks loaded back), bytes loaded and stored, load seconds; writes skipped and corrupt
+/// blocks found.
+fn tiers(l: &proto::grpc::WorkerLoad) -> Value {
+    let tier = |blocks, hits, loaded, stored, seconds| {
+        json!({"blocks": blocks, "hits": hits, "bytes_loaded": loaded, "bytes_stored": stored,
+               "load_seconds": seconds})
+    };
+    let host = tier(
+        l.kv_host_blocks,
+        l.kv_host_hits,
+        l.kv_host_bytes_loaded,
+        l.kv_host_bytes_stored,
+        l.kv_host_load_seconds,
+    );
+    let disk = tier(
+        l.kv_disk_blocks,
+        l.kv_disk_hits,
+        l.kv_disk_bytes_loaded,
+        l.kv_disk_bytes_stored,
+        l.kv_disk_load_seconds,
+    );
+    json!({"host": host, "disk": disk, "writes_skipped": l.kv_disk_writes_skipped,
+           "corrupt": l.kv_tier_corrupt})
 }
 
 /// The whole picture at `now`.

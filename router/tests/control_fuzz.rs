@@ -49,6 +49,7 @@ fn events() -> impl Strategy<Value = KvEvents> {
     )
         .prop_map(|(first, hashes, stored, snapshot, next)| KvEvents {
             first,
+            tiers: hashes.iter().map(|h| (h % 4) as u32).collect(),
             hashes,
             stored,
             snapshot,

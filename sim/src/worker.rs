@@ -134,6 +134,7 @@ impl Sim {
                 stored: events.iter().map(|e| e.stored()).collect(),
                 snapshot: false,
                 next: wk.kv_next,
+                tiers: events.iter().map(|e| e.tier().index()).collect(),
             }
         });
         let load = grpc::WorkerLoad {

@@ -5,11 +5,39 @@ use std::sync::Arc;
 
 use crate::BlockHash;
 
-/// Where a cached block lives on its worker.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Where a cached block lives on its worker, nearest first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Tier {
-    /// The worker's KV pool, where its forward passes read it.
+    /// The worker's KV pool (G1), where its forward passes read it.
     Pool,
+    /// Host memory outside the pool (G2): loaded back into the pool before use.
+    Host,
+    /// Local disk (G3): loaded back into the pool before use; kept across restarts.
+    Disk,
+}
+
+impl Tier {
+    /// Every tier, nearest first.
+    pub const ALL: [Tier; 3] = [Tier::Pool, Tier::Host, Tier::Disk];
+
+    /// Its number on the wire (0 the pool, 1 host, 2 disk).
+    pub fn index(self) -> u32 {
+        self as u32
+    }
+
+    /// The tier numbered `i` on the wire.
+    pub fn from_index(i: u32) -> Option<Tier> {
+        Tier::ALL.get(i as usize).copied()
+    }
+
+    /// Its name in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Pool => "pool",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
 }
 
 /// A change to a worker's prefix cache, in the order it happened.
@@ -43,6 +71,13 @@ impl KvEvent {
     /// Whether the block is cached after the event.
     pub fn stored(&self) -> bool {
         matches!(self, KvEvent::Stored { .. })
+    }
+
+    /// The tier the event is about.
+    pub fn tier(&self) -> Tier {
+        match *self {
+            KvEvent::Stored { tier, .. } | KvEvent::Removed { tier, .. } => tier,
+        }
     }
 }
 

@@ -77,6 +77,18 @@ pub fn load(l: &engine::Load) -> grpc::WorkerLoad {
         kv_blocks_evicted: l.kv_blocks_evicted,
         kv_refusals: l.kv_refusals,
         engine_steps: l.engine_steps,
+        kv_host_blocks: l.tiers.host.blocks,
+        kv_host_hits: l.tiers.host.hits,
+        kv_host_bytes_loaded: l.tiers.host.bytes_loaded,
+        kv_host_bytes_stored: l.tiers.host.bytes_stored,
+        kv_host_load_seconds: l.tiers.host.load_seconds,
+        kv_disk_blocks: l.tiers.disk.blocks,
+        kv_disk_hits: l.tiers.disk.hits,
+        kv_disk_bytes_loaded: l.tiers.disk.bytes_loaded,
+        kv_disk_bytes_stored: l.tiers.disk.bytes_stored,
+        kv_disk_load_seconds: l.tiers.disk.load_seconds,
+        kv_disk_writes_skipped: l.tiers.disk.writes_skipped,
+        kv_tier_corrupt: l.tiers.host.corrupt + l.tiers.disk.corrupt,
         ..Default::default()
     }
 }

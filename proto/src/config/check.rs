@@ -7,8 +7,8 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::{
-    Actuator, AutoscaleSection, ConfigError, DiscoverySection, KvTransferSection, PoolSection,
-    RouterSection,
+    Actuator, AutoscaleSection, ConfigError, DiscoverySection, KvTiersSection, KvTransferSection,
+    PoolSection, RouterSection,
 };
 
 /// The file being checked, for errors' `file:line: key:`.
@@ -132,6 +132,12 @@ impl Ctx<'_> {
         )?;
         self.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
         self.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
+        if let Some(w) = &r.tier_weights {
+            if !w.get_ref().iter().all(|x| (0.0..=1.0).contains(x)) {
+                let m = "each weight must be within 0 and 1 (host memory, then disk)";
+                return self.err(w.span(), "router.tier_weights", m);
+            }
+        }
         let fit = "a request must fit";
         self.at_least(&r.max_body_bytes, "router.max_body_bytes", 1024, fit)?;
         self.at_least(&r.max_header_bytes, "router.max_header_bytes", 1024, fit)?;
@@ -187,10 +193,38 @@ impl Ctx<'_> {
                 format!("{dev:?} is not a device (cpu, cuda:N)"),
             );
         }
+        if let Some(t) = &pool.kv_tiers {
+            self.tiers(name, pool, t)?;
+        }
         match &pool.autoscale {
             Some(a) => self.autoscale(name, pool, a),
             None => Ok(()),
         }
+    }
+
+    /// `[<pool>.kv_tiers]`: a disk tier has a directory and a size; tiers need the prefix
+    /// cache.
+    fn tiers(&self, name: &str, pool: &PoolSection, t: &KvTiersSection) -> Result<(), ConfigError> {
+        let key = |k: &str| format!("{name}.kv_tiers.{k}");
+        match (&t.disk_path, &t.disk_bytes) {
+            (Some(p), None) => {
+                return self.err(p.span(), &key("disk_bytes"), "a disk tier needs disk_bytes too")
+            }
+            (None, Some(b)) => {
+                return self.err(b.span(), &key("disk_path"), "disk_bytes needs a disk_path")
+            }
+            (Some(p), Some(_)) if p.get_ref().is_empty() => {
+                return self.err(p.span(), &key("disk_path"), "an empty path")
+            }
+            (Some(_), Some(b)) => self.positive(b, &key("disk_bytes"))?,
+            (None, None) => {}
+        }
+        if !pool.prefix_cache {
+            let span = t.disk_path.as_ref().map_or(0..0, |p| p.span());
+            let m = "KV tiers keep the prefix cache's blocks: set prefix_cache = true";
+            return self.err(span, &key("host_bytes"), m);
+        }
+        Ok(())
     }
 
     /// `[<pool>.autoscale]`: bounds, a target to scale on, what the actuator needs.

@@ -117,6 +117,17 @@ choice!(
     }
 );
 
+choice!(
+    /// Which blocks a worker's pool evicts go down its KV tiers (`[<pool>.kv_tiers]
+    /// write_policy`).
+    WritePolicy, "{:?} is not a write policy ({})", {
+        /// Every cached block the pool evicts.
+        Evicted = "evicted",
+        /// Only blocks shared from the cache at least twice.
+        HitTwice = "hit-twice",
+    }
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -66,7 +66,7 @@ pub struct Worker {
     progress: (u64, Instant),
     /// The KV blocks it said it has when it joined: the most the KV index holds for it.
     #[serde(skip)]
-    pub kv_capacity: u32,
+    pub kv_capacity: u64,
 }
 
 fn offers<S: Serializer>(o: &[KvOffer], s: S) -> Result<S::Ok, S::Error> {
@@ -359,11 +359,54 @@ impl Table {
             _ => Default::default(),
         };
         let bs = self.block_size();
+        let rate = self.prefill_rate();
         let c = ws
             .iter()
-            .map(|w| w.candidate(overlap.get(&w.id).copied().unwrap_or(0) * bs))
+            .map(|w| {
+                let o = overlap.get(&w.id).copied().unwrap_or_default();
+                let weights = self.tier_weights(w, rate);
+                w.candidate((o.weighed(&weights) * bs as f64).round() as usize)
+            })
             .collect();
         (ids, c)
+    }
+
+    /// The prefill pool's mean measured rate (prompt tokens/s), or [`routing::DEFAULT_RATE`].
+    fn prefill_rate(&self) -> f64 {
+        let (n, sum) = self
+            .pool(Pool::Prefill)
+            .map(|w| w.load.prompt_tokens_per_s as f64)
+            .filter(|&r| r > 0.0)
+            .fold((0, 0.0), |(n, s), r| (n + 1, s + r));
+        if n == 0 {
+            return routing::DEFAULT_RATE;
+        }
+        sum / n as f64
+    }
+
+    /// What a block in each of worker `w`'s tiers counts for (the pool's 1 first): the
+    /// configured weights, else each tier's measured load time a block against computing it
+    /// at `rate` (the worker's own rate where it measured one).
+    fn tier_weights(&self, w: &Worker, rate: f64) -> [f64; 3] {
+        if let Some([host, disk]) = self.routing.tier_weights {
+            return [1.0, host, disk];
+        }
+        let rate = match w.load.prompt_tokens_per_s as f64 {
+            r if r > 0.0 => r,
+            _ => rate,
+        };
+        let bs = self.block_size();
+        let l = &w.load;
+        let measured = |seconds: f64, blocks: u64, unmeasured: f64| match blocks {
+            0 => unmeasured,
+            n => routing::tier_weight(seconds / n as f64, bs, rate),
+        };
+        let [host, disk] = routing::UNMEASURED_TIER_WEIGHTS;
+        [
+            1.0,
+            measured(l.kv_host_load_seconds, l.kv_host_hits, host),
+            measured(l.kv_disk_load_seconds, l.kv_disk_hits, disk),
+        ]
     }
 
     /// The worker of `pool` that the policy chooses for `route` among those `keep` keeps,
@@ -521,7 +564,7 @@ fn joined(id: WorkerId, pool: Pool, j: JoinRequest, now: Instant) -> Worker {
         beats: 0,
         last_beat: now,
         progress: (0, now),
-        kv_capacity: j.kv_blocks_total,
+        kv_capacity: (j.kv_blocks_total as u64).saturating_add(j.kv_tier_blocks),
     }
 }
 

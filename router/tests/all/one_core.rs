@@ -151,6 +151,7 @@ fn simulated() -> Vec<Trace> {
         prefill_token_us: 1000.0,
         decode_token_us: 9000.0,
         kv_token_ns: 0.0,
+        ..MockTiming::CPU_SMOLLM2
     };
     let pool = |blocks| sim::PoolSpec {
         replicas: 1,

@@ -94,6 +94,7 @@ pub fn cached_on(st: &State, id: WorkerId, prompt: &[u32]) {
         hashes: blocks.iter().map(|b| b.0).collect(),
         stored: Vec::new(),
         snapshot: true,
+        tiers: Vec::new(),
     };
     let beat = grpc::Heartbeat {
         worker_id: id.0,
@@ -154,6 +155,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> WorkerId {
         metrics_endpoint: String::new(),
         worker_id: 0,
         device: "mock".into(),
+        kv_tier_blocks: 0,
     };
     state.registry.join(req).expect("joins")
 }

@@ -1,0 +1,183 @@
+//! KV tiers below the pool on the real models (SmolLM2 and Gemma 3): a conversation's prefix
+//! evicted from the pool to host memory (G2), then on to disk (G3), then read back by a
+//! restarted engine gives bitwise the tokens of a cold engine, and the engine computed only
+//! what no tier held (asserted from its counters); a block damaged on disk is found by its
+//! checksum, dropped, counted and computed again, and the tokens are still exact.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine::tiers::{TierConfig, WritePolicy};
+use engine::{Engine, EngineConfig, Model, RequestId, SamplingParams};
+use tandem_tests::{load_gemma3, load_model};
+
+/// Pool pages a layer group: a filler prompt takes nearly all of them.
+const BLOCKS: usize = 32;
+
+/// A scratch directory, removed when dropped.
+struct Scratch(std::path::PathBuf);
+
+impl Scratch {
+    fn new(name: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!("tandem-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        Scratch(dir)
+    }
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `host_pages` pages of each layer group in G2; G3 in `disk`, when given.
+fn config(host_pages: u64, disk: Option<&Path>, model: &Model) -> EngineConfig {
+    let base = EngineConfig::default();
+    let groups = model.kv_pages(1);
+    let page = model.kv_page_bytes(base.block_size);
+    EngineConfig {
+        num_blocks: BLOCKS,
+        tiers: TierConfig {
+            host_bytes: host_pages * groups as u64 * page as u64,
+            disk_path: disk.map(Path::to_path_buf),
+            disk_bytes: disk.map_or(0, |_| 1 << 30),
+            write_policy: WritePolicy::Evicted,
+        },
+        ..base
+    }
+}
+
+fn run(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
+    e.add(RequestId(id), prompt.to_vec(), params.clone()).unwrap();
+    e.run_to_completion()
+        .unwrap()
+        .remove(&RequestId(id))
+        .unwrap_or_default()
+}
+
+/// Plain token ids (none special), different for each `k`.
+fn text(k: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
+        .collect()
+}
+
+/// Runs a prompt that takes nearly the whole pool: every cached block not held is evicted.
+fn fill(e: &mut Engine, k: u32) {
+    let bs = EngineConfig::default().block_size;
+    run(e, 1000 + k as u64, &text(100 + k, (BLOCKS - 2) * bs), &SamplingParams::greedy(8));
+}
+
+struct Turn {
+    tokens: Vec<u32>,
+    /// Prompt tokens found cached (pool or tier), and blocks loaded from G2 and from G3.
+    hit: u64,
+    host: u64,
+    disk: u64,
+    corrupt: u64,
+}
+
+fn turn(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Turn {
+    let before = e.load();
+    let tokens = run(e, id, prompt, params);
+    let after = e.load();
+    Turn {
+        tokens,
+        hit: after.prefix_hit_tokens - before.prefix_hit_tokens,
+        host: after.tiers.host.hits - before.tiers.host.hits,
+        disk: after.tiers.disk.hits - before.tiers.disk.hits,
+        corrupt: after.tiers.disk.corrupt - before.tiers.disk.corrupt,
+    }
+}
+
+fn prefix_survives_the_tiers_and_a_restart(model: Arc<Model>, stops: Vec<u32>) {
+    let bs = EngineConfig::default().block_size;
+    let prompt = text(1, 5 * bs + 7);
+    let whole = ((prompt.len() - 1) / bs * bs) as u64;
+    for (i, params) in [
+        SamplingParams::greedy(12),
+        SamplingParams {
+            max_tokens: Some(12),
+            temperature: 0.8,
+            top_k: 40,
+            seed: 7,
+            ..Default::default()
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cold_config = EngineConfig {
+            prefix_cache: false,
+            ..config(0, None, &model)
+        };
+        let mut cold = Engine::new(model.clone(), cold_config, stops.clone()).unwrap();
+        let want = run(&mut cold, 1, &prompt, &params);
+        let dir = Scratch::new(&format!("tiers-{}-{i}", model.config.arch));
+        {
+            let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+            let first = turn(&mut e, 1, &prompt, &params);
+            assert_eq!((first.tokens.as_slice(), first.hit), (want.as_slice(), 0));
+            fill(&mut e, 1);
+            let g2 = turn(&mut e, 2, &prompt, &params);
+            assert_eq!(g2.tokens, want, "params {i}: read back from G2");
+            assert_eq!(g2.hit, whole, "params {i}: only the suffix computed");
+            assert!(g2.host > 0 && g2.disk == 0, "params {i}: G2 served it ({} blocks)", g2.host);
+            // Two more fillers: the prefix leaves the pool again, then G2 for G3.
+            fill(&mut e, 2);
+            fill(&mut e, 3);
+            assert!(e.flush_tiers(Duration::from_secs(30)), "G3's writes finish");
+            let g3 = turn(&mut e, 3, &prompt, &params);
+            assert_eq!(g3.tokens, want, "params {i}: read back from G3");
+            assert_eq!(g3.hit, whole);
+            assert!(g3.disk > 0 && g3.host == 0, "params {i}: G3 served it ({} blocks)", g3.disk);
+            assert!(e.flush_tiers(Duration::from_secs(30)));
+        }
+        // A restart: a new engine on the same directory.
+        let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+        assert!(e.load().tiers.disk.blocks > 0, "G3's blocks re-read");
+        let stored = e.take_kv_events().iter().filter(|ev| ev.stored()).count();
+        assert!(stored > 0, "and reported for the router's index");
+        let back = turn(&mut e, 4, &prompt, &params);
+        assert_eq!(back.tokens, want, "params {i}: after a restart");
+        assert_eq!(back.hit, whole, "params {i}: only the suffix computed after a restart");
+        assert!(back.disk > 0);
+        drop(e);
+        // Damage the prefix's second block in every layer group's file.
+        let seed = engine::block_hash::identity_seed(&model.config, bs);
+        let names = engine::block_hash::prompt_hashes(seed, engine::block_hash::ROOT, bs, &prompt);
+        let mut damaged = 0;
+        for g in 0..model.kv_pages(1) {
+            let path = dir.path().join(format!("{g:04x}-{:016x}.kv", names[1].0));
+            if let Ok(mut bytes) = std::fs::read(&path) {
+                let at = bytes.len() - 100;
+                bytes[at] ^= 0x10;
+                std::fs::write(&path, bytes).unwrap();
+                damaged += 1;
+            }
+        }
+        assert!(damaged > 0, "the second block is on disk");
+        let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+        let bad = turn(&mut e, 5, &prompt, &params);
+        assert_eq!(bad.tokens, want, "params {i}: a damaged block changes no token");
+        assert!(bad.corrupt >= 1, "params {i}: the damage was found");
+        assert_eq!(bad.hit, bs as u64, "params {i}: only the block before it served");
+    }
+}
+
+#[test]
+fn smollm2_prefix_evicted_to_host_then_disk_then_restarted_is_exact() {
+    let (model, tok) = load_model();
+    prefix_survives_the_tiers_and_a_restart(model, tok.stop_ids().to_vec());
+}
+
+#[test]
+fn gemma3_prefix_evicted_to_host_then_disk_then_restarted_is_exact() {
+    let (model, tok) = load_gemma3();
+    prefix_survives_the_tiers_and_a_restart(model, tok.stop_ids().to_vec());
+}
