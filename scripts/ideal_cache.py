@@ -44,6 +44,7 @@ def main():
     bs = a.block_size
     lru = collections.OrderedDict()  # block name -> None, least recently used first
     sent = computed = 0
+    seen = set()  # every block name: the working set an infinite cache would hold
     for p in prompts(a.trace, a.requests, a.length_scale):
         names, parent = [], None
         for i in range(len(p) // bs):
@@ -55,6 +56,7 @@ def main():
             hit += 1
         sent += len(p)
         computed += len(p) - hit * bs
+        seen.update(names)
         for name in names:
             lru[name] = None
             lru.move_to_end(name)
@@ -66,10 +68,11 @@ def main():
         "floor_computed_tokens": computed,
         "floor_computed_ratio": computed / max(sent, 1),
         "floor_prefix_hit_ratio": (sent - computed) / max(sent, 1),
+        "working_set_blocks": len(seen),
     }
     print(f"{a.requests} requests, {sent} prompt tokens sent; ideal cache of {a.capacity_blocks} "
           f"blocks computes at least {computed} ({out['floor_computed_ratio']:.1%}); "
-          f"prefix-hit ratio at most {out['floor_prefix_hit_ratio']:.1%}")
+          f"prefix-hit ratio at most {out['floor_prefix_hit_ratio']:.1%}; working set {len(seen)} blocks")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=2)

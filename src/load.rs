@@ -262,10 +262,36 @@ async fn one(
     o
 }
 
-/// Prompt tokens the cluster's engines admitted and of those found in their prefix caches,
-/// summed over the workers (`/debug/workers`); `None` from an endpoint that is not a tandem
-/// router.
-async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<(u64, u64)> {
+/// What the engines' prefix caches did: prompt tokens admitted, of those found cached (in the
+/// pool or loaded from a tier below it), and blocks loaded from each tier (host memory, disk).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounts {
+    /// Prompt tokens the engines admitted.
+    pub prompt: u64,
+    /// Of those, found cached.
+    pub hit: u64,
+    /// Blocks loaded back from host memory and from disk.
+    pub tier_hits: [u64; 2],
+}
+
+impl CacheCounts {
+    /// The counts from `before` to `self`.
+    fn since(self, before: CacheCounts) -> CacheCounts {
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        CacheCounts {
+            prompt: d(self.prompt, before.prompt),
+            hit: d(self.hit, before.hit),
+            tier_hits: [
+                d(self.tier_hits[0], before.tier_hits[0]),
+                d(self.tier_hits[1], before.tier_hits[1]),
+            ],
+        }
+    }
+}
+
+/// The cluster's engines' [`CacheCounts`], summed over the workers (`/debug/workers`); `None`
+/// from an endpoint that is not a tandem router.
+async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<CacheCounts> {
     let url = format!("http://{addr}/debug/workers");
     let v: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
     let ws = v["workers"].as_array()?;
@@ -274,7 +300,11 @@ async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<(u64, 
             .map(|w| w["stats"][k].as_u64().unwrap_or(0))
             .sum::<u64>()
     };
-    Some((sum("prompt_tokens"), sum("prefix_hit_tokens")))
+    Some(CacheCounts {
+        prompt: sum("prompt_tokens"),
+        hit: sum("prefix_hit_tokens"),
+        tier_hits: [sum("kv_host_hits"), sum("kv_disk_hits")],
+    })
 }
 
 fn pct(v: &mut [f64], p: f64) -> f64 {
@@ -325,9 +355,7 @@ pub fn run(a: LoadArgs) -> Result<()> {
     });
     let after = rt.block_on(cache_counts(&http, operator));
     // The engines' prompt tokens and prefix-cache hits over the run (a tandem router only).
-    let cache = before
-        .zip(after)
-        .map(|((p0, h0), (p1, h1))| (p1 - p0, h1 - h0));
+    let cache = before.zip(after).map(|(b, a)| a.since(b));
     let report = report(
         &a.work,
         &at,
@@ -394,7 +422,7 @@ pub fn report(
     outcomes: &[Outcome],
     secs: f64,
     sent_prompt: usize,
-    cache: Option<(u64, u64)>,
+    cache: Option<CacheCounts>,
 ) -> serde_json::Value {
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
@@ -417,9 +445,10 @@ pub fn report(
         "timeline": timeline(a, at, outcomes, secs),
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
         "prompt_tokens_sent": sent_prompt,
-        "prompt_tokens_admitted": cache.map(|(p, _)| p),
-        "prefix_hit_ratio": cache.map(|(p, h)| if p == 0 { 0.0 } else { h as f64 / p as f64 }),
-        "computed_prompt_ratio": cache.map(|(p, h)| (p - h) as f64 / sent_prompt.max(1) as f64),
+        "prompt_tokens_admitted": cache.map(|c| c.prompt),
+        "prefix_hit_ratio": cache.map(|c| if c.prompt == 0 { 0.0 } else { c.hit as f64 / c.prompt as f64 }),
+        "computed_prompt_ratio": cache.map(|c| (c.prompt - c.hit) as f64 / sent_prompt.max(1) as f64),
+        "tier_hit_blocks": cache.map(|c| serde_json::json!({"host": c.tier_hits[0], "disk": c.tier_hits[1]})),
     })
 }
 
@@ -458,6 +487,15 @@ pub fn finish(a: &Workload, report: &serde_json::Value) -> Result<()> {
             p - h,
             100.0 * (p - h) as f64 / sent.max(1) as f64
         );
+        let tiers = &report["tier_hit_blocks"];
+        let (host, disk) = (tiers["host"].as_u64(), tiers["disk"].as_u64());
+        if host.unwrap_or(0) + disk.unwrap_or(0) > 0 {
+            println!(
+                "tier hits: {} blocks loaded from host memory, {} from disk",
+                host.unwrap_or(0),
+                disk.unwrap_or(0)
+            );
+        }
     }
     if let Some(e) = report["first_error"].as_str() {
         eprintln!("first error: {e}");

@@ -133,7 +133,10 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         }
         sim::PoolSpec {
             replicas: *p.replicas.get_ref() as usize,
-            engine: cluster::engine_config(&cfg, p),
+            engine: engine::EngineConfig {
+                tiers: cluster::tier_config(p, &a.config, name),
+                ..cluster::engine_config(&cfg, p)
+            },
             timing,
             step_overhead: overhead.clone(),
         }
@@ -277,7 +280,11 @@ pub fn simulate(
     let r = sim::Sim::new(config, planned)?.run();
     let wall = started.elapsed().as_secs_f64();
     let secs = r.duration.as_secs_f64();
-    let cache = Some((r.prompt_tokens, r.prefix_hit_tokens));
+    let cache = Some(load::CacheCounts {
+        prompt: r.prompt_tokens,
+        hit: r.prefix_hit_tokens,
+        tier_hits: r.tier_hits,
+    });
     let mut report = load::report(work, &at, &r.outcomes, secs, sent, cache);
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,

@@ -340,6 +340,12 @@ impl Model {
         (c.n_layers / groups) * 2 * block_size * c.kv_width() * 2
     }
 
+    /// Blocks the KV tiers of `c` hold at most for this model (what a worker tells the router
+    /// its index may keep beside its pool's blocks).
+    pub fn kv_tier_blocks(&self, c: &crate::EngineConfig) -> u64 {
+        c.tiers.capacity(self.kv_page_bytes(c.block_size))
+    }
+
     /// Each layer's window as the cache keeps it (`windowed`), or every token.
     fn windows(&self, windowed: bool) -> Vec<Option<usize>> {
         let c = &self.config;

@@ -173,6 +173,8 @@ pub struct SimResult {
     pub prompt_tokens: u64,
     /// See `prompt_tokens`.
     pub prefix_hit_tokens: u64,
+    /// Of those, blocks loaded from the tiers below the pools (host memory, disk).
+    pub tier_hits: [u64; 2],
     /// KV bytes moved from prefill to decode workers.
     pub kv_bytes: u64,
     /// Where each request was prefilled, and why prompts were recomputed, by the router's
@@ -562,6 +564,8 @@ impl Sim {
             let load = w.engine.load();
             self.result.prompt_tokens += load.prompt_tokens;
             self.result.prefix_hit_tokens += load.prefix_hit_tokens;
+            self.result.tier_hits[0] += load.tiers.host.hits;
+            self.result.tier_hits[1] += load.tiers.disk.hits;
             let lived = w.stopped.unwrap_or(end).saturating_sub(w.started);
             *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
         }

@@ -68,6 +68,7 @@ impl Sim {
             name: format!("{pool}-{w}"),
             identity: Some(engine::identity(engine.model(), spec.engine.block_size).into()),
             kv_blocks_total: engine.total_blocks() as u32,
+            kv_tier_blocks: engine.model().kv_tier_blocks(&spec.engine),
             worker_id: wid(w).0,
             device: "mock".into(),
             ..Default::default()

@@ -201,7 +201,7 @@ pub async fn serve<C: Send + 'static>(
         metrics_endpoint: metrics_at.map(|a| a.to_string()).unwrap_or_default(),
         worker_id: 0,
         device: loaded.model.device_name(),
-        kv_tier_blocks: s.engine.tiers.capacity(loaded.model.kv_page_bytes(s.engine.block_size)),
+        kv_tier_blocks: loaded.model.kv_tier_blocks(&s.engine),
     };
     let period = proto::membership::HEARTBEAT_PERIOD;
     match &s.discovery {
