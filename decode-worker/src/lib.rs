@@ -271,6 +271,10 @@ impl worker::Role for Decoder {
         self.engine.take_kv_events()
     }
 
+    fn tiers_busy(&self) -> bool {
+        self.engine.tier_writes_pending()
+    }
+
     fn load(&self) -> WorkerLoad {
         let l = worker::wire::load(&self.engine.load());
         metrics::gauge!("tandem_decode_running").set(l.running as f64);

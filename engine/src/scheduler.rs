@@ -336,6 +336,11 @@ impl Engine {
         self.kv.take_events()
     }
 
+    /// Whether the disk tier has writes queued, or finished and not yet taken as events.
+    pub fn tier_writes_pending(&self) -> bool {
+        self.kv.tiers().is_some_and(|t| t.writes_pending())
+    }
+
     /// Waits at most `limit` for the disk tier's queued writes (tests; an orderly shutdown);
     /// whether they finished. A step never waits on them.
     pub fn flush_tiers(&mut self, limit: Duration) -> bool {

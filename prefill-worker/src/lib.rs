@@ -167,6 +167,10 @@ impl worker::Role for Prefiller {
         self.engine.take_kv_events()
     }
 
+    fn tiers_busy(&self) -> bool {
+        self.engine.tier_writes_pending()
+    }
+
     fn load(&self) -> WorkerLoad {
         let l = WorkerLoad {
             prompt_tokens_per_s: self.rate.per_s() as f32,

@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError, TryRecvError};
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use proto::grpc::WorkerLoad;
 use types::{KvEvent, RequestId};
@@ -42,6 +42,11 @@ pub trait Role: Send + 'static {
     fn expire(&mut self, _now: Instant) {}
     /// The load to report (heartbeats, `Stats`), with the role's gauges updated.
     fn load(&self) -> WorkerLoad;
+    /// Whether its KV tiers have writes in flight: the thread wakes to report them (the
+    /// router's index learns of blocks written to disk while the worker is idle).
+    fn tiers_busy(&self) -> bool {
+        false
+    }
     /// Prefix-cache blocks registered or forgotten since the last call, in order.
     fn kv_events(&mut self) -> Vec<KvEvent> {
         Vec::new()
@@ -155,11 +160,17 @@ impl<C: Send + 'static> EngineHandle<C> {
     }
 }
 
+/// How often an idle engine thread looks for tier writes finished (while some are in flight).
+const TIER_POLL: Duration = Duration::from_millis(50);
+
 /// Starts the thread `name` around `role`.
-pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
+pub fn spawn<R: Role>(name: &str, mut role: R) -> EngineHandle<R::Cmd> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(Mutex::new(role.load()));
-    let kv = Arc::new(Mutex::new(KvLog::default()));
+    // What the cache holds from the start (a disk tier re-read) is in the first heartbeat.
+    let mut log = KvLog::default();
+    log.push(role.kv_events());
+    let kv = Arc::new(Mutex::new(log));
     let queued = Arc::new(AtomicUsize::new(0));
     let (l, k, q) = (load.clone(), kv.clone(), queued.clone());
     std::thread::Builder::new()
@@ -199,7 +210,12 @@ fn run<R: Role>(
     (load, kv): (Arc<Mutex<WorkerLoad>>, Arc<Mutex<KvLog>>),
 ) {
     let mut draining = false;
-    while let Ok(first) = next(&rx, role.has_work(), role.deadline()) {
+    loop {
+        let poll = role.tiers_busy().then(|| Instant::now() + TIER_POLL);
+        let deadline = [role.deadline(), poll].into_iter().flatten().min();
+        let Ok(first) = next(&rx, role.has_work(), deadline) else {
+            break;
+        };
         for cmd in first
             .into_iter()
             .chain(std::iter::from_fn(|| rx.try_recv().ok()))

@@ -43,6 +43,11 @@ impl KvCache {
         self.tiers.as_ref().map(Tiers::stats)
     }
 
+    /// The tiers, when there are any.
+    pub fn tiers(&self) -> Option<&Tiers> {
+        self.tiers.as_ref()
+    }
+
     /// The tiers, when there are any (tests and shutdown).
     pub fn tiers_mut(&mut self) -> Option<&mut Tiers> {
         self.tiers.as_mut()

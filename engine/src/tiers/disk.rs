@@ -271,6 +271,12 @@ impl Disk {
         std::mem::take(&mut self.shared.lock().done)
     }
 
+    /// Whether writes are queued, or finished and not yet taken.
+    pub(super) fn busy(&self) -> bool {
+        let ix = self.shared.lock();
+        ix.queued > 0 || !ix.done.is_empty()
+    }
+
     /// Waits at most `limit` for the queue to drain; whether it did.
     pub(super) fn flush(&self, limit: Duration) -> bool {
         let ix = self.shared.lock();

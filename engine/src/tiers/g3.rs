@@ -93,6 +93,14 @@ impl G3 {
         }
     }
 
+    /// Whether writes are queued, or finished and not yet taken.
+    pub(super) fn busy(&self) -> bool {
+        match self {
+            G3::Files(d) => d.busy(),
+            G3::Modelled { done, .. } => !done.is_empty(),
+        }
+    }
+
     /// Waits at most `limit` for queued writes; whether none is left.
     pub(super) fn flush(&self, limit: Duration) -> bool {
         match self {

@@ -294,6 +294,11 @@ impl Tiers {
         }
     }
 
+    /// Whether G3 has writes queued, or finished and not yet taken.
+    pub fn writes_pending(&self) -> bool {
+        self.disk.as_ref().is_some_and(g3::G3::busy)
+    }
+
     /// Tier changes since the last call (group 0's blocks: the router's index names a
     /// prefix once), in order.
     pub fn take_events(&mut self) -> Vec<KvEvent> {
