@@ -15,7 +15,8 @@ trace, run on the same cluster right after (`next`: held out). The simulator run
 slice with each.
 
     cargo build --release && python3 scripts/sim_fidelity.py [--requests 300] [--time-scale 0.05]
-        [--length-scale 0.05] [--preset cpu-smollm2]
+        [--length-scale 0.05] [--preset cpu-smollm2] [--kv-blocks 4096]
+        [--tiers HOST_BYTES,DISK_BYTES]   # the tiered arm: small pools, tiers under them
 """
 import argparse
 import http.client
@@ -31,10 +32,13 @@ TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trac
 
 
 def config(a):
-    pool = (f'replicas = 2\nthreads = 1\nmax_batch_tokens = {a.max_batch_tokens}\nengine = "mock"\n')
+    pool = (f'replicas = 2\nthreads = 1\nmax_batch_tokens = {a.max_batch_tokens}\nengine = "mock"\n'
+            f'kv_blocks = {a.kv_blocks}\n')
+    tiers = lambda name: (f'[{name}.kv_tiers]\nhost_bytes = {a.tiers[0]}\ndisk_path = "g3"\n'
+                          f'disk_bytes = {a.tiers[1]}\n') if a.tiers else ""
     return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
-            f'[prefill]\n{pool}kv_blocks = 4096\n[prefill.mock]\npreset = "{a.preset}"\n'
-            f'[decode]\n{pool}kv_blocks = 4096\n[decode.mock]\npreset = "{a.preset}"\n'
+            f'[prefill]\n{pool}[prefill.mock]\npreset = "{a.preset}"\n{tiers("prefill")}'
+            f'[decode]\n{pool}[decode.mock]\npreset = "{a.preset}"\n{tiers("decode")}'
             '[kv_transfer]\nprefer = ["tcp"]\n')
 
 
@@ -173,6 +177,9 @@ def main():
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--max-batch-tokens", type=int, default=512)
     ap.add_argument("--preset", default="cpu-smollm2")
+    ap.add_argument("--kv-blocks", type=int, default=4096, help="KV blocks of each worker's pool")
+    ap.add_argument("--tiers", type=lambda v: [int(x) for x in v.split(",")],
+                    help="HOST_BYTES,DISK_BYTES: KV tiers under every worker's pool (the tiered arm)")
     ap.add_argument("--overhead", choices=["drawn", "mean"], default="drawn",
                     help="simulated step overheads: drawn from the measured histograms, or their means")
     ap.add_argument("--no-token-delays", dest="token_delays", action="store_false",
@@ -204,6 +211,9 @@ def main():
             print(f"| {k} {q} | {r:.1f} |{cells}")
     for k in ["prefix_hit_ratio", "requests_per_s", "output_tokens_per_s"]:
         print(f"| {k} | {real[k]:.3f} | {sims['same'][k]:.3f} | | {sims['next'][k]:.3f} | |")
+    for t in ["host", "disk"]:
+        hits = lambda r: (r.get("tier_hit_blocks") or {}).get(t, 0)
+        print(f"| {t} tier hits, blocks | {hits(real)} | {hits(sims['same'])} | | {hits(sims['next'])} | |")
     # Where the TTFT went (means, ms; the router's phases, and the simulator's of its own).
     real_ph = cal["same"]["phases"]
     for p in PHASES:

@@ -342,4 +342,6 @@ fn push(events: &mut Vec<KvEvent>, key: Key, stored: bool, tier: Tier) {
 }
 
 #[cfg(test)]
+mod speed;
+#[cfg(test)]
 mod tests;

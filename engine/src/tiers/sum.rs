@@ -1,22 +1,33 @@
-//! The stored blocks' checksum, computed while the bytes are copied (a load costs one pass
-//! over the page, as a plain copy does): four lanes of Fletcher-style sums over 64-bit words —
-//! each lane's running sum and the sum of its running sums, so a changed, missing or moved
+//! The stored blocks' checksum, computed as the bytes are copied (a load reads the page from
+//! memory once, as a plain copy does, and sums each segment from the cache the copy left it
+//! in): eight lanes of Fletcher-style sums over 64-bit words — each lane's running sum and the sum of its running sums, so a changed, missing or moved
 //! word changes it — mixed with the length at the end. A page is several segments (a layer's
 //! keys, its values, …); the sum runs over them as one stream. It catches storage corruption
 //! (a flipped bit, a torn or truncated file); it is not a defence against someone who can
 //! write the tier's files (only the worker's own user can).
 
-const LANES: usize = 4;
+const LANES: usize = 8;
 const CHUNK: usize = LANES * 8;
 
 /// A checksum over bytes fed in order.
-#[derive(Default)]
 pub struct Summer {
     a: [u64; LANES],
     b: [u64; LANES],
     tail: [u8; CHUNK],
     tail_len: usize,
     len: u64,
+}
+
+impl Default for Summer {
+    fn default() -> Self {
+        Summer {
+            a: [0; LANES],
+            b: [0; LANES],
+            tail: [0; CHUNK],
+            tail_len: 0,
+            len: 0,
+        }
+    }
 }
 
 impl Summer {
@@ -28,7 +39,8 @@ impl Summer {
         }
     }
 
-    /// Sums `src`; with `dst`, copies it there too (same length).
+    /// Sums `src`; with `dst`, copies it there too (same length) first: the sum then reads
+    /// the bytes from the cache the copy left them in.
     fn feed(&mut self, mut dst: Option<&mut [u8]>, mut src: &[u8]) {
         if let Some(d) = dst.as_deref_mut() {
             d.copy_from_slice(src);
