@@ -31,7 +31,7 @@ BLOCK = 16
 PAGE_BYTES = 30 * 2 * BLOCK * 3 * 64 * 2
 
 
-def config(model, blocks, tiers, router=""):
+def config(model, blocks, tiers, router="", policy="evicted"):
     pool = lambda name: (f'[{name}]\nreplicas = 2\nengine = "mock"\nkv_blocks = {blocks}\n'
                          f'max_batch_tokens = 8192\n[{name}.mock]\npreset = "h200-llama8b"\n')
     text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n{router}\n' + pool("prefill") + pool("decode")
@@ -39,7 +39,7 @@ def config(model, blocks, tiers, router=""):
         host, disk = tiers
         for name in ("prefill", "decode"):
             text += (f'[{name}.kv_tiers]\nhost_bytes = {host * PAGE_BYTES}\ndisk_path = "g3"\n'
-                     f'disk_bytes = {disk * PAGE_BYTES}\n')
+                     f'disk_bytes = {disk * PAGE_BYTES}\nwrite_policy = "{policy}"\n')
     return text
 
 
@@ -70,6 +70,7 @@ def main():
     ap.add_argument("--unique-rate", type=float, default=20.0, help="requests/s of the no-reuse workload")
     ap.add_argument("--pool-share", type=float, default=0.25,
                     help="the four workers' pools together hold this share of the working set")
+    ap.add_argument("--write-policy", default="evicted", choices=["evicted", "hit-twice"])
     ap.add_argument("--json")
     a = ap.parse_args()
     model = subprocess.run([EXE, "model", "path"], check=True, capture_output=True, text=True).stdout.strip()
@@ -86,13 +87,13 @@ def main():
              "--length-scale", str(a.length_scale)]
     runs = {
         "g1": simulate(d, "g1", config(model, blocks, None), trace),
-        "tiers": simulate(d, "tiers", config(model, blocks, tiers), trace),
-        "blind": simulate(d, "blind", config(model, blocks, tiers, "tier_weights = [0.0, 0.0]"), trace),
+        "tiers": simulate(d, "tiers", config(model, blocks, tiers, policy=a.write_policy), trace),
+        "blind": simulate(d, "blind", config(model, blocks, tiers, "tier_weights = [0.0, 0.0]", a.write_policy), trace),
     }
     unique = ["--rate", str(a.unique_rate), "--requests", str(a.requests), "--prompt-tokens", "1024",
               "--output-tokens", "32"]
     runs["unique-g1"] = simulate(d, "unique-g1", config(model, blocks, None), unique)
-    runs["unique-tiers"] = simulate(d, "unique-tiers", config(model, blocks, tiers), unique)
+    runs["unique-tiers"] = simulate(d, "unique-tiers", config(model, blocks, tiers, policy=a.write_policy), unique)
     f = floor["floor_computed_ratio"]
     print(f"trace: {a.requests} requests, lengths x {a.length_scale}, time x {a.time_scale}; working set {ws} "
           f"blocks; pools {blocks} blocks a worker; tiers {tiers[0]} blocks of host memory and {tiers[1]} on "

@@ -50,7 +50,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--blocks", type=int, default=320, help="KV blocks of each worker's pool")
+    ap.add_argument("--blocks", type=int, default=240, help="KV blocks of each worker's pool")
     a = ap.parse_args()
     with contextlib.ExitStack() as stack:
         arms = {name: stack.enter_context(cluster(config(a.blocks, tiers), f"tandem-tier-turns-{name}-"))[0]

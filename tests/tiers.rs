@@ -53,9 +53,11 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
     for seed in 2..8 {
         complete(&c, &prompt(seed, 6));
     }
-    wait_until("the first prompt's blocks on disk", Duration::from_secs(20), || {
-        stat(&c, worker, "kv_disk_blocks") >= 6
-    });
+    wait_until(
+        "the first prompt's blocks on disk",
+        Duration::from_secs(20),
+        || stat(&c, worker, "kv_disk_blocks") >= 6,
+    );
     let on_disk = stat(&c, worker, "kv_disk_blocks");
     assert_eq!(stat(&c, worker, "kv_disk_hits"), 0);
 
@@ -71,16 +73,25 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
         on_disk,
         "the restarted worker re-read every block file"
     );
-    wait_until("the disk blocks in the router's index", Duration::from_secs(10), || {
-        metric_at(c.operator, "tandem_router_kv_index_blocks") as u64 >= on_disk
-    });
+    wait_until(
+        "the disk blocks in the router's index",
+        Duration::from_secs(10),
+        || metric_at(c.operator, "tandem_router_kv_index_blocks") as u64 >= on_disk,
+    );
 
     let (prompt0, hit0) = (
         stat(&c, worker, "prompt_tokens"),
         stat(&c, worker, "prefix_hit_tokens"),
     );
-    assert_eq!(complete(&c, &first), before, "tokens from loaded KV as from computed");
-    assert_eq!(stat(&c, worker, "prompt_tokens") - prompt0, first.len() as u64);
+    assert_eq!(
+        complete(&c, &first),
+        before,
+        "tokens from loaded KV as from computed"
+    );
+    assert_eq!(
+        stat(&c, worker, "prompt_tokens") - prompt0,
+        first.len() as u64
+    );
     assert_eq!(
         stat(&c, worker, "prefix_hit_tokens") - hit0,
         (6 * BS) as u64,

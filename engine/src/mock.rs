@@ -135,7 +135,8 @@ impl MockTiming {
 
     /// The time `t` takes on the tiers' links: never free, cheaper than computing the blocks.
     pub fn tier_time(&self, t: &TierTraffic) -> Duration {
-        let bytes = |blocks: u64| (blocks as usize * t.block_tokens) as f64 * self.kv_bytes_per_token;
+        let bytes =
+            |blocks: u64| (blocks as usize * t.block_tokens) as f64 * self.kv_bytes_per_token;
         let links = [&self.host_tier, &self.disk_tier];
         let us: f64 = (0..2)
             .map(|i| {

@@ -39,7 +39,11 @@ impl Overlap {
     /// The blocks worth as many as computed ones: each tier's count times its weight (the
     /// pool's 1, a lower tier's what loading it saves against computing it).
     pub fn weighed(&self, weights: &[f64; 3]) -> f64 {
-        self.tiers.iter().zip(weights).map(|(&n, &w)| n as f64 * w).sum()
+        self.tiers
+            .iter()
+            .zip(weights)
+            .map(|(&n, &w)| n as f64 * w)
+            .sum()
     }
 }
 
@@ -338,7 +342,12 @@ mod tests {
         let (w, mut ix) = (WorkerId(1), KvIndex::default());
         assert!(!ix.apply(w, &snapshot(0, &[]), 100));
         let (pool, host, disk) = (Tier::Pool, Tier::Host, Tier::Disk);
-        let ev = [(true, 1, pool), (true, 2, pool), (true, 3, pool), (true, 4, pool)];
+        let ev = [
+            (true, 1, pool),
+            (true, 2, pool),
+            (true, 3, pool),
+            (true, 4, pool),
+        ];
         assert!(!ix.apply(w, &tiered(0, &ev), 100));
         // Blocks 2 and 3 leave the pool for host memory; 3 goes on to disk, 4 is written to
         // disk while still in the pool.

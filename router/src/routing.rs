@@ -248,6 +248,10 @@ mod tests {
         // 16 tokens at 1,600 tokens/s: 10 ms to compute.
         assert_eq!(tier_weight(0.001, 16, 1600.0), 0.9);
         assert_eq!(tier_weight(0.0, 16, 1600.0), 1.0);
-        assert_eq!(tier_weight(0.02, 16, 1600.0), 0.0, "slower than computing: a miss");
+        assert_eq!(
+            tier_weight(0.02, 16, 1600.0),
+            0.0,
+            "slower than computing: a miss"
+        );
     }
 }

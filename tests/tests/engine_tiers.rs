@@ -53,7 +53,8 @@ fn config(host_pages: u64, disk: Option<&Path>, model: &Model) -> EngineConfig {
 }
 
 fn run(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
-    e.add(RequestId(id), prompt.to_vec(), params.clone()).unwrap();
+    e.add(RequestId(id), prompt.to_vec(), params.clone())
+        .unwrap();
     e.run_to_completion()
         .unwrap()
         .remove(&RequestId(id))
@@ -70,7 +71,12 @@ fn text(k: u32, n: usize) -> Vec<u32> {
 /// Runs a prompt that takes nearly the whole pool: every cached block not held is evicted.
 fn fill(e: &mut Engine, k: u32) {
     let bs = EngineConfig::default().block_size;
-    run(e, 1000 + k as u64, &text(100 + k, (BLOCKS - 2) * bs), &SamplingParams::greedy(8));
+    run(
+        e,
+        1000 + k as u64,
+        &text(100 + k, (BLOCKS - 2) * bs),
+        &SamplingParams::greedy(8),
+    );
 }
 
 struct Turn {
@@ -120,14 +126,23 @@ fn prefix_survives_the_tiers_and_a_restart(model: Arc<Model>, stops: Vec<u32>) {
         let want = run(&mut cold, 1, &prompt, &params);
         let dir = Scratch::new(&format!("tiers-{}-{i}", model.config.arch));
         {
-            let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+            let mut e = Engine::new(
+                model.clone(),
+                config(16, Some(dir.path()), &model),
+                stops.clone(),
+            )
+            .unwrap();
             let first = turn(&mut e, 1, &prompt, &params);
             assert_eq!((first.tokens.as_slice(), first.hit), (want.as_slice(), 0));
             fill(&mut e, 1);
             let g2 = turn(&mut e, 2, &prompt, &params);
             assert_eq!(g2.tokens, want, "params {i}: read back from G2");
             assert_eq!(g2.hit, whole, "params {i}: only the suffix computed");
-            assert!(g2.host > 0 && g2.disk == 0, "params {i}: G2 served it ({} blocks)", g2.host);
+            assert!(
+                g2.host > 0 && g2.disk == 0,
+                "params {i}: G2 served it ({} blocks)",
+                g2.host
+            );
             // Two more fillers: the prefix leaves the pool again, then G2 for G3.
             fill(&mut e, 2);
             fill(&mut e, 3);
@@ -135,17 +150,29 @@ fn prefix_survives_the_tiers_and_a_restart(model: Arc<Model>, stops: Vec<u32>) {
             let g3 = turn(&mut e, 3, &prompt, &params);
             assert_eq!(g3.tokens, want, "params {i}: read back from G3");
             assert_eq!(g3.hit, whole);
-            assert!(g3.disk > 0 && g3.host == 0, "params {i}: G3 served it ({} blocks)", g3.disk);
+            assert!(
+                g3.disk > 0 && g3.host == 0,
+                "params {i}: G3 served it ({} blocks)",
+                g3.disk
+            );
             assert!(e.flush_tiers(Duration::from_secs(30)));
         }
         // A restart: a new engine on the same directory.
-        let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+        let mut e = Engine::new(
+            model.clone(),
+            config(16, Some(dir.path()), &model),
+            stops.clone(),
+        )
+        .unwrap();
         assert!(e.load().tiers.disk.blocks > 0, "G3's blocks re-read");
         let stored = e.take_kv_events().iter().filter(|ev| ev.stored()).count();
         assert!(stored > 0, "and reported for the router's index");
         let back = turn(&mut e, 4, &prompt, &params);
         assert_eq!(back.tokens, want, "params {i}: after a restart");
-        assert_eq!(back.hit, whole, "params {i}: only the suffix computed after a restart");
+        assert_eq!(
+            back.hit, whole,
+            "params {i}: only the suffix computed after a restart"
+        );
         assert!(back.disk > 0);
         drop(e);
         // Damage the prefix's second block in every layer group's file.
@@ -162,11 +189,22 @@ fn prefix_survives_the_tiers_and_a_restart(model: Arc<Model>, stops: Vec<u32>) {
             }
         }
         assert!(damaged > 0, "the second block is on disk");
-        let mut e = Engine::new(model.clone(), config(16, Some(dir.path()), &model), stops.clone()).unwrap();
+        let mut e = Engine::new(
+            model.clone(),
+            config(16, Some(dir.path()), &model),
+            stops.clone(),
+        )
+        .unwrap();
         let bad = turn(&mut e, 5, &prompt, &params);
-        assert_eq!(bad.tokens, want, "params {i}: a damaged block changes no token");
+        assert_eq!(
+            bad.tokens, want,
+            "params {i}: a damaged block changes no token"
+        );
         assert!(bad.corrupt >= 1, "params {i}: the damage was found");
-        assert_eq!(bad.hit, bs as u64, "params {i}: only the block before it served");
+        assert_eq!(
+            bad.hit, bs as u64,
+            "params {i}: only the block before it served"
+        );
     }
 }
 

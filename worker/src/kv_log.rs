@@ -46,7 +46,9 @@ impl KvLog {
         let oldest = self.next - self.recent.len() as u64;
         if resync || from < oldest || from > self.next {
             let held = self.live.iter().flat_map(|(b, &mask)| {
-                let tiers = Tier::ALL.into_iter().filter(move |t| mask & (1 << t.index()) != 0);
+                let tiers = Tier::ALL
+                    .into_iter()
+                    .filter(move |t| mask & (1 << t.index()) != 0);
                 tiers.map(move |t| (b.0, t.index()))
             });
             let (hashes, tiers) = held.unzip();
@@ -103,10 +105,21 @@ mod tests {
         assert_eq!((s.snapshot, s.hashes, s.next), (true, vec![2], 3));
         // A block in two tiers is listed once per tier; leaving one keeps the other.
         let host = |h, stored| match stored {
-            true => KvEvent::Stored { block: BlockHash(h), tier: Tier::Host },
-            false => KvEvent::Removed { block: BlockHash(h), tier: Tier::Host },
+            true => KvEvent::Stored {
+                block: BlockHash(h),
+                tier: Tier::Host,
+            },
+            false => KvEvent::Removed {
+                block: BlockHash(h),
+                tier: Tier::Host,
+            },
         };
-        log.push(vec![host(2, true), removed(2), host(5, true), host(5, false)]);
+        log.push(vec![
+            host(2, true),
+            removed(2),
+            host(5, true),
+            host(5, false),
+        ]);
         let s = log.since(0, true);
         assert_eq!((s.hashes, s.tiers), (vec![2], vec![1]));
         assert!(log.since(8, false).snapshot, "a number from another life");

@@ -47,7 +47,14 @@ struct Index {
 impl Index {
     fn insert(&mut self, key: Key, tokens: Box<[u32]>, hits: u32) {
         self.tick += 1;
-        if let Some(old) = self.map.insert(key, Entry { tokens, hits, tick: self.tick }) {
+        if let Some(old) = self.map.insert(
+            key,
+            Entry {
+                tokens,
+                hits,
+                tick: self.tick,
+            },
+        ) {
             self.lru.remove(&old.tick);
         }
         self.lru.insert(self.tick, key);
@@ -334,7 +341,9 @@ impl Writer {
                         let _ = fs::remove_file(self.dir.join(file_name(old)));
                     }
                 }
-                Err(e) => tracing::warn!(error = %e, "KV disk tier: a block write failed (skipped)"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "KV disk tier: a block write failed (skipped)")
+                }
             }
             if ix.queued == 0 {
                 self.shared.idle.notify_all();

@@ -61,7 +61,9 @@ impl G3 {
             G3::Files(d) => d.write(b),
             G3::Modelled { index, done } => {
                 let key = b.key;
-                if index.store(key, b.tokens, b.hits, &[], |old| done.push((old.key, false))) {
+                if index.store(key, b.tokens, b.hits, &[], |old| {
+                    done.push((old.key, false))
+                }) {
                     done.push((key, true));
                 }
                 true

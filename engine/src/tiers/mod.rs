@@ -60,7 +60,10 @@ impl TierConfig {
     /// Blocks of `page_bytes` the tiers hold at most.
     pub fn capacity(&self, page_bytes: usize) -> u64 {
         let page = page_bytes.max(1) as u64;
-        let disk = self.disk_path.as_ref().map_or(0, |_| self.disk_bytes / page);
+        let disk = self
+            .disk_path
+            .as_ref()
+            .map_or(0, |_| self.disk_bytes / page);
         self.host_bytes / page + disk
     }
 
@@ -139,8 +142,8 @@ impl Tiers {
     ) -> Result<Tiers> {
         let page = page_bytes.max(1) as u64;
         let slot = if backed { page_bytes } else { 0 };
-        let host = (config.host_bytes >= page)
-            .then(|| host::Host::new(config.host_bytes / page, slot));
+        let host =
+            (config.host_bytes >= page).then(|| host::Host::new(config.host_bytes / page, slot));
         let cap = config.disk_bytes / page;
         let disk = match &config.disk_path {
             Some(_) if cap == 0 => None,
@@ -257,7 +260,12 @@ impl Tiers {
         };
         if !ok {
             s.corrupt += 1;
-            tracing::warn!(group = key.0, block = key.1, ?tier, "a stored KV block failed its checksum: dropped, computed again");
+            tracing::warn!(
+                group = key.0,
+                block = key.1,
+                ?tier,
+                "a stored KV block failed its checksum: dropped, computed again"
+            );
             if tier == Tier::Host {
                 self.host.as_mut().expect("checked").remove(key);
                 push(&mut self.events, key, false, Tier::Host);

@@ -17,7 +17,9 @@ const PAGE: usize = SEGMENTS * SEGMENT;
 const PAGES: u64 = 1024;
 
 fn fill(k: u64) -> Vec<u8> {
-    (0..PAGE).map(|i| (k as usize * 131 + i * 7) as u8).collect()
+    (0..PAGE)
+        .map(|i| (k as usize * 131 + i * 7) as u8)
+        .collect()
 }
 
 /// Drops the page cache; whether it could.
@@ -37,7 +39,12 @@ fn store_all(t: &mut Tiers) {
     for k in 0..PAGES {
         let data = fill(k);
         let segs: Vec<&[u8]> = data.chunks(SEGMENT).collect();
-        t.store(Evicted { key: (0, k), tokens: &[k as u32], hits: 0, data: &segs });
+        t.store(Evicted {
+            key: (0, k),
+            tokens: &[k as u32],
+            hits: 0,
+            data: &segs,
+        });
         if k % 32 == 31 {
             t.flush(std::time::Duration::from_secs(60));
         }
@@ -54,7 +61,10 @@ fn load_all(t: &mut Tiers, want: Tier) -> f64 {
         assert_eq!(tier, want);
     }
     let s = t0.elapsed().as_secs_f64();
-    assert!(out == fill(PAGES - 1), "the bytes loaded are the bytes stored");
+    assert!(
+        out == fill(PAGES - 1),
+        "the bytes loaded are the bytes stored"
+    );
     s
 }
 
@@ -63,7 +73,16 @@ fn load_all(t: &mut Tiers, want: Tier) -> f64 {
 fn load_speed_against_memcpy_and_a_sequential_read() {
     let bytes = PAGES * PAGE as u64;
     // G2 against a copy of the same pages (segment by segment, as a load writes them).
-    let mut t = Tiers::open(&TierConfig { host_bytes: bytes, ..Default::default() }, 1, PAGE, true).unwrap();
+    let mut t = Tiers::open(
+        &TierConfig {
+            host_bytes: bytes,
+            ..Default::default()
+        },
+        1,
+        PAGE,
+        true,
+    )
+    .unwrap();
     store_all(&mut t);
     let src: Vec<u8> = (0..PAGES).flat_map(fill).collect();
     let mut out = vec![0u8; PAGE];
@@ -77,13 +96,21 @@ fn load_speed_against_memcpy_and_a_sequential_read() {
     let copy = t0.elapsed().as_secs_f64();
     let host = load_all(&mut t, Tier::Host);
     drop(t);
-    println!("G2: {:.2} GB/s; memcpy of the same pages {:.2} GB/s; ratio {:.2} (target >= 0.8)",
-        gbs(bytes, host), gbs(bytes, copy), copy / host);
+    println!(
+        "G2: {:.2} GB/s; memcpy of the same pages {:.2} GB/s; ratio {:.2} (target >= 0.8)",
+        gbs(bytes, host),
+        gbs(bytes, copy),
+        copy / host
+    );
 
     // G3 against one file read front to back, both from a cold page cache.
     let dir = std::env::temp_dir().join(format!("tandem-tier-speed-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    let config = TierConfig { disk_path: Some(dir.clone()), disk_bytes: 2 * bytes, ..Default::default() };
+    let config = TierConfig {
+        disk_path: Some(dir.clone()),
+        disk_bytes: 2 * bytes,
+        ..Default::default()
+    };
     let mut t = Tiers::open(&config, 1, PAGE, true).unwrap();
     store_all(&mut t);
     assert!(t.flush(std::time::Duration::from_secs(120)), "written");

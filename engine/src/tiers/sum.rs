@@ -74,7 +74,11 @@ impl Summer {
 
     /// Copies `src` into `dst` (of the same length), summing it.
     pub fn copy(&mut self, dst: &mut [u8], src: &[u8]) {
-        assert_eq!(dst.len(), src.len(), "a checksummed copy needs equal lengths");
+        assert_eq!(
+            dst.len(),
+            src.len(),
+            "a checksummed copy needs equal lengths"
+        );
         self.feed(Some(dst), src)
     }
 
@@ -87,8 +91,12 @@ impl Summer {
         }
         let mut h = self.len.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
         for i in 0..LANES {
-            h = (h ^ self.a[i]).rotate_left(23).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            h = (h ^ self.b[i]).rotate_left(31).wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+            h = (h ^ self.a[i])
+                .rotate_left(23)
+                .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            h = (h ^ self.b[i])
+                .rotate_left(31)
+                .wrapping_mul(0xFF51_AFD7_ED55_8CCD);
         }
         h ^ (h >> 29)
     }

@@ -82,10 +82,17 @@ fn evicted_blocks_go_down_host_then_disk_and_come_back_exact() {
     );
     assert_eq!(load(&mut t, 3), Some((Tier::Host, page(3))));
     assert_eq!(load(&mut t, 1), Some((Tier::Disk, page(1))));
-    assert_eq!(t.find((0, 1), &[1, 9]), None, "other tokens under the name: a miss");
+    assert_eq!(
+        t.find((0, 1), &[1, 9]),
+        None,
+        "other tokens under the name: a miss"
+    );
     assert_eq!(load(&mut t, 4), None);
     let s = t.stats();
-    assert_eq!((s.host.blocks, s.host.hits, s.disk.blocks, s.disk.hits), (2, 1, 1, 1));
+    assert_eq!(
+        (s.host.blocks, s.host.hits, s.disk.blocks, s.disk.hits),
+        (2, 1, 1, 1)
+    );
     assert_eq!(s.disk.bytes_loaded, PAGE as u64);
 }
 
@@ -136,10 +143,18 @@ fn the_disk_tier_outlives_its_process_for_the_same_identity_only() {
     assert_eq!(load(&mut t, 3), Some((Tier::Disk, page(3))));
     drop(t);
     let mut other = Tiers::open(&config(0, Some(&dir.0), 8), 8, PAGE, true).unwrap();
-    assert!(other.take_events().is_empty(), "another model's blocks are discarded");
+    assert!(
+        other.take_events().is_empty(),
+        "another model's blocks are discarded"
+    );
     assert_eq!(other.stats().disk.blocks, 0);
     let files = std::fs::read_dir(&dir.0).unwrap().flatten();
-    assert_eq!(files.filter(|f| f.path().extension().is_some_and(|e| e == "kv")).count(), 0);
+    assert_eq!(
+        files
+            .filter(|f| f.path().extension().is_some_and(|e| e == "kv"))
+            .count(),
+        0
+    );
 }
 
 #[test]
@@ -170,6 +185,13 @@ fn a_cache_without_values_keeps_the_accounting() {
         data: &[],
     });
     assert_eq!(t.find((0, 1), &[1, 1]), Some(Tier::Host));
-    assert_eq!(t.load((0, 1), &[1, 1], &mut []).map(|l| l.0), Some(Tier::Host));
-    assert_eq!(t.stats().host.bytes, PAGE as u64, "counted at the page's size");
+    assert_eq!(
+        t.load((0, 1), &[1, 1], &mut []).map(|l| l.0),
+        Some(Tier::Host)
+    );
+    assert_eq!(
+        t.stats().host.bytes,
+        PAGE as u64,
+        "counted at the page's size"
+    );
 }

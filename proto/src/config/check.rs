@@ -208,7 +208,11 @@ impl Ctx<'_> {
         let key = |k: &str| format!("{name}.kv_tiers.{k}");
         match (&t.disk_path, &t.disk_bytes) {
             (Some(p), None) => {
-                return self.err(p.span(), &key("disk_bytes"), "a disk tier needs disk_bytes too")
+                return self.err(
+                    p.span(),
+                    &key("disk_bytes"),
+                    "a disk tier needs disk_bytes too",
+                )
             }
             (None, Some(b)) => {
                 return self.err(b.span(), &key("disk_path"), "disk_bytes needs a disk_path")
