@@ -73,10 +73,11 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
         on_disk,
         "the restarted worker re-read every block file"
     );
+    let disk = "tandem_router_kv_index_tier_blocks{tier=\"disk\"}";
     wait_until(
         "the disk blocks in the router's index",
         Duration::from_secs(10),
-        || metric_at(c.operator, "tandem_router_kv_index_blocks") as u64 >= on_disk,
+        || metric_at(c.operator, disk) as u64 == on_disk,
     );
 
     let (prompt0, hit0) = (

@@ -530,6 +530,13 @@ pub async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri
 /// `WorkerLoad` field).
 pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
     metrics::gauge!("tandem_router_kv_index_blocks").set(state.registry.indexed_blocks() as f64);
+    for (tier, n) in types::Tier::ALL
+        .iter()
+        .zip(state.registry.indexed_by_tier())
+    {
+        let labels = [("tier", tier.name())];
+        metrics::gauge!("tandem_router_kv_index_tier_blocks", &labels).set(n as f64);
+    }
     for w in state.registry.workers() {
         let labels = [("worker", w.name.clone()), ("role", w.pool.to_string())];
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);

@@ -117,6 +117,17 @@ pub struct KvIndex {
     /// Block name → workers holding it.
     holders: NameMap<u64, Holders>,
     workers: NameMap<WorkerId, Held>,
+    /// Entries (a block of a worker) by tier holding them, by [`Tier::index`].
+    by_tier: [usize; 3],
+}
+
+/// Adds (or takes away) one entry for each tier in `bits`.
+fn tally(by_tier: &mut [usize; 3], bits: u8, add: bool) {
+    for (i, n) in by_tier.iter_mut().enumerate() {
+        if bits & (1 << i) != 0 {
+            *n = if add { *n + 1 } else { n.saturating_sub(1) };
+        }
+    }
 }
 
 impl KvIndex {
@@ -152,6 +163,7 @@ impl KvIndex {
     fn store(&mut self, w: WorkerId, h: u64, bits: u8, cap: usize) {
         let held = &mut self.workers.entry(w).or_default().blocks;
         if let Some(mask) = held.get_mut(&h) {
+            tally(&mut self.by_tier, bits & !*mask, true);
             *mask |= bits;
             return;
         }
@@ -159,6 +171,7 @@ impl KvIndex {
             return;
         }
         held.insert(h, bits);
+        tally(&mut self.by_tier, bits, true);
         self.holders
             .entry(h)
             .or_insert_with(|| Holders::Few(Vec::new()))
@@ -171,6 +184,7 @@ impl KvIndex {
         let Some(mask) = held.blocks.get_mut(&h) else {
             return;
         };
+        tally(&mut self.by_tier, *mask & bits, false);
         *mask &= !bits;
         if *mask == 0 {
             held.blocks.remove(&h);
@@ -189,7 +203,8 @@ impl KvIndex {
         let Some(held) = self.workers.remove(&w) else {
             return;
         };
-        for h in held.blocks.into_keys() {
+        for (h, mask) in held.blocks {
+            tally(&mut self.by_tier, mask, false);
             self.unhold(w, h);
         }
     }
@@ -243,6 +258,12 @@ impl KvIndex {
     /// Block entries in all (one per block per worker holding it).
     pub fn len(&self) -> usize {
         self.workers.values().map(|h| h.blocks.len()).sum()
+    }
+
+    /// Entries by the tiers holding them (a block in two tiers of a worker counts in each):
+    /// the pool's, host memory's, disk's.
+    pub fn by_tier(&self) -> [usize; 3] {
+        self.by_tier
     }
 
     /// Whether nothing is indexed.
@@ -364,6 +385,11 @@ mod tests {
         let o = ix.overlap_in(&b(&[1, 2, 3, 4, 5]), |_| true)[&w];
         assert_eq!(o.tiers, [2, 1, 1], "4 counts as the pool's, its nearest");
         assert_eq!(ix.len(), 4, "a block in two tiers is one entry");
+        assert_eq!(
+            ix.by_tier(),
+            [2, 1, 2],
+            "pool: 1 and 4; host: 2; disk: 3 and 4"
+        );
         assert_eq!(o.weighed(&[1.0, 0.5, 0.25]), 2.75);
         // Gone from its last tier, a block ends the run.
         assert!(!ix.apply(w, &tiered(11, &[(false, 3, disk)]), 100));
@@ -376,5 +402,8 @@ mod tests {
         assert!(!ix.apply(w, &s, 100));
         let o = ix.overlap_in(&b(&[1, 2, 3]), |_| true)[&w];
         assert_eq!((o.tiers, ix.len()), ([1, 1, 1], 3));
+        assert_eq!(ix.by_tier(), [1, 1, 2]);
+        ix.remove_worker(w);
+        assert_eq!(ix.by_tier(), [0, 0, 0]);
     }
 }

@@ -507,6 +507,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
     ("tandem_router_forwarded_total", Counter, "Requests passed to another model's router ([router] models), by model."),
     ("tandem_router_kv_index_blocks", Gauge, "Blocks in the router's KV index (one entry per block per worker caching it)."),
+    ("tandem_router_kv_index_tier_blocks", Gauge, "The KV index's entries by the tier holding them (pool, host, disk; a block in two tiers of a worker counts in each)."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
     ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),

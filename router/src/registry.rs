@@ -92,6 +92,11 @@ impl Registry {
         self.lock().indexed_blocks()
     }
 
+    /// The KV index's entries by tier (see [`Table::indexed_by_tier`]).
+    pub fn indexed_by_tier(&self) -> [usize; 3] {
+        self.lock().indexed_by_tier()
+    }
+
     /// A receiver that sees every change from now on (joins, heartbeats, removals): what a
     /// request waiting for room waits on.
     pub fn subscribe(&self) -> watch::Receiver<u64> {

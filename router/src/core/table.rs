@@ -255,6 +255,11 @@ impl Table {
         self.index.len()
     }
 
+    /// The KV index's entries by tier: the pool's, host memory's, disk's.
+    pub fn indexed_by_tier(&self) -> [usize; 3] {
+        self.index.by_tier()
+    }
+
     /// The workers: the prefill pool's, then the decode pool's, each by id.
     pub fn iter(&self) -> impl Iterator<Item = &Worker> {
         self.workers.iter().flat_map(|m| m.values())
