@@ -210,3 +210,41 @@ fn an_api_open_to_other_machines_needs_keys_or_says_so() {
         .pki_dir(Path::new("/srv/cluster.toml"));
     assert_eq!(d, Path::new("/srv/.tandem/pki"));
 }
+
+#[test]
+fn kv_tiers_and_tier_weights_are_checked_with_their_line() {
+    let c = parse(
+        "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\ndisk_path = \"g3\"\ndisk_bytes = 9000000\nwrite_policy = \"hit-twice\"\n",
+    )
+    .unwrap();
+    let t = c.decode.kv_tiers.as_ref().unwrap();
+    assert_eq!(
+        (t.host_bytes, *t.write_policy.as_ref().unwrap().get_ref()),
+        (1_000_000, WritePolicy::HitTwice)
+    );
+    for (body, want) in [
+        (
+            "[decode]\n[decode.kv_tiers]\ndisk_path = \"g3\"\n",
+            "cluster.toml:3: decode.kv_tiers.disk_bytes: a disk tier needs disk_bytes too",
+        ),
+        (
+            "[decode]\n[decode.kv_tiers]\ndisk_bytes = 5\n",
+            "cluster.toml:3: decode.kv_tiers.disk_path: disk_bytes needs a disk_path",
+        ),
+        (
+            "[decode]\ndevice = \"cuda:0\"\n[decode.kv_tiers]\nhost_bytes = 1000000\n",
+            "cluster.toml:2: decode.device: KV tiers run on CPU workers and the mock engine only",
+        ),
+        (
+            "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\nwrite_policy = \"sometimes\"\n",
+            "cluster.toml:4",
+        ),
+        (
+            "[router]\ntier_weights = [0.5, 1.5]\n[decode]\n",
+            "cluster.toml:2: router.tier_weights: each weight must be within 0 and 1",
+        ),
+    ] {
+        let e = parse(body).unwrap_err().to_string();
+        assert!(e.contains(want), "{body}: {e}");
+    }
+}

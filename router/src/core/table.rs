@@ -110,6 +110,10 @@ impl Worker {
     }
 }
 
+/// The most tier blocks of one worker the KV index keeps (16 M: about 1 GiB of index), whatever
+/// the worker claims: what a joined peer can make the router allocate is bounded.
+pub const MAX_TIER_BLOCKS: u64 = 1 << 24;
+
 /// When the router gives up on a worker.
 #[derive(Debug, Clone, Copy)]
 pub struct Liveness {
@@ -569,7 +573,8 @@ fn joined(id: WorkerId, pool: Pool, j: JoinRequest, now: Instant) -> Worker {
         beats: 0,
         last_beat: now,
         progress: (0, now),
-        kv_capacity: (j.kv_blocks_total as u64).saturating_add(j.kv_tier_blocks),
+        kv_capacity: (j.kv_blocks_total as u64)
+            .saturating_add(j.kv_tier_blocks.min(MAX_TIER_BLOCKS)),
     }
 }
 
