@@ -243,6 +243,7 @@ pub(crate) fn tier_config(pool: &PoolSection, config: &Path, name: &str) -> Tier
             None | Some(P::Evicted) => WritePolicy::Evicted,
             Some(P::HitTwice) => WritePolicy::HitTwice,
         },
+        disk_queue: None,
     }
 }
 

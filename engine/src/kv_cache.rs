@@ -494,14 +494,22 @@ impl KvCache {
             }
             t.valid_from = lo * bs;
         }
-        for &(b, _) in &chain[..m] {
-            self.pool.note_hit(b);
-        }
         for b in restored {
             self.pool.release(b);
         }
         let last = m.checked_sub(1).map_or(root, |i| chain[i].1);
         (m * bs, last)
+    }
+
+    /// Counts a hit on each shared block of `table` (every group's): a request admitted with
+    /// them — not one that shared them and gave them back to wait — makes them worth keeping
+    /// (the tiers' `hit-twice` policy).
+    pub fn note_hits(&mut self, table: &BlockTable) {
+        for t in &table.groups {
+            for &b in t.blocks.iter().filter(|&&b| b != GONE) {
+                self.pool.note_hit(b);
+            }
+        }
     }
 
     /// Registers the blocks of `table` that `computed` tokens of `tokens` fill, from block

@@ -346,6 +346,44 @@ impl Model {
         c.tiers.capacity(self.kv_page_bytes(c.block_size))
     }
 
+    /// A fingerprint of the weights, for KV kept across restarts (the disk tier): each matrix's
+    /// type, shape and bytes sampled every 64 KiB, every norm, the RoPE base. KV computed with
+    /// other weights under the same name and shape — a fine-tune, a requantisation — does not
+    /// match. The mock engine, without weights, has none (0).
+    #[cfg(feature = "runtime")]
+    pub fn weights_fingerprint(&self) -> u64 {
+        const STRIDE: usize = 64 << 10;
+        let Some(w) = self.weights() else {
+            return 0;
+        };
+        let mut s = crate::tiers::Summer::default();
+        let mut matrix = |m: &kernels::Matrix| {
+            s.sum(
+                &[m.rows() as u64, m.cols() as u64]
+                    .map(u64::to_le_bytes)
+                    .concat(),
+            );
+            s.sum(format!("{:?}", m.dtype()).as_bytes());
+            let b = m.bytes();
+            for at in (0..b.len()).step_by(STRIDE) {
+                s.sum(&b[at..(at + 64).min(b.len())]);
+            }
+        };
+        matrix(&w.embed);
+        matrix(&w.output);
+        for l in &w.layers {
+            for m in [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down] {
+                matrix(m);
+            }
+        }
+        let norms = w.layers.iter().flat_map(|l| [&l.attn_norm, &l.ffn_norm]);
+        for n in norms.chain([&w.norm]) {
+            s.sum(bytemuck::cast_slice(n));
+        }
+        s.sum(&self.config.rope_base.to_le_bytes());
+        s.finish()
+    }
+
     /// Each layer's window as the cache keeps it (`windowed`), or every token.
     fn windows(&self, windowed: bool) -> Vec<Option<usize>> {
         let c = &self.config;

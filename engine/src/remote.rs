@@ -80,6 +80,9 @@ impl Engine {
             self.refusals += 1;
             return Err(e);
         }
+        if seq.computed > 0 {
+            self.kv.note_hits(&seq.table);
+        }
         let lease = self.config.kv_lease.map(|d| Instant::now() + d);
         self.ledger.reserve(id, seq.table.reserved() as u32, lease);
         let cached = seq.computed;

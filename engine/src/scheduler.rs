@@ -193,8 +193,17 @@ fn open_tiers(
     let backed = kv.page_bytes() > 0;
     // A cache without values (the mock) counts what the model's pages would take.
     let bytes = model.kv_page_bytes(config.block_size);
-    debug_assert!(!backed || bytes == kv.page_bytes());
-    crate::tiers::Tiers::open(&config.tiers, seed, bytes, backed)
+    if backed && bytes != kv.page_bytes() {
+        let msg = format!(
+            "KV tiers: the model's page is {bytes} bytes, the cache's {}",
+            kv.page_bytes()
+        );
+        return Err(EngineError::Internal(msg));
+    }
+    // Blocks on disk outlive the process: they are kept only for the same weights, not only
+    // the same names (the block names' seed covers the model's name and shape).
+    let identity = seed ^ model.weights_fingerprint().rotate_left(29);
+    crate::tiers::Tiers::open(&config.tiers, identity, bytes, backed)
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same
@@ -527,6 +536,9 @@ impl Engine {
         if fresh {
             self.prompt_tokens += front.prompt_len as u64;
             self.prefix_hit_tokens += front.computed as u64;
+            if front.computed > 0 {
+                self.kv.note_hits(&front.table);
+            }
         }
         self.running
             .push(self.waiting.pop_front().expect("front exists"));

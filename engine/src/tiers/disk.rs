@@ -20,8 +20,8 @@ use super::sum::{block_sum, Summer};
 use super::{Evicted, Key};
 use crate::error::{EngineError, Result};
 
-/// Writes queued at most (each holds a page's bytes).
-const QUEUE: usize = 64;
+/// Writes queued at most by default (each holds a page's bytes).
+pub(super) const QUEUE: usize = 64;
 const MAGIC: &[u8; 4] = b"TKVB";
 const VERSION: u32 = 2;
 /// Bytes of a file's fixed header.
@@ -42,6 +42,8 @@ struct Index {
     done: Vec<(Key, bool)>,
     /// Writes queued and not finished.
     queued: usize,
+    /// Writes that failed (a full disk) since the engine last asked.
+    failed: u64,
 }
 
 impl Index {
@@ -127,8 +129,15 @@ fn io(what: &str, path: &Path, e: std::io::Error) -> EngineError {
 
 impl Disk {
     /// Opens G3 in `dir` (made when missing) for at most `cap` blocks of `page_bytes` bytes
-    /// (0 for a cache without values), keeping the blocks of model `identity` found there.
-    pub(super) fn open(dir: &Path, identity: u64, page_bytes: usize, cap: usize) -> Result<Disk> {
+    /// (0 for a cache without values), keeping the blocks of model `identity` found there;
+    /// at most `queue` writes wait for the writer.
+    pub(super) fn open(
+        dir: &Path,
+        identity: u64,
+        page_bytes: usize,
+        cap: usize,
+        queue: usize,
+    ) -> Result<Disk> {
         fs::create_dir_all(dir).map_err(|e| io("cannot make", dir, e))?;
         let lock_path = dir.join("lock");
         let lock = File::create(&lock_path).map_err(|e| io("cannot open", &lock_path, e))?;
@@ -153,7 +162,7 @@ impl Disk {
             index: Mutex::new(index),
             idle: Condvar::new(),
         });
-        let (tx, rx) = sync_channel(QUEUE);
+        let (tx, rx) = sync_channel(queue);
         let w = Writer {
             dir: dir.to_path_buf(),
             identity,
@@ -271,7 +280,7 @@ impl Disk {
                 if ix.remove(key) {
                     ix.done.push((key, false));
                 }
-                drop(ix);
+                // Under the lock: a write of the same block finishing meanwhile is not undone.
                 let _ = fs::remove_file(&path);
             }
         }
@@ -281,6 +290,11 @@ impl Disk {
     /// What the writer finished since the last call: (key, stored or deleted).
     pub(super) fn take_done(&mut self) -> Vec<(Key, bool)> {
         std::mem::take(&mut self.shared.lock().done)
+    }
+
+    /// Writes that failed since the last call.
+    pub(super) fn take_failed(&mut self) -> u64 {
+        std::mem::take(&mut self.shared.lock().failed)
     }
 
     /// Whether writes are queued, or finished and not yet taken.
@@ -309,7 +323,7 @@ impl Disk {
 
 impl Drop for Disk {
     fn drop(&mut self) {
-        // The writer finishes what is queued (at most QUEUE pages) and stops.
+        // The writer finishes what is queued (at most the queue's pages) and stops.
         self.tx.take();
         if let Some(w) = self.writer.take() {
             let _ = w.join();
@@ -342,6 +356,7 @@ impl Writer {
                     }
                 }
                 Err(e) => {
+                    ix.failed += 1;
                     tracing::warn!(error = %e, "KV disk tier: a block write failed (skipped)")
                 }
             }
@@ -351,15 +366,20 @@ impl Writer {
         }
     }
 
+    /// Writes `job`'s file under a temporary name and renames it into place; a failed write
+    /// (a full disk) leaves no partial file behind.
     fn write(&self, job: &Job) -> std::io::Result<()> {
         let name = file_name(job.key);
         let tmp = self.dir.join(format!("{name}.tmp"));
-        let mut f = File::create(&tmp)?;
-        let head = header(self.identity, job);
-        f.write_all(&head)?;
-        f.write_all(&job.data)?;
-        drop(f);
-        fs::rename(&tmp, self.dir.join(name))
+        let written = File::create(&tmp).and_then(|mut f| {
+            f.write_all(&header(self.identity, job))?;
+            f.write_all(&job.data)
+        });
+        let placed = written.and_then(|()| fs::rename(&tmp, self.dir.join(name)));
+        if placed.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        placed
     }
 }
 

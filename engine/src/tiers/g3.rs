@@ -95,6 +95,14 @@ impl G3 {
         }
     }
 
+    /// Writes that failed since the last call (the modelled G3 never fails one).
+    pub(super) fn take_failed(&mut self) -> u64 {
+        match self {
+            G3::Files(d) => d.take_failed(),
+            G3::Modelled { .. } => 0,
+        }
+    }
+
     /// Whether writes are queued, or finished and not yet taken.
     pub(super) fn busy(&self) -> bool {
         match self {

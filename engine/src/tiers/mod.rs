@@ -54,6 +54,9 @@ pub struct TierConfig {
     pub disk_bytes: u64,
     /// Which evicted blocks are written down.
     pub write_policy: WritePolicy,
+    /// G3 writes queued at most, each holding a page's bytes (`None`: 64); a write beyond is
+    /// skipped. Tests that must not lose a write raise it.
+    pub disk_queue: Option<usize>,
 }
 
 impl TierConfig {
@@ -89,7 +92,7 @@ pub struct TierStats {
     pub bytes_stored: u64,
     /// Seconds spent loading.
     pub load_seconds: f64,
-    /// Writes skipped because the tier fell behind (G3's queue full).
+    /// Writes skipped because the tier fell behind (G3's queue full) or failed (a full disk).
     pub writes_skipped: u64,
     /// Blocks whose checksum failed on load (dropped; the caller computes them again).
     pub corrupt: u64,
@@ -153,6 +156,7 @@ impl Tiers {
                 identity,
                 slot,
                 cap as usize,
+                config.disk_queue.unwrap_or(disk::QUEUE).max(1),
             )?)),
             None => None,
         };
@@ -281,6 +285,7 @@ impl Tiers {
     /// Takes in what G3's writer finished (stored and removed files) as events and counts.
     pub(crate) fn poll(&mut self) {
         if let Some(d) = self.disk.as_mut() {
+            self.stats.disk.writes_skipped += d.take_failed();
             for (key, stored) in d.take_done() {
                 if stored {
                     self.stats.disk.bytes_stored += self.page_bytes as u64;

@@ -28,6 +28,7 @@ fn config(host_pages: u64, disk: Option<&Path>, disk_pages: u64) -> TierConfig {
         disk_path: disk.map(Path::to_path_buf),
         disk_bytes: disk_pages * PAGE as u64,
         write_policy: WritePolicy::Evicted,
+        disk_queue: None,
     }
 }
 
