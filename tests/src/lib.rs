@@ -28,6 +28,21 @@ pub fn wait_until(
     t0.elapsed()
 }
 
+/// Runs request `id` alone to completion on `e`; returns its tokens.
+pub fn generate(
+    e: &mut engine::Engine,
+    id: u64,
+    prompt: &[u32],
+    params: &engine::SamplingParams,
+) -> Vec<u32> {
+    let id = engine::RequestId(id);
+    e.add(id, prompt.to_vec(), params.clone()).unwrap();
+    e.run_to_completion()
+        .unwrap()
+        .remove(&id)
+        .unwrap_or_default()
+}
+
 /// The default model's path, fetched into the cache if it is not there yet.
 pub fn model_path() -> PathBuf {
     engine::fetch::ensure_default_model()

@@ -4,17 +4,7 @@
 
 use engine::RequestId;
 use engine::{Engine, EngineConfig, SamplingParams};
-use tandem_tests::load_model;
-
-/// Runs one request alone to completion on `e`; returns its tokens.
-fn generate(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
-    e.add(RequestId(id), prompt.to_vec(), params.clone())
-        .unwrap();
-    e.run_to_completion()
-        .unwrap()
-        .remove(&RequestId(id))
-        .unwrap_or_default()
-}
+use tandem_tests::{generate, load_model};
 
 fn cold(prefix_cache: bool, num_blocks: usize) -> EngineConfig {
     EngineConfig {

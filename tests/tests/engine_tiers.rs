@@ -9,8 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use engine::tiers::{TierConfig, WritePolicy};
-use engine::{Engine, EngineConfig, Model, RequestId, SamplingParams};
-use tandem_tests::{load_gemma3, load_model};
+use engine::{Engine, EngineConfig, Model, SamplingParams};
+use tandem_tests::{generate, load_gemma3, load_model};
 
 /// Pool pages a layer group: a filler prompt takes nearly all of them.
 const BLOCKS: usize = 32;
@@ -54,15 +54,6 @@ fn config(host_pages: u64, disk: Option<&Path>, model: &Model) -> EngineConfig {
     }
 }
 
-fn run(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Vec<u32> {
-    e.add(RequestId(id), prompt.to_vec(), params.clone())
-        .unwrap();
-    e.run_to_completion()
-        .unwrap()
-        .remove(&RequestId(id))
-        .unwrap_or_default()
-}
-
 /// Plain token ids (none special), different for each `k`.
 fn text(k: u32, n: usize) -> Vec<u32> {
     (0..n as u32)
@@ -73,7 +64,7 @@ fn text(k: u32, n: usize) -> Vec<u32> {
 /// Runs a prompt that takes nearly the whole pool: every cached block not held is evicted.
 fn fill(e: &mut Engine, k: u32) {
     let bs = EngineConfig::default().block_size;
-    run(
+    generate(
         e,
         1000 + k as u64,
         &text(100 + k, (BLOCKS - 2) * bs),
@@ -92,7 +83,7 @@ struct Turn {
 
 fn turn(e: &mut Engine, id: u64, prompt: &[u32], params: &SamplingParams) -> Turn {
     let before = e.load();
-    let tokens = run(e, id, prompt, params);
+    let tokens = generate(e, id, prompt, params);
     let after = e.load();
     Turn {
         tokens,
@@ -125,7 +116,7 @@ fn prefix_survives_the_tiers_and_a_restart(model: Arc<Model>, stops: Vec<u32>) {
             ..config(0, None, &model)
         };
         let mut cold = Engine::new(model.clone(), cold_config, stops.clone()).unwrap();
-        let want = run(&mut cold, 1, &prompt, &params);
+        let want = generate(&mut cold, 1, &prompt, &params);
         let dir = Scratch::new(&format!("tiers-{}-{i}", model.config.arch));
         {
             let mut e = Engine::new(
