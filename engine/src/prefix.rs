@@ -18,28 +18,19 @@ use crate::block_hash::NameMap;
 
 pub use crate::block_hash::{chain, seed, ROOT};
 
+/// What the cache knows of a cached block; an allocation that evicts one hands it on, for a
+/// tier below the pool to keep (its page's bytes are still there until the new owner writes
+/// them).
 #[derive(Debug)]
-struct Cached {
+pub struct Cached {
     /// The layer group whose KV the block holds (see [`crate::KvCache`]): a prefix is
     /// cached once per group, each group's blocks under its own key.
-    group: u32,
-    hash: u64,
-    tokens: Box<[u32]>,
-    /// Times a sequence shared it from the cache (a tier's write policy reads it).
-    hits: u32,
-}
-
-/// A cached block an allocation evicted: what the cache knew of it, for a tier below the
-/// pool to keep (its page's bytes are still there until the new owner writes them).
-#[derive(Debug)]
-pub struct Forgotten {
-    /// Its layer group.
     pub group: u32,
     /// Its prefix's name.
     pub hash: u64,
     /// Its tokens.
     pub tokens: Box<[u32]>,
-    /// Times it was shared from the cache.
+    /// Times a sequence shared it from the cache (a tier's write policy reads it).
     pub hits: u32,
 }
 
@@ -120,7 +111,7 @@ impl BlockPool {
     }
 
     /// [`BlockPool::alloc`], with what it evicted to make room.
-    pub fn alloc_evicting(&mut self) -> Option<(u32, Option<Forgotten>)> {
+    pub fn alloc_evicting(&mut self) -> Option<(u32, Option<Cached>)> {
         let (b, forgotten) = match self.free.pop() {
             Some(b) => (b, None),
             None => {
@@ -137,13 +128,7 @@ impl BlockPool {
                     });
                 }
                 self.evicted += 1;
-                let f = Forgotten {
-                    group: old.group,
-                    hash: old.hash,
-                    tokens: old.tokens,
-                    hits: old.hits,
-                };
-                (b, Some(f))
+                (b, Some(old))
             }
         };
         debug_assert_eq!(self.refs[b as usize], 0);
