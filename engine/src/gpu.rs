@@ -6,7 +6,11 @@
 //! and values come back to the host cache layer by layer (so layer-wise streaming works
 //! unchanged); other steps keep theirs on the device (a step without a sink); and KV
 //! written on the host — a remote prefill's — is uploaded to the device before its sequence
-//! runs. Without the `cuda` feature the types are uninhabited and none of this can be reached.
+//! runs. With KV tiers, the host cache is page-locked and mapped into the device
+//! ([`GpuPages`]): a cached page the pool evicts is copied off the device into it on its way
+//! down to G2/G3, and a page loaded back from them is copied onto the device, each batch of
+//! pages in one kernel launch. Without the `cuda` feature the types are uninhabited and none
+//! of this can be reached.
 
 use std::sync::{Arc, Mutex};
 
@@ -15,7 +19,7 @@ use kernels::cuda::Gpu;
 
 use crate::config::ModelConfig;
 use crate::error::{EngineError, Result};
-use crate::forward::{Forward, LayerSink};
+use crate::forward::{Forward, LayerSink, Mapped, PageDevice};
 use crate::kv_cache::{BlockTable, KvCache};
 use crate::model::{Model, SeqChunk, Weights};
 
@@ -84,7 +88,7 @@ fn llama(
 pub struct GpuForward {
     weights: Weights,
     gpu: Arc<Gpu>,
-    pool: Mutex<Option<GpuLlama>>,
+    pool: Arc<Mutex<Option<GpuLlama>>>,
 }
 
 impl Forward for GpuForward {
@@ -111,9 +115,29 @@ impl Forward for GpuForward {
         c: &ModelConfig,
         kv: &KvCache,
         table: &BlockTable,
-        n: usize,
+        range: std::ops::Range<usize>,
     ) -> Result<()> {
-        self.upload(kv, c.n_layers, table, n)
+        self.upload(kv, c.n_layers, table, range)
+    }
+
+    /// Page-locks the host cache and maps it into the device: a page then moves either way
+    /// in one kernel launch ([`GpuPages`]).
+    fn page_device(&self, kv: &mut KvCache) -> Result<Option<Arc<dyn PageDevice>>> {
+        let layers = kv.raw_regions().ok_or_else(|| {
+            EngineError::Config("a GPU KV cache has one table of whole layers".into())
+        })?;
+        let owners = kv.owners();
+        let mut g = self.pool.lock().expect("gpu lock");
+        let g = g
+            .as_mut()
+            .ok_or_else(|| EngineError::Internal("the GPU pool is not set up".into()))?;
+        // SAFETY: the regions are the host cache's pools, laid out as the device's (the same
+        // geometry, `prepare_kv`), kept allocated and unmoved by their owners.
+        unsafe { g.map_host_kv(&layers, owners) }?;
+        Ok(Some(Arc::new(GpuPages(
+            self.pool.clone(),
+            self.gpu.clone(),
+        ))))
     }
 
     /// One step on the GPU. With `on_layer`, the host `kv` receives the step's keys and values
@@ -230,25 +254,88 @@ impl GpuForward {
         GpuForward {
             weights,
             gpu,
-            pool: Mutex::new(None),
+            pool: Arc::new(Mutex::new(None)),
         }
     }
 
-    /// Copies the host cache's first `n` tokens of `table` to the device (KV that was written
-    /// on the host).
-    fn upload(&self, kv: &KvCache, n_layers: usize, table: &BlockTable, n: usize) -> Result<()> {
+    /// Copies the host cache's tokens `range` of `table` (from a block's first token) to the
+    /// device (KV that was written on the host).
+    fn upload(
+        &self,
+        kv: &KvCache,
+        n_layers: usize,
+        table: &BlockTable,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
         let mut g = self.pool.lock().expect("gpu lock");
         let Some(g) = g.as_mut() else { return Ok(()) };
+        let bs = kv.block_size();
+        if range.is_empty() {
+            return Ok(());
+        }
+        if !range.start.is_multiple_of(bs) {
+            return Err(EngineError::Internal(format!(
+                "KV written from token {}, inside a block of {bs}",
+                range.start
+            )));
+        }
+        let blocks = &table.blocks()[range.start / bs..];
         let mut bytes = Vec::new();
         for l in 0..n_layers {
             bytes.clear();
-            kv.read_range(table, l, 0..n, &mut bytes);
+            kv.read_range(table, l, range.clone(), &mut bytes);
             let wire: Vec<u16> = bytes
                 .chunks_exact(2)
                 .map(|b| u16::from_le_bytes([b[0], b[1]]))
                 .collect();
-            g.upload_kv(l, table.blocks(), &wire, n)?;
+            g.upload_kv(l, blocks, &wire, range.len())?;
         }
         Ok(())
+    }
+}
+
+/// The pages of a GPU's KV pool and the engine's host cache mapped into it (see
+/// [`GpuForward::page_device`]).
+struct GpuPages(Arc<Mutex<Option<GpuLlama>>>, Arc<Gpu>);
+
+impl GpuPages {
+    /// `f` on the device pool.
+    fn with<R>(
+        &self,
+        f: impl FnOnce(&mut GpuLlama) -> std::result::Result<R, kernels::KernelError>,
+    ) -> Result<R> {
+        let mut g = self.0.lock().expect("gpu lock");
+        let g = g
+            .as_mut()
+            .ok_or_else(|| EngineError::Internal("the GPU pool is not set up".into()))?;
+        Ok(f(g)?)
+    }
+}
+
+impl PageDevice for GpuPages {
+    unsafe fn map(&self, at: *mut u8, len: usize) -> Result<Mapped> {
+        // SAFETY: the caller keeps the memory allocated and unmoved while mapped.
+        let m = unsafe { self.1.map_host(at as usize, len) }?;
+        Ok(Mapped {
+            addr: m.device_addr(),
+            guard: Box::new(m),
+        })
+    }
+
+    unsafe fn page_from(&self, src: u64, page: u32) -> Result<()> {
+        // SAFETY: the caller's contract is the kernel's.
+        self.with(|g| unsafe { g.page_from_host(src, page) })
+    }
+
+    fn sync(&self) -> Result<()> {
+        self.with(|g| g.sync())
+    }
+
+    fn to_host(&self, pages: &[u32]) -> Result<()> {
+        self.with(|g| g.pages_to_host(pages))
+    }
+
+    fn to_device(&self, pages: &[u32]) -> Result<()> {
+        self.with(|g| g.pages_to_device(pages))
     }
 }

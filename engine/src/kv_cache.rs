@@ -154,6 +154,9 @@ pub struct KvCache {
     promised: usize,
     /// Host memory and disk below the pool, when configured ([`crate::tiers`]).
     tiers: Option<crate::tiers::Tiers>,
+    /// Where the pages live besides this host memory (a GPU's pool): the tiers copy through
+    /// it.
+    device: Option<Arc<dyn crate::forward::PageDevice>>,
 }
 
 /// The groups of layers with windows `windows` (see [`KvCache`]): group 0 sees the most
@@ -239,6 +242,7 @@ impl KvCache {
             pool: BlockPool::new(pages),
             promised: 0,
             tiers: None,
+            device: None,
         })
     }
 

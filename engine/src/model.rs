@@ -402,10 +402,24 @@ impl Model {
         Ok(kv)
     }
 
-    /// Tells the model that tokens `0..n` of `table` were written into `kv` on the host (KV
-    /// from a prefill worker), so a GPU copy of the pool follows.
-    pub fn kv_written(&self, kv: &KvCache, table: &BlockTable, n: usize) -> Result<()> {
-        self.forward.kv_written(&self.config, kv, table, n)
+    /// Tells the model that tokens `range` of `table` were written into `kv` on the host (KV
+    /// from a prefill worker, after the cached blocks), so a GPU copy of the pool follows.
+    pub fn kv_written(
+        &self,
+        kv: &KvCache,
+        table: &BlockTable,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        self.forward.kv_written(&self.config, kv, table, range)
+    }
+
+    /// The device `kv`'s pages also live on, with `kv`'s host memory mapped into it (see
+    /// [`crate::forward::Forward::page_device`]); `None` when the host cache is the only copy.
+    pub fn page_device(
+        &self,
+        kv: &mut KvCache,
+    ) -> Result<Option<std::sync::Arc<dyn crate::forward::PageDevice>>> {
+        self.forward.page_device(kv)
     }
 
     /// Runs one forward step over `batch`, writing each chunk's K/V into `kv`, and returns the

@@ -126,9 +126,10 @@ impl Engine {
     /// Queues awaiting request `i`, whose first `n` tokens are in the cache, to generate from
     /// its last prompt token.
     fn admit(&mut self, i: usize, n: usize) -> Result<()> {
-        // A GPU model's device pool follows the host cache the KV was written into.
-        self.model
-            .kv_written(&self.kv, &self.awaiting[i].table, n)?;
+        // A GPU model's device pool follows the host cache the KV was written into: the
+        // tokens that arrived only (the cached blocks before them are the device's own).
+        let s = &self.awaiting[i];
+        self.model.kv_written(&self.kv, &s.table, s.computed..n)?;
         let mut seq = self.awaiting.remove(i);
         seq.computed = n;
         if let Some(seed) = self.prefix_seed {

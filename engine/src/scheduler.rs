@@ -186,10 +186,6 @@ fn open_tiers(
         let msg = "KV tiers keep the prefix cache's blocks: they need the prefix cache on";
         return Err(EngineError::Config(msg.into()));
     }
-    if !model.kv_on_host() {
-        let msg = "KV tiers read and write the KV pool on the host: not yet on a GPU device";
-        return Err(EngineError::Config(msg.into()));
-    }
     let backed = kv.page_bytes() > 0;
     // A cache without values (the mock) counts what the model's pages would take.
     let bytes = model.kv_page_bytes(config.block_size);
@@ -237,7 +233,14 @@ impl Engine {
         let seed = crate::block_hash::identity_seed(&model.config, config.block_size);
         let prefix_seed = config.prefix_cache.then_some(seed);
         if config.tiers.enabled() {
-            kv.set_tiers(open_tiers(&model, &config, &kv, seed)?);
+            let mut tiers = open_tiers(&model, &config, &kv, seed)?;
+            // A GPU's pool: its pages go down through the host cache and come back from G2
+            // straight, both mapped into the device.
+            let device = model.page_device(&mut kv)?;
+            if let Some(d) = &device {
+                tiers.map_host(d.as_ref())?;
+            }
+            kv.set_tiers(tiers, device);
         }
         Ok(Engine {
             model,

@@ -98,3 +98,8 @@ inline unsigned int __float_as_uint(float f) {
 }
 using std::max;
 using std::min;
+
+/// CUDA's 16-byte vector (the kernels move bytes in them).
+struct uint4 {
+    unsigned int x, y, z, w;
+};

@@ -542,6 +542,31 @@ API CUresult cuMemFreeHost(void* p) {
     std::free(p);
     return CUDA_SUCCESS;
 }
+// Host memory registered with the device (page-locked and mapped): the same address serves
+// both sides, as with unified addressing on a GPU. Only registered ranges are mapped.
+std::mutex g_registered_lock;
+std::map<uintptr_t, size_t> g_registered;
+API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned int) {
+    std::lock_guard<std::mutex> g(g_registered_lock);
+    if (!p || !n) return bad("host register: empty range", CUDA_ERROR_INVALID_VALUE);
+    if (!g_registered.emplace((uintptr_t)p, n).second)
+        return bad("host register: registered twice", CUDA_ERROR_INVALID_VALUE);
+    return CUDA_SUCCESS;
+}
+API CUresult cuMemHostUnregister(void* p) {
+    std::lock_guard<std::mutex> g(g_registered_lock);
+    return g_registered.erase((uintptr_t)p) ? CUDA_SUCCESS
+                                            : bad("host unregister: not registered",
+                                                  CUDA_ERROR_INVALID_VALUE);
+}
+API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr* d, void* p, unsigned int) {
+    std::lock_guard<std::mutex> g(g_registered_lock);
+    auto it = g_registered.upper_bound((uintptr_t)p);
+    if (it == g_registered.begin() || (uintptr_t)p >= std::prev(it)->first + std::prev(it)->second)
+        return bad("host device pointer: not registered", CUDA_ERROR_INVALID_VALUE);
+    *d = (CUdeviceptr)p;
+    return CUDA_SUCCESS;
+}
 API CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void* src, size_t n) {
     return copy_checked((void*)dst, src, n, true, false);
 }

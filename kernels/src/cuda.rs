@@ -57,7 +57,16 @@ const FUNCTIONS: [(&str, &[&str]); 5] = [
         ],
     ),
     ("attention", &["paged_attention"]),
-    ("kv", &["store_kv", "pack_kv", "unpack_kv"]),
+    (
+        "kv",
+        &[
+            "store_kv",
+            "pack_kv",
+            "unpack_kv",
+            "copy_pages",
+            "page_from_host",
+        ],
+    ),
     ("sampling", &["argmax_rows", "sample_top_k_top_p"]),
 ];
 
@@ -570,6 +579,90 @@ impl Gpu {
         launched(unsafe { b.launch(per_row(span.n, 256)) })
     }
 
+    /// Pages `pages` of every segment (a layer's keys or values) from the pools at the
+    /// addresses `src` to those at `dst` (as many of each, `page_bytes` a page), in one launch:
+    /// the device pool and a host copy of it mapped into the device (see
+    /// [`llama::GpuLlama::map_host_kv`]).
+    pub fn copy_pages(
+        &self,
+        dst: &CudaSlice<u64>,
+        src: &CudaSlice<u64>,
+        pages: &CudaSlice<u32>,
+        page_bytes: usize,
+    ) -> Result<(), KernelError> {
+        if pages.is_empty() || src.is_empty() {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (pages.len() as u32, src.len() as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let bytes = page_bytes as u64;
+        let mut b = self.stream.launch_builder(self.f("copy_pages"));
+        b.arg(dst).arg(src).arg(pages).arg(&bytes);
+        // SAFETY: `dst` and `src` hold as many addresses, each of a pool (device memory, or
+        // host memory registered with the device) holding every page `pages` names.
+        launched(unsafe { b.launch(cfg) })
+    }
+
+    /// Starts copying one page laid out contiguously at `src` (an address in host memory
+    /// mapped into the device, [`Gpu::map_host`]: each segment's page in turn) into page
+    /// `page` of every segment's pool at the addresses `dev` and `mirror`.
+    pub fn page_from_host(
+        &self,
+        dev: &CudaSlice<u64>,
+        mirror: &CudaSlice<u64>,
+        src: u64,
+        page: u32,
+        page_bytes: usize,
+    ) -> Result<(), KernelError> {
+        let cfg = LaunchConfig {
+            grid_dim: (dev.len() as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let bytes = page_bytes as u64;
+        let mut b = self.stream.launch_builder(self.f("page_from_host"));
+        b.arg(dev).arg(mirror).arg(&src).arg(&page).arg(&bytes);
+        // SAFETY: `dev` and `mirror` hold as many pools' addresses, each holding page `page`;
+        // `src` is mapped memory holding a page of every segment (the caller's contract).
+        launched(unsafe { b.launch(cfg) })
+    }
+
+    /// Page-locks `len` bytes of host memory at `at` and maps them into the device until the
+    /// returned mapping drops.
+    ///
+    /// # Safety
+    ///
+    /// The memory must stay allocated and unmoved while the mapping lives.
+    pub unsafe fn map_host(
+        self: &Arc<Self>,
+        at: usize,
+        len: usize,
+    ) -> Result<HostMapping, KernelError> {
+        use cudarc::driver::sys;
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| err("binding the context", e))?;
+        let p = at as *mut std::ffi::c_void;
+        let flags = sys::CU_MEMHOSTREGISTER_PORTABLE | sys::CU_MEMHOSTREGISTER_DEVICEMAP;
+        // SAFETY: the caller vouches for the memory; registering only pins it.
+        unsafe { sys::cuMemHostRegister_v2(p, len, flags) }
+            .result()
+            .map_err(|e| err("page-locking host memory", e))?;
+        let mut mapping = HostMapping {
+            gpu: self.clone(),
+            at,
+            device: 0,
+        };
+        // SAFETY: `p` was registered with DEVICEMAP just above.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut mapping.device, p, 0) }
+            .result()
+            .map_err(|e| err("mapping host memory", e))?;
+        Ok(mapping)
+    }
+
     /// Rows of keys and values (f32, `[slots, width]`) into their cache slots as f16.
     #[allow(clippy::too_many_arguments)]
     pub fn store_kv(
@@ -588,6 +681,30 @@ impl Gpu {
         b.arg(k_cache).arg(v_cache).arg(slots).arg(k).arg(v).arg(&w);
         // SAFETY: every slot lies in the caches; k and v hold n × width.
         launched(unsafe { b.launch(cfg) })
+    }
+}
+
+/// Host memory page-locked and mapped into a GPU ([`Gpu::map_host`]); unregistered when
+/// dropped.
+pub struct HostMapping {
+    gpu: Arc<Gpu>,
+    at: usize,
+    device: u64,
+}
+
+impl HostMapping {
+    /// Where the device sees the memory's first byte.
+    pub fn device_addr(&self) -> u64 {
+        self.device
+    }
+}
+
+impl Drop for HostMapping {
+    fn drop(&mut self) {
+        let _ = self.gpu.ctx.bind_to_thread();
+        // SAFETY: registered by `map_host`; the memory is still allocated (its owner lets it
+        // go after this mapping) and no copy from it is in flight (each one is waited for).
+        unsafe { cudarc::driver::sys::cuMemHostUnregister(self.at as *mut std::ffi::c_void) };
     }
 }
 

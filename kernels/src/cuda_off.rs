@@ -14,6 +14,29 @@ impl Gpu {
     pub fn new(_ordinal: usize) -> Result<Gpu, KernelError> {
         Err(KernelError::Unavailable(OFF.into()))
     }
+
+    /// Unreachable: no GPU exists.
+    ///
+    /// # Safety
+    ///
+    /// None needed: it cannot be called.
+    pub unsafe fn map_host(
+        self: &std::sync::Arc<Self>,
+        _at: usize,
+        _len: usize,
+    ) -> Result<HostMapping, KernelError> {
+        match **self {}
+    }
+}
+
+/// Never constructed in this build.
+pub enum HostMapping {}
+
+impl HostMapping {
+    /// Unreachable: no mapping exists.
+    pub fn device_addr(&self) -> u64 {
+        match *self {}
+    }
 }
 
 /// Always fails: CUDA is not compiled in.
@@ -52,6 +75,43 @@ pub mod llama {
             _: &GpuBatch<'_>,
             _: Option<&mut dyn FnMut(usize, &[f32], &[f32])>,
         ) -> Result<Vec<f32>, KernelError> {
+            match *self {}
+        }
+
+        /// Unreachable: no model exists.
+        ///
+        /// # Safety
+        ///
+        /// None needed: it cannot be called.
+        pub unsafe fn map_host_kv(
+            &mut self,
+            _: &[[(usize, usize); 2]],
+            _: Vec<std::sync::Arc<dyn Send + Sync>>,
+        ) -> Result<(), KernelError> {
+            match *self {}
+        }
+
+        /// Unreachable: no model exists.
+        ///
+        /// # Safety
+        ///
+        /// None needed: it cannot be called.
+        pub unsafe fn page_from_host(&mut self, _: u64, _: u32) -> Result<(), KernelError> {
+            match *self {}
+        }
+
+        /// Unreachable: no model exists.
+        pub fn sync(&self) -> Result<(), KernelError> {
+            match *self {}
+        }
+
+        /// Unreachable: no model exists.
+        pub fn pages_to_host(&mut self, _: &[u32]) -> Result<(), KernelError> {
+            match *self {}
+        }
+
+        /// Unreachable: no model exists.
+        pub fn pages_to_device(&mut self, _: &[u32]) -> Result<(), KernelError> {
             match *self {}
         }
 

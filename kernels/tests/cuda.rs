@@ -287,6 +287,36 @@ fn kv_pack_unpack_store_and_sampling_are_exact() {
         assert_eq!(v2[s.clone()], v[s], "unpack values, token {p}");
     }
 
+    // copy_pages moves whole pages of every segment between two sets of pools, by address.
+    let page = bs * width * 2;
+    let mut pools = Vec::new();
+    for src in [&k, &v] {
+        pools.push((g.upload(src).unwrap(), g.zeros::<u16>(src.len()).unwrap()));
+    }
+    let addr = |d: &cudarc::driver::CudaSlice<u16>| {
+        use cudarc::driver::DevicePtr;
+        d.device_ptr(g.stream()).0
+    };
+    let src: Vec<u64> = pools.iter().map(|(s, _)| addr(s)).collect();
+    let dst: Vec<u64> = pools.iter().map(|(_, d)| addr(d)).collect();
+    let moved = [3u32, 1];
+    let (ds, dd, dp) = (
+        g.upload(&src).unwrap(),
+        g.upload(&dst).unwrap(),
+        g.upload(&moved).unwrap(),
+    );
+    g.copy_pages(&dd, &ds, &dp, page).unwrap();
+    for ((s, d), want) in pools.iter().zip([&k, &v]) {
+        let (got, _) = (g.download(d).unwrap(), g.download(s).unwrap());
+        for b in 0..blocks {
+            let r = b * bs * width..(b + 1) * bs * width;
+            match moved.contains(&(b as u32)) {
+                true => assert_eq!(got[r.clone()], want[r], "page {b} copied"),
+                false => assert!(got[r].iter().all(|&x| x == 0), "page {b} untouched"),
+            }
+        }
+    }
+
     // store_kv rounds f32 rows to f16 like the CPU backend.
     let rows = r.vec(3 * width);
     let slots: Vec<u32> = vec![9, 40, 77];

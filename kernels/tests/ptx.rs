@@ -25,6 +25,8 @@ fn every_kernel_compiles_to_ptx_for_sm80_and_sm90() {
             "store_kv",
             "pack_kv",
             "unpack_kv",
+            "copy_pages",
+            "page_from_host",
             "argmax_rows",
             "sample_top_k_top_p",
         ] {

@@ -149,4 +149,107 @@ fn main() {
             step_ms[5], limit_ms
         );
     }
+    tiers(&gpu, emu);
+}
+
+/// KV tiers on the GPU: a prompt's cached pages read back from G2 (host memory) into the
+/// device pool — the time a G2 hit adds over a pool hit of the same prompt, both computing its
+/// last token only — beside what bounds it, measured in the same run: a host memcpy of the same
+/// bytes and a copy from page-locked host memory to the device.
+#[cfg(feature = "cuda")]
+fn tiers(gpu: &std::sync::Arc<kernels::cuda::Gpu>, emu: bool) {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use engine::tiers::TierConfig;
+    use engine::{Engine, EngineConfig, SamplingParams};
+
+    let (m, t) = engine::load(
+        &tandem_tests::model_path(),
+        kernels::Device::parse("cuda:0").unwrap(),
+    )
+    .unwrap();
+    let model = Arc::new(m);
+    let (bs, pages) = (16usize, if emu { 4usize } else { 240 });
+    let page = model.kv_page_bytes(bs);
+    // Only blocks hit twice go down: the other prompt's pages, evicted to make room for the
+    // loads, are not copied off the device, so a G2 hit below costs its loads alone.
+    let config = EngineConfig {
+        block_size: bs,
+        num_blocks: pages + 2,
+        tiers: TierConfig {
+            host_bytes: ((pages + 16) * page) as u64,
+            write_policy: engine::tiers::WritePolicy::HitTwice,
+            ..Default::default()
+        },
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(model, config, t.stop_ids().to_vec()).unwrap();
+    let text = |k: u32| -> Vec<u32> {
+        (0..(pages * bs + 1) as u32)
+            .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
+            .collect()
+    };
+    let (a, b) = (text(1), text(2));
+    let mut id = 0;
+    let mut timed = |e: &mut Engine, p: &[u32]| {
+        id += 1;
+        let t0 = Instant::now();
+        tandem_tests::generate(e, id, p, &SamplingParams::greedy(1));
+        t0.elapsed().as_secs_f64()
+    };
+    for _ in 0..3 {
+        timed(&mut e, &a); // computed, then hit twice in the pool
+    }
+    let (mut pool, mut g2) = (Vec::new(), Vec::new());
+    let reps = if emu { 1 } else { 7 };
+    for _ in 0..reps {
+        timed(&mut e, &b); // evicts a's pages to G2
+        g2.push(timed(&mut e, &a));
+        pool.push(timed(&mut e, &a));
+    }
+    let host = e.load().tiers.host;
+    let loaded = host.hits / reps as u64;
+    assert!(
+        loaded + 2 >= pages as u64,
+        "a's pages came from G2: {host:?}"
+    );
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let bytes = (loaded as usize * page) as f64;
+    let load = median(&mut g2) - median(&mut pool);
+    let copy = host.load_seconds / reps as f64;
+    // The limits: a host memcpy of the same bytes, and page-locked host memory to the device.
+    let src = vec![1u8; pages * page];
+    let mut dst = vec![0u8; pages * page];
+    let mut memcpy = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        dst.copy_from_slice(std::hint::black_box(&src));
+        memcpy.push(t0.elapsed().as_secs_f64());
+    }
+    std::hint::black_box(&dst);
+    // SAFETY: written by the copy below before anything reads it.
+    let mut pinned = unsafe { gpu.context().alloc_pinned::<u8>(pages * page) }.unwrap();
+    pinned.as_mut_slice().unwrap().fill(1);
+    let mut dev = gpu.zeros::<u8>(pages * page).unwrap();
+    let mut h2d = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        gpu.stream().memcpy_htod(&pinned, &mut dev).unwrap();
+        gpu.stream().synchronize().unwrap();
+        h2d.push(t0.elapsed().as_secs_f64());
+    }
+    let gbs = |s: f64| bytes / s / 1e9;
+    println!(
+        "| KV tiers: {loaded} pages ({:.0} MB) from G2 into the device pool | {:.1} GB/s ({:.2} ms over a pool hit; by G2's own load time {:.1} GB/s) | host memcpy {:.1} GB/s; page-locked host to device {:.1} GB/s |",
+        bytes / 1e6,
+        gbs(load),
+        load * 1e3,
+        gbs(copy),
+        gbs(median(&mut memcpy)),
+        gbs(median(&mut h2d)),
+    );
 }

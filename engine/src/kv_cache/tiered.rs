@@ -2,10 +2,13 @@
 //! evicts is copied down before its new owner writes it, and a prefix lookup first loads what
 //! the tiers hold of the prompt's chain into fresh pages, registered as the pool's own.
 
+use std::sync::Arc;
+
 use types::Tier;
 
 use super::{KvCache, LayerKv};
-use crate::tiers::{Evicted, Tiers, TiersStats};
+use crate::forward::PageDevice;
+use crate::tiers::{Evicted, Key, Tiers, TiersStats};
 
 /// Page `b`'s bytes in every storage layer, keys then values, layer by layer: the layout a
 /// tier stores.
@@ -33,9 +36,11 @@ fn segments_mut(layers: &mut [LayerKv], per_page: usize, b: u32) -> Vec<&mut [u8
 
 impl KvCache {
     /// Puts `tiers` under the pool: from now on evicted cached pages go down to them and
-    /// lookups continue through them.
-    pub fn set_tiers(&mut self, tiers: Tiers) {
+    /// lookups continue through them. With a `device` (a GPU's pool, [`PageDevice`]), a page
+    /// going down is copied off the device first and one loaded is copied onto it.
+    pub fn set_tiers(&mut self, tiers: Tiers, device: Option<Arc<dyn PageDevice>>) {
         self.tiers = Some(tiers);
+        self.device = device;
     }
 
     /// The tiers' counters, when there are tiers.
@@ -64,9 +69,18 @@ impl KvCache {
     pub(super) fn alloc(&mut self) -> Option<u32> {
         let (b, gone) = self.pool.alloc_evicting()?;
         if let (Some(f), Some(tiers)) = (gone, self.tiers.as_mut()) {
+            let key = (f.group, f.hash);
+            let copy = self
+                .device
+                .as_ref()
+                .filter(|_| tiers.takes(key, &f.tokens, f.hits));
+            if let Some(Err(e)) = copy.map(|d| d.to_host(&[b])) {
+                tracing::warn!(page = b, "a cached KV page could not leave the device: {e}");
+                return Some(b);
+            }
             let data = segments(&self.layers, self.block_size * self.width, b);
             tiers.store(Evicted {
-                key: (f.group, f.hash),
+                key,
                 tokens: &f.tokens,
                 hits: f.hits,
                 data: &data,
@@ -117,6 +131,8 @@ impl KvCache {
         held: &mut Vec<u32>,
     ) -> usize {
         let bs = self.block_size;
+        let mut loaded = Vec::new();
+        let mut end = hashes.len();
         for (i, &h) in hashes.iter().enumerate().skip(from) {
             let block = &tokens[i * bs..(i + 1) * bs];
             if let Some(b) = self.pool.find(g as u32, h, block) {
@@ -124,33 +140,122 @@ impl KvCache {
                 held.push(b);
                 continue;
             }
-            if self.free_blocks() == 0 || !self.load(g, h, block, held) {
-                return i;
+            match (self.free_blocks() > 0).then(|| self.load(g, h, block)) {
+                Some(Some(l)) => loaded.push((l, i)),
+                _ => {
+                    end = i;
+                    break;
+                }
             }
         }
-        hashes.len()
+        self.register_loaded(g, hashes, tokens, loaded, held);
+        end
     }
 
-    /// Loads group `g`'s block named `hash` holding `tokens` from a tier into a fresh page,
-    /// registered and held (pushed on `held`). `false` when no tier has a good copy.
-    fn load(&mut self, g: usize, hash: u64, tokens: &[u32], held: &mut Vec<u32>) -> bool {
-        let Some(b) = self.alloc() else {
-            return false;
-        };
+    /// Pages `loaded` (each with its block's place in the chain) hold group `g`'s blocks: on
+    /// the device too where the pool lives there (the copies started checked and waited for,
+    /// the others made), then registered and held. Released unregistered when the device
+    /// fails or a copy started fails its check (computed again).
+    fn register_loaded(
+        &mut self,
+        g: usize,
+        hashes: &[u64],
+        tokens: &[u32],
+        mut loaded: Vec<(Loaded, usize)>,
+        held: &mut Vec<u32>,
+    ) {
+        if let Some(d) = self.device.clone() {
+            let tiers = self.tiers.as_mut().expect("loading with tiers");
+            let started: Vec<(Key, usize)> = loaded
+                .iter()
+                .filter_map(|(l, i)| l.started.map(|at| ((g as u32, hashes[*i]), at)))
+                .collect();
+            let mut good = tiers.check_started(&started).into_iter();
+            let t0 = std::time::Instant::now();
+            let copy: Vec<u32> = loaded
+                .iter()
+                .filter(|(l, _)| l.started.is_none())
+                .map(|(l, _)| l.page)
+                .collect();
+            let done = d.sync().and_then(|()| d.to_device(&copy));
+            if !started.is_empty() {
+                tiers.add_host_load_time(t0.elapsed().as_secs_f64());
+            }
+            let ok = done
+                .map_err(|e| {
+                    tracing::warn!(
+                        pages = loaded.len(),
+                        "KV pages could not reach the device: {e}"
+                    )
+                })
+                .is_ok();
+            let (keep, drop): (Vec<_>, Vec<_>) = loaded
+                .into_iter()
+                .partition(|(l, _)| ok && (l.started.is_none() || good.next() == Some(true)));
+            for (l, _) in drop {
+                self.pool.release(l.page);
+            }
+            loaded = keep;
+        }
+        let bs = self.block_size;
+        for (l, i) in loaded {
+            let block = &tokens[i * bs..(i + 1) * bs];
+            self.pool
+                .register_with(g as u32, l.page, hashes[i], block, l.hits);
+            held.push(l.page);
+        }
+    }
+
+    /// Loads group `g`'s block named `hash` holding `tokens` from a tier into a fresh page, not
+    /// yet registered; `None` when no tier has a good copy. On a device, a block in G2 is
+    /// copied there straight from G2 (started, checked and waited for by
+    /// [`KvCache::register_loaded`]); others come into the host cache first.
+    fn load(&mut self, g: usize, hash: u64, tokens: &[u32]) -> Option<Loaded> {
+        let b = self.alloc()?;
+        let key = (g as u32, hash);
+        let tiers = self.tiers.as_mut().expect("restoring with tiers");
+        if let Some(d) = self.device.as_deref() {
+            match tiers.start_onto(key, tokens, d, b) {
+                Some(Some((hits, at))) => {
+                    let started = Some(at);
+                    return Some(Loaded {
+                        page: b,
+                        hits,
+                        started,
+                    });
+                }
+                Some(None) => {
+                    self.pool.release(b);
+                    return None;
+                }
+                None => {}
+            }
+        }
         let per_page = self.block_size * self.width;
         let mut out = segments_mut(&mut self.layers, per_page, b);
-        let tiers = self.tiers.as_mut().expect("restoring with tiers");
-        match tiers.load((g as u32, hash), tokens, &mut out) {
+        match tiers.load(key, tokens, &mut out) {
             Some((tier, hits)) => {
                 debug_assert_ne!(tier, Tier::Pool);
-                self.pool.register_with(g as u32, b, hash, tokens, hits);
-                held.push(b);
-                true
+                Some(Loaded {
+                    page: b,
+                    hits,
+                    started: None,
+                })
             }
             None => {
                 self.pool.release(b);
-                false
+                None
             }
         }
     }
+}
+
+/// A block loaded from a tier into a page of the pool.
+struct Loaded {
+    page: u32,
+    /// Times it was shared from a cache before.
+    hits: u32,
+    /// Where in G2's arena a copy straight onto the device started from (its checksum still
+    /// to check); `None` when it came into the host cache, checked.
+    started: Option<usize>,
 }

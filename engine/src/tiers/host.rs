@@ -6,6 +6,8 @@ use std::collections::{BTreeMap, HashMap};
 
 use super::sum::{block_sum, Summer};
 use super::{Evicted, Key};
+use crate::error::Result;
+use crate::forward::{Mapped, PageDevice};
 
 struct Entry {
     slot: usize,
@@ -18,6 +20,9 @@ struct Entry {
 }
 
 pub(super) struct Host {
+    /// The arena mapped into a device (a GPU worker's): loads copy from it there. Declared
+    /// before the arena, so it is unmapped before the arena is freed.
+    mapped: Option<Mapped>,
     slots: usize,
     /// Bytes a slot holds (0 for a cache without values: only the accounting is kept).
     slot_bytes: usize,
@@ -33,6 +38,7 @@ impl Host {
     pub(super) fn new(slots: u64, slot_bytes: usize) -> Host {
         let slots = slots as usize;
         Host {
+            mapped: None,
             slots,
             slot_bytes,
             arena: vec![0; slots * slot_bytes],
@@ -41,6 +47,40 @@ impl Host {
             lru: BTreeMap::new(),
             tick: 0,
         }
+    }
+
+    /// Maps the arena into `device` (page-locked: it takes its memory now), so loads can
+    /// copy from it there ([`Host::verified`]).
+    pub(super) fn map(&mut self, device: &dyn PageDevice) -> Result<()> {
+        if self.arena.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: the arena is never resized, and the mapping is dropped before it (field
+        // order).
+        self.mapped = Some(unsafe { device.map(self.arena.as_mut_ptr(), self.arena.len()) }?);
+        Ok(())
+    }
+
+    /// Block `key`'s slot, for a device to copy from before its checksum is checked (see
+    /// [`Host::check`]), marked used: where the device sees it, and where it is in the arena.
+    /// `None` when the arena is not mapped or the block is not here.
+    pub(super) fn slot_for_device(&mut self, key: Key) -> Option<(u64, usize)> {
+        let base = self.mapped.as_ref()?.addr;
+        let at = self.map.get(&key)?.slot * self.slot_bytes;
+        self.touch(key);
+        Some((base + at as u64, at))
+    }
+
+    /// Whether block `key`, copied from arena offset `at`, passes its checksum there: `None`
+    /// when another block holds that slot now (its bytes were replaced: not a corruption).
+    pub(super) fn check(&self, key: Key, at: usize) -> Option<bool> {
+        let e = self
+            .map
+            .get(&key)
+            .filter(|e| e.slot * self.slot_bytes == at)?;
+        let mut s = Summer::default();
+        s.sum(&self.arena[at..at + e.len]);
+        Some(e.len > 0 && block_sum(&e.tokens, s.finish()) == e.sum)
     }
 
     pub(super) fn len(&self) -> usize {

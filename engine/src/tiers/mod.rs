@@ -26,6 +26,7 @@ use std::time::Instant;
 use types::{BlockHash, KvEvent, Tier};
 
 use crate::error::Result;
+use crate::forward::PageDevice;
 
 pub use sum::{copy_sum, Summer};
 
@@ -181,6 +182,18 @@ impl Tiers {
         }
     }
 
+    /// Whether [`Tiers::store`] would copy the bytes of block `key` holding `tokens`, shared
+    /// `hits` times (the write policy wants it, and the tier it goes to lacks it): a pool on a
+    /// device copies a page off it only then.
+    pub(crate) fn takes(&self, key: Key, tokens: &[u32], hits: u32) -> bool {
+        self.wanted(hits)
+            && match (&self.host, &self.disk) {
+                (Some(h), _) => !h.has(key, tokens),
+                (None, Some(d)) => !d.has(key, tokens),
+                (None, None) => false,
+            }
+    }
+
     /// A block the pool evicts: into G2 (whose own eviction goes to G3), or straight to G3
     /// without a G2. A block a tier holds already is only marked used.
     pub(crate) fn store(&mut self, b: Evicted<'_>) {
@@ -258,28 +271,107 @@ impl Tiers {
         } else {
             return None;
         };
+        if !ok {
+            self.corrupt(key, tier);
+            return None;
+        }
+        self.loaded(tier, t0);
+        Some((tier, hits))
+    }
+
+    /// Maps G2's arena into `device` (a GPU worker's pool): blocks found there are then
+    /// loaded by [`Tiers::load_onto`], straight from the arena.
+    pub(crate) fn map_host(&mut self, device: &dyn PageDevice) -> Result<()> {
+        self.host.as_mut().map_or(Ok(()), |h| h.map(device))
+    }
+
+    /// Starts copying block `key` holding `tokens` from a mapped G2 onto `device`'s page
+    /// `page` (and into the host cache's), its checksum not checked yet
+    /// ([`Tiers::check_started`] does, many blocks at once, before the page may be used):
+    /// its hits and its slot. `None` when a mapped G2 does not hold it (load it with
+    /// [`Tiers::load`]); `Some(None)` when the device failed.
+    pub(crate) fn start_onto(
+        &mut self,
+        key: Key,
+        tokens: &[u32],
+        device: &dyn PageDevice,
+        page: u32,
+    ) -> Option<Option<(u32, usize)>> {
+        let h = self.host.as_mut().filter(|h| h.has(key, tokens))?;
+        let hits = h.hits(key);
+        let (src, at) = h.slot_for_device(key)?;
+        // SAFETY: `src` is the block's slot in the mapped arena; the copy is waited for before
+        // any slot is written (a page comes off the device first, `to_host`), and a slot
+        // written meanwhile fails `check_started` instead of being used.
+        match unsafe { device.page_from(src, page) } {
+            Ok(()) => Some(Some((hits, at))),
+            Err(e) => {
+                tracing::warn!(page, "a KV page could not reach the device: {e}");
+                Some(None)
+            }
+        }
+    }
+
+    /// Checks the blocks [`Tiers::start_onto`] copied (each its key and slot), on the kernel
+    /// threads: whether each may be used. Counts the good ones as G2's hits; drops and counts
+    /// the corrupt ones.
+    pub(crate) fn check_started(&mut self, started: &[(Key, usize)]) -> Vec<bool> {
+        let t0 = Instant::now();
+        let Some(h) = self.host.as_ref() else {
+            return vec![false; started.len()];
+        };
+        let mut ok = vec![None; started.len()];
+        kernels::for_each_chunk_mut(&mut ok, 1, |i, r| {
+            r[0] = h.check(started[i].0, started[i].1)
+        });
+        let mut good = 0;
+        for (&(key, _), r) in started.iter().zip(&ok) {
+            match r {
+                Some(true) => good += 1,
+                Some(false) => self.corrupt(key, Tier::Host),
+                None => {}
+            }
+        }
+        let s = &mut self.stats.host;
+        s.hits += good;
+        s.bytes_loaded += good * self.page_bytes as u64;
+        s.load_seconds += t0.elapsed().as_secs_f64();
+        ok.into_iter().map(|r| r == Some(true)).collect()
+    }
+
+    /// Adds `seconds` to G2's load time: the device's share of the copies started by
+    /// [`Tiers::start_onto`], waited for together.
+    pub(crate) fn add_host_load_time(&mut self, seconds: f64) {
+        self.stats.host.load_seconds += seconds;
+    }
+
+    fn loaded(&mut self, tier: Tier, t0: Instant) {
         let s = match tier {
             Tier::Host => &mut self.stats.host,
             _ => &mut self.stats.disk,
         };
-        if !ok {
-            s.corrupt += 1;
-            tracing::warn!(
-                group = key.0,
-                block = key.1,
-                ?tier,
-                "a stored KV block failed its checksum: dropped, computed again"
-            );
-            if tier == Tier::Host {
-                self.host.as_mut().expect("checked").remove(key);
-                push(&mut self.events, key, false, Tier::Host);
-            }
-            return None;
-        }
         s.hits += 1;
         s.bytes_loaded += self.page_bytes as u64;
         s.load_seconds += t0.elapsed().as_secs_f64();
-        Some((tier, hits))
+    }
+
+    /// Block `key`'s copy in `tier` failed its checksum: counted, and dropped from G2 (G3's
+    /// file is deleted by the disk tier itself).
+    fn corrupt(&mut self, key: Key, tier: Tier) {
+        match tier {
+            Tier::Host => self.stats.host.corrupt += 1,
+            _ => self.stats.disk.corrupt += 1,
+        }
+        tracing::warn!(
+            group = key.0,
+            block = key.1,
+            ?tier,
+            "a stored KV block failed its checksum: dropped, computed again"
+        );
+        if tier == Tier::Host {
+            self.host.as_mut().expect("a G2 block").remove(key);
+            push(&mut self.events, key, false, Tier::Host);
+        }
     }
 
     /// Takes in what G3's writer finished (stored and removed files) as events and counts.

@@ -2,6 +2,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use super::*;
+use crate::forward::PageDevice;
 
 /// A scratch directory, removed when dropped.
 struct Scratch(PathBuf);
@@ -195,4 +196,80 @@ fn a_cache_without_values_keeps_the_accounting() {
         PAGE as u64,
         "counted at the page's size"
     );
+}
+
+/// A test double of a device pool ([`PageDevice`]), named as one: host memory is "mapped" at
+/// its own address and a page "copied onto the device" lands in `pages`.
+#[derive(Default)]
+struct MockDevice {
+    pages: std::sync::Mutex<std::collections::HashMap<u32, Vec<u8>>>,
+}
+
+impl PageDevice for MockDevice {
+    fn to_host(&self, _: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    fn to_device(&self, _: &[u32]) -> Result<()> {
+        Ok(())
+    }
+    unsafe fn map(&self, at: *mut u8, _: usize) -> Result<crate::forward::Mapped> {
+        let guard = Box::new(());
+        Ok(crate::forward::Mapped {
+            addr: at as u64,
+            guard,
+        })
+    }
+    unsafe fn page_from(&self, src: u64, page: u32) -> Result<()> {
+        // SAFETY: the caller's contract: `src` is a whole page of mapped (here: host) memory.
+        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, PAGE) };
+        self.pages.lock().unwrap().insert(page, bytes.to_vec());
+        Ok(())
+    }
+    fn sync(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_mapped_g2_copies_onto_the_device_and_checks_before_use() {
+    let dev = MockDevice::default();
+    let mut t = Tiers::open(&config(4, None, 0), 7, PAGE, true).unwrap();
+    t.map_host(&dev).unwrap();
+    for k in 1..=4 {
+        store(&mut t, k, 0);
+    }
+    let start = |t: &mut Tiers, k: u64, page: u32| {
+        let (_, at) = t
+            .start_onto((0, k), &[k as u32, 1], &dev, page)
+            .unwrap()
+            .unwrap();
+        ((0, k), at)
+    };
+    let (one, two, three) = (
+        start(&mut t, 1, 10),
+        start(&mut t, 2, 11),
+        start(&mut t, 3, 12),
+    );
+    assert!(
+        t.start_onto((0, 9), &[9, 1], &dev, 13).is_none(),
+        "not in G2"
+    );
+    t.host.as_mut().unwrap().bytes_mut((0, 2)).unwrap()[5] ^= 1;
+    // Block 3's slot goes to another block before the check: its copy cannot be vouched for.
+    t.host.as_mut().unwrap().remove((0, 3));
+    store(&mut t, 5, 0);
+    assert_eq!(t.check_started(&[one, two, three]), [true, false, false]);
+    assert_eq!(
+        dev.pages.lock().unwrap()[&10],
+        page(1),
+        "block 1 on the device"
+    );
+    let s = t.stats();
+    assert_eq!(
+        (s.host.hits, s.host.corrupt),
+        (1, 1),
+        "3 was replaced, not corrupt"
+    );
+    assert_eq!(s.host.bytes_loaded, PAGE as u64);
+    assert_eq!(load(&mut t, 2), None, "the damaged copy was dropped");
 }

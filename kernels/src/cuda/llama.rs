@@ -85,6 +85,24 @@ pub struct GpuLlama {
     v: Vec<CudaSlice<u16>>,
     block_size: usize,
     staging: (Pinned, Pinned),
+    /// The engine's host copy of the pool, mapped (see [`GpuLlama::map_host_kv`]).
+    host: Option<HostKv>,
+}
+
+/// The engine's host copy of the KV pool, page-locked and mapped into the device's address
+/// space, so a batch of pages moves between it and the device pool in one kernel launch, at
+/// bus speed (KV tiers: a page evicted from the pool is read off the device on its way down
+/// to host memory and disk, one loaded from them is written back). Unregistered when dropped,
+/// before the memory's owners are let go.
+struct HostKv {
+    /// Every segment's pool (each layer's keys, then its values) as the device addresses it:
+    /// on the device, and the host copy.
+    device: CudaSlice<u64>,
+    mapped: CudaSlice<u64>,
+    page_bytes: usize,
+    /// Declared before the owners: unregistered first.
+    _regions: Vec<super::HostMapping>,
+    _owners: Vec<Arc<dyn Send + Sync>>,
 }
 
 fn to_bf16(x: f32) -> u16 {
@@ -142,6 +160,7 @@ impl GpuLlama {
             shape,
             block_size,
             staging: Default::default(),
+            host: None,
         })
     }
 
@@ -195,7 +214,8 @@ impl GpuLlama {
 
     /// Writes one layer of a sequence's first `n` tokens, in the transfer's wire layout (`[2,
     /// n, width]` f16 bits), into its blocks `table` of the device pool (KV that arrived from
-    /// a prefill worker, or any KV written on the host).
+    /// a prefill worker, or any KV written on the host). `table` may start at any block of a
+    /// sequence: its first token is the block's first.
     pub fn upload_kv(
         &mut self,
         layer: usize,
@@ -212,6 +232,105 @@ impl GpuLlama {
         };
         let (k, v) = (&mut self.k[layer], &mut self.v[layer]);
         self.gpu.unpack_kv(k, v, &t, &staging, span)
+    }
+
+    /// Maps the engine's host copy of the pool into the device: `layers` (each layer's keys
+    /// and values, as (address, bytes)) page-locked and addressed by the device, kept
+    /// allocated by `owners` while mapped. Afterwards [`GpuLlama::pages_to_host`] and
+    /// [`GpuLlama::pages_to_device`] move pages between them.
+    ///
+    /// # Safety
+    ///
+    /// Each region must be memory of that many bytes that `owners` keep allocated and unmoved,
+    /// laid out as the device pool is (the same blocks of `block_size` tokens, f16).
+    pub unsafe fn map_host_kv(
+        &mut self,
+        layers: &[[(usize, usize); 2]],
+        owners: Vec<Arc<dyn Send + Sync>>,
+    ) -> Result<(), KernelError> {
+        let pool = self.k.first().map_or(0, |k| k.len() * 2);
+        if layers.len() != self.k.len() || layers.iter().flatten().any(|&(_, n)| n != pool) {
+            return Err(err(
+                "mapping the host KV cache",
+                format!("{} layers of {pool} bytes expected", self.k.len()),
+            ));
+        }
+        let mut regions = Vec::new();
+        for &(at, n) in layers.iter().flatten() {
+            // SAFETY: the caller vouches for the region.
+            regions.push(unsafe { self.gpu.map_host(at, n) }?);
+        }
+        let mapped: Vec<u64> = regions.iter().map(|r| r.device_addr()).collect();
+        let stream = self.gpu.stream();
+        let device: Vec<u64> = (self.k.iter().zip(&self.v))
+            .flat_map(|(k, v)| [k.device_ptr(stream).0, v.device_ptr(stream).0])
+            .collect();
+        self.host = Some(HostKv {
+            device: self.gpu.upload(&device)?,
+            mapped: self.gpu.upload(&mapped)?,
+            page_bytes: self.block_size * self.shape.n_kv_heads * self.shape.head_dim * 2,
+            _regions: regions,
+            _owners: owners,
+        });
+        Ok(())
+    }
+
+    /// Starts copying one page laid out contiguously at device address `src` (mapped host
+    /// memory, [`super::Gpu::map_host`]: each layer's keys, then its values) into page `page`
+    /// of the device pool and of the mapped host copy; done by the next
+    /// [`GpuLlama::sync`] (or page copy).
+    ///
+    /// # Safety
+    ///
+    /// `src` must be mapped memory holding a whole page of every layer, left unchanged until
+    /// then.
+    pub unsafe fn page_from_host(&mut self, src: u64, page: u32) -> Result<(), KernelError> {
+        let h = self
+            .host
+            .as_ref()
+            .ok_or_else(|| err("copying a KV page", "the host KV cache is not mapped"))?;
+        self.gpu
+            .page_from_host(&h.device, &h.mapped, src, page, h.page_bytes)
+    }
+
+    /// Waits for everything queued on the device.
+    pub fn sync(&self) -> Result<(), KernelError> {
+        self.gpu
+            .stream()
+            .synchronize()
+            .map_err(|e| err("waiting for the device", e))
+    }
+
+    /// Copies `pages` of every layer from the device pool into the mapped host copy, and
+    /// waits for them.
+    pub fn pages_to_host(&mut self, pages: &[u32]) -> Result<(), KernelError> {
+        self.copy_pages(pages, true)
+    }
+
+    /// Copies `pages` of every layer from the mapped host copy into the device pool, and
+    /// waits for them.
+    pub fn pages_to_device(&mut self, pages: &[u32]) -> Result<(), KernelError> {
+        self.copy_pages(pages, false)
+    }
+
+    fn copy_pages(&mut self, pages: &[u32], to_host: bool) -> Result<(), KernelError> {
+        let h = self
+            .host
+            .as_ref()
+            .ok_or_else(|| err("copying KV pages", "the host KV cache is not mapped"))?;
+        if pages.is_empty() {
+            return Ok(());
+        }
+        let p = self.gpu.upload(pages)?;
+        let (dst, src) = match to_host {
+            true => (&h.mapped, &h.device),
+            false => (&h.device, &h.mapped),
+        };
+        self.gpu.copy_pages(dst, src, &p, h.page_bytes)?;
+        self.gpu
+            .stream()
+            .synchronize()
+            .map_err(|e| err("copying KV pages", e))
     }
 
     /// [`GpuLlama::forward`], handing each layer's new keys and values (f32, `[tokens, width]`)

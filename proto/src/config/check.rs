@@ -7,8 +7,8 @@ use std::path::Path;
 use toml::Spanned;
 
 use super::{
-    Actuator, AutoscaleSection, ConfigError, DiscoverySection, EngineKind, KvTiersSection,
-    KvTransferSection, PoolSection, RouterSection,
+    Actuator, AutoscaleSection, ConfigError, DiscoverySection, KvTiersSection, KvTransferSection,
+    PoolSection, RouterSection,
 };
 
 /// The file being checked, for errors' `file:line: key:`.
@@ -227,12 +227,6 @@ impl Ctx<'_> {
             let span = t.disk_path.as_ref().map_or(0..0, |p| p.span());
             let m = "KV tiers keep the prefix cache's blocks: set prefix_cache = true";
             return self.err(span, &key("host_bytes"), m);
-        }
-        let engine = *pool.engine.get_ref();
-        if engine != EngineKind::Mock && pool.device.get_ref().starts_with("cuda") {
-            let m = "KV tiers run on CPU workers and the mock engine only so far (a GPU \
-                     worker's KV lives on the device): remove [kv_tiers] from this pool";
-            return self.err(pool.device.span(), &format!("{name}.device"), m);
         }
         Ok(())
     }

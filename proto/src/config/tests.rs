@@ -232,10 +232,6 @@ fn kv_tiers_and_tier_weights_are_checked_with_their_line() {
             "cluster.toml:3: decode.kv_tiers.disk_path: disk_bytes needs a disk_path",
         ),
         (
-            "[decode]\ndevice = \"cuda:0\"\n[decode.kv_tiers]\nhost_bytes = 1000000\n",
-            "cluster.toml:2: decode.device: KV tiers run on CPU workers and the mock engine only",
-        ),
-        (
             "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\nwrite_policy = \"sometimes\"\n",
             "cluster.toml:4",
         ),
