@@ -8,7 +8,8 @@ without (which evicts and computes again). Each turn's prompt is the whole conve
 Reports the last turns' TTFT p50 of each, the tier hits that served them (the prefill worker's
 blocks loaded from host memory and from disk), and whether every answer was identical.
 
-    cargo build --release && python3 scripts/bench_tier_turns.py [--conversations 16] [--turns 8]
+    cargo build --release && python3 scripts/bench_tier_turns.py [--conversations 16] [--turns 8] \
+        [--device cuda:0]
 """
 import argparse
 import contextlib
@@ -21,8 +22,8 @@ TOPICS = ["rivers", "bridges", "volcanoes", "libraries", "bicycles", "forests", 
           "glaciers", "lighthouses", "canals", "orchards", "deserts", "markets", "railways", "islands"]
 
 
-def config(blocks, tiers):
-    pool = f"threads = 1\nkv_blocks = {blocks}\nmax_batch_tokens = 512\n"
+def config(blocks, tiers, device):
+    pool = f"threads = 1\nkv_blocks = {blocks}\nmax_batch_tokens = 512\ndevice = \"{device}\"\n"
     text = ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
             f"[prefill]\nreplicas = 1\n{pool}")
     if tiers:
@@ -51,9 +52,10 @@ def main():
     ap.add_argument("--conversations", type=int, default=16)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--blocks", type=int, default=240, help="KV blocks of each worker's pool")
+    ap.add_argument("--device", default="cpu", help="every worker's device: cpu, or cuda:N")
     a = ap.parse_args()
     with contextlib.ExitStack() as stack:
-        arms = {name: stack.enter_context(cluster(config(a.blocks, tiers), f"tandem-tier-turns-{name}-"))[0]
+        arms = {name: stack.enter_context(cluster(config(a.blocks, tiers, a.device), f"tandem-tier-turns-{name}-"))[0]
                 for name, tiers in (("tiers", True), ("g1", False))}
         messages = {name: [[] for _ in range(a.conversations)] for name in arms}
         ttft = {name: [[] for _ in range(a.conversations)] for name in arms}

@@ -244,6 +244,62 @@ fn the_engine_on_cuda_reads_a_prefix_back_from_its_tiers_exactly() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A GPU prefill worker with KV tiers exports a prefix read back from G2 bitwise as it exported
+/// it when it computed it: the export reads the host cache, which a load from G2 fills beside
+/// the device's pages (a prefill-only step mirrors only what it computes).
+#[test]
+#[ignore = "needs a GPU: TANDEM_GPU=1 ... --features cuda -- --ignored"]
+fn a_gpu_prefill_worker_exports_a_prefix_read_back_from_its_tiers_exactly() {
+    if std::env::var_os("TANDEM_GPU").is_none() {
+        return;
+    }
+    use engine::tiers::TierConfig;
+    use engine::{Engine, EngineConfig};
+    let (m, _) = engine::load(
+        &tandem_tests::model_path(),
+        kernels::Device::parse("cuda:0").unwrap(),
+    )
+    .unwrap();
+    let model = Arc::new(m);
+    let (bs, blocks) = (4, 12);
+    let config = EngineConfig {
+        block_size: bs,
+        num_blocks: blocks,
+        tiers: TierConfig {
+            host_bytes: 8 * model.kv_page_bytes(bs) as u64,
+            ..Default::default()
+        },
+        ..EngineConfig::default()
+    };
+    let mut e = Engine::new(model, config, Vec::new()).unwrap();
+    let text = |k: u32, n: usize| -> Vec<u32> {
+        (0..n as u32)
+            .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
+            .collect()
+    };
+    let export = |e: &mut Engine, id: u64, p: Vec<u32>| {
+        e.add_prefill_only(RequestId(id), p, 0, None).unwrap();
+        e.run_to_completion().unwrap();
+        e.export_kv(RequestId(id)).unwrap()
+    };
+    let prompt = text(1, 3 * bs + 3);
+    let want = export(&mut e, 1, prompt.clone());
+    export(&mut e, 2, text(2, blocks * bs - 1)); // takes every page: the prefix goes to G2
+    let before = e.load();
+    let got = export(&mut e, 3, prompt);
+    let after = e.load();
+    assert_eq!(
+        after.tiers.host.hits - before.tiers.host.hits,
+        3,
+        "G2 served the prefix"
+    );
+    assert_eq!(
+        after.prefix_hit_tokens - before.prefix_hit_tokens,
+        3 * bs as u64
+    );
+    assert!(got == want, "the exported KV differs from the first export");
+}
+
 /// The tests above on the CPU CUDA emulator (`kernels/emu`, a test double, not a GPU): the GPU
 /// forward and the engine on `cuda:0` checked against the CPU engine on machines without a GPU.
 /// On a GPU (`TANDEM_GPU` set) the tests themselves run instead.
@@ -251,7 +307,7 @@ fn the_engine_on_cuda_reads_a_prefix_back_from_its_tiers_exactly() {
 fn the_gpu_model_tests_pass_on_the_cuda_emulator() {
     if std::env::var_os("TANDEM_GPU").is_none() {
         let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR"));
-        kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator", 3)
+        kernels::cuda::emu::run_gpu_tests(dir, "on_the_cuda_emulator", 4)
             .unwrap_or_else(|out| panic!("{out}"));
     }
 }
