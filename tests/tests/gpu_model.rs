@@ -143,6 +143,20 @@ fn the_engine_on_cuda_generates_what_it_generates_on_the_cpu() {
     }
 }
 
+/// The default model on `cuda:0`, and its stop tokens.
+fn on_cuda() -> (Arc<engine::Model>, Vec<u32>) {
+    let path = tandem_tests::model_path();
+    let (m, t) = engine::load(&path, kernels::Device::parse("cuda:0").unwrap()).unwrap();
+    (Arc::new(m), t.stop_ids().to_vec())
+}
+
+/// `n` plain token ids (none special), different for each `k`.
+fn text(k: u32, n: usize) -> Vec<u32> {
+    (0..n as u32)
+        .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
+        .collect()
+}
+
 /// KV tiers on `cuda:0`: a prefix evicted from the device pool to host memory (G2), then to
 /// disk (G3), then read back by a restarted engine gives bitwise the tokens the same prefix
 /// gives when the pool still holds it (the suffix computed in the same shapes both ways),
@@ -157,19 +171,9 @@ fn the_engine_on_cuda_reads_a_prefix_back_from_its_tiers_exactly() {
     }
     use engine::tiers::TierConfig;
     use engine::{Engine, EngineConfig, SamplingParams};
-    let (m, t) = engine::load(
-        &tandem_tests::model_path(),
-        kernels::Device::parse("cuda:0").unwrap(),
-    )
-    .unwrap();
-    let (model, stops) = (Arc::new(m), t.stop_ids().to_vec());
+    let (model, stops) = on_cuda();
     // Small blocks and pool: the emulator runs this too, every matmul on the CPU.
     let (bs, blocks) = (4, 12);
-    let text = |k: u32, n: usize| -> Vec<u32> {
-        (0..n as u32)
-            .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
-            .collect()
-    };
     let prompt = text(1, 3 * bs + 3);
     let whole = (3 * bs) as u64;
     let dir = std::env::temp_dir().join(format!("tandem-gpu-tiers-{}", std::process::id()));
@@ -255,12 +259,7 @@ fn a_gpu_prefill_worker_exports_a_prefix_read_back_from_its_tiers_exactly() {
     }
     use engine::tiers::TierConfig;
     use engine::{Engine, EngineConfig};
-    let (m, _) = engine::load(
-        &tandem_tests::model_path(),
-        kernels::Device::parse("cuda:0").unwrap(),
-    )
-    .unwrap();
-    let model = Arc::new(m);
+    let (model, _) = on_cuda();
     let (bs, blocks) = (4, 12);
     let config = EngineConfig {
         block_size: bs,
@@ -272,11 +271,6 @@ fn a_gpu_prefill_worker_exports_a_prefix_read_back_from_its_tiers_exactly() {
         ..EngineConfig::default()
     };
     let mut e = Engine::new(model, config, Vec::new()).unwrap();
-    let text = |k: u32, n: usize| -> Vec<u32> {
-        (0..n as u32)
-            .map(|i| 300 + (k * 7919 + i * 104_729) % 20_000)
-            .collect()
-    };
     let export = |e: &mut Engine, id: u64, p: Vec<u32>| {
         e.add_prefill_only(RequestId(id), p, 0, None).unwrap();
         e.run_to_completion().unwrap();
