@@ -21,6 +21,36 @@ fn segments(layers: &[LayerKv], per_page: usize, b: u32) -> Vec<&[u8]> {
         .collect()
 }
 
+/// [`segments_mut`] of each of `pages` (distinct), at once.
+fn pages_mut<'a>(
+    layers: &'a mut [LayerKv],
+    per_page: usize,
+    pages: &[u32],
+) -> Vec<Vec<&'a mut [u8]>> {
+    let mut seen = std::collections::HashSet::new();
+    assert!(
+        pages.iter().all(|p| seen.insert(*p)),
+        "pages loaded once each"
+    );
+    let pools: Vec<(*mut half::f16, usize)> = layers
+        .iter_mut()
+        .flat_map(|l| [(l.k.as_mut_ptr(), l.k.len()), (l.v.as_mut_ptr(), l.v.len())])
+        .collect();
+    let page = |b: u32| -> Vec<&'a mut [u8]> {
+        let at = b as usize * per_page;
+        pools
+            .iter()
+            .map(|&(p, len)| {
+                assert!(at + per_page <= len, "page {b} lies in the pool");
+                // SAFETY: `at..at + per_page` lies in this pool, borrowed mutably for 'a; the
+                // pages are distinct, so no two slices handed out overlap.
+                unsafe { std::slice::from_raw_parts_mut(p.add(at) as *mut u8, per_page * 2) }
+            })
+            .collect()
+    };
+    pages.iter().map(|&b| page(b)).collect()
+}
+
 /// [`segments`], writable.
 fn segments_mut(layers: &mut [LayerKv], per_page: usize, b: u32) -> Vec<&mut [u8]> {
     let r = b as usize * per_page..(b as usize + 1) * per_page;
@@ -152,53 +182,64 @@ impl KvCache {
         end
     }
 
-    /// Pages `loaded` (each with its block's place in the chain) hold group `g`'s blocks: on
-    /// the device too where the pool lives there (the copies started checked and waited for,
-    /// the others made), then registered and held. Released unregistered when the device
-    /// fails or a copy started fails its check (computed again).
+    /// Pages `loaded` (each with its block's place in the chain) hold group `g`'s blocks: the
+    /// ones taken from G2 copied (on a device: the copies started waited for) and checked, on
+    /// the kernel threads; on a device, the others copied onto it; then registered and held.
+    /// Released unregistered when a check or the device fails (computed again).
     fn register_loaded(
         &mut self,
         g: usize,
         hashes: &[u64],
         tokens: &[u32],
-        mut loaded: Vec<(Loaded, usize)>,
+        loaded: Vec<(Loaded, usize)>,
         held: &mut Vec<u32>,
     ) {
-        if let Some(d) = self.device.clone() {
-            let tiers = self.tiers.as_mut().expect("loading with tiers");
-            let started: Vec<(Key, usize)> = loaded
-                .iter()
-                .filter_map(|(l, i)| l.started.map(|at| ((g as u32, hashes[*i]), at)))
-                .collect();
-            let mut good = tiers.check_started(&started).into_iter();
-            let t0 = std::time::Instant::now();
-            let copy: Vec<u32> = loaded
-                .iter()
-                .filter(|(l, _)| l.started.is_none())
-                .map(|(l, _)| l.page)
-                .collect();
-            let done = d.sync().and_then(|()| d.to_device(&copy));
-            if !started.is_empty() {
-                tiers.add_host_load_time(t0.elapsed().as_secs_f64());
+        let taken: Vec<&(Loaded, usize)> =
+            loaded.iter().filter(|(l, _)| l.taken.is_some()).collect();
+        let started: Vec<(Key, usize)> = taken
+            .iter()
+            .map(|(l, i)| ((g as u32, hashes[*i]), l.taken.expect("taken")))
+            .collect();
+        let tiers = self.tiers.as_mut().expect("loading with tiers");
+        let checked = match &self.device {
+            Some(_) => tiers.finish_started(&started, None),
+            None => {
+                let pages: Vec<u32> = taken.iter().map(|(l, _)| l.page).collect();
+                let per_page = self.block_size * self.width;
+                let mut outs = pages_mut(&mut self.layers, per_page, &pages);
+                tiers.finish_started(&started, Some(&mut outs))
             }
-            let ok = done
-                .map_err(|e| {
+        };
+        let device_ok = match self.device.clone() {
+            Some(d) => {
+                let t0 = std::time::Instant::now();
+                let copy: Vec<u32> = loaded
+                    .iter()
+                    .filter(|(l, _)| l.taken.is_none())
+                    .map(|(l, _)| l.page)
+                    .collect();
+                let done = d.sync().and_then(|()| d.to_device(&copy));
+                if !started.is_empty() {
+                    tiers.add_host_load_time(t0.elapsed().as_secs_f64());
+                }
+                done.map_err(|e| {
                     tracing::warn!(
                         pages = loaded.len(),
                         "KV pages could not reach the device: {e}"
                     )
                 })
-                .is_ok();
-            let (keep, drop): (Vec<_>, Vec<_>) = loaded
-                .into_iter()
-                .partition(|(l, _)| ok && (l.started.is_none() || good.next() == Some(true)));
-            for (l, _) in drop {
-                self.pool.release(l.page);
+                .is_ok()
             }
-            loaded = keep;
-        }
+            None => true,
+        };
+        let mut checked = checked.into_iter();
         let bs = self.block_size;
         for (l, i) in loaded {
+            let good = l.taken.is_none() || checked.next() == Some(true);
+            if !(device_ok && good) {
+                self.pool.release(l.page);
+                continue;
+            }
             let block = &tokens[i * bs..(i + 1) * bs];
             self.pool
                 .register_with(g as u32, l.page, hashes[i], block, l.hits);
@@ -207,29 +248,28 @@ impl KvCache {
     }
 
     /// Loads group `g`'s block named `hash` holding `tokens` from a tier into a fresh page, not
-    /// yet registered; `None` when no tier has a good copy. On a device, a block in G2 is
-    /// copied there straight from G2 (started, checked and waited for by
-    /// [`KvCache::register_loaded`]); others come into the host cache first.
+    /// yet registered; `None` when no tier has a good copy. A block in G2 is only taken here
+    /// (on a device, its copy there starts): [`KvCache::register_loaded`] copies and checks
+    /// them all at once. Others come into the host cache here, checked.
     fn load(&mut self, g: usize, hash: u64, tokens: &[u32]) -> Option<Loaded> {
         let b = self.alloc()?;
         let key = (g as u32, hash);
         let tiers = self.tiers.as_mut().expect("restoring with tiers");
-        if let Some(d) = self.device.as_deref() {
-            match tiers.start_onto(key, tokens, d, b) {
-                Some(Some((hits, at))) => {
-                    let started = Some(at);
-                    return Some(Loaded {
-                        page: b,
-                        hits,
-                        started,
-                    });
-                }
-                Some(None) => {
-                    self.pool.release(b);
-                    return None;
-                }
-                None => {}
+        let onto = self.device.as_deref().map(|d| (d, b));
+        match tiers.start(key, tokens, onto) {
+            Some(Some((hits, at))) => {
+                let taken = Some(at);
+                return Some(Loaded {
+                    page: b,
+                    hits,
+                    taken,
+                });
             }
+            Some(None) => {
+                self.pool.release(b);
+                return None;
+            }
+            None => {}
         }
         let per_page = self.block_size * self.width;
         let mut out = segments_mut(&mut self.layers, per_page, b);
@@ -239,7 +279,7 @@ impl KvCache {
                 Some(Loaded {
                     page: b,
                     hits,
-                    started: None,
+                    taken: None,
                 })
             }
             None => {
@@ -255,7 +295,7 @@ struct Loaded {
     page: u32,
     /// Times it was shared from a cache before.
     hits: u32,
-    /// Where in G2's arena a copy straight onto the device started from (its checksum still
-    /// to check); `None` when it came into the host cache, checked.
-    started: Option<usize>,
+    /// Where in G2's arena it is, still to copy and check (on a device: its copy started);
+    /// `None` when it came into the host cache from G3, checked.
+    taken: Option<usize>,
 }

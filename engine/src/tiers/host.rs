@@ -61,26 +61,49 @@ impl Host {
         Ok(())
     }
 
-    /// Block `key`'s slot, for a device to copy from before its checksum is checked (see
-    /// [`Host::check`]), marked used: where the device sees it, and where it is in the arena.
-    /// `None` when the arena is not mapped or the block is not here.
-    pub(super) fn slot_for_device(&mut self, key: Key) -> Option<(u64, usize)> {
-        let base = self.mapped.as_ref()?.addr;
+    /// Block `key`'s place in the arena, to copy from before its checksum is checked (see
+    /// [`Host::copy_checked`], [`Host::check`]), the block marked used; `None` when it is not
+    /// here.
+    pub(super) fn take(&mut self, key: Key) -> Option<usize> {
         let at = self.map.get(&key)?.slot * self.slot_bytes;
         self.touch(key);
-        Some((base + at as u64, at))
+        Some(at)
+    }
+
+    /// Where a device sees arena offset `at`, when the arena is mapped into one.
+    pub(super) fn device_addr(&self, at: usize) -> Option<u64> {
+        Some(self.mapped.as_ref()?.addr + at as u64)
+    }
+
+    /// Block `key`'s entry, while it still lies at arena offset `at`.
+    fn at(&self, key: Key, at: usize) -> Option<&Entry> {
+        self.map
+            .get(&key)
+            .filter(|e| e.slot * self.slot_bytes == at)
     }
 
     /// Whether block `key`, copied from arena offset `at`, passes its checksum there: `None`
     /// when another block holds that slot now (its bytes were replaced: not a corruption).
     pub(super) fn check(&self, key: Key, at: usize) -> Option<bool> {
-        let e = self
-            .map
-            .get(&key)
-            .filter(|e| e.slot * self.slot_bytes == at)?;
+        let e = self.at(key, at)?;
         let mut s = Summer::default();
         s.sum(&self.arena[at..at + e.len]);
         Some(e.len > 0 && block_sum(&e.tokens, s.finish()) == e.sum)
+    }
+
+    /// Copies block `key` from arena offset `at` into `out` (a page's segments, in order),
+    /// checking its checksum in the same pass: as [`Host::check`].
+    pub(super) fn copy_checked(&self, key: Key, at: usize, out: &mut [&mut [u8]]) -> Option<bool> {
+        let e = self.at(key, at)?;
+        if out.iter().map(|o| o.len()).sum::<usize>() != e.len {
+            return Some(false);
+        }
+        let (mut from, mut s) = (at, Summer::default());
+        for o in out.iter_mut() {
+            s.copy(o, &self.arena[from..from + o.len()]);
+            from += o.len();
+        }
+        Some(block_sum(&e.tokens, s.finish()) == e.sum)
     }
 
     pub(super) fn len(&self) -> usize {

@@ -285,24 +285,31 @@ impl Tiers {
         self.host.as_mut().map_or(Ok(()), |h| h.map(device))
     }
 
-    /// Starts copying block `key` holding `tokens` from a mapped G2 onto `device`'s page
-    /// `page` (and into the host cache's), its checksum not checked yet
-    /// ([`Tiers::check_started`] does, many blocks at once, before the page may be used):
-    /// its hits and its slot. `None` when a mapped G2 does not hold it (load it with
-    /// [`Tiers::load`]); `Some(None)` when the device failed.
-    pub(crate) fn start_onto(
+    /// Takes block `key` holding `tokens` from G2 for a page of the pool, its copy and
+    /// checksum left to [`Tiers::finish_started`] (many blocks at once, on the kernel
+    /// threads): its hits and its place in the arena. With `onto` (a device with G2's arena
+    /// mapped, and the page), the copy onto the device and into the host cache starts now.
+    /// `None` when G2 does not hold it (load it with [`Tiers::load`]); `Some(None)` when the
+    /// device failed.
+    pub(crate) fn start(
         &mut self,
         key: Key,
         tokens: &[u32],
-        device: &dyn PageDevice,
-        page: u32,
+        onto: Option<(&dyn PageDevice, u32)>,
     ) -> Option<Option<(u32, usize)>> {
         let h = self.host.as_mut().filter(|h| h.has(key, tokens))?;
         let hits = h.hits(key);
-        let (src, at) = h.slot_for_device(key)?;
+        let at = h.take(key)?;
+        let Some((device, page)) = onto else {
+            return Some(Some((hits, at)));
+        };
+        let Some(src) = h.device_addr(at) else {
+            tracing::warn!("G2 is not mapped into the device");
+            return Some(None);
+        };
         // SAFETY: `src` is the block's slot in the mapped arena; the copy is waited for before
         // any slot is written (a page comes off the device first, `to_host`), and a slot
-        // written meanwhile fails `check_started` instead of being used.
+        // written meanwhile fails `finish_started` instead of being used.
         match unsafe { device.page_from(src, page) } {
             Ok(()) => Some(Some((hits, at))),
             Err(e) => {
@@ -312,18 +319,33 @@ impl Tiers {
         }
     }
 
-    /// Checks the blocks [`Tiers::start_onto`] copied (each its key and slot), on the kernel
-    /// threads: whether each may be used. Counts the good ones as G2's hits; drops and counts
-    /// the corrupt ones.
-    pub(crate) fn check_started(&mut self, started: &[(Key, usize)]) -> Vec<bool> {
+    /// Finishes the blocks [`Tiers::start`] took (each its key and place in the arena), on the
+    /// kernel threads: copies each into its page's segments in `outs` (one entry a block; on
+    /// a device, `None`: the device copied them) and checks its checksum. Returns whether each
+    /// may be used; counts the good ones as G2's hits, drops and counts the corrupt ones (a
+    /// block whose slot went to another meanwhile is neither: it is only not used).
+    pub(crate) fn finish_started(
+        &mut self,
+        started: &[(Key, usize)],
+        outs: Option<&mut [Vec<&mut [u8]>]>,
+    ) -> Vec<bool> {
         let t0 = Instant::now();
         let Some(h) = self.host.as_ref() else {
             return vec![false; started.len()];
         };
         let mut ok = vec![None; started.len()];
-        kernels::for_each_chunk_mut(&mut ok, 1, |i, r| {
-            r[0] = h.check(started[i].0, started[i].1)
-        });
+        match outs {
+            Some(outs) => {
+                let mut jobs: Vec<_> = ok.iter_mut().zip(outs.iter_mut()).collect();
+                kernels::for_each_chunk_mut(&mut jobs, 1, |i, j| {
+                    let (r, out) = &mut j[0];
+                    **r = h.copy_checked(started[i].0, started[i].1, out);
+                });
+            }
+            None => kernels::for_each_chunk_mut(&mut ok, 1, |i, r| {
+                r[0] = h.check(started[i].0, started[i].1)
+            }),
+        }
         let mut good = 0;
         for (&(key, _), r) in started.iter().zip(&ok) {
             match r {
@@ -340,7 +362,7 @@ impl Tiers {
     }
 
     /// Adds `seconds` to G2's load time: the device's share of the copies started by
-    /// [`Tiers::start_onto`], waited for together.
+    /// [`Tiers::start`], waited for together.
     pub(crate) fn add_host_load_time(&mut self, seconds: f64) {
         self.stats.host.load_seconds += seconds;
     }

@@ -240,7 +240,7 @@ fn a_mapped_g2_copies_onto_the_device_and_checks_before_use() {
     }
     let start = |t: &mut Tiers, k: u64, page: u32| {
         let (_, at) = t
-            .start_onto((0, k), &[k as u32, 1], &dev, page)
+            .start((0, k), &[k as u32, 1], Some((&dev, page)))
             .unwrap()
             .unwrap();
         ((0, k), at)
@@ -251,14 +251,17 @@ fn a_mapped_g2_copies_onto_the_device_and_checks_before_use() {
         start(&mut t, 3, 12),
     );
     assert!(
-        t.start_onto((0, 9), &[9, 1], &dev, 13).is_none(),
+        t.start((0, 9), &[9, 1], Some((&dev, 13))).is_none(),
         "not in G2"
     );
     t.host.as_mut().unwrap().bytes_mut((0, 2)).unwrap()[5] ^= 1;
     // Block 3's slot goes to another block before the check: its copy cannot be vouched for.
     t.host.as_mut().unwrap().remove((0, 3));
     store(&mut t, 5, 0);
-    assert_eq!(t.check_started(&[one, two, three]), [true, false, false]);
+    assert_eq!(
+        t.finish_started(&[one, two, three], None),
+        [true, false, false]
+    );
     assert_eq!(
         dev.pages.lock().unwrap()[&10],
         page(1),
@@ -272,4 +275,37 @@ fn a_mapped_g2_copies_onto_the_device_and_checks_before_use() {
     );
     assert_eq!(s.host.bytes_loaded, PAGE as u64);
     assert_eq!(load(&mut t, 2), None, "the damaged copy was dropped");
+}
+
+#[test]
+fn blocks_taken_from_g2_are_copied_and_checked_together() {
+    let mut t = Tiers::open(&config(4, None, 0), 7, PAGE, true).unwrap();
+    for k in 1..=3 {
+        store(&mut t, k, 0);
+    }
+    let take = |t: &mut Tiers, k: u64| {
+        let (_, at) = t.start((0, k), &[k as u32, 1], None).unwrap().unwrap();
+        ((0, k), at)
+    };
+    let (one, two, three) = (take(&mut t, 1), take(&mut t, 2), take(&mut t, 3));
+    t.host.as_mut().unwrap().bytes_mut((0, 2)).unwrap()[70] ^= 4;
+    t.host.as_mut().unwrap().remove((0, 3));
+    store(&mut t, 4, 0); // into 3's slot
+    let mut pages = vec![vec![0u8; PAGE]; 3];
+    let mut outs: Vec<Vec<&mut [u8]>> = pages
+        .iter_mut()
+        .map(|p| {
+            let (a, b) = p.split_at_mut(30);
+            vec![a, b]
+        })
+        .collect();
+    let ok = t.finish_started(&[one, two, three], Some(&mut outs));
+    assert_eq!(ok, [true, false, false]);
+    assert_eq!(pages[0], page(1), "block 1 copied whole");
+    let s = t.stats();
+    assert_eq!(
+        (s.host.hits, s.host.corrupt),
+        (1, 1),
+        "3 was replaced, not corrupt"
+    );
 }
