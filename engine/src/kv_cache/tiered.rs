@@ -183,9 +183,10 @@ impl KvCache {
     }
 
     /// Pages `loaded` (each with its block's place in the chain) hold group `g`'s blocks: the
-    /// ones taken from G2 copied (on a device: the copies started waited for) and checked, on
-    /// the kernel threads; on a device, the others copied onto it; then registered and held.
-    /// Released unregistered when a check or the device fails (computed again).
+    /// ones taken from G2 copied (on a device: the copies started waited for) and checked, and
+    /// the ones taken from G3 read and checked, each kind all at once on the kernel threads; on
+    /// a device, the pages that came into the host cache copied onto it; then registered and
+    /// held. Released unregistered when a check or the device fails (computed again).
     fn register_loaded(
         &mut self,
         g: usize,
@@ -194,28 +195,55 @@ impl KvCache {
         loaded: Vec<(Loaded, usize)>,
         held: &mut Vec<u32>,
     ) {
-        let taken: Vec<&(Loaded, usize)> =
-            loaded.iter().filter(|(l, _)| l.taken.is_some()).collect();
-        let started: Vec<(Key, usize)> = taken
-            .iter()
-            .map(|(l, i)| ((g as u32, hashes[*i]), l.taken.expect("taken")))
-            .collect();
+        let bs = self.block_size;
+        let per_page = bs * self.width;
+        let of = |from: fn(&From) -> bool| -> Vec<(u32, usize, Option<usize>)> {
+            loaded
+                .iter()
+                .filter(|(l, _)| from(&l.from))
+                .map(|(l, i)| {
+                    (
+                        l.page,
+                        *i,
+                        if let From::G2(at) = l.from {
+                            Some(at)
+                        } else {
+                            None
+                        },
+                    )
+                })
+                .collect()
+        };
+        let (g2, g3) = (
+            of(|f| matches!(f, From::G2(_))),
+            of(|f| matches!(f, From::G3)),
+        );
         let tiers = self.tiers.as_mut().expect("loading with tiers");
+        let started: Vec<(Key, usize)> = g2
+            .iter()
+            .map(|&(_, i, at)| ((g as u32, hashes[i]), at.expect("G2")))
+            .collect();
         let checked = match &self.device {
             Some(_) => tiers.finish_started(&started, None),
             None => {
-                let pages: Vec<u32> = taken.iter().map(|(l, _)| l.page).collect();
-                let per_page = self.block_size * self.width;
+                let pages: Vec<u32> = g2.iter().map(|&(b, ..)| b).collect();
                 let mut outs = pages_mut(&mut self.layers, per_page, &pages);
                 tiers.finish_started(&started, Some(&mut outs))
             }
         };
+        let taken: Vec<(Key, &[u32])> = g3
+            .iter()
+            .map(|&(_, i, _)| ((g as u32, hashes[i]), &tokens[i * bs..(i + 1) * bs]))
+            .collect();
+        let pages: Vec<u32> = g3.iter().map(|&(b, ..)| b).collect();
+        let read =
+            tiers.finish_taken_disk(&taken, &mut pages_mut(&mut self.layers, per_page, &pages));
         let device_ok = match self.device.clone() {
             Some(d) => {
                 let t0 = std::time::Instant::now();
                 let copy: Vec<u32> = loaded
                     .iter()
-                    .filter(|(l, _)| l.taken.is_none())
+                    .filter(|(l, _)| !matches!(l.from, From::G2(_)))
                     .map(|(l, _)| l.page)
                     .collect();
                 let done = d.sync().and_then(|()| d.to_device(&copy));
@@ -232,10 +260,13 @@ impl KvCache {
             }
             None => true,
         };
-        let mut checked = checked.into_iter();
-        let bs = self.block_size;
+        let (mut checked, mut read) = (checked.into_iter(), read.into_iter());
         for (l, i) in loaded {
-            let good = l.taken.is_none() || checked.next() == Some(true);
+            let good = match l.from {
+                From::G2(_) => checked.next() == Some(true),
+                From::G3 => read.next() == Some(true),
+                From::Here => true,
+            };
             if !(device_ok && good) {
                 self.pool.release(l.page);
                 continue;
@@ -247,29 +278,30 @@ impl KvCache {
         }
     }
 
-    /// Loads group `g`'s block named `hash` holding `tokens` from a tier into a fresh page, not
-    /// yet registered; `None` when no tier has a good copy. A block in G2 is only taken here
-    /// (on a device, its copy there starts): [`KvCache::register_loaded`] copies and checks
-    /// them all at once. Others come into the host cache here, checked.
+    /// Takes group `g`'s block named `hash` holding `tokens` from a tier for a fresh page, not
+    /// yet registered; `None` when no tier has a good copy. A block in G2 or in G3's files is
+    /// only taken here (on a device, a G2 block's copy there starts):
+    /// [`KvCache::register_loaded`] copies and checks them all at once. A G3 of only its index
+    /// (the simulator's) loads here.
     fn load(&mut self, g: usize, hash: u64, tokens: &[u32]) -> Option<Loaded> {
         let b = self.alloc()?;
         let key = (g as u32, hash);
         let tiers = self.tiers.as_mut().expect("restoring with tiers");
         let onto = self.device.as_deref().map(|d| (d, b));
-        match tiers.start(key, tokens, onto) {
-            Some(Some((hits, at))) => {
-                let taken = Some(at);
-                return Some(Loaded {
-                    page: b,
-                    hits,
-                    taken,
-                });
-            }
+        let taken = match tiers.start(key, tokens, onto) {
+            Some(Some((hits, at))) => Some((hits, From::G2(at))),
             Some(None) => {
                 self.pool.release(b);
                 return None;
             }
-            None => {}
+            None => tiers.take_disk(key, tokens).map(|hits| (hits, From::G3)),
+        };
+        if let Some((hits, from)) = taken {
+            return Some(Loaded {
+                page: b,
+                hits,
+                from,
+            });
         }
         let per_page = self.block_size * self.width;
         let mut out = segments_mut(&mut self.layers, per_page, b);
@@ -279,7 +311,7 @@ impl KvCache {
                 Some(Loaded {
                     page: b,
                     hits,
-                    taken: None,
+                    from: From::Here,
                 })
             }
             None => {
@@ -295,7 +327,15 @@ struct Loaded {
     page: u32,
     /// Times it was shared from a cache before.
     hits: u32,
-    /// Where in G2's arena it is, still to copy and check (on a device: its copy started);
-    /// `None` when it came into the host cache from G3, checked.
-    taken: Option<usize>,
+    from: From,
+}
+
+/// Where a [`Loaded`] block's bytes still are.
+enum From {
+    /// In G2's arena at this offset, still to copy and check (on a device: its copy started).
+    G2(usize),
+    /// In G3's file, still to read and check.
+    G3,
+    /// In its page of the host cache already, checked.
+    Here,
 }

@@ -104,7 +104,7 @@ struct Job {
 }
 
 /// Why a load found no usable block.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Fault {
     /// The file went (evicted meanwhile): a plain miss.
     Gone,
@@ -245,7 +245,7 @@ impl Disk {
     /// Reads block `key` holding `tokens` into `out` (a page's segments, in order), checking
     /// its header and checksum. A file that fails is deleted and forgotten.
     pub(super) fn load(
-        &mut self,
+        &self,
         key: Key,
         tokens: &[u32],
         out: &mut [&mut [u8]],

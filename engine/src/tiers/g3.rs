@@ -48,6 +48,14 @@ impl G3 {
     }
 
     /// Blocks held.
+    /// The block files, when G3 has them (not only its index).
+    pub(super) fn files(&self) -> Option<&Disk> {
+        match self {
+            G3::Files(d) => Some(d),
+            G3::Modelled { .. } => None,
+        }
+    }
+
     pub(super) fn len(&self) -> usize {
         match self {
             G3::Files(d) => d.len(),

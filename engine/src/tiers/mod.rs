@@ -361,6 +361,54 @@ impl Tiers {
         ok.into_iter().map(|r| r == Some(true)).collect()
     }
 
+    /// Takes block `key` holding `tokens` from G3's files for a page of the pool (marked used
+    /// there), its read and checksum left to [`Tiers::finish_taken_disk`] (many blocks at
+    /// once, on the kernel threads): its hits. `None` when G3 has no file of it (a G2 holding
+    /// it, or a G3 of only its index, loads it with [`Tiers::load`]).
+    pub(crate) fn take_disk(&mut self, key: Key, tokens: &[u32]) -> Option<u32> {
+        if self.host.as_ref().is_some_and(|h| h.has(key, tokens)) {
+            return None;
+        }
+        let d = self.disk.as_mut().filter(|d| d.has(key, tokens))?;
+        d.files()?;
+        d.touch(key);
+        Some(d.hits(key))
+    }
+
+    /// Reads the blocks [`Tiers::take_disk`] took (each its key and tokens) into their pages'
+    /// segments `outs`, on the kernel threads, checking each: whether each may be used.
+    /// Counts the good ones as G3's hits; a corrupt file is deleted and counted; one gone
+    /// meanwhile (evicted by the writer) is only not used.
+    pub(crate) fn finish_taken_disk(
+        &mut self,
+        taken: &[(Key, &[u32])],
+        outs: &mut [Vec<&mut [u8]>],
+    ) -> Vec<bool> {
+        let t0 = Instant::now();
+        let Some(d) = self.disk.as_ref().and_then(g3::G3::files) else {
+            return vec![false; taken.len()];
+        };
+        let mut done = vec![Err(disk::Fault::Gone); taken.len()];
+        let mut jobs: Vec<_> = done.iter_mut().zip(outs.iter_mut()).collect();
+        kernels::for_each_chunk_mut(&mut jobs, 1, |i, j| {
+            let (r, out) = &mut j[0];
+            **r = d.load(taken[i].0, taken[i].1, out);
+        });
+        let mut good = 0;
+        for (&(key, _), r) in taken.iter().zip(&done) {
+            match r {
+                Ok(()) => good += 1,
+                Err(disk::Fault::Corrupt) => self.corrupt(key, Tier::Disk),
+                Err(disk::Fault::Gone) => {}
+            }
+        }
+        let s = &mut self.stats.disk;
+        s.hits += good;
+        s.bytes_loaded += good * self.page_bytes as u64;
+        s.load_seconds += t0.elapsed().as_secs_f64();
+        done.into_iter().map(|r| r.is_ok()).collect()
+    }
+
     /// Adds `seconds` to G2's load time: the device's share of the copies started by
     /// [`Tiers::start`], waited for together.
     pub(crate) fn add_host_load_time(&mut self, seconds: f64) {

@@ -55,6 +55,17 @@ fn load(t: &mut Tiers, k: u64) -> Option<(Tier, Vec<u8>)> {
     Some((tier, out))
 }
 
+/// Each page as two segments, as a page of the pool is many.
+fn split(pages: &mut [Vec<u8>]) -> Vec<Vec<&mut [u8]>> {
+    pages
+        .iter_mut()
+        .map(|p| {
+            let (a, b) = p.split_at_mut(30);
+            vec![a, b]
+        })
+        .collect()
+}
+
 fn event(k: u64, stored: bool, tier: Tier) -> KvEvent {
     let block = BlockHash(k);
     match stored {
@@ -292,13 +303,7 @@ fn blocks_taken_from_g2_are_copied_and_checked_together() {
     t.host.as_mut().unwrap().remove((0, 3));
     store(&mut t, 4, 0); // into 3's slot
     let mut pages = vec![vec![0u8; PAGE]; 3];
-    let mut outs: Vec<Vec<&mut [u8]>> = pages
-        .iter_mut()
-        .map(|p| {
-            let (a, b) = p.split_at_mut(30);
-            vec![a, b]
-        })
-        .collect();
+    let mut outs = split(&mut pages);
     let ok = t.finish_started(&[one, two, three], Some(&mut outs));
     assert_eq!(ok, [true, false, false]);
     assert_eq!(pages[0], page(1), "block 1 copied whole");
@@ -308,4 +313,38 @@ fn blocks_taken_from_g2_are_copied_and_checked_together() {
         (1, 1),
         "3 was replaced, not corrupt"
     );
+}
+
+#[test]
+fn blocks_taken_from_g3_are_read_and_checked_together() {
+    let dir = Scratch::new("taken");
+    let mut t = Tiers::open(&config(0, Some(&dir.0), 8), 7, PAGE, true).unwrap();
+    for k in 1..=3 {
+        store(&mut t, k, 0);
+    }
+    assert!(t.flush(Duration::from_secs(10)));
+    let tokens: Vec<[u32; 2]> = (0..4).map(|k| [k, 1]).collect();
+    let taken: Vec<(Key, &[u32])> = (1..=3)
+        .map(|k| {
+            assert!(t.take_disk((0, k), &tokens[k as usize]).is_some());
+            ((0, k), &tokens[k as usize][..])
+        })
+        .collect();
+    assert!(t.take_disk((0, 9), &[9, 1]).is_none(), "not on disk");
+    let Some(g3::G3::Files(d)) = t.disk.as_ref() else {
+        panic!("a backed G3 is files")
+    };
+    let (two, three) = (d.path_of((0, 2)), d.path_of((0, 3)));
+    let mut bytes = std::fs::read(&two).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x80;
+    std::fs::write(&two, bytes).unwrap();
+    std::fs::remove_file(&three).unwrap(); // gone meanwhile: not corrupt
+    let mut pages = vec![vec![0u8; PAGE]; 3];
+    let mut outs = split(&mut pages);
+    assert_eq!(t.finish_taken_disk(&taken, &mut outs), [true, false, false]);
+    assert_eq!(pages[0], page(1), "block 1 read whole");
+    let s = t.stats();
+    assert_eq!((s.disk.hits, s.disk.corrupt), (1, 1));
+    assert!(!two.exists(), "the damaged file is deleted");
 }
