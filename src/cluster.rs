@@ -220,6 +220,10 @@ pub(crate) fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineCo
         // them, even if the router is gone too (it cancels abandoned requests itself).
         kv_lease: Some(Duration::from_millis(*cfg.kv_transfer.lease_ms.get_ref())),
         tiers: TierConfig::default(),
+        admission: match pool.admission.as_ref().map(|a| *a.get_ref()) {
+            None | Some(proto::config::Admission::Reserve) => engine::Admission::Reserve,
+            Some(proto::config::Admission::Optimistic) => engine::Admission::Optimistic,
+        },
     }
 }
 

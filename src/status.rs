@@ -80,6 +80,14 @@ fn tier_cell(t: &Value) -> String {
     }
 }
 
+/// A worker's preemptions: "swapped / recomputed", or a dash when none.
+fn preempted_cell(p: &Value) -> String {
+    match (p["swapped"].as_u64(), p["recomputed"].as_u64()) {
+        (Some(0), Some(0)) | (None, _) | (_, None) => "–".into(),
+        (Some(s), Some(r)) => format!("{s} swapped / {r} recomputed"),
+    }
+}
+
 fn pool_line(name: &str, p: &Value, lat: &Value) -> String {
     let (now, target) = (&lat["p90_ms"], &p["target_p90_ms"]);
     let verdict = match (now.as_f64(), target.as_f64()) {
@@ -126,6 +134,7 @@ pub fn render(addr: &str, s: &Value) -> String {
         "free",
         "host",
         "disk",
+        "preempted",
         "running",
         "waiting",
         "heartbeat",
@@ -166,6 +175,7 @@ pub fn render(addr: &str, s: &Value) -> String {
             text(&kv["free"]),
             tier_cell(&w["kv_tiers"]["host"]),
             tier_cell(&w["kv_tiers"]["disk"]),
+            preempted_cell(&w["preempted"]),
             text(&w["running"]),
             text(&w["waiting"]),
             format!("{} ms", w["heartbeat_age_ms"]),
@@ -252,6 +262,7 @@ mod tests {
                 {"name": "decode-long-name-0", "role": "decode", "health": "stalled", "device": "mock",
                  "kv_offers": ["tcp", "quic"], "kv_blocks": {"used": 40, "total": 1024, "cached": 0, "free": 984},
                  "kv_tiers": {"host": {"blocks": 300, "hits": 7}, "disk": {"blocks": 0, "hits": 0}},
+                 "preempted": {"swapped": 4, "recomputed": 0},
                  "running": 3, "waiting": 1, "heartbeat_age_ms": 2500},
             ],
             "prefix": {"hit_ratio": 0.25, "prompt_tokens": 400},
@@ -283,6 +294,10 @@ mod tests {
         assert_eq!(&lines[header + 1][col..col + 2], "ok", "{text}");
         assert_eq!(&lines[header + 2][col..col + 7], "stalled", "{text}");
         assert!(lines[header + 2].contains("300 (7 hits)"), "{text}");
+        assert!(
+            lines[header + 2].contains("4 swapped / 0 recomputed"),
+            "{text}"
+        );
         assert!(
             lines[header + 1].contains("tcp×3") && lines[header + 2].contains("tcp,quic"),
             "{text}"

@@ -37,9 +37,10 @@ pub mod mock;
 #[cfg(feature = "runtime")]
 pub mod model;
 #[cfg(feature = "runtime")]
+pub mod preempt;
+#[cfg(feature = "runtime")]
 pub mod prefix;
 pub mod rate;
-#[cfg(feature = "runtime")]
 pub mod remote;
 pub mod sampler;
 #[cfg(feature = "runtime")]
@@ -59,8 +60,9 @@ pub use loader::{load, load_mock};
 pub use mock::{MockTiming, TierLink, TierTraffic};
 #[cfg(feature = "runtime")]
 pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
-pub use rate::PromptRate;
 #[cfg(feature = "runtime")]
+pub use preempt::{Admission, Preemptions};
+pub use rate::PromptRate;
 pub use remote::Reservation;
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]

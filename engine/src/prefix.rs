@@ -143,6 +143,11 @@ impl BlockPool {
         }
     }
 
+    /// Times cached block `b` was shared from the cache (0 for one not cached).
+    pub fn hits(&self, b: u32) -> u32 {
+        self.meta[b as usize].as_ref().map_or(0, |c| c.hits)
+    }
+
     /// One more owner of block `b` (a sequence sharing a cached prefix).
     pub fn retain(&mut self, b: u32) {
         let i = b as usize;

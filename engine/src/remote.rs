@@ -57,9 +57,9 @@ impl Engine {
         Ok(Reservation { cached, local })
     }
 
-    /// Reserves blocks for prompt plus `max_tokens`, sharing the prompt's cached prefix (all
-    /// but its last two tokens: the last is computed here, the one before it arrives);
-    /// returns the tokens held.
+    /// Reserves blocks for prompt plus `max_tokens` (optimistic admission: the prompt and its
+    /// first token), sharing the prompt's cached prefix (all but its last two tokens: the last
+    /// is computed here, the one before it arrives); returns the tokens held.
     fn reserve_blocks(
         &mut self,
         id: RequestId,
@@ -74,7 +74,7 @@ impl Engine {
                 .share_prefix((seed, seq.root), &mut seq.table, known);
             (seq.computed, seq.chain) = (shared, (seq.table.blocks().len(), last));
         }
-        let need = seq.prompt_len + seq.max_tokens;
+        let need = self.admission_tokens(seq.prompt_len, seq.prompt_len, seq.max_tokens);
         if let Err(e) = self.kv.reserve(&mut seq.table, need) {
             self.kv.release(seq.table);
             self.refusals += 1;

@@ -21,13 +21,16 @@ use std::time::Duration;
 
 use types::{KvEvent, RequestId};
 
-use crate::ledger::{Ledger, LedgerCounts};
-
 use crate::error::{EngineError, Result};
 use crate::grammar::{Grammars, Guide};
 use crate::kv_cache::{BlockTable, KvCache};
-use crate::model::{Logits, Model, SeqChunk};
+use crate::ledger::{Ledger, LedgerCounts};
+use crate::model::{Model, SeqChunk};
+use crate::preempt::{Admission, Preemptions};
 use crate::sampler::{Constraint, FinishReason, Sampler, SamplingParams, TokenLogprobs};
+
+mod chunk;
+use chunk::{sample, Chunk};
 
 /// Sizes of the scheduler and its cache.
 #[derive(Debug, Clone)]
@@ -49,6 +52,9 @@ pub struct EngineConfig {
     /// Host memory and disk below the pool for the prefix cache's evicted blocks (see
     /// [`crate::tiers`]); needs the prefix cache.
     pub tiers: crate::tiers::TierConfig,
+    /// What a request's admission reserves, and whether running sequences can be preempted
+    /// (see [`crate::preempt`]).
+    pub admission: Admission,
 }
 
 impl Default for EngineConfig {
@@ -61,6 +67,7 @@ impl Default for EngineConfig {
             kv_lease: None,
             prefix_cache: true,
             tiers: Default::default(),
+            admission: Admission::default(),
         }
     }
 }
@@ -111,6 +118,18 @@ pub(crate) struct Seq {
     pub(crate) prompt_lp: Option<(usize, Vec<TokenLogprobs>)>,
     /// The grammar the output must match, when the request has one.
     pub(crate) guide: Option<Guide>,
+    /// Preempted once at least: its admission looks up all its tokens, and counts as a resume.
+    pub(crate) resumed: bool,
+    /// Its place in the order requests came to this engine: the latest is preempted first.
+    pub(crate) arrival: u64,
+}
+
+impl Seq {
+    /// Whether its next chunk is its newest token: its prompt and every token before the
+    /// newest are computed.
+    fn decoding(&self) -> bool {
+        self.computed >= self.prompt_len && self.computed + 1 == self.tokens.len()
+    }
 }
 
 /// A model, its KV cache and the sequences being served.
@@ -138,6 +157,10 @@ pub struct Engine {
     pub(crate) refusals: u64,
     /// Forward steps run, since start.
     pub(crate) steps: u64,
+    /// Sequences preempted, and what resuming them cost, since start.
+    pub(crate) preemptions: Preemptions,
+    /// Requests accepted so far: the next one's [`Seq::arrival`].
+    arrivals: u64,
     /// The vocabulary's grammar compiler (structured output), when the worker set one.
     pub(crate) grammars: Option<Arc<Grammars>>,
 }
@@ -172,6 +195,8 @@ pub struct Load {
     pub engine_steps: u64,
     /// The tiers below the pool (zeros without them).
     pub tiers: crate::tiers::TiersStats,
+    /// Sequences preempted since start (optimistic admission), swapped or recomputed.
+    pub preemptions: Preemptions,
 }
 
 /// The tiers of `config` under the cache `kv` of `model`, whose blocks are named under
@@ -258,6 +283,8 @@ impl Engine {
             prefix_hit_tokens: 0,
             refusals: 0,
             steps: 0,
+            preemptions: Preemptions::default(),
+            arrivals: 0,
             grammars: None,
         })
     }
@@ -340,6 +367,7 @@ impl Engine {
             kv_refusals: self.refusals,
             engine_steps: self.steps,
             tiers: self.kv.tier_stats().unwrap_or_default(),
+            preemptions: self.preemptions,
         }
     }
 
@@ -376,7 +404,7 @@ impl Engine {
     }
 
     pub(crate) fn new_seq(
-        &self,
+        &mut self,
         id: RequestId,
         prompt: Vec<u32>,
         params: SamplingParams,
@@ -431,6 +459,7 @@ impl Engine {
         let prompt_lp = params.prompt_logprobs.map(|k| (k, Vec::new()));
         let guide = self.guide(&params, &prompt)?;
         let root = crate::block_hash::root(params.cache_salt.as_deref());
+        self.arrivals += 1;
         Ok(Seq {
             id,
             prompt_len,
@@ -446,6 +475,8 @@ impl Engine {
             send_from: 0,
             prompt_lp,
             guide,
+            resumed: false,
+            arrival: self.arrivals,
         })
     }
 
@@ -507,8 +538,9 @@ impl Engine {
     }
 
     /// Moves the first waiting request to the running batch if its reservation fits: first
-    /// the cached blocks of its prompt's longest cached prefix (all but the last prompt token,
-    /// which must be computed), then fresh blocks for the rest of prompt plus `max_tokens`.
+    /// the cached blocks of its tokens' longest cached prefix (all but the last token, which
+    /// must be computed), then fresh blocks for the rest of prompt plus `max_tokens` (under
+    /// optimistic admission: the rest of what it holds, and a watermark left free).
     fn admit_front(&mut self) -> bool {
         let Some(front) = self.waiting.front_mut() else {
             return false;
@@ -517,17 +549,24 @@ impl Engine {
         // Prompt log-probabilities need every prompt position's logits: nothing is reused.
         let reuse = fresh && front.prompt_lp.is_none();
         if let (Some(seed), true) = (self.prefix_seed, reuse) {
-            let prompt = &front.tokens[..front.prompt_len - 1];
+            let known = &front.tokens[..front.tokens.len() - 1];
             let (shared, last) = self
                 .kv
-                .share_prefix((seed, front.root), &mut front.table, prompt);
+                .share_prefix((seed, front.root), &mut front.table, known);
             front.computed = shared;
             front.chain = (front.table.blocks().len(), last);
         }
-        let need = front.prompt_len + front.max_tokens;
+        let front = self.waiting.front().expect("checked above");
+        let need = self.admission_tokens(front.tokens.len(), front.prompt_len, front.max_tokens);
         let computing = fresh && self.prefix_seed.is_some() && self.prefix_in_progress();
+        let spare = if self.running.is_empty() {
+            0
+        } else {
+            self.watermark()
+        };
         let front = self.waiting.front_mut().expect("checked above");
-        if computing || self.kv.reserve(&mut front.table, need).is_err() {
+        let fits = !computing && self.kv.reserve(&mut front.table, need).is_ok();
+        if !fits || (fresh && self.kv.free_blocks() < spare) {
             if fresh {
                 // Wait without holding shared blocks; the lookup runs again next time.
                 self.kv.release(std::mem::take(&mut front.table));
@@ -536,7 +575,10 @@ impl Engine {
             }
             return false;
         }
-        if fresh {
+        if fresh && front.resumed {
+            self.preemptions.resumed_tokens += front.tokens.len() as u64 - 1;
+            self.preemptions.resumed_hit_tokens += front.computed as u64;
+        } else if fresh {
             self.prompt_tokens += front.prompt_len as u64;
             self.prefix_hit_tokens += front.computed as u64;
             if front.computed > 0 {
@@ -570,7 +612,9 @@ impl Engine {
     }
 
     fn step_inner(&mut self, sink: Option<KvSink<'_>>) -> Result<Vec<TokenEvent>> {
-        // Admit waiting requests, in order, while their full reservation fits.
+        // The batch's next pages first (preempting under optimistic admission), then waiting
+        // requests, in order, while their reservation fits.
+        self.grow();
         while self.running.len() < self.config.max_running {
             if !self.admit_front() {
                 break;
@@ -597,7 +641,7 @@ impl Engine {
         let mut budget = self.config.max_batch_tokens;
         let mut plan = Vec::new();
         for (seq, s) in self.running.iter().enumerate() {
-            if s.computed >= s.prompt_len && budget > 0 {
+            if s.decoding() && budget > 0 {
                 plan.push(Chunk {
                     seq,
                     start: s.computed,
@@ -606,14 +650,15 @@ impl Engine {
                 budget -= 1;
             }
         }
+        // Prompts, and resumed sequences catching up with the tokens they had.
         for (seq, s) in self.running.iter().enumerate() {
-            if s.computed < s.prompt_len && budget > 0 {
+            if !s.decoding() && s.computed < s.tokens.len() && budget > 0 {
                 // Every row's logits of a prompt-log-probability chunk are held at once.
                 let cap = match s.prompt_lp {
                     Some(_) => PROMPT_LOGPROBS_CHUNK,
                     None => usize::MAX,
                 };
-                let len = (s.prompt_len - s.computed).min(budget).min(cap);
+                let len = (s.tokens.len() - s.computed).min(budget).min(cap);
                 plan.push(Chunk {
                     seq,
                     start: s.computed,
@@ -738,120 +783,5 @@ impl Engine {
             }
         }
         Ok(out)
-    }
-}
-
-/// One sequence's part of a step: its tokens `start..start + len`.
-#[derive(Debug, Clone, Copy)]
-struct Chunk {
-    /// The sequence's index in the running batch.
-    seq: usize,
-    start: usize,
-    len: usize,
-}
-
-impl Chunk {
-    /// Whether this is a decoding sequence's newest token (not a prompt chunk).
-    fn decodes(&self, running: &[Seq]) -> bool {
-        self.start >= running[self.seq].prompt_len
-    }
-
-    /// The forward's view of this chunk of `s`, and which rows' logits it needs.
-    fn forward<'a>(&self, s: &'a Seq) -> SeqChunk<'a> {
-        let end = self.start + self.len;
-        SeqChunk {
-            tokens: &s.tokens[self.start..end],
-            start_pos: self.start,
-            block_table: &s.table,
-            logits: if s.prefill_only {
-                Logits::None
-            } else if s.prompt_lp.is_some() && self.start < s.prompt_len {
-                Logits::All
-            } else if end == s.tokens.len() {
-                Logits::Last
-            } else {
-                Logits::None
-            },
-        }
-    }
-}
-
-/// The token `s` draws from chunk `c`'s logits `l` (its prompt's log-probabilities collected
-/// first, when it asked for them), appended to it, with why it finished if it did; `None` while
-/// a prompt-log-probability prompt is still being computed.
-fn sample(s: &mut Seq, c: &Chunk, mut l: Vec<f32>, vocab: usize) -> Option<TokenEvent> {
-    if let (Some((k, lps)), true) = (&mut s.prompt_lp, c.start < s.prompt_len) {
-        prompt_logprobs(&l, vocab, &s.tokens[..s.prompt_len], c.start, *k, lps);
-        if c.start + c.len < s.prompt_len {
-            return None;
-        }
-        l.drain(..l.len() - vocab);
-    }
-    let (tok, logprobs, complete) = match &mut s.guide {
-        None => {
-            let (tok, lp) = s.sampler.sample_with_logprobs(&l, &s.tokens);
-            (tok, lp, false)
-        }
-        Some(g) => guided(g, &s.sampler, &mut l, &s.tokens, &s.stop_ids, s.id),
-    };
-    s.tokens.push(tok);
-    let generated = s.tokens.len() - s.prompt_len;
-    let finish = if complete || s.stop_ids.contains(&tok) {
-        Some(FinishReason::Stop)
-    } else if generated >= s.max_tokens {
-        Some(FinishReason::Length)
-    } else {
-        None
-    };
-    Some(TokenEvent {
-        id: s.id,
-        token: tok,
-        finish,
-        logprobs,
-        prompt_logprobs: s.prompt_lp.take().map(|(_, lps)| lps),
-    })
-}
-
-/// The log-probabilities of the prompt tokens that the rows of `logits` (one per position from
-/// `start`) predict, appended to `out`: row `j` gives token `start + j + 1`'s, while that is
-/// still a prompt token.
-fn prompt_logprobs(
-    logits: &[f32],
-    vocab: usize,
-    prompt: &[u32],
-    start: usize,
-    k: usize,
-    out: &mut Vec<TokenLogprobs>,
-) {
-    for (j, row) in logits.chunks_exact(vocab).enumerate() {
-        if let Some(&next) = prompt.get(start + j + 1) {
-            out.push(TokenLogprobs::of(row, next, k));
-        }
-    }
-}
-
-/// A draw under a grammar: the logits masked, the token drawn, the grammar moved past it;
-/// also whether the grammar is complete. A grammar that fails (an internal error: its own
-/// masks allow only what it accepts) ends the output there, logged.
-fn guided(
-    g: &mut Guide,
-    sampler: &Sampler,
-    logits: &mut [f32],
-    tokens: &[u32],
-    stops: &[u32],
-    id: RequestId,
-) -> (u32, Option<TokenLogprobs>, bool) {
-    let masked = g.mask(logits);
-    let (tok, lp) = sampler.sample_with_logprobs(logits, tokens);
-    let done = masked.and_then(|()| match stops.contains(&tok) {
-        true => Ok(true),
-        false => g.commit(tok),
-    });
-    match done {
-        Ok(done) => (tok, lp, done),
-        Err(e) => {
-            tracing::warn!(request = %id, "structured output ended: {e}");
-            (tok, lp, true)
-        }
     }
 }

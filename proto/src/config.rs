@@ -10,7 +10,7 @@ mod check;
 mod names;
 
 use check::Ctx;
-pub use names::{Actuator, EngineKind, MockPreset, Policy, Transport, WritePolicy};
+pub use names::{Actuator, Admission, EngineKind, MockPreset, Policy, Transport, WritePolicy};
 
 /// A config error, already formatted as `file:line: key: what is wrong`.
 #[derive(Debug, thiserror::Error)]
@@ -301,6 +301,11 @@ pub struct PoolSection {
     /// Keep computed KV blocks as a prefix cache that later requests share.
     #[serde(default = "default_true")]
     pub prefix_cache: bool,
+    /// What admitting a request reserves: `"reserve"` (prompt plus `max_tokens`; never
+    /// preempts) or `"optimistic"` (the prompt; preempts the newest sequence when decoding
+    /// outgrows the pool, swapping its KV to `[<pool>.kv_tiers]`'s host memory where set).
+    #[serde(default)]
+    pub admission: Option<Spanned<Admission>>,
     /// Host workers bind their services to.
     #[serde(default = "default_host")]
     pub host: String,

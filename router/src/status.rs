@@ -194,6 +194,7 @@ fn worker(w: &crate::registry::Worker, now: Instant) -> Value {
         "prompt_tokens_per_s": l.prompt_tokens_per_s,
         "prompt_tokens": l.prompt_tokens, "prefix_hit_tokens": l.prefix_hit_tokens,
         "kv_tiers": tiers(l),
+        "preempted": {"swapped": l.preempted_swapped, "recomputed": l.preempted_recomputed},
     })
 }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use types::Tier;
 
-use super::{KvCache, LayerKv};
+use super::{BlockTable, KvCache, LayerKv, GONE};
 use crate::forward::PageDevice;
 use crate::tiers::{Evicted, Key, Tiers, TiersStats};
 
@@ -117,6 +117,61 @@ impl KvCache {
             });
         }
         Some(b)
+    }
+
+    /// Copies into G2 the blocks of `table` that hold the chain of `tokens`' first `blocks`
+    /// whole blocks from `root` (registered: a preempted sequence's KV, found again by its
+    /// prefix lookup when it resumes), whatever the write policy; a block G2 holds already is
+    /// only marked used. Returns whether there is a G2 and every copy off a device worked.
+    pub(crate) fn swap_out(
+        &mut self,
+        (seed, root): (u64, u64),
+        table: &BlockTable,
+        tokens: &[u32],
+        blocks: usize,
+    ) -> bool {
+        let Some(tiers) = self.tiers.as_ref().filter(|t| t.has_host()) else {
+            return false;
+        };
+        let bs = self.block_size;
+        let mut todo = Vec::new();
+        let mut parent = root;
+        for (i, block) in tokens[..blocks * bs].chunks_exact(bs).enumerate() {
+            parent = crate::prefix::chain(seed, parent, block);
+            for (g, t) in table.groups.iter().enumerate() {
+                match t.blocks.get(i) {
+                    Some(&b) if b != GONE && i * bs >= t.valid_from => {
+                        todo.push(((g as u32, parent), i, b))
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let off: Vec<u32> = todo
+            .iter()
+            .filter(|(key, i, _)| !tiers.host_has(*key, &tokens[i * bs..(i + 1) * bs]))
+            .map(|&(.., b)| b)
+            .collect();
+        if let Some(Err(e)) = self.device.as_ref().map(|d| d.to_host(&off)) {
+            tracing::warn!(
+                pages = off.len(),
+                "a preempted sequence's KV could not leave the device: {e}"
+            );
+            return false;
+        }
+        let per_page = bs * self.width;
+        let tiers = self.tiers.as_mut().expect("checked above");
+        let mut kept = true;
+        for (key, i, b) in todo {
+            let data = segments(&self.layers, per_page, b);
+            kept &= tiers.swap(Evicted {
+                key,
+                tokens: &tokens[i * bs..(i + 1) * bs],
+                hits: self.pool.hits(b),
+                data: &data,
+            });
+        }
+        kept
     }
 
     /// Loads into the pool what the tiers hold of the chain of `tokens`' whole blocks from

@@ -200,10 +200,35 @@ impl Tiers {
         if !self.wanted(b.hits) {
             return;
         }
-        let Some(host) = self.host.as_mut() else {
+        if self.host.is_none() {
             self.to_disk(b);
             return;
-        };
+        }
+        self.to_host(b);
+    }
+
+    /// Whether there is a G2.
+    pub(crate) fn has_host(&self) -> bool {
+        self.host.is_some()
+    }
+
+    /// Whether G2 holds the block `key` holding `tokens` (a swap copies only what it lacks).
+    pub(crate) fn host_has(&self, key: Key, tokens: &[u32]) -> bool {
+        self.host.as_ref().is_some_and(|h| h.has(key, tokens))
+    }
+
+    /// A preempted sequence's block: into G2 whatever the write policy (marked used where it
+    /// is already). Returns whether there is a G2 to hold it.
+    pub(crate) fn swap(&mut self, b: Evicted<'_>) -> bool {
+        if self.host.is_none() {
+            return false;
+        }
+        self.to_host(b);
+        true
+    }
+
+    fn to_host(&mut self, b: Evicted<'_>) {
+        let host = self.host.as_mut().expect("checked by the caller");
         let stored = host.store(b.key, b.tokens, b.hits, b.data, |down| {
             Self::down(&mut self.disk, &mut self.stats, &mut self.events, down)
         });

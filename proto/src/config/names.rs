@@ -128,6 +128,17 @@ choice!(
     }
 );
 
+choice!(
+    /// What a worker reserves when it admits a request (`[<pool>] admission`).
+    Admission, "{:?} is not an admission ({})", {
+        /// The prompt plus `max_tokens`: a running sequence is never preempted.
+        Reserve = "reserve",
+        /// The prompt: pages are taken as sequences decode, and the newest is preempted when
+        /// the pool runs out (its KV swapped to the host tier where there is one).
+        Optimistic = "optimistic",
+    }
+);
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -244,3 +244,19 @@ fn kv_tiers_and_tier_weights_are_checked_with_their_line() {
         assert!(e.contains(want), "{body}: {e}");
     }
 }
+
+#[test]
+fn admission_is_reserve_unless_set_and_checked_with_its_line() {
+    let c = parse("[decode]\nadmission = \"optimistic\"\n[prefill]\n").unwrap();
+    let got = c.decode.admission.as_ref().map(|a| *a.get_ref());
+    assert_eq!(got, Some(Admission::Optimistic));
+    let prefill = c.prefill.as_ref().unwrap();
+    assert!(prefill.admission.is_none(), "unset: the default");
+    let e = parse("[decode]\nmax_running = 8\nadmission = \"greedy\"\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cluster.toml:3") && e.contains("\"greedy\" is not an admission"),
+        "{e}"
+    );
+}
