@@ -7,11 +7,14 @@
 //!   one KV transfer;
 //! - [`ModelIdentity`]: what two workers must agree on to exchange KV;
 //! - [`KvEvent`]: a worker's prefix-cache change on its way to the router's KV index;
-//! - [`KvRegions`]: a KV pool as raw memory, for RDMA registration.
+//! - [`KvRegions`]: a KV pool as raw memory, for RDMA registration;
+//! - [`sum`]: the checksum every stored KV block carries (a worker's tiers, the cluster's
+//!   store), computed as the bytes are copied.
 
 mod identity;
 mod ids;
 mod kv;
+pub mod sum;
 
 pub use identity::ModelIdentity;
 pub use ids::{BlockHash, RequestId, TransferTicket, WorkerId};

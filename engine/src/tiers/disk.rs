@@ -16,9 +16,9 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use super::sum::{block_sum, Summer};
 use super::{Evicted, Key};
 use crate::error::{EngineError, Result};
+use types::sum::{block_sum, Summer};
 
 /// Writes queued at most by default (each holds a page's bytes).
 pub(super) const QUEUE: usize = 64;

@@ -4,10 +4,10 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use super::sum::{block_sum, Summer};
 use super::{Evicted, Key};
 use crate::error::Result;
 use crate::forward::{Mapped, PageDevice};
+use types::sum::{block_sum, Summer};
 
 struct Entry {
     slot: usize,

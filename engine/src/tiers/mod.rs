@@ -18,7 +18,6 @@
 mod disk;
 mod g3;
 mod host;
-mod sum;
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -28,7 +27,7 @@ use types::{BlockHash, KvEvent, Tier};
 use crate::error::Result;
 use crate::forward::PageDevice;
 
-pub use sum::{copy_sum, Summer};
+pub use types::sum::{copy_sum, Summer};
 
 /// A stored block's key: its layer group and its prefix's name.
 pub(crate) type Key = (u32, u64);

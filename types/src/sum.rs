@@ -1,4 +1,4 @@
-//! The stored blocks' checksum, computed as the bytes are copied (a load reads the page from
+//! The checksum of stored KV blocks (a worker's tiers, the cluster's store), computed as the bytes are copied (a load reads the page from
 //! memory once, as a plain copy does, the sums kept in registers beside the copy): eight
 //! lanes of Fletcher-style sums over 64-bit words — each lane's running sum and the sum of its
 //! running sums, so a changed, missing or moved word changes it — mixed with the length at the
@@ -164,7 +164,6 @@ pub fn copy_sum(dst: &mut [u8], src: &[u8]) -> u64 {
 }
 
 /// The checksum of `src` (no copy).
-#[cfg(test)]
 pub fn sum(src: &[u8]) -> u64 {
     let mut s = Summer::default();
     s.sum(src);
