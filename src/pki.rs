@@ -45,7 +45,7 @@ pub fn run(cmd: PkiCmd) -> Result<()> {
                 .into_iter()
                 .find(|r| r.name() == role)
                 .with_context(|| {
-                    format!("--role {role:?}: one of router, prefill, decode, etcd")
+                    format!("--role {role:?}: one of router, prefill, decode, etcd, store")
                 })?;
             let (crt, key) = pki::Store::at(&dir.dir).export(role).with_context(|| {
                 format!("issuing a {role} certificate in {}", dir.dir.display())

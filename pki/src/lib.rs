@@ -37,11 +37,20 @@ pub enum Role {
     /// etcd, under `[discovery]` with `https://` endpoints: the certificate it serves with
     /// (`tandem pki issue --role etcd`); it connects to nothing of tandem's.
     Etcd,
+    /// A node of the cluster KV store: workers put and get KV blocks, the router watches what
+    /// it holds and pins.
+    Store,
 }
 
 impl Role {
     /// Every role.
-    pub const ALL: [Role; 4] = [Role::Router, Role::Prefill, Role::Decode, Role::Etcd];
+    pub const ALL: [Role; 5] = [
+        Role::Router,
+        Role::Prefill,
+        Role::Decode,
+        Role::Etcd,
+        Role::Store,
+    ];
 
     /// The role's name (file names, logs, metric labels).
     pub fn name(self) -> &'static str {
@@ -50,6 +59,7 @@ impl Role {
             Role::Prefill => "prefill",
             Role::Decode => "decode",
             Role::Etcd => "etcd",
+            Role::Store => "store",
         }
     }
 
@@ -60,6 +70,7 @@ impl Role {
             Role::Prefill => "prefill.tandem",
             Role::Decode => "decode.tandem",
             Role::Etcd => "etcd.tandem",
+            Role::Store => "store.tandem",
         }
     }
 

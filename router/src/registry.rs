@@ -279,7 +279,7 @@ fn pool_of(role: pki::Role) -> Option<Pool> {
     match role {
         pki::Role::Prefill => Some(Pool::Prefill),
         pki::Role::Decode => Some(Pool::Decode),
-        pki::Role::Router | pki::Role::Etcd => None,
+        pki::Role::Router | pki::Role::Etcd | pki::Role::Store => None,
     }
 }
 

@@ -1,8 +1,8 @@
 //! tandem's cluster KV store: KV blocks kept by store nodes apart from any worker, so a prefix
 //! computed anywhere serves every worker and outlives the worker that computed it.
 //!
-//! This crate holds the store's logic with no I/O, driven with the time passed in (as
-//! `kv-transfer`'s core is):
+//! The store's logic has no I/O and is driven with the time passed in (as `kv-transfer`'s
+//! core is):
 //!
 //! - [`Objects`]: one node's objects. A put is started, written and published — a half-written
 //!   object is never visible, an abandoned one is freed after its deadline; every object
@@ -13,7 +13,11 @@
 //!   hold is capped: the bytes, one object's size, the puts under way, the leases.
 //! - [`place`]: which nodes hold an object — rendezvous hashing over the nodes' names, so a
 //!   node that joins or leaves moves only the objects it gains or held.
+//!
+//! [`node`] serves it: a store node's gRPC service (`Store` in `tandem.proto`), every call
+//! checked against the caller's certificate.
 
+pub mod node;
 mod objects;
 mod place;
 

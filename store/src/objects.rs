@@ -412,6 +412,15 @@ impl Objects {
         }
     }
 
+    /// Gives up put `id` because its writer went away before ending it (counted as
+    /// abandoned): nothing of it is ever visible.
+    pub fn abandon(&mut self, id: PutId) {
+        if self.puts.contains_key(&id) {
+            self.put_abort(id);
+            self.stats.puts_abandoned += 1;
+        }
+    }
+
     /// Object `key` under a new read lease, marked used now; `None` (counted) when it is not
     /// held.
     pub fn get(&mut self, key: ObjectKey, now: Instant) -> Result<Option<Got>, StoreError> {
@@ -515,8 +524,7 @@ impl Objects {
             .map(|(id, _)| *id)
             .collect();
         for id in stale {
-            self.put_abort(id);
-            self.stats.puts_abandoned += 1;
+            self.abandon(id);
         }
         let expired: Vec<LeaseId> = self
             .leases
@@ -568,6 +576,26 @@ impl Objects {
     /// The changes since the last call, in order.
     pub fn take_changes(&mut self) -> Vec<Change> {
         std::mem::take(&mut self.changes)
+    }
+
+    /// The blocks held of `model` (a watcher's snapshot).
+    pub fn blocks(&self, model: u64) -> Vec<BlockHash> {
+        let mut b: Vec<BlockHash> = (self.objects.keys())
+            .filter(|k| k.model == model)
+            .map(|k| k.block)
+            .collect();
+        b.sort_unstable();
+        b
+    }
+
+    /// Whether put `id` is under way (started, neither ended nor expired).
+    pub fn put_under_way(&self, id: PutId) -> bool {
+        self.puts.contains_key(&id)
+    }
+
+    /// [`Limits::capacity`].
+    pub fn capacity(&self) -> u64 {
+        self.limits.capacity
     }
 
     /// Whether object `key` is held (published).
