@@ -27,7 +27,8 @@ pub struct RoleArgs {
     /// The router's control endpoint (workers), overriding `router.control`.
     #[arg(long)]
     pub router: Option<String>,
-    /// HTTP listen address (router), overriding `router.listen`.
+    /// HTTP listen address (router), overriding `router.listen`; a store node's gRPC address,
+    /// overriding `store.listen`.
     #[arg(long)]
     pub listen: Option<String>,
     /// Control listen address (router), overriding `router.control`.
@@ -48,7 +49,7 @@ pub struct RoleArgs {
     pub kv_advertise: Option<String>,
     /// Router: once listening, write `{"http": ADDR, "control": ADDR, "operator": ADDR}` as one
     /// line to this inherited file descriptor and close it (how `tandem up` learns the
-    /// addresses).
+    /// addresses); a store node writes `{"store": ADDR}`.
     #[arg(long)]
     pub ready_fd: Option<i32>,
     /// Workers: once serving (joined, or registered in etcd), write this file (a readiness
@@ -61,7 +62,7 @@ pub struct RoleArgs {
     pub peers: Vec<String>,
 }
 
-fn runtime() -> Result<tokio::runtime::Runtime> {
+pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -440,17 +441,24 @@ pub fn router(a: RoleArgs) -> Result<()> {
     runtime()?.block_on(router::run(rc, move |at| {
         let (http, control, operator) = (at.http, at.control, at.operator);
         eprintln!("tandem router: listening on http://{http} (control http://{control}, operator http://{operator})");
-        if let Some(fd) = ready_fd {
-            // SAFETY: `fd` was handed to this process for this one line (`--ready-fd`); nothing
-            // else in it uses that descriptor, and the File owns and closes it here.
-            let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
-            let line = serde_json::json!({"http": http, "control": control, "operator": operator});
-            if let Err(e) = writeln!(f, "{line}") {
-                eprintln!("tandem router: cannot report readiness on fd {fd}: {e}");
-            }
-        }
+        let line = serde_json::json!({"http": http, "control": control, "operator": operator});
+        report_ready(ready_fd, &line, "router");
     }))?;
     Ok(())
+}
+
+/// Writes `line` to the inherited descriptor `--ready-fd` names, if one does, and closes it
+/// (how `tandem up` learns where a process it started listens).
+pub(crate) fn report_ready(fd: Option<i32>, line: &serde_json::Value, who: &str) {
+    let Some(fd) = fd else {
+        return;
+    };
+    // SAFETY: `fd` was handed to this process for this one line (`--ready-fd`); nothing else
+    // in it uses that descriptor, and the File owns and closes it here.
+    let mut f = unsafe { <std::fs::File as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    if let Err(e) = writeln!(f, "{line}") {
+        eprintln!("tandem {who}: cannot report readiness on fd {fd}: {e}");
+    }
 }
 
 /// `tandem prefill`.

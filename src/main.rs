@@ -14,6 +14,7 @@ mod plan;
 mod plot;
 mod simulate;
 mod status;
+mod store;
 mod supervise;
 
 use std::io::Write;
@@ -51,6 +52,8 @@ enum Cmd {
     Prefill(cluster::RoleArgs),
     /// Run a decode worker.
     Decode(cluster::RoleArgs),
+    /// Run a node of the cluster KV store (`[store]`).
+    Store(cluster::RoleArgs),
     /// Generate text from a prompt, streamed to stdout.
     Generate(GenerateArgs),
     /// Manage the model cache.
@@ -169,6 +172,7 @@ fn main() -> Result<()> {
         Cmd::Router(a) => cluster::router(a),
         Cmd::Prefill(a) => cluster::prefill(a),
         Cmd::Decode(a) => cluster::decode(a),
+        Cmd::Store(a) => store::run(a),
         Cmd::Generate(a) => generate(a),
         Cmd::Model(m) => model(m),
         Cmd::Bench(BenchCmd::Engine(a)) => bench(a),

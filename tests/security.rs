@@ -396,3 +396,138 @@ fn unchanged(c: &Cluster, before: &[Value], indexed: f64) {
         transfers(&after)["tcp"].as_u64().unwrap() + 1
     );
 }
+
+/// A `tandem store` process, killed when dropped.
+struct StoreProcess(std::process::Child);
+
+impl Drop for StoreProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts `tandem store` on the config in `dir`; returns it and its gRPC address, read from its
+/// line on stderr (within 60 s).
+fn start_store(dir: &Path) -> (StoreProcess, String) {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(EXE)
+        .args(["store", "--config"])
+        .arg(dir.join("cluster.toml"))
+        .args(["--listen", "127.0.0.1:0"])
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let guard = StoreProcess(child);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if let Some(at) = line.split("serving on ").nth(1) {
+                let _ = tx.send(at.to_string());
+            }
+        }
+    });
+    let at = rx
+        .recv_timeout(Duration::from_secs(60))
+        .expect("the store's line");
+    (guard, at)
+}
+
+#[test]
+fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
+    let dir = std::env::temp_dir().join(format!("tandem-store-rogue-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("cluster.toml"),
+        "[decode]\n[store]\ncapacity_bytes = 1000000000\n",
+    )
+    .unwrap();
+    let (_store, at) = start_store(&dir);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let client = |security: Security| {
+        let at = at.clone();
+        async move {
+            let e = proto::secure::endpoint(&security, &at, Role::Store.dns()).unwrap();
+            e.connect().await.map(grpc::store_client::StoreClient::new)
+        }
+    };
+    let pki = Store::at(dir.join(".tandem/pki"));
+    let worker = Security::Mutual(Arc::new(pki.credentials(Role::Decode, "d").unwrap()));
+    let data: Vec<u8> = (0..50_000u32).map(|i| (i * 13 + i / 97) as u8).collect();
+    let key = grpc::ObjectKey { model: 1, block: 2 };
+    rt.block_on(async {
+        // The cluster's decode worker puts a block and gets it back.
+        let mut c = client(worker).await.unwrap();
+        let spec = grpc::PutSpec {
+            key: Some(key),
+            size: data.len() as u64,
+            sum: types::sum::sum(&data),
+        };
+        let objects = vec![spec.clone()];
+        let grants = c
+            .put_start(grpc::PutStartRequest { objects })
+            .await
+            .unwrap();
+        let id = grants.into_inner().grants[0].put_id;
+        let chunk = grpc::PutChunk {
+            put_id: id,
+            offset: 0,
+            data: data.clone(),
+            end: true,
+        };
+        let reply = c.put(tokio_stream::iter([chunk])).await.unwrap();
+        assert_eq!(reply.into_inner().published, 1);
+        let mut got = c
+            .get(grpc::GetRequest { keys: vec![key] })
+            .await
+            .unwrap()
+            .into_inner();
+        let mut back = Vec::new();
+        while let Some(part) = got.message().await.unwrap() {
+            back.extend_from_slice(&part.data);
+        }
+        assert_eq!(back, data);
+        // Strangers are refused at the handshake; the router's certificate may not put.
+        for (who, security) in impostors(&dir) {
+            let refused = match client(security).await {
+                Err(_) => true,
+                Ok(mut s) => s.stats(grpc::StoreStatsRequest {}).await.is_err(),
+            };
+            assert!(refused, "{who} got in");
+        }
+        let router = Security::Mutual(Arc::new(pki.credentials(Role::Router, "r").unwrap()));
+        let mut r = client(router).await.unwrap();
+        let objects = vec![spec];
+        let e = r
+            .put_start(grpc::PutStartRequest { objects })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e}");
+        let s = r
+            .stats(grpc::StoreStatsRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((s.objects, s.puts, s.hits), (1, 1, 1));
+    });
+    // Open to anyone, it would take anyone's KV: refused at start.
+    let insecure = "[decode]\n[security]\ninsecure = true\n";
+    std::fs::write(dir.join("cluster.toml"), insecure).unwrap();
+    let out = std::process::Command::new(EXE)
+        .args(["store", "--config"])
+        .arg(dir.join("cluster.toml"))
+        .args(["--listen", "0.0.0.0:0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("reachable from other machines"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -43,6 +43,63 @@ pub struct ClusterConfig {
     /// How the internal hops are secured.
     #[serde(default)]
     pub security: SecuritySection,
+    /// The cluster KV store's node (`tandem store`).
+    #[serde(default)]
+    pub store: StoreSection,
+}
+
+/// `[store]`: a node of the cluster KV store (`tandem store`), where workers keep KV blocks
+/// apart from any one of them.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StoreSection {
+    /// Where the node serves (gRPC, mutual TLS); port 0 picks a free one.
+    #[serde(default = "default_store_listen")]
+    pub listen: Spanned<String>,
+    /// Bytes of objects it keeps (evicting from 90% down to 85%).
+    #[serde(default = "default_store_capacity")]
+    pub capacity_bytes: Spanned<u64>,
+    /// Largest object (a KV block of every layer).
+    #[serde(default = "default_store_max_object")]
+    pub max_object_bytes: Spanned<u64>,
+    /// A read lease's length (renewable up to six times this).
+    #[serde(default = "default_store_lease_ms")]
+    pub lease_ms: Spanned<u64>,
+    /// A put not published within this is abandoned and freed.
+    #[serde(default = "default_store_put_deadline_ms")]
+    pub put_deadline_ms: Spanned<u64>,
+}
+
+impl Default for StoreSection {
+    fn default() -> Self {
+        StoreSection {
+            listen: default_store_listen(),
+            capacity_bytes: default_store_capacity(),
+            max_object_bytes: default_store_max_object(),
+            lease_ms: default_store_lease_ms(),
+            put_deadline_ms: default_store_put_deadline_ms(),
+        }
+    }
+}
+
+fn default_store_listen() -> Spanned<String> {
+    Spanned::new(0..0, "127.0.0.1:0".to_string())
+}
+
+fn default_store_capacity() -> Spanned<u64> {
+    Spanned::new(0..0, 4 << 30)
+}
+
+fn default_store_max_object() -> Spanned<u64> {
+    Spanned::new(0..0, 64 << 20)
+}
+
+fn default_store_lease_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 10_000)
+}
+
+fn default_store_put_deadline_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 30_000)
 }
 
 /// `[security]`: every internal hop (the control plane, the workers' gRPC, the KV transports)
@@ -535,6 +592,7 @@ impl ClusterConfig {
             }
         }
         ctx.kv_transfer(&cfg.kv_transfer)?;
+        ctx.store(&cfg.store)?;
         if let Some(d) = &cfg.discovery {
             ctx.discovery(d)?;
         }

@@ -8,7 +8,7 @@ use toml::Spanned;
 
 use super::{
     Actuator, AutoscaleSection, ConfigError, DiscoverySection, KvTiersSection, KvTransferSection,
-    PoolSection, RouterSection,
+    PoolSection, RouterSection, StoreSection,
 };
 
 /// The file being checked, for errors' `file:line: key:`.
@@ -283,6 +283,19 @@ impl Ctx<'_> {
             2000,
             "senders renew every second",
         )
+    }
+
+    /// `[store]`.
+    pub(super) fn store(&self, s: &StoreSection) -> Result<(), ConfigError> {
+        self.addr(&s.listen, "store.listen")?;
+        self.positive(&s.max_object_bytes, "store.max_object_bytes")?;
+        let (cap, max) = (*s.capacity_bytes.get_ref(), *s.max_object_bytes.get_ref());
+        if cap < max.saturating_mul(2) {
+            let m = format!("must hold at least two of the largest objects ({max} bytes each)");
+            return self.err(s.capacity_bytes.span(), "store.capacity_bytes", m);
+        }
+        self.positive(&s.lease_ms, "store.lease_ms")?;
+        self.positive(&s.put_deadline_ms, "store.put_deadline_ms")
     }
 
     /// `[discovery]`.

@@ -260,3 +260,30 @@ fn admission_is_reserve_unless_set_and_checked_with_its_line() {
         "{e}"
     );
 }
+
+#[test]
+fn the_store_section_has_defaults_and_is_checked_with_its_line() {
+    let c = parse("[decode]\n").unwrap();
+    assert_eq!(*c.store.capacity_bytes.get_ref(), 4 << 30);
+    let c = parse("[decode]\n[store]\nlisten = \"10.0.0.2:7400\"\ncapacity_bytes = 1000000000\n")
+        .unwrap();
+    assert_eq!(c.store.listen.get_ref(), "10.0.0.2:7400");
+    for (body, want) in [
+        (
+            "[decode]\n[store]\ncapacity_bytes = 1000\n",
+            "cluster.toml:3: store.capacity_bytes: must hold at least two",
+        ),
+        (
+            "[decode]\n[store]\nlisten = \"store:7400\"\n",
+            "cluster.toml:3: store.listen:",
+        ),
+        (
+            "[decode]\n[store]\nlease_ms = 0\n",
+            "cluster.toml:3: store.lease_ms",
+        ),
+        ("[decode]\n[store]\nreplicas = 2\n", "cluster.toml:3"),
+    ] {
+        let e = parse(body).unwrap_err().to_string();
+        assert!(e.contains(want), "{body}: {e}");
+    }
+}

@@ -1,0 +1,57 @@
+//! `tandem store`: one node of the cluster KV store (`[store]` in cluster.toml), serving the
+//! `Store` gRPC service to the workers and the router under the cluster's certificates.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use proto::config::ClusterConfig;
+
+use crate::cluster::{self, RoleArgs};
+
+/// The node's limits from `[store]`.
+fn limits(cfg: &ClusterConfig) -> store::Limits {
+    let s = &cfg.store;
+    let lease = Duration::from_millis(*s.lease_ms.get_ref());
+    store::Limits {
+        capacity: *s.capacity_bytes.get_ref(),
+        max_object: *s.max_object_bytes.get_ref(),
+        lease,
+        lease_max: lease * 6,
+        put_deadline: Duration::from_millis(*s.put_deadline_ms.get_ref()),
+        ..Default::default()
+    }
+}
+
+/// `tandem store`.
+pub fn run(a: RoleArgs) -> Result<()> {
+    let cfg = ClusterConfig::load(&a.config)?;
+    let name = a.name.clone().unwrap_or_else(|| "store-0".into());
+    let listen = a
+        .listen
+        .clone()
+        .unwrap_or(cfg.store.listen.get_ref().clone());
+    let at: SocketAddr = listen
+        .parse()
+        .with_context(|| format!("--listen {listen:?}: not a host:port socket address"))?;
+    if cfg.security.insecure && !at.ip().is_loopback() {
+        bail!(
+            "store.listen {at} is reachable from other machines and [security] insecure = true: \
+             anyone who reaches it could put KV that workers then use; listen on loopback, or \
+             drop insecure"
+        );
+    }
+    let security = cluster::security(&cfg, &a.config, pki::Role::Store, &name)?;
+    let node = store::node::Node::new(limits(&cfg));
+    cluster::runtime()?.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(at)
+            .await
+            .with_context(|| format!("binding the store's gRPC on {at}"))?;
+        let bound = listener.local_addr().context("the store's bound address")?;
+        eprintln!("tandem store: {name} serving on http://{bound}");
+        cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
+        store::node::serve(listener, &security, node)
+            .await
+            .map_err(|e| anyhow::anyhow!("the store's gRPC on {bound}: {e}"))
+    })
+}
