@@ -157,6 +157,8 @@ pub struct KvCache {
     /// Where the pages live besides this host memory (a GPU's pool): the tiers copy through
     /// it.
     device: Option<Arc<dyn crate::forward::PageDevice>>,
+    /// Blocks computed here on their way to the cluster store, when it takes them.
+    store_out: Option<store::StoreOut>,
 }
 
 /// The groups of layers with windows `windows` (see [`KvCache`]): group 0 sees the most
@@ -243,6 +245,7 @@ impl KvCache {
             promised: 0,
             tiers: None,
             device: None,
+            store_out: None,
         })
     }
 
@@ -535,7 +538,9 @@ impl KvCache {
             for (g, t) in table.groups.iter().enumerate() {
                 match t.blocks.get(i) {
                     Some(&b) if b != GONE && i * bs >= t.valid_from => {
-                        self.pool.register_in(g as u32, b, hash, block)
+                        if self.pool.register_in(g as u32, b, hash, block) && g == 0 {
+                            self.offer(b, hash, block);
+                        }
                     }
                     _ => {}
                 }
@@ -729,7 +734,10 @@ fn copy_le(dst: &mut [f16], src: &[u8]) {
     }
 }
 
+mod store;
 mod tiered;
+
+pub use store::{Staged, StoreBlock};
 
 #[cfg(test)]
 mod tests;

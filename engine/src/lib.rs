@@ -41,11 +41,14 @@ pub mod preempt;
 #[cfg(feature = "runtime")]
 pub mod prefix;
 pub mod rate;
+#[cfg(feature = "runtime")]
 pub mod remote;
 pub mod sampler;
 #[cfg(feature = "runtime")]
 pub mod scheduler;
 mod spm;
+#[cfg(feature = "runtime")]
+pub mod store;
 pub mod text;
 #[cfg(feature = "runtime")]
 pub mod tiers;
@@ -54,7 +57,7 @@ pub mod tokenizer;
 pub use config::ModelConfig;
 pub use error::{EngineError, Result};
 #[cfg(feature = "runtime")]
-pub use kv_cache::{BlockTable, KvCache};
+pub use kv_cache::{BlockTable, KvCache, Staged, StoreBlock};
 #[cfg(feature = "runtime")]
 pub use loader::{load, load_mock};
 pub use mock::{MockTiming, TierLink, TierTraffic};
@@ -63,6 +66,7 @@ pub use model::{Forward, LayerSink, Logits, Model, SeqChunk};
 #[cfg(feature = "runtime")]
 pub use preempt::{Admission, Preemptions};
 pub use rate::PromptRate;
+#[cfg(feature = "runtime")]
 pub use remote::Reservation;
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]

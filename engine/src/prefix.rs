@@ -186,21 +186,30 @@ impl BlockPool {
     /// (and is freed, not cached, when released).
     pub fn register(&mut self, seed: u64, b: u32, parent: u64, tokens: &[u32]) -> u64 {
         let hash = chain(seed, parent, tokens);
-        self.register_in(0, b, hash, tokens);
+        let _ = self.register_in(0, b, hash, tokens);
         hash
     }
 
     /// [`BlockPool::register`] for layer group `group`'s block `b`, whose prefix hashes to
     /// `hash`. Only group 0's prefixes are reported as events (the router's index names a
-    /// prefix once, whatever groups a worker's model has).
-    pub fn register_in(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32]) {
-        self.register_with(group, b, hash, tokens, 0);
+    /// prefix once, whatever groups a worker's model has). Returns whether `b` is registered
+    /// now (no other block held that prefix).
+    pub fn register_in(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32]) -> bool {
+        self.register_with(group, b, hash, tokens, 0)
     }
 
     /// [`BlockPool::register_in`] for a block shared `hits` times before (one loaded back from
     /// a tier below the pool).
-    pub fn register_with(&mut self, group: u32, b: u32, hash: u64, tokens: &[u32], hits: u32) {
-        if self.meta[b as usize].is_none() && !self.by_hash.contains_key(&(group, hash)) {
+    pub fn register_with(
+        &mut self,
+        group: u32,
+        b: u32,
+        hash: u64,
+        tokens: &[u32],
+        hits: u32,
+    ) -> bool {
+        let new = self.meta[b as usize].is_none() && !self.by_hash.contains_key(&(group, hash));
+        if new {
             self.by_hash.insert((group, hash), b);
             self.meta[b as usize] = Some(Cached {
                 group,
@@ -216,6 +225,7 @@ impl BlockPool {
                 });
             }
         }
+        new
     }
 
     /// The prefixes registered and forgotten since the last call, in order: what the worker

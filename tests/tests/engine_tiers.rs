@@ -217,3 +217,97 @@ fn gemma3_prefix_evicted_to_host_then_disk_then_restarted_is_exact() {
     let (model, tok) = load_gemma3();
     prefix_survives_the_tiers_and_a_restart(model, tok.stop_ids().to_vec());
 }
+
+/// The blocks engine `from` copied out, through a store node's objects (each put checked
+/// against its checksum, then got back under a lease) as another worker would fetch them.
+fn through_the_store(from: &mut Engine) -> Vec<engine::StoreBlock> {
+    use store::{Limits, ObjectKey, Objects, PutStart};
+    let (blocks, dropped) = from.take_store_blocks();
+    assert_eq!(dropped, 0);
+    let mut node = Objects::new(Limits::default());
+    let now = std::time::Instant::now();
+    let key = |b: &engine::StoreBlock| ObjectKey {
+        model: 1,
+        block: b.hash,
+    };
+    for b in &blocks {
+        let size = b.bytes.len() as u64;
+        let PutStart::Write(id) = node.put_start(key(b), size, b.sum, now).unwrap() else {
+            panic!("a new block")
+        };
+        node.put_write(id, 0, &b.bytes).unwrap();
+        node.put_end(id).unwrap();
+    }
+    let got = |b: &engine::StoreBlock| {
+        let g = node.get(key(b), now).unwrap().expect("held");
+        engine::StoreBlock {
+            hash: b.hash,
+            bytes: g.data.to_vec(),
+            sum: g.sum,
+        }
+    };
+    blocks.iter().map(got).collect()
+}
+
+/// A prefix computed by one engine, put in a store node and staged in another engine's G2,
+/// gives that engine bitwise the cold engine's tokens (greedy and seeded), computing only the
+/// rest; a block damaged on the way is dropped, counted and computed again, and the tokens are
+/// still exact.
+#[test]
+fn smollm2_prefix_from_another_engine_through_the_store_is_exact() {
+    let (model, tok) = load_model();
+    let stops = tok.stop_ids().to_vec();
+    let bs = EngineConfig::default().block_size;
+    let prompt = text(3, 5 * bs + 7);
+    for params in [
+        SamplingParams::greedy(12),
+        SamplingParams {
+            max_tokens: Some(12),
+            temperature: 0.8,
+            top_k: 40,
+            seed: 9,
+            ..Default::default()
+        },
+    ] {
+        let mut first = Engine::new(model.clone(), config(0, None, &model), stops.clone()).unwrap();
+        assert!(first.set_store_out(64), "SmolLM2 on a CPU takes part");
+        let want = generate(&mut first, 1, &prompt, &params);
+        let mut blocks = through_the_store(&mut first);
+        // The prompt's 5 whole blocks, and the generated tokens' first.
+        assert_eq!(blocks.len(), 6);
+        let mut other =
+            Engine::new(model.clone(), config(64, None, &model), stops.clone()).unwrap();
+        let staged = other.stage_store(&blocks);
+        assert_eq!((staged.staged, staged.corrupt), (6, 0));
+        let t = turn(&mut other, 2, &prompt, &params);
+        assert_eq!(
+            t.tokens, want,
+            "staged from the store: the first engine's tokens"
+        );
+        assert_eq!(
+            (t.hit, t.host),
+            (5 * bs as u64, 5),
+            "the prefix came from G2"
+        );
+        // Block 2 damaged on its way: blocks 0 and 1 serve, the rest is computed.
+        blocks[2].bytes[4 * bs + 100] ^= 0x20;
+        let mut damaged =
+            Engine::new(model.clone(), config(64, None, &model), stops.clone()).unwrap();
+        let staged = damaged.stage_store(&blocks);
+        assert_eq!((staged.staged, staged.corrupt), (5, 1));
+        let t = turn(&mut damaged, 3, &prompt, &params);
+        assert_eq!(t.tokens, want, "a damaged block never makes a wrong token");
+        assert_eq!((t.hit, t.host), (2 * bs as u64, 2));
+    }
+    let (gemma, tok) = load_gemma3();
+    let mut e = Engine::new(
+        gemma.clone(),
+        config(0, None, &gemma),
+        tok.stop_ids().to_vec(),
+    )
+    .unwrap();
+    assert!(
+        !e.set_store_out(64),
+        "windowed layer groups do not take part yet"
+    );
+}

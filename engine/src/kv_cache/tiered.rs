@@ -12,7 +12,7 @@ use crate::tiers::{Evicted, Key, Tiers, TiersStats};
 
 /// Page `b`'s bytes in every storage layer, keys then values, layer by layer: the layout a
 /// tier stores.
-fn segments(layers: &[LayerKv], per_page: usize, b: u32) -> Vec<&[u8]> {
+pub(super) fn segments(layers: &[LayerKv], per_page: usize, b: u32) -> Vec<&[u8]> {
     let r = b as usize * per_page..(b as usize + 1) * per_page;
     layers
         .iter()

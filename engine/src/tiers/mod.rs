@@ -216,8 +216,9 @@ impl Tiers {
         self.host.as_ref().is_some_and(|h| h.has(key, tokens))
     }
 
-    /// A preempted sequence's block: into G2 whatever the write policy (marked used where it
-    /// is already). Returns whether there is a G2 to hold it.
+    /// A block that must be in G2 whatever the write policy — a preempted sequence's, or one
+    /// fetched from the cluster store — (marked used where it is already). Returns whether
+    /// there is a G2 to hold it.
     pub(crate) fn swap(&mut self, b: Evicted<'_>) -> bool {
         if self.host.is_none() {
             return false;

@@ -1,0 +1,123 @@
+//! The cache's side of the cluster KV store: whole blocks computed here are copied out for it
+//! as they are registered, and blocks fetched from it are put in G2, where a prefix lookup
+//! loads them like its own (their checksums checked again on the way into the pool).
+//!
+//! A block travels as one object: its tokens (little-endian `u32`s), then its page's
+//! segments in the order a tier stores them (layer by layer, keys then values). Only a cache
+//! of one table (no windowed layer groups) whose pages are in host memory takes part: a GPU
+//! pool's pages would have to come off the device first.
+
+use types::sum::sum;
+use types::BlockHash;
+
+use super::tiered::segments;
+use super::KvCache;
+use crate::tiers::Evicted;
+
+/// A whole KV block as the cluster store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreBlock {
+    /// Its name (the chain hash of its tokens and every token before).
+    pub hash: BlockHash,
+    /// Its tokens, then its page's bytes.
+    pub bytes: Vec<u8>,
+    /// [`types::sum::sum`] of `bytes`.
+    pub sum: u64,
+}
+
+/// Blocks waiting for the worker to take them to the store.
+pub(crate) struct StoreOut {
+    cap: usize,
+    queue: Vec<StoreBlock>,
+    dropped: u64,
+}
+
+/// Why fetched blocks were not staged.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Staged {
+    /// Blocks put in G2.
+    pub staged: u64,
+    /// Blocks whose bytes failed their checksum or size (dropped: computed instead).
+    pub corrupt: u64,
+}
+
+impl KvCache {
+    /// From now on, copies each block computed here for the store, up to `cap` waiting at
+    /// once (more are dropped, counted). `false` where this cache cannot: windowed layer
+    /// groups, pages on a device, or no values (the mock).
+    pub fn set_store_out(&mut self, cap: usize) -> bool {
+        if !self.one_table() || self.device.is_some() || self.page_bytes() == 0 {
+            return false;
+        }
+        self.store_out = Some(StoreOut {
+            cap,
+            queue: Vec::new(),
+            dropped: 0,
+        });
+        true
+    }
+
+    /// The blocks copied out since the last call, and how many were dropped in all (the
+    /// queue was full).
+    pub fn take_store_blocks(&mut self) -> (Vec<StoreBlock>, u64) {
+        match self.store_out.as_mut() {
+            Some(o) => (std::mem::take(&mut o.queue), o.dropped),
+            None => (Vec::new(), 0),
+        }
+    }
+
+    /// Page `b`, just registered as block `hash` holding `tokens`, copied out for the store.
+    pub(super) fn offer(&mut self, b: u32, hash: u64, tokens: &[u32]) {
+        let Some(out) = self.store_out.as_mut() else {
+            return;
+        };
+        if out.queue.len() >= out.cap {
+            out.dropped += 1;
+            return;
+        }
+        let data = segments(&self.layers, self.block_size * self.width, b);
+        let len = tokens.len() * 4 + data.iter().map(|s| s.len()).sum::<usize>();
+        let mut bytes = Vec::with_capacity(len);
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        for s in data {
+            bytes.extend_from_slice(s);
+        }
+        let sum = sum(&bytes);
+        let hash = BlockHash(hash);
+        out.queue.push(StoreBlock { hash, bytes, sum });
+    }
+
+    /// Puts `blocks` (fetched from the store) in G2, whatever its write policy, for the next
+    /// prefix lookup to load; a block whose bytes fail their checksum or size is dropped and
+    /// counted. Nothing is staged without a G2.
+    pub fn stage(&mut self, blocks: &[StoreBlock]) -> Staged {
+        let mut out = Staged::default();
+        let (bs, page) = (self.block_size, self.page_bytes());
+        let seg = self.block_bytes();
+        let Some(tiers) = self.tiers.as_mut().filter(|t| t.has_host()) else {
+            return out;
+        };
+        for b in blocks {
+            if b.bytes.len() != bs * 4 + page || sum(&b.bytes) != b.sum {
+                out.corrupt += 1;
+                continue;
+            }
+            let (head, body) = b.bytes.split_at(bs * 4);
+            let tokens: Vec<u32> = head
+                .chunks_exact(4)
+                .map(|t| u32::from_le_bytes(t.try_into().expect("4 bytes")))
+                .collect();
+            let data: Vec<&[u8]> = body.chunks_exact(seg).collect();
+            let key = (0, b.hash.0);
+            let hits = 0;
+            tiers.swap(Evicted {
+                key,
+                tokens: &tokens,
+                hits,
+                data: &data,
+            });
+            out.staged += 1;
+        }
+        out
+    }
+}

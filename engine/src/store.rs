@@ -1,0 +1,26 @@
+//! The engine's side of the cluster KV store (the `store` crate): the blocks this engine
+//! computes, copied out for a worker to put, and blocks a worker fetched, staged below the
+//! pool before the request that wants them is admitted (see [`crate::kv_cache`]'s `store`).
+
+use crate::kv_cache::{Staged, StoreBlock};
+use crate::scheduler::Engine;
+
+impl Engine {
+    /// Copies every block computed from now on for the store, up to `cap` waiting (more are
+    /// dropped, counted). `false` where this engine cannot take part: a model with windowed
+    /// layer groups, a pool on a GPU, or the mock (no values).
+    pub fn set_store_out(&mut self, cap: usize) -> bool {
+        self.prefix_seed.is_some() && self.kv.set_store_out(cap)
+    }
+
+    /// The blocks copied out since the last call, and how many were dropped in all.
+    pub fn take_store_blocks(&mut self) -> (Vec<StoreBlock>, u64) {
+        self.kv.take_store_blocks()
+    }
+
+    /// Puts blocks fetched from the store in G2, where the next prefix lookup finds them;
+    /// blocks that fail their checksum are dropped (computed instead), counted.
+    pub fn stage_store(&mut self, blocks: &[StoreBlock]) -> Staged {
+        self.kv.stage(blocks)
+    }
+}
