@@ -60,6 +60,9 @@ pub struct RoleArgs {
     /// models`; `tandem up` passes those of the config's `[[models]]`).
     #[arg(long = "peer")]
     pub peers: Vec<String>,
+    /// Workers: the cluster KV store's node (`http://HOST:PORT`), overriding `store.node`.
+    #[arg(long)]
+    pub store: Option<String>,
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -206,6 +209,8 @@ fn worker_settings(
         require: cfg.kv_transfer.require.as_ref().map(|r| *r.get_ref()),
         secret: secret(cfg)?,
         ready_file: a.ready_file.clone(),
+        store: (a.store.clone()).or_else(|| cfg.store.node.as_ref().map(|n| n.get_ref().clone())),
+        store_fetch_timeout: Duration::from_millis(*cfg.store.fetch_timeout_ms.get_ref()),
     })
 }
 

@@ -16,6 +16,7 @@ use pki::{Credentials, Role, Security, Store};
 use proto::grpc;
 use serde_json::{json, Value};
 use tandem_tests::cluster::{metric_at, post_json, Cluster};
+use tandem_tests::store::StoreNode;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 
@@ -397,46 +398,6 @@ fn unchanged(c: &Cluster, before: &[Value], indexed: f64) {
     );
 }
 
-/// A `tandem store` process, killed when dropped.
-struct StoreProcess(std::process::Child);
-
-impl Drop for StoreProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Starts `tandem store` on the config in `dir`; returns it and its gRPC address, read from its
-/// line on stderr (within 60 s).
-fn start_store(dir: &Path) -> (StoreProcess, String) {
-    use std::io::BufRead;
-    let mut child = std::process::Command::new(EXE)
-        .args(["store", "--config"])
-        .arg(dir.join("cluster.toml"))
-        .args(["--listen", "127.0.0.1:0"])
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let guard = StoreProcess(child);
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            if let Some(at) = line.split("serving on ").nth(1) {
-                let _ = tx.send(at.to_string());
-            }
-        }
-    });
-    let at = rx
-        .recv_timeout(Duration::from_secs(60))
-        .expect("the store's line");
-    (guard, at)
-}
-
 #[test]
 fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
     let dir = std::env::temp_dir().join(format!("tandem-store-rogue-{}", std::process::id()));
@@ -447,7 +408,7 @@ fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
         "[decode]\n[store]\ncapacity_bytes = 1000000000\n",
     )
     .unwrap();
-    let (_store, at) = start_store(&dir);
+    let (_store, at) = StoreNode::start(EXE.as_ref(), &dir.join("cluster.toml"));
     let rt = tokio::runtime::Runtime::new().unwrap();
     let client = |security: Security| {
         let at = at.clone();

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tandem_tests::cluster::{metric_at, post_json, Cluster};
+use tandem_tests::store::StoreNode;
 use tandem_tests::wait_until;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -100,4 +101,68 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
     );
     assert_eq!(stat(&c, worker, "kv_disk_hits"), 6);
     assert_eq!(stat(&c, worker, "kv_tier_corrupt"), 0);
+}
+
+/// The cluster KV store through a real cluster: a prompt computed on one decode worker is put
+/// in the store; that worker killed, the other serves the same prompt from the store's blocks
+/// (fetched, staged in its host tier, loaded into its pool), computing only the rest — the
+/// same text, asserted from both workers' store counters and the prefix hits.
+#[test]
+fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store() {
+    let scratch = std::env::temp_dir().join(format!("tandem-store-e2e-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    // The store and the cluster share one CA.
+    let security = format!("[security]\ndir = {:?}\n", scratch.join("pki"));
+    let store = format!("[decode]\n{security}[store]\ncapacity_bytes = 1_000_000_000\n");
+    std::fs::write(scratch.join("store.toml"), store).unwrap();
+    let (_store, at) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
+    let lines = format!(
+        "[decode.kv_tiers]\nhost_bytes = 100_000_000\n\n[store]\nnode = {at:?}\n\n{security}"
+    );
+    let mut c = Cluster::of(0, 2).pools(["", &lines]).start(EXE.as_ref());
+    let first = prompt(11, 6);
+    let text = complete(&c, &first);
+    let puts = |c: &Cluster, w: &str| stat(c, w, "kv_store_puts");
+    wait_until(
+        "the prompt's blocks in the store",
+        Duration::from_secs(20),
+        || puts(&c, "decode-0") + puts(&c, "decode-1") >= 6,
+    );
+    let (served, other) = match puts(&c, "decode-0") >= 6 {
+        true => ("decode-0", "decode-1"),
+        false => ("decode-1", "decode-0"),
+    };
+    assert_eq!(
+        puts(&c, served),
+        6,
+        "the prompt's 6 whole blocks, each put once"
+    );
+    let hits_before = stat(&c, other, "prefix_hit_tokens");
+    c.kill_worker(served);
+    c.wait_for(0, 1);
+    assert_eq!(
+        complete(&c, &first),
+        text,
+        "the same text from the store's blocks"
+    );
+    assert_eq!(
+        stat(&c, other, "kv_store_hits"),
+        6,
+        "fetched from the store"
+    );
+    assert_eq!(
+        stat(&c, other, "kv_host_hits"),
+        6,
+        "staged in G2 and loaded from there"
+    );
+    let found = stat(&c, other, "prefix_hit_tokens") - hits_before;
+    assert_eq!(
+        found,
+        6 * BS as u64,
+        "only the prompt's last token computed"
+    );
+    assert_eq!(stat(&c, other, "kv_tier_corrupt"), 0);
+    drop(c);
+    let _ = std::fs::remove_dir_all(&scratch);
 }

@@ -271,6 +271,14 @@ impl worker::Role for Decoder {
         self.engine.take_kv_events()
     }
 
+    fn store_blocks(&mut self) -> Vec<engine::StoreBlock> {
+        self.engine.take_store_blocks().0
+    }
+
+    fn stage(&mut self, blocks: Vec<engine::StoreBlock>) {
+        self.engine.stage_store(&blocks);
+    }
+
     fn tiers_busy(&self) -> bool {
         self.engine.tier_writes_pending()
     }
@@ -311,6 +319,8 @@ impl tokio_stream::Stream for Events {
 struct Service {
     engine: EngineHandle<Cmd>,
     grammars: worker::grammar::Compiler,
+    /// The cluster KV store, when the cluster has one this engine can use.
+    store: Option<worker::store::StoreLink>,
 }
 
 #[tonic::async_trait]
@@ -325,6 +335,11 @@ impl Decode for Service {
         let id = RequestId(req.request_id);
         let mut params = worker::wire::sampling_params(req.params.take().unwrap_or_default());
         self.grammars.prepare(&mut params.constraint).await?;
+        // Prompt log-probabilities need every position computed: nothing is reused for them.
+        if let (Some(link), None) = (&self.store, params.prompt_logprobs) {
+            let salt = params.cache_salt.as_deref();
+            worker::store::prefetch(link, &self.engine, &req.prompt, salt).await?;
+        }
         let (tx, rx) = mpsc::unbounded_channel();
         let events = tx;
         self.engine.send(Cmd::Generate {
@@ -352,18 +367,22 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let grammars = worker::grammar::Compiler::new(std::sync::Arc::new(grammars));
     let regions = engine.kv_regions().map_err(|e| e.to_string());
     let tickets = kv_transfer::Tickets::default();
-    let handle = worker::engine_thread::spawn(
-        "decode-engine",
-        Decoder {
-            engine,
-            streams: HashMap::new(),
-            tickets: tickets.clone(),
-        },
-    );
+    let (store, out) = worker::store::link(s, &mut engine)?.unzip();
+    let decoder = Decoder {
+        engine,
+        streams: HashMap::new(),
+        tickets: tickets.clone(),
+    };
+    let mut handle = worker::engine_thread::spawn_with("decode-engine", decoder, out);
+    if let Some(link) = &store {
+        let counters = link.counters.clone();
+        handle = handle.with_live(move |l| worker::store::fill(&counters, l));
+    }
     let (offers, detail) = kv_endpoints(&cfg, &loaded, (regions, tickets), &handle).await?;
     let service = Service {
         engine: handle.clone(),
         grammars,
+        store,
     };
     let routes = tonic::service::Routes::new(DecodeServer::new(service));
     let announce = worker::Announce {

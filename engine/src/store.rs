@@ -6,6 +6,17 @@ use crate::kv_cache::{Staged, StoreBlock};
 use crate::scheduler::Engine;
 
 impl Engine {
+    /// What names this engine's blocks in the store: the block names' seed (`None` without a
+    /// prefix cache) and the store's model key — the seed joined with a fingerprint of the
+    /// weights, so two models of one name and shape never share KV.
+    pub fn store_names(&self) -> Option<(u64, u64)> {
+        let seed = self.prefix_seed?;
+        Some((
+            seed,
+            seed ^ self.model.weights_fingerprint().rotate_left(29),
+        ))
+    }
+
     /// Copies every block computed from now on for the store, up to `cap` waiting (more are
     /// dropped, counted). `false` where this engine cannot take part: a model with windowed
     /// layer groups, a pool on a GPU, or the mock (no values).

@@ -163,6 +163,14 @@ impl worker::Role for Prefiller {
         }
     }
 
+    fn store_blocks(&mut self) -> Vec<engine::StoreBlock> {
+        self.engine.take_store_blocks().0
+    }
+
+    fn stage(&mut self, blocks: Vec<engine::StoreBlock>) {
+        self.engine.stage_store(&blocks);
+    }
+
     fn kv_events(&mut self) -> Vec<engine::KvEvent> {
         self.engine.take_kv_events()
     }
@@ -212,6 +220,8 @@ impl Drop for Counted {
 
 struct Service {
     engine: EngineHandle<Cmd>,
+    /// The cluster KV store, when the cluster has one this engine can use.
+    store: Option<worker::store::StoreLink>,
     local: kv_transfer::Local,
     width: u32,
     n_layers: u32,
@@ -324,6 +334,9 @@ impl Prefill for Service {
         };
         let cache_salt = (!req.cache_salt.is_empty()).then_some(req.cache_salt);
         let tokens = req.tokens;
+        if let Some(link) = &self.store {
+            worker::store::prefetch(link, &self.engine, &tokens, cache_salt.as_deref()).await?;
+        }
         self.engine.send(Cmd {
             id,
             tokens,
@@ -374,7 +387,8 @@ impl Prefill for Service {
 pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let loaded = worker::load(&cfg.worker).await?;
     let model = loaded.model.clone();
-    let engine = Engine::new(model.clone(), cfg.worker.engine.clone(), Vec::new())?;
+    let mut engine = Engine::new(model.clone(), cfg.worker.engine.clone(), Vec::new())?;
+    let (store, out) = worker::store::link(&cfg.worker, &mut engine)?.unzip();
     let role = Prefiller {
         engine,
         outs: HashMap::new(),
@@ -384,10 +398,15 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     // Requests between admission and the decode worker's ack, counted by the service.
     let transfers = Arc::new(AtomicUsize::new(0));
     let counted = transfers.clone();
-    let handle = worker::engine_thread::spawn("prefill-engine", role)
+    let mut handle = worker::engine_thread::spawn_with("prefill-engine", role, out)
         .with_live(move |l| l.transfers_in_flight = counted.load(Ordering::SeqCst) as u32);
+    if let Some(link) = &store {
+        let counters = link.counters.clone();
+        handle = handle.with_live(move |l| worker::store::fill(&counters, l));
+    }
     let service = Service {
         engine: handle.clone(),
+        store,
         local: kv_transfer::Local {
             tickets: None,
             identity: loaded.identity.clone(),

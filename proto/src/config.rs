@@ -68,6 +68,17 @@ pub struct StoreSection {
     /// A put not published within this is abandoned and freed.
     #[serde(default = "default_store_put_deadline_ms")]
     pub put_deadline_ms: Spanned<u64>,
+    /// Workers: the node they put their computed KV blocks in and fetch prompts' blocks from
+    /// (`http://HOST:PORT`); none: workers use no store.
+    #[serde(default)]
+    pub node: Option<Spanned<String>>,
+    /// Workers: how long a request waits for its prompt's blocks from the node.
+    #[serde(default = "default_store_fetch_timeout_ms")]
+    pub fetch_timeout_ms: Spanned<u64>,
+}
+
+fn default_store_fetch_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 500)
 }
 
 impl Default for StoreSection {
@@ -78,6 +89,8 @@ impl Default for StoreSection {
             max_object_bytes: default_store_max_object(),
             lease_ms: default_store_lease_ms(),
             put_deadline_ms: default_store_put_deadline_ms(),
+            node: None,
+            fetch_timeout_ms: default_store_fetch_timeout_ms(),
         }
     }
 }
@@ -593,6 +606,21 @@ impl ClusterConfig {
         }
         ctx.kv_transfer(&cfg.kv_transfer)?;
         ctx.store(&cfg.store)?;
+        if let Some(node) = &cfg.store.node {
+            for (name, pool) in [
+                ("prefill", cfg.prefill.as_ref()),
+                ("decode", Some(&cfg.decode)),
+            ] {
+                let staged = pool.and_then(|p| p.kv_tiers.as_ref()).map(|t| t.host_bytes);
+                if pool.is_some() && staged.unwrap_or(0) == 0 {
+                    let m = format!(
+                        "the {name} workers stage blocks fetched from the store in host memory: \
+                         set [{name}.kv_tiers] host_bytes"
+                    );
+                    return ctx.err(node.span(), "store.node", m);
+                }
+            }
+        }
         if let Some(d) = &cfg.discovery {
             ctx.discovery(d)?;
         }

@@ -5,6 +5,7 @@ pub mod chromium;
 pub mod cluster;
 pub mod etcd;
 pub mod netns;
+pub mod store;
 pub mod up;
 
 use std::path::PathBuf;

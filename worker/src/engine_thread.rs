@@ -18,6 +18,8 @@ use proto::grpc::WorkerLoad;
 use types::{KvEvent, RequestId};
 
 use crate::kv_log::KvLog;
+use crate::store::StoreCounters;
+use engine::StoreBlock;
 use tokio::sync::oneshot;
 use tonic::Status;
 
@@ -51,6 +53,12 @@ pub trait Role: Send + 'static {
     fn kv_events(&mut self) -> Vec<KvEvent> {
         Vec::new()
     }
+    /// Blocks computed since the last call, copied out for the cluster store.
+    fn store_blocks(&mut self) -> Vec<StoreBlock> {
+        Vec::new()
+    }
+    /// Blocks fetched from the cluster store, for the prefix lookups of the commands after.
+    fn stage(&mut self, _blocks: Vec<StoreBlock>) {}
 }
 
 /// Most commands of new work waiting for the engine thread at once.
@@ -66,6 +74,8 @@ enum Command<C> {
         found: Option<oneshot::Sender<bool>>,
     },
     Drain,
+    /// Blocks fetched from the cluster store for the command that follows.
+    Stage(Vec<StoreBlock>),
 }
 
 /// Figures a worker keeps outside its engine thread, filled into each load it reports.
@@ -131,6 +141,12 @@ impl<C: Send + 'static> EngineHandle<C> {
         let _ = self.tx.send(Command::Release { id, found: None });
     }
 
+    /// Stages blocks fetched from the cluster store before the commands sent after this
+    /// (never refused: a fetch is bounded by the request it is for).
+    pub fn stage(&self, blocks: Vec<StoreBlock>) -> Result<(), Status> {
+        self.tx.send(Command::Stage(blocks)).map_err(|_| stopped())
+    }
+
     /// Admits nothing new from now on.
     pub fn drain(&self) -> Result<(), Status> {
         self.tx.send(Command::Drain).map_err(|_| stopped())
@@ -152,10 +168,23 @@ impl<C: Send + 'static> EngineHandle<C> {
         self.kv.lock().expect("kv log lock").since(from, resync)
     }
 
+    /// How many of `blocks`, from the first, the engine holds in some tier (as of its last
+    /// step).
+    pub fn held_run(&self, blocks: &[types::BlockHash]) -> usize {
+        self.kv.lock().expect("kv log lock").held_run(blocks)
+    }
+
     /// This handle, filling figures kept outside the engine thread (e.g. a prefill worker's
     /// transfers in flight) into every load it reports.
+    /// Each call adds to those before.
     pub fn with_live(mut self, live: impl Fn(&mut WorkerLoad) + Send + Sync + 'static) -> Self {
-        self.live = Some(Arc::new(live));
+        self.live = Some(match self.live.take() {
+            None => Arc::new(live),
+            Some(before) => Arc::new(move |l: &mut WorkerLoad| {
+                before(l);
+                live(l)
+            }),
+        });
         self
     }
 }
@@ -163,8 +192,17 @@ impl<C: Send + 'static> EngineHandle<C> {
 /// How often an idle engine thread looks for tier writes finished (while some are in flight).
 const TIER_POLL: Duration = Duration::from_millis(50);
 
+/// Where the blocks a role computes go: the store uploader's queue, and the counters its
+/// drops are counted in.
+pub type StoreOut = (tokio::sync::mpsc::Sender<StoreBlock>, Arc<StoreCounters>);
+
 /// Starts the thread `name` around `role`.
-pub fn spawn<R: Role>(name: &str, mut role: R) -> EngineHandle<R::Cmd> {
+pub fn spawn<R: Role>(name: &str, role: R) -> EngineHandle<R::Cmd> {
+    spawn_with(name, role, None)
+}
+
+/// [`spawn`], the blocks the role computes sent to the cluster store through `out`.
+pub fn spawn_with<R: Role>(name: &str, mut role: R, out: Option<StoreOut>) -> EngineHandle<R::Cmd> {
     let (tx, rx) = mpsc::channel();
     let load = Arc::new(Mutex::new(role.load()));
     // What the cache holds from the start (a disk tier re-read) is in the first heartbeat.
@@ -175,7 +213,7 @@ pub fn spawn<R: Role>(name: &str, mut role: R) -> EngineHandle<R::Cmd> {
     let (l, k, q) = (load.clone(), kv.clone(), queued.clone());
     std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || run(role, rx, q, (l, k)))
+        .spawn(move || run(role, rx, q, (l, k), out))
         .expect("engine thread starts");
     EngineHandle {
         tx,
@@ -208,6 +246,7 @@ fn run<R: Role>(
     rx: mpsc::Receiver<Command<R::Cmd>>,
     queued: Arc<AtomicUsize>,
     (load, kv): (Arc<Mutex<WorkerLoad>>, Arc<Mutex<KvLog>>),
+    out: Option<StoreOut>,
 ) {
     let mut draining = false;
     loop {
@@ -233,11 +272,19 @@ fn run<R: Role>(
                     }
                 }
                 Command::Drain => draining = true,
+                Command::Stage(blocks) => role.stage(blocks),
             }
         }
         role.expire(Instant::now());
         if role.has_work() {
             role.step();
+        }
+        if let Some((tx, counters)) = &out {
+            for b in role.store_blocks() {
+                if tx.try_send(b).is_err() {
+                    counters.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
         }
         *load.lock().expect("load lock") = role.load();
         let events = role.kv_events();

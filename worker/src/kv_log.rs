@@ -40,6 +40,15 @@ impl KvLog {
         }
     }
 
+    /// How many of `blocks`, from the first, this worker holds in some tier (as of the last
+    /// events): what a prefix lookup would find without the cluster store.
+    pub fn held_run(&self, blocks: &[BlockHash]) -> usize {
+        blocks
+            .iter()
+            .take_while(|b| self.live.contains_key(b))
+            .count()
+    }
+
     /// What a heartbeat carries after the router has everything before event `from`: the
     /// events since, or a snapshot when the router asked for one or they are no longer kept.
     pub fn since(&self, from: u64, resync: bool) -> KvEvents {

@@ -17,6 +17,7 @@ pub mod engine_thread;
 pub mod grammar;
 pub mod kv_log;
 pub mod service;
+pub mod store;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -61,6 +62,10 @@ pub struct Settings {
     pub discovery: Option<discovery::Config>,
     /// Written once the worker serves (a readiness probe's file).
     pub ready_file: Option<PathBuf>,
+    /// The cluster KV store's node (`http://host:port`), when the cluster has one.
+    pub store: Option<String>,
+    /// How long a request waits for its prompt's blocks from the store.
+    pub store_fetch_timeout: std::time::Duration,
 }
 
 /// Why a worker stopped.

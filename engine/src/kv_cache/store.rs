@@ -100,6 +100,7 @@ impl KvCache {
         for b in blocks {
             if b.bytes.len() != bs * 4 + page || sum(&b.bytes) != b.sum {
                 out.corrupt += 1;
+                tiers.count_corrupt();
                 continue;
             }
             let (head, body) = b.bytes.split_at(bs * 4);

@@ -206,6 +206,11 @@ impl Tiers {
         self.to_host(b);
     }
 
+    /// A block fetched for G2 (from the cluster store) failed its checksum: counted as G2's.
+    pub(crate) fn count_corrupt(&mut self) {
+        self.stats.host.corrupt += 1;
+    }
+
     /// Whether there is a G2.
     pub(crate) fn has_host(&self) -> bool {
         self.host.is_some()

@@ -22,7 +22,7 @@ impl Ctx<'_> {
         self.src[..offset.min(self.src.len())].matches('\n').count() + 1
     }
 
-    fn err<T>(
+    pub(super) fn err<T>(
         &self,
         span: std::ops::Range<usize>,
         key: &str,
@@ -295,6 +295,17 @@ impl Ctx<'_> {
             return self.err(s.capacity_bytes.span(), "store.capacity_bytes", m);
         }
         self.positive(&s.lease_ms, "store.lease_ms")?;
+        self.positive(&s.fetch_timeout_ms, "store.fetch_timeout_ms")?;
+        if let Some(node) = &s.node {
+            let addr = node.get_ref().strip_prefix("http://").unwrap_or_default();
+            if addr
+                .rsplit_once(':')
+                .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+            {
+                let m = format!("{:?} is not http://HOST:PORT", node.get_ref());
+                return self.err(node.span(), "store.node", m);
+            }
+        }
         self.positive(&s.put_deadline_ms, "store.put_deadline_ms")
     }
 

@@ -1,0 +1,272 @@
+//! A worker's way to the cluster KV store (`tandem store`): the blocks its engine computes are
+//! put there by a task of their own — offered in batches (a block the node holds already costs
+//! nothing), their bytes streamed — and a request's prompt blocks the store holds are fetched
+//! before the request reaches the engine, then staged below its pool.
+//!
+//! Nothing here slows a step: the engine thread hands blocks over with `try_send` (a full
+//! queue drops them, counted), and a fetch waits at most its deadline (a slow or dead node
+//! means the prompt is computed, as without a store).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use engine::StoreBlock;
+use proto::grpc::store_client::StoreClient;
+use proto::grpc::{GetRequest, ObjectKey, PutChunk, PutOutcome, PutSpec, PutStartRequest};
+use tokio::sync::mpsc;
+use tonic::transport::Channel;
+use types::BlockHash;
+
+/// Blocks waiting for the uploader at once.
+pub const QUEUE: usize = 256;
+/// Most blocks one offer names.
+const BATCH: usize = 64;
+/// Bytes of one put chunk (under tonic's 4 MiB message limit).
+const CHUNK: usize = 1 << 20;
+
+/// What a worker did with the store, since it started.
+#[derive(Debug, Default)]
+pub struct StoreCounters {
+    /// Blocks published by this worker's puts.
+    pub puts: AtomicU64,
+    /// Blocks offered that the node held already.
+    pub held: AtomicU64,
+    /// Blocks not put: refused by the node (full, busy), failed, or dropped on the way (the
+    /// queue full, the node unreachable).
+    pub dropped: AtomicU64,
+    /// Blocks fetched for prompts.
+    pub hits: AtomicU64,
+    /// Bytes fetched.
+    pub bytes_loaded: AtomicU64,
+    /// Microseconds spent fetching.
+    pub load_us: AtomicU64,
+}
+
+/// One store node as a worker uses it.
+#[derive(Clone)]
+pub struct StoreLink {
+    client: StoreClient<Channel>,
+    /// The engine's block-name seed and the store's model key ([`engine::Engine::store_names`]).
+    names: (u64, u64),
+    block_size: usize,
+    fetch_timeout: Duration,
+    /// The counters, shared with the load a worker reports.
+    pub counters: Arc<StoreCounters>,
+}
+
+impl StoreLink {
+    /// A link to the node at `uri` (dialled when first used), whose certificate must name the
+    /// store role.
+    pub fn new(
+        security: &pki::Security,
+        uri: &str,
+        names: (u64, u64),
+        block_size: usize,
+        fetch_timeout: Duration,
+    ) -> Result<StoreLink, String> {
+        let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
+            .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?;
+        let endpoint = endpoint.connect_timeout(fetch_timeout.max(Duration::from_secs(1)));
+        Ok(StoreLink {
+            client: StoreClient::new(endpoint.connect_lazy()),
+            names,
+            block_size,
+            fetch_timeout,
+            counters: Arc::default(),
+        })
+    }
+
+    fn key(&self, block: BlockHash) -> ObjectKey {
+        ObjectKey {
+            model: self.names.1,
+            block: block.0,
+        }
+    }
+
+    /// Starts the task that puts what the engine thread sends it; returns its queue.
+    pub fn uploader(&self) -> mpsc::Sender<StoreBlock> {
+        let (tx, mut rx) = mpsc::channel::<StoreBlock>(QUEUE);
+        let link = self.clone();
+        tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(BATCH);
+            while rx.recv_many(&mut batch, BATCH).await > 0 {
+                let n = batch.len() as u64;
+                if let Err(e) = link.put(std::mem::take(&mut batch)).await {
+                    link.counters.dropped.fetch_add(n, Ordering::Relaxed);
+                    tracing::debug!("store put of {n} blocks failed: {e}");
+                }
+            }
+        });
+        tx
+    }
+
+    /// Offers `blocks`, then streams the bytes of those the node wants.
+    async fn put(&self, blocks: Vec<StoreBlock>) -> Result<(), tonic::Status> {
+        let mut c = self.client.clone();
+        let objects = blocks
+            .iter()
+            .map(|b| PutSpec {
+                key: Some(self.key(b.hash)),
+                size: b.bytes.len() as u64,
+                sum: b.sum,
+            })
+            .collect();
+        let grants = c.put_start(PutStartRequest { objects }).await?.into_inner();
+        let mut chunks = Vec::new();
+        let count = |a: &AtomicU64| a.fetch_add(1, Ordering::Relaxed);
+        for (b, g) in blocks.into_iter().zip(grants.grants) {
+            match PutOutcome::try_from(g.outcome) {
+                Ok(PutOutcome::PutWrite) => chunks.extend(parts(g.put_id, b.bytes)),
+                Ok(PutOutcome::PutHeld) => _ = count(&self.counters.held),
+                _ => _ = count(&self.counters.dropped),
+            }
+        }
+        if chunks.is_empty() {
+            return Ok(());
+        }
+        let reply = c.put(tokio_stream::iter(chunks)).await?.into_inner();
+        let c = &self.counters;
+        c.puts.fetch_add(reply.published as u64, Ordering::Relaxed);
+        c.dropped
+            .fetch_add(reply.failed.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The names of `prompt`'s whole blocks a prefix lookup could find (all but its last
+    /// token, which is always computed).
+    pub fn prompt_blocks(&self, prompt: &[u32], salt: Option<&str>) -> Vec<BlockHash> {
+        let known = &prompt[..prompt.len().saturating_sub(1)];
+        let root = engine::block_hash::root(salt);
+        engine::block_hash::prompt_hashes(self.names.0, root, self.block_size, known)
+    }
+
+    /// The store's blocks of `wanted`, in order up to the first the store lacks or the
+    /// deadline; each checked against its checksum by the engine when staged.
+    pub async fn fetch(&self, wanted: &[BlockHash]) -> Vec<StoreBlock> {
+        if wanted.is_empty() {
+            return Vec::new();
+        }
+        let t0 = std::time::Instant::now();
+        let got = tokio::time::timeout(self.fetch_timeout, self.get(wanted)).await;
+        let blocks = match got {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                tracing::debug!("store fetch failed: {e}");
+                Vec::new()
+            }
+            Err(_) => Vec::new(),
+        };
+        let c = &self.counters;
+        c.hits.fetch_add(blocks.len() as u64, Ordering::Relaxed);
+        let bytes = blocks.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
+        c.bytes_loaded.fetch_add(bytes, Ordering::Relaxed);
+        c.load_us
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        blocks
+    }
+
+    async fn get(&self, hashes: &[BlockHash]) -> Result<Vec<StoreBlock>, tonic::Status> {
+        let keys = hashes.iter().map(|h| self.key(*h)).collect();
+        let mut s = self
+            .client
+            .clone()
+            .get(GetRequest { keys })
+            .await?
+            .into_inner();
+        let mut out: Vec<StoreBlock> = Vec::new();
+        while let Some(chunk) = s.message().await? {
+            let i = chunk.index as usize;
+            if i == out.len() && i < hashes.len() {
+                out.push(StoreBlock {
+                    hash: hashes[i],
+                    bytes: Vec::with_capacity(chunk.size as usize),
+                    sum: chunk.sum,
+                });
+            }
+            if i + 1 != out.len() {
+                return Err(tonic::Status::internal(
+                    "the store sent objects out of order",
+                ));
+            }
+            out[i].bytes.extend_from_slice(&chunk.data);
+        }
+        Ok(out)
+    }
+}
+
+/// `bytes` as put `id`'s chunks, the last one ending it.
+fn parts(id: u64, bytes: Vec<u8>) -> Vec<PutChunk> {
+    let n = bytes.len().div_ceil(CHUNK).max(1);
+    (0..n)
+        .map(|i| {
+            let r = (i * CHUNK).min(bytes.len())..((i + 1) * CHUNK).min(bytes.len());
+            PutChunk {
+                put_id: id,
+                offset: r.start as u64,
+                data: bytes[r].to_vec(),
+                end: i + 1 == n,
+            }
+        })
+        .collect()
+}
+
+/// Fetches the blocks of `prompt` the engine behind `engine` lacks and the store holds, and
+/// stages them there ahead of the command that follows; returns how many were staged.
+pub async fn prefetch<C: Send + 'static>(
+    link: &StoreLink,
+    engine: &crate::EngineHandle<C>,
+    prompt: &[u32],
+    salt: Option<&str>,
+) -> Result<usize, tonic::Status> {
+    let blocks = link.prompt_blocks(prompt, salt);
+    let held = engine.held_run(&blocks);
+    let fetched = link.fetch(&blocks[held..]).await;
+    let n = fetched.len();
+    if n > 0 {
+        engine.stage(fetched)?;
+    }
+    Ok(n)
+}
+
+/// A worker's link to the store of `settings` (none without one), its engine set to copy out
+/// what it computes; `None` too where the engine cannot take part (a windowed model, a GPU
+/// pool, the mock engine: logged).
+pub fn link(
+    settings: &crate::Settings,
+    engine: &mut engine::Engine,
+) -> Result<Option<(StoreLink, crate::engine_thread::StoreOut)>, crate::WorkerError> {
+    let Some(uri) = &settings.store else {
+        return Ok(None);
+    };
+    let Some(names) = engine.store_names() else {
+        tracing::warn!("the cluster store is set but the prefix cache is off: not used");
+        return Ok(None);
+    };
+    if !engine.set_store_out(QUEUE) {
+        tracing::warn!("this engine cannot share KV through the cluster store yet (windowed layer groups, a GPU pool or the mock engine): not used");
+        return Ok(None);
+    }
+    let bs = settings.engine.block_size;
+    let link = StoreLink::new(
+        &settings.security,
+        uri,
+        names,
+        bs,
+        settings.store_fetch_timeout,
+    )
+    .map_err(crate::WorkerError::Security)?;
+    let out = (link.uploader(), link.counters.clone());
+    Ok(Some((link, out)))
+}
+
+/// Fills the store's figures into a worker's load.
+pub fn fill(c: &StoreCounters, l: &mut proto::grpc::WorkerLoad) {
+    let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+    l.kv_store_hits = get(&c.hits);
+    l.kv_store_bytes_loaded = get(&c.bytes_loaded);
+    l.kv_store_load_seconds = get(&c.load_us) as f64 / 1e6;
+    l.kv_store_puts = get(&c.puts);
+    l.kv_store_puts_held = get(&c.held);
+    l.kv_store_puts_dropped = get(&c.dropped);
+}
