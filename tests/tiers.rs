@@ -103,66 +103,147 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
     assert_eq!(stat(&c, worker, "kv_tier_corrupt"), 0);
 }
 
+/// A store node (started first, on a CA it shares with the cluster) and a cluster of
+/// `prefill` + `decode` workers using it, each with the host tier that fetched blocks are
+/// staged in; the scratch directory is removed when dropped.
+struct WithStore {
+    c: Cluster,
+    _node: StoreNode,
+    scratch: std::path::PathBuf,
+}
+
+impl Drop for WithStore {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.scratch);
+    }
+}
+
+fn with_store(name: &str, prefill: usize, decode: usize) -> WithStore {
+    let scratch = std::env::temp_dir().join(format!("tandem-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let security = format!("[security]\ndir = {:?}\n", scratch.join("pki"));
+    let store = format!("[decode]\n{security}[store]\ncapacity_bytes = 1_000_000_000\n");
+    std::fs::write(scratch.join("store.toml"), store).unwrap();
+    let (node, at) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
+    let host = |pool: &str| format!("[{pool}.kv_tiers]\nhost_bytes = 100_000_000\n");
+    let decode_lines = format!("{}\n[store]\nnode = {at:?}\n\n{security}", host("decode"));
+    let prefill_lines = host("prefill");
+    let c = Cluster::of(prefill, decode)
+        .pools([&prefill_lines, &decode_lines])
+        .start(EXE.as_ref());
+    WithStore {
+        c,
+        _node: node,
+        scratch,
+    }
+}
+
+/// Blocks worker `name` put in the store.
+fn puts(c: &Cluster, name: &str) -> u64 {
+    stat(c, name, "kv_store_puts")
+}
+
 /// The cluster KV store through a real cluster: a prompt computed on one decode worker is put
 /// in the store; that worker killed, the other serves the same prompt from the store's blocks
 /// (fetched, staged in its host tier, loaded into its pool), computing only the rest — the
 /// same text, asserted from both workers' store counters and the prefix hits.
 #[test]
 fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store() {
-    let scratch = std::env::temp_dir().join(format!("tandem-store-e2e-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&scratch);
-    std::fs::create_dir_all(&scratch).unwrap();
-    // The store and the cluster share one CA.
-    let security = format!("[security]\ndir = {:?}\n", scratch.join("pki"));
-    let store = format!("[decode]\n{security}[store]\ncapacity_bytes = 1_000_000_000\n");
-    std::fs::write(scratch.join("store.toml"), store).unwrap();
-    let (_store, at) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
-    let lines = format!(
-        "[decode.kv_tiers]\nhost_bytes = 100_000_000\n\n[store]\nnode = {at:?}\n\n{security}"
-    );
-    let mut c = Cluster::of(0, 2).pools(["", &lines]).start(EXE.as_ref());
+    let mut s = with_store("store-colocated", 0, 2);
+    let c = &mut s.c;
     let first = prompt(11, 6);
-    let text = complete(&c, &first);
-    let puts = |c: &Cluster, w: &str| stat(c, w, "kv_store_puts");
+    let text = complete(c, &first);
     wait_until(
         "the prompt's blocks in the store",
         Duration::from_secs(20),
-        || puts(&c, "decode-0") + puts(&c, "decode-1") >= 6,
+        || puts(c, "decode-0") + puts(c, "decode-1") >= 6,
     );
-    let (served, other) = match puts(&c, "decode-0") >= 6 {
+    let (served, other) = match puts(c, "decode-0") >= 6 {
         true => ("decode-0", "decode-1"),
         false => ("decode-1", "decode-0"),
     };
     assert_eq!(
-        puts(&c, served),
+        puts(c, served),
         6,
         "the prompt's 6 whole blocks, each put once"
     );
-    let hits_before = stat(&c, other, "prefix_hit_tokens");
+    let hits_before = stat(c, other, "prefix_hit_tokens");
     c.kill_worker(served);
     c.wait_for(0, 1);
     assert_eq!(
-        complete(&c, &first),
+        complete(c, &first),
         text,
         "the same text from the store's blocks"
     );
+    assert_eq!(stat(c, other, "kv_store_hits"), 6, "fetched from the store");
     assert_eq!(
-        stat(&c, other, "kv_store_hits"),
-        6,
-        "fetched from the store"
-    );
-    assert_eq!(
-        stat(&c, other, "kv_host_hits"),
+        stat(c, other, "kv_host_hits"),
         6,
         "staged in G2 and loaded from there"
     );
-    let found = stat(&c, other, "prefix_hit_tokens") - hits_before;
+    let found = stat(c, other, "prefix_hit_tokens") - hits_before;
     assert_eq!(
         found,
         6 * BS as u64,
         "only the prompt's last token computed"
     );
-    assert_eq!(stat(&c, other, "kv_tier_corrupt"), 0);
-    drop(c);
-    let _ = std::fs::remove_dir_all(&scratch);
+    assert_eq!(stat(c, other, "kv_tier_corrupt"), 0);
+}
+
+/// Disaggregated, every worker that computed a prompt gone: a new prefill worker and the other
+/// decode worker both take its blocks from the store — the decode worker's reservation counts
+/// them as cached, the prefill worker loads them and computes only the rest — each block put
+/// once in the whole cluster.
+#[test]
+fn a_new_prefill_worker_and_another_decode_worker_take_a_prefix_from_the_store() {
+    let mut s = with_store("store-disaggregated", 1, 2);
+    let c = &mut s.c;
+    let first = prompt(12, 6);
+    let text = complete(c, &first);
+    let all = ["prefill-0", "decode-0", "decode-1"];
+    wait_until(
+        "the prompt's blocks in the store",
+        Duration::from_secs(20),
+        || all.iter().map(|w| puts(c, w)).sum::<u64>() >= 6,
+    );
+    assert_eq!(
+        all.iter().map(|w| puts(c, w)).sum::<u64>(),
+        6,
+        "each block put once"
+    );
+    let served = match stat(c, "decode-0", "engine_steps") > 0 {
+        true => "decode-0",
+        false => "decode-1",
+    };
+    let other = if served == "decode-0" {
+        "decode-1"
+    } else {
+        "decode-0"
+    };
+    c.kill_worker(served);
+    c.kill_worker("prefill-0");
+    let config = c.config_file().to_path_buf();
+    c.add_worker("prefill", "prefill-1", &config);
+    c.wait_for(1, 1);
+    assert_eq!(
+        complete(c, &first),
+        text,
+        "the same text from the store's blocks"
+    );
+    // The decode worker fetched the prompt's 6 whole blocks; its reservation holds all but
+    // the prompt's last two tokens — 5 blocks, loaded from where they were staged — and the
+    // prefill worker sends the tokens after them.
+    assert_eq!(stat(c, other, "kv_store_hits"), 6);
+    assert_eq!(stat(c, other, "kv_host_hits"), 5);
+    // The prefill worker is sent all but the last token (96: 6 whole blocks) and computes at
+    // least its last one, so it looks up — and fetches — the first 5 blocks and computes the
+    // sixth (as it would from its own pool).
+    let p = "prefill-1";
+    assert_eq!(
+        (stat(c, p, "kv_store_hits"), stat(c, p, "kv_host_hits")),
+        (5, 5)
+    );
+    assert_eq!(stat(c, p, "prompt_tokens"), (6 * BS) as u64);
+    assert_eq!(stat(c, p, "prefix_hit_tokens"), 5 * BS as u64);
 }

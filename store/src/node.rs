@@ -35,6 +35,12 @@ pub const CHUNK: usize = 1 << 20;
 /// Changes a watcher may fall behind by before it is dropped (it watches again, and gets a
 /// snapshot).
 const WATCH_BACKLOG: usize = 256;
+/// HTTP/2 flow-control window of a store connection's streams, both ways (its default, 64 KiB,
+/// holds a 1 MiB object to a round trip every 64 KiB).
+pub const WINDOW: u32 = 8 << 20;
+/// Largest HTTP/2 frame a store connection's peer may send (its default, 16 KiB, cuts a 1 MiB
+/// object in 64).
+pub const FRAME: u32 = 1 << 20;
 /// How often puts and leases past their time are freed.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -401,6 +407,9 @@ pub async fn serve(
         .map_err(|e| e.to_string())?;
     tokio::spawn(node.clone().tick());
     tonic::transport::Server::builder()
+        .initial_stream_window_size(WINDOW)
+        .initial_connection_window_size(WINDOW * 2)
+        .max_frame_size(FRAME)
         .add_service(node.service())
         .serve_with_incoming(incoming)
         .await

@@ -24,6 +24,9 @@ pub const QUEUE: usize = 256;
 const BATCH: usize = 64;
 /// Bytes of one put chunk (under tonic's 4 MiB message limit).
 const CHUNK: usize = 1 << 20;
+/// Longest one batch's put may take (a frozen node): its blocks are then dropped, counted, and
+/// the next batch tries again.
+const PUT_DEADLINE: Duration = Duration::from_secs(10);
 
 /// What a worker did with the store, since it started.
 #[derive(Debug, Default)]
@@ -67,7 +70,11 @@ impl StoreLink {
     ) -> Result<StoreLink, String> {
         let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
             .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?;
-        let endpoint = endpoint.connect_timeout(fetch_timeout.max(Duration::from_secs(1)));
+        let endpoint = endpoint
+            .connect_timeout(fetch_timeout.max(Duration::from_secs(1)))
+            .initial_stream_window_size(store::node::WINDOW)
+            .initial_connection_window_size(store::node::WINDOW * 2)
+            .max_frame_size(store::node::FRAME);
         Ok(StoreLink {
             client: StoreClient::new(endpoint.connect_lazy()),
             names,
@@ -92,10 +99,14 @@ impl StoreLink {
             let mut batch = Vec::with_capacity(BATCH);
             while rx.recv_many(&mut batch, BATCH).await > 0 {
                 let n = batch.len() as u64;
-                if let Err(e) = link.put(std::mem::take(&mut batch)).await {
-                    link.counters.dropped.fetch_add(n, Ordering::Relaxed);
-                    tracing::debug!("store put of {n} blocks failed: {e}");
-                }
+                let put = link.put(std::mem::take(&mut batch));
+                let why = match tokio::time::timeout(PUT_DEADLINE, put).await {
+                    Ok(Ok(())) => continue,
+                    Ok(Err(e)) => e.to_string(),
+                    Err(_) => format!("no answer within {PUT_DEADLINE:?}"),
+                };
+                link.counters.dropped.fetch_add(n, Ordering::Relaxed);
+                tracing::debug!("store put of {n} blocks failed: {why}");
             }
         });
         tx
