@@ -48,6 +48,14 @@ pub fn run(a: RoleArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding the store's gRPC on {at}"))?;
         let bound = listener.local_addr().context("the store's bound address")?;
+        let metrics = proto::metrics::start(&bound.ip().to_string())
+            .await
+            .context("binding the store's metrics")?;
+        let catalogue = store::node::CATALOGUE.map(|(n, h)| (n, proto::metrics::Kind::Gauge, h));
+        proto::metrics::describe(&catalogue);
+        if let Some(m) = metrics {
+            eprintln!("tandem store: {name} metrics on http://{m}/metrics");
+        }
         eprintln!("tandem store: {name} serving on http://{bound}");
         cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
         store::node::serve(listener, &security, node)

@@ -108,7 +108,7 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
 /// staged in; the scratch directory is removed when dropped.
 struct WithStore {
     c: Cluster,
-    _node: StoreNode,
+    node: StoreNode,
     scratch: std::path::PathBuf,
 }
 
@@ -132,11 +132,7 @@ fn with_store(name: &str, prefill: usize, decode: usize) -> WithStore {
     let c = Cluster::of(prefill, decode)
         .pools([&prefill_lines, &decode_lines])
         .start(EXE.as_ref());
-    WithStore {
-        c,
-        _node: node,
-        scratch,
-    }
+    WithStore { c, node, scratch }
 }
 
 /// Blocks worker `name` put in the store.
@@ -189,6 +185,13 @@ fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store()
         "only the prompt's last token computed"
     );
     assert_eq!(stat(c, other, "kv_tier_corrupt"), 0);
+    // The store's own counters say the same.
+    let store = |m: &str| metric_at(s.node.metrics, m);
+    wait_until("the store's gauges", Duration::from_secs(5), || {
+        store("tandem_store_hits") == 6.0
+    });
+    assert_eq!(store("tandem_store_objects"), 6.0);
+    assert_eq!(store("tandem_store_puts"), 6.0);
 }
 
 /// Disaggregated, every worker that computed a prompt gone: a new prefill worker and the other

@@ -44,6 +44,24 @@ pub const FRAME: u32 = 1 << 20;
 /// How often puts and leases past their time are freed.
 const TICK: Duration = Duration::from_millis(100);
 
+/// The node's gauges on its `/metrics` (its load, each [`TICK`]): name and help.
+pub const CATALOGUE: [(&str, &str); 14] = [
+    ("tandem_store_objects", "KV blocks the store node holds."),
+    ("tandem_store_bytes", "Bytes of the blocks the store node holds."),
+    ("tandem_store_pending_bytes", "Bytes taken by puts under way on the store node."),
+    ("tandem_store_capacity_bytes", "The store node's capacity in bytes ([store] capacity_bytes)."),
+    ("tandem_store_hits", "Gets that found their block on the store node, since it started."),
+    ("tandem_store_misses", "Gets that did not find their block on the store node, since it started."),
+    ("tandem_store_puts", "Blocks published on the store node, since it started."),
+    ("tandem_store_puts_refused", "Puts the store node refused (full, busy, too large), since it started."),
+    ("tandem_store_puts_corrupt", "Puts whose bytes failed their checksum on the store node, since it started."),
+    ("tandem_store_puts_abandoned", "Puts never published within their deadline or left by their stream, since the store node started."),
+    ("tandem_store_evictions", "Blocks the store node evicted, since it started."),
+    ("tandem_store_leases", "Read leases the store node holds now."),
+    ("tandem_store_soft_pins", "Blocks softly pinned on the store node now."),
+    ("tandem_store_hard_pins", "Blocks hard-pinned on the store node now."),
+];
+
 /// Who a put belongs to: its certificate's SHA-256 (`None` on a plain connection).
 type Owner = Option<[u8; 32]>;
 
@@ -139,6 +157,30 @@ impl Node {
         }
     }
 
+    /// Sets the node's gauges (see [`CATALOGUE`]) to its load now.
+    fn export(&self) {
+        let l = self.load();
+        let gauges = [
+            ("tandem_store_objects", l.objects),
+            ("tandem_store_bytes", l.bytes),
+            ("tandem_store_pending_bytes", l.pending_bytes),
+            ("tandem_store_capacity_bytes", l.capacity),
+            ("tandem_store_hits", l.hits),
+            ("tandem_store_misses", l.misses),
+            ("tandem_store_puts", l.puts),
+            ("tandem_store_puts_refused", l.puts_refused),
+            ("tandem_store_puts_corrupt", l.puts_corrupt),
+            ("tandem_store_puts_abandoned", l.puts_abandoned),
+            ("tandem_store_evictions", l.evictions),
+            ("tandem_store_leases", l.leases),
+            ("tandem_store_soft_pins", l.soft_pins),
+            ("tandem_store_hard_pins", l.hard_pins),
+        ];
+        for (name, v) in gauges {
+            metrics::gauge!(name).set(v as f64);
+        }
+    }
+
     /// Frees puts and leases past their time, every [`TICK`], for as long as the node lives.
     pub async fn tick(self) {
         let mut every = tokio::time::interval(TICK);
@@ -154,6 +196,8 @@ impl Node {
                 }
             }
             n.publish();
+            drop(n);
+            self.export();
         }
     }
 

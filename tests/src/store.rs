@@ -1,16 +1,21 @@
 //! A `tandem store` node for a test: started on a loopback port, killed when dropped.
 
 use std::io::BufRead;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 /// A running `tandem store`.
-pub struct StoreNode(Child);
+pub struct StoreNode {
+    child: Child,
+    /// Its `/metrics` endpoint.
+    pub metrics: SocketAddr,
+}
 
 impl StoreNode {
     /// Starts `exe store` with the cluster file `config`; returns it and its gRPC address
-    /// (`http://HOST:PORT`), read from its line on stderr within 60 s.
+    /// (`http://HOST:PORT`), read from its lines on stderr within 60 s.
     pub fn start(exe: &Path, config: &Path) -> (StoreNode, String) {
         let mut child = Command::new(exe)
             .args(["store", "--config"])
@@ -20,28 +25,36 @@ impl StoreNode {
             .spawn()
             .expect("tandem store starts");
         let stderr = child.stderr.take().expect("piped");
-        let node = StoreNode(child);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in std::io::BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
             {
-                if let Some(at) = line.split("serving on ").nth(1) {
-                    let _ = tx.send(at.to_string());
+                let after = |what: &str| line.split(what).nth(1).map(str::to_string);
+                if let Some(m) = after("metrics on http://") {
+                    let _ = tx.send((1, m.trim_end_matches("/metrics").to_string()));
+                } else if let Some(at) = after("serving on ") {
+                    let _ = tx.send((0, at));
                 }
             }
         });
-        let at = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("the store's line within 60 s");
-        (node, at)
+        let mut lines: [Option<String>; 2] = [None, None];
+        while lines.iter().any(Option::is_none) {
+            let (which, text) = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("the store's lines within 60 s");
+            lines[which] = Some(text);
+        }
+        let [at, metrics] = lines.map(Option::unwrap);
+        let metrics = metrics.parse().expect("the metrics address");
+        (StoreNode { child, metrics }, at)
     }
 }
 
 impl Drop for StoreNode {
     fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
+        let _ = self.child.kill();
+        let _ = self.child.wait();
     }
 }
