@@ -113,6 +113,8 @@ def costs(texts, workers, overheads):
             "wait_us": round(wait * 1e6), "queued_us": round(queued * 1e6),
             "write_ns": written * 1e9 / received if received else 0.0,
             "file": overheads, "router": router, "phases": phases(texts["router"]),
+            "refusals": round(total(texts["router"], "tandem_worker_kv_refusals")),
+            "holds": round(total(texts["router"], "tandem_router_admission_holds_total")),
             "token_delay_us": round(mean([texts["router"]], "tandem_router_token_delay_seconds") * 1e6)}
 
 
@@ -214,6 +216,10 @@ def main():
     for t in ["host", "disk"]:
         hits = lambda r: (r.get("tier_hit_blocks") or {}).get(t, 0)
         print(f"| {t} tier hits, blocks | {hits(real)} | {hits(sims['same'])} | | {hits(sims['next'])} | |")
+    # Decode workers' refusals of a reservation (no room) and the router's waits for room.
+    sim = lambda n, k: sims[n]["simulation"].get(k, 0)
+    print(f"| decode refusals | {cal['same']['refusals']} | {sim('same', 'refusals')} | | {sim('next', 'refusals')} | |")
+    print(f"| admission holds | {cal['same']['holds']} | {sim('same', 'admission_holds')} | | {sim('next', 'admission_holds')} | |")
     # Where the TTFT went (means, ms; the router's phases, and the simulator's of its own).
     real_ph = cal["same"]["phases"]
     for p in PHASES:

@@ -291,6 +291,7 @@ pub fn simulate(
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
         "migrations": r.migrations, "deaths": r.deaths, "stalls": r.stalls,
         "admission_holds": r.admission_holds,
+        "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "faults": r.faults.iter().map(|(t, f)| serde_json::json!({"t_s": t, "fault": f})).collect::<Vec<_>>(),
         "ttft_phase_seconds": counted(&r.ttft_phases),
         "step_seconds": counted(&r.step_time),

@@ -72,6 +72,14 @@ pub trait Forward: Send + Sync {
         true
     }
 
+    /// Whether the KV tiers below the pool keep the pages' bytes; without, they keep only the
+    /// accounting and their time is priced (the mock's: a load or store of its tiers costs the
+    /// timing model's time, as in the simulator, not this machine's copies of values no step
+    /// reads).
+    fn tier_values(&self) -> bool {
+        self.kv_backed()
+    }
+
     /// Whether the host cache holds every step's KV (a GPU keeps decode steps' on the device
     /// only): what a tier below the pool copies from and into.
     fn kv_on_host(&self) -> bool {

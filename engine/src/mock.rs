@@ -1,7 +1,8 @@
 //! The mock engine, named as such: a [`crate::Model`] with the model's shape and tokenizer but
 //! no weights, whose forward ([`MockForward`]) runs no kernels but takes the time a timing
 //! model gives for each step, writes no KV values (the blocks are allocated and moved at their
-//! real size), and produces deterministic tokens. Scaling tests and planner benchmarks need it:
+//! real size; its KV tiers keep only their accounting, each load and store priced by the
+//! timing model as the simulator prices it), and produces deterministic tokens. Scaling tests and planner benchmarks need it:
 //! on a 2-core machine extra real CPU workers add no capacity, mock ones do.
 
 use std::time::Duration;
@@ -192,6 +193,10 @@ impl crate::forward::Forward for MockForward {
 
     fn kv_backed(&self) -> bool {
         self.clock.is_none()
+    }
+
+    fn tier_values(&self) -> bool {
+        false
     }
 
     fn tier_traffic(&self, t: &TierTraffic) {

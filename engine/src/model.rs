@@ -285,6 +285,11 @@ impl Model {
         self.forward.weights()
     }
 
+    /// Whether the KV tiers keep pages' bytes ([`crate::forward::Forward::tier_values`]).
+    pub fn tier_values(&self) -> bool {
+        self.forward.tier_values()
+    }
+
     /// The timing model's time of the last step, taken: the mock engine's (a worker's step
     /// beyond it is the machine's overhead, which the simulator draws from); `None` for real
     /// kernels or when no step ran since the last call.

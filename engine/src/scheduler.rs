@@ -211,10 +211,10 @@ fn open_tiers(
         let msg = "KV tiers keep the prefix cache's blocks: they need the prefix cache on";
         return Err(EngineError::Config(msg.into()));
     }
-    let backed = kv.page_bytes() > 0;
+    let pool_values = kv.page_bytes() > 0;
     // A cache without values (the mock) counts what the model's pages would take.
     let bytes = model.kv_page_bytes(config.block_size);
-    if backed && bytes != kv.page_bytes() {
+    if pool_values && bytes != kv.page_bytes() {
         let msg = format!(
             "KV tiers: the model's page is {bytes} bytes, the cache's {}",
             kv.page_bytes()
@@ -224,7 +224,8 @@ fn open_tiers(
     // Blocks on disk outlive the process: they are kept only for the same weights, not only
     // the same names (the block names' seed covers the model's name and shape).
     let identity = seed ^ model.weights_fingerprint().rotate_left(29);
-    crate::tiers::Tiers::open(&config.tiers, identity, bytes, backed)
+    let values = pool_values && model.tier_values();
+    crate::tiers::Tiers::open(&config.tiers, identity, bytes, values)
 }
 
 /// Why a request leaves the engine before it finished (logged; the blocks are freed the same

@@ -311,3 +311,48 @@ fn smollm2_prefix_from_another_engine_through_the_store_is_exact() {
         "windowed layer groups do not take part yet"
     );
 }
+
+#[test]
+fn a_mock_engines_tiers_keep_only_their_accounting_and_price_every_move() {
+    // The mock engine on a real clock (as `tandem up` runs it): its pool has pages of the
+    // model's real size, but its tiers copy none of those meaningless bytes — a load or store
+    // costs the timing model's time, as in the simulator, not this machine's copies as well.
+    let (m, tok) = engine::load_mock(&tandem_tests::model_path(), engine::MockTiming::CPU_SMOLLM2)
+        .expect("the mock loads");
+    let model = Arc::new(m);
+    let dir = Scratch::new("mock-tiers");
+    let mut e = Engine::new(
+        model.clone(),
+        config(2, Some(dir.path()), &model),
+        tok.stop_ids().to_vec(),
+    )
+    .unwrap();
+    let bs = EngineConfig::default().block_size;
+    let prompt = text(1, 5 * bs + 7);
+    let params = SamplingParams::greedy(4);
+    let want = turn(&mut e, 1, &prompt, &params).tokens;
+    // Two fillers push the prompt's blocks out of the pool, through G2 (2 pages) and to G3.
+    fill(&mut e, 1);
+    fill(&mut e, 2);
+    let t = turn(&mut e, 2, &prompt, &params);
+    assert_eq!(t.tokens, want);
+    assert_eq!(
+        t.hit,
+        5 * bs as u64,
+        "every whole block came back from a tier"
+    );
+    assert!(
+        t.host + t.disk == 5 && t.disk > 0,
+        "{} + {}",
+        t.host,
+        t.disk
+    );
+    assert_eq!(t.corrupt, 0);
+    let files = std::fs::read_dir(dir.path()).map_or(0, |d| d.count());
+    assert_eq!(files, 0, "the mock's disk tier writes no files");
+    // Counted at the model's page size: what the timing model prices (`TierTraffic`).
+    let page = model.kv_page_bytes(bs) as u64;
+    let tiers = e.load().tiers;
+    assert_eq!(tiers.host.bytes_loaded + tiers.disk.bytes_loaded, 5 * page);
+    assert!(tiers.host.bytes_stored >= 5 * page);
+}

@@ -108,7 +108,10 @@ impl KvCache {
                 tracing::warn!(page = b, "a cached KV page could not leave the device: {e}");
                 return Some(b);
             }
-            let data = segments(&self.layers, self.block_size * self.width, b);
+            let data = match tiers.values() {
+                true => segments(&self.layers, self.block_size * self.width, b),
+                false => Vec::new(),
+            };
             tiers.store(Evicted {
                 key,
                 tokens: &f.tokens,
@@ -163,7 +166,10 @@ impl KvCache {
         let tiers = self.tiers.as_mut().expect("checked above");
         let mut kept = true;
         for (key, i, b) in todo {
-            let data = segments(&self.layers, per_page, b);
+            let data = match tiers.values() {
+                true => segments(&self.layers, per_page, b),
+                false => Vec::new(),
+            };
             kept &= tiers.swap(Evicted {
                 key,
                 tokens: &tokens[i * bs..(i + 1) * bs],
@@ -336,30 +342,37 @@ impl KvCache {
     /// Takes group `g`'s block named `hash` holding `tokens` from a tier for a fresh page, not
     /// yet registered; `None` when no tier has a good copy. A block in G2 or in G3's files is
     /// only taken here (on a device, a G2 block's copy there starts):
-    /// [`KvCache::register_loaded`] copies and checks them all at once. A G3 of only its index
-    /// (the simulator's) loads here.
+    /// [`KvCache::register_loaded`] copies and checks them all at once. Tiers of only their
+    /// accounting load here.
     fn load(&mut self, g: usize, hash: u64, tokens: &[u32]) -> Option<Loaded> {
         let b = self.alloc()?;
         let key = (g as u32, hash);
         let tiers = self.tiers.as_mut().expect("restoring with tiers");
-        let onto = self.device.as_deref().map(|d| (d, b));
-        let taken = match tiers.start(key, tokens, onto) {
-            Some(Some((hits, at))) => Some((hits, From::G2(at))),
-            Some(None) => {
-                self.pool.release(b);
-                return None;
+        // Tiers without values (the mock's, the simulator's) move only their accounting: each
+        // block is loaded here, its time the timing model's.
+        if tiers.values() {
+            let onto = self.device.as_deref().map(|d| (d, b));
+            let taken = match tiers.start(key, tokens, onto) {
+                Some(Some((hits, at))) => Some((hits, From::G2(at))),
+                Some(None) => {
+                    self.pool.release(b);
+                    return None;
+                }
+                None => tiers.take_disk(key, tokens).map(|hits| (hits, From::G3)),
+            };
+            if let Some((hits, from)) = taken {
+                return Some(Loaded {
+                    page: b,
+                    hits,
+                    from,
+                });
             }
-            None => tiers.take_disk(key, tokens).map(|hits| (hits, From::G3)),
-        };
-        if let Some((hits, from)) = taken {
-            return Some(Loaded {
-                page: b,
-                hits,
-                from,
-            });
         }
         let per_page = self.block_size * self.width;
-        let mut out = segments_mut(&mut self.layers, per_page, b);
+        let mut out = match tiers.values() {
+            true => segments_mut(&mut self.layers, per_page, b),
+            false => Vec::new(),
+        };
         match tiers.load(key, tokens, &mut out) {
             Some((tier, hits)) => {
                 debug_assert_ne!(tier, Tier::Pool);

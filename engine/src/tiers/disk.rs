@@ -20,8 +20,17 @@ use super::{Evicted, Key};
 use crate::error::{EngineError, Result};
 use types::sum::{block_sum, Summer};
 
-/// Writes queued at most by default (each holds a page's bytes).
-pub(super) const QUEUE: usize = 64;
+/// Bytes of pages queued for writing at most by default: room for the burst one step's
+/// evictions send down (a reservation can evict hundreds of blocks at once), not only for a
+/// steady rate; a burst beyond it is skipped.
+pub(super) const QUEUE_BYTES: usize = 256 << 20;
+/// Writes queued at least, whatever the page's size.
+pub(super) const QUEUE_MIN: usize = 64;
+
+/// The default queue for pages of `page_bytes`: [`QUEUE_BYTES`] of them, at least [`QUEUE_MIN`].
+pub(super) fn default_queue(page_bytes: usize) -> usize {
+    (QUEUE_BYTES / page_bytes.max(1)).max(QUEUE_MIN)
+}
 const MAGIC: &[u8; 4] = b"TKVB";
 const VERSION: u32 = 2;
 /// Bytes of a file's fixed header.

@@ -54,8 +54,8 @@ pub struct TierConfig {
     pub disk_bytes: u64,
     /// Which evicted blocks are written down.
     pub write_policy: WritePolicy,
-    /// G3 writes queued at most, each holding a page's bytes (`None`: 64); a write beyond is
-    /// skipped. Tests that must not lose a write raise it.
+    /// G3 writes queued at most, each holding a page's bytes (`None`: 256 MiB of pages, at
+    /// least 64); a write beyond is skipped. Tests that must not lose a write raise it.
     pub disk_queue: Option<usize>,
 }
 
@@ -122,6 +122,8 @@ pub(crate) struct Evicted<'a> {
 pub struct Tiers {
     page_bytes: usize,
     policy: WritePolicy,
+    /// Whether the tiers keep the pages' bytes (or only their accounting).
+    values: bool,
     host: Option<host::Host>,
     disk: Option<g3::G3>,
     stats: TiersStats,
@@ -156,12 +158,16 @@ impl Tiers {
                 identity,
                 slot,
                 cap as usize,
-                config.disk_queue.unwrap_or(disk::QUEUE).max(1),
+                config
+                    .disk_queue
+                    .unwrap_or_else(|| disk::default_queue(page_bytes))
+                    .max(1),
             )?)),
             None => None,
         };
         let mut t = Tiers {
             page_bytes,
+            values: backed,
             policy: config.write_policy,
             host,
             disk,
@@ -179,6 +185,13 @@ impl Tiers {
             WritePolicy::Evicted => true,
             WritePolicy::HitTwice => hits >= 2,
         }
+    }
+
+    /// Whether the tiers keep pages' bytes: without, a page going down or coming back moves
+    /// none (the mock's tiers and the simulator's: only the accounting, priced by the timing
+    /// model).
+    pub(crate) fn values(&self) -> bool {
+        self.values
     }
 
     /// Whether [`Tiers::store`] would copy the bytes of block `key` holding `tokens`, shared
