@@ -370,6 +370,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
     let security = security(&cfg, &a.config, pki::Role::Router, "router")?;
     let rc = router::RouterConfig {
         discovery: discovery(&cfg, &security),
+        store: (a.store.clone()).or_else(|| cfg.store.node.as_ref().map(|n| n.get_ref().clone())),
         security,
         listen: a
             .listen

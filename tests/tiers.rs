@@ -143,7 +143,8 @@ fn puts(c: &Cluster, name: &str) -> u64 {
 /// The cluster KV store through a real cluster: a prompt computed on one decode worker is put
 /// in the store; that worker killed, the other serves the same prompt from the store's blocks
 /// (fetched, staged in its host tier, loaded into its pool), computing only the rest — the
-/// same text, asserted from both workers' store counters and the prefix hits.
+/// same text, asserted from both workers' store counters and the prefix hits; the router's
+/// KV index follows the store's blocks.
 #[test]
 fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store() {
     let mut s = with_store("store-colocated", 0, 2);
@@ -163,6 +164,13 @@ fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store()
         puts(c, served),
         6,
         "the prompt's 6 whole blocks, each put once"
+    );
+    // The router follows the store's holdings in its KV index.
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until(
+        "the store's blocks in the router's index",
+        Duration::from_secs(10),
+        || metric_at(c.operator, indexed) == 6.0,
     );
     let hits_before = stat(c, other, "prefix_hit_tokens");
     c.kill_worker(served);

@@ -379,6 +379,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         handle = handle.with_live(move |l| worker::store::fill(&counters, l));
     }
     let (offers, detail) = kv_endpoints(&cfg, &loaded, (regions, tickets), &handle).await?;
+    let store_model = store.as_ref().map_or(0, |l| l.model());
     let service = Service {
         engine: handle.clone(),
         grammars,
@@ -390,6 +391,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         kv_offers: offers,
         detail,
         metrics: METRICS,
+        store_model,
     };
     worker::serve(s, &loaded, &handle, routes, announce).await
 }

@@ -404,6 +404,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         let counters = link.counters.clone();
         handle = handle.with_live(move |l| worker::store::fill(&counters, l));
     }
+    let store_model = store.as_ref().map_or(0, |l| l.model());
     let service = Service {
         engine: handle.clone(),
         store,
@@ -427,6 +428,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         kv_offers: Vec::new(),
         detail: String::new(),
         metrics: METRICS,
+        store_model,
     };
     worker::serve(&cfg.worker, &loaded, &handle, routes, announce).await
 }

@@ -537,6 +537,8 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
         let labels = [("tier", tier.name())];
         metrics::gauge!("tandem_router_kv_index_tier_blocks", &labels).set(n as f64);
     }
+    let store = state.registry.indexed_store_blocks() as f64;
+    metrics::gauge!("tandem_router_kv_index_tier_blocks", "tier" => "store").set(store);
     for w in state.registry.workers() {
         let labels = [("worker", w.name.clone()), ("role", w.pool.to_string())];
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);

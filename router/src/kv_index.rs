@@ -18,17 +18,20 @@ struct Held {
     blocks: NameMap<u64, u8>,
 }
 
-/// A worker's leading run of a prompt's blocks, counted by the nearest tier holding each.
+/// A worker's leading run of a prompt's blocks, counted by the nearest tier holding each —
+/// and, where the worker holds none, the cluster store holding it (the worker fetches it).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Overlap {
     /// Blocks by [`Tier::index`]: in the pool, in host memory only, on disk only.
     pub tiers: [usize; 3],
+    /// Blocks only the cluster store holds.
+    pub store: usize,
 }
 
 impl Overlap {
-    /// Leading blocks held in any tier.
+    /// Leading blocks held in any tier or in the store.
     pub fn blocks(&self) -> usize {
-        self.tiers.iter().sum()
+        self.tiers.iter().sum::<usize>() + self.store
     }
 
     /// Leading blocks held in `tier` (nearest tier first).
@@ -37,10 +40,12 @@ impl Overlap {
     }
 
     /// The blocks worth as many as computed ones: each tier's count times its weight (the
-    /// pool's 1, a lower tier's what loading it saves against computing it).
-    pub fn weighed(&self, weights: &[f64; 3]) -> f64 {
+    /// pool's 1, a lower tier's — and last the store's — what loading it saves against
+    /// computing it).
+    pub fn weighed(&self, weights: &[f64; 4]) -> f64 {
         self.tiers
             .iter()
+            .chain([&self.store])
             .zip(weights)
             .map(|(&n, &w)| n as f64 * w)
             .sum()
@@ -119,7 +124,13 @@ pub struct KvIndex {
     workers: NameMap<WorkerId, Held>,
     /// Entries (a block of a worker) by tier holding them, by [`Tier::index`].
     by_tier: [usize; 3],
+    /// What the cluster store holds of this model: a holder every worker reaches.
+    store: Held,
 }
+
+/// Blocks of the store's the index keeps at most (its events beyond are dropped: a block not
+/// indexed is only not counted as cached).
+pub const MAX_STORE_BLOCKS: usize = 1 << 24;
 
 /// Adds (or takes away) one entry for each tier in `bits`.
 fn tally(by_tier: &mut [usize; 3], bits: u8, add: bool) {
@@ -209,6 +220,51 @@ impl KvIndex {
         }
     }
 
+    /// Applies the cluster store's events (a snapshot first: [`proto::grpc::KvEvents`] as its
+    /// `Watch` sends them); `true` when some were missed (follow it again from a snapshot).
+    pub fn apply_store(&mut self, ev: &KvEvents) -> bool {
+        let held = &mut self.store;
+        if ev.snapshot {
+            held.blocks.clear();
+        } else if held.next != Some(ev.first) {
+            return true;
+        }
+        held.next = Some(ev.next);
+        let stored = ev.stored.iter().copied().chain(std::iter::repeat(true));
+        for (&h, stored) in ev.hashes.iter().zip(stored) {
+            match stored {
+                true if held.blocks.len() < MAX_STORE_BLOCKS => {
+                    held.blocks.insert(h, 1);
+                }
+                true => {}
+                false => {
+                    held.blocks.remove(&h);
+                }
+            }
+        }
+        false
+    }
+
+    /// Forgets what the store holds (its watch broke: until it is followed again, nothing is
+    /// counted as fetched from it).
+    pub fn clear_store(&mut self) {
+        self.store = Held::default();
+    }
+
+    /// Blocks of the store's indexed.
+    pub fn store_blocks(&self) -> usize {
+        self.store.blocks.len()
+    }
+
+    /// The leading run of `blocks` the store holds: what any worker holding none of them
+    /// would fetch.
+    pub fn store_run(&self, blocks: &[BlockHash]) -> usize {
+        blocks
+            .iter()
+            .take_while(|h| self.store.blocks.contains_key(&h.0))
+            .count()
+    }
+
     /// For each worker holding the first of `blocks` (a prompt's block names, in order), how
     /// many leading blocks it holds, in any tier.
     pub fn overlap(&self, blocks: &[BlockHash]) -> HashMap<WorkerId, usize> {
@@ -217,7 +273,9 @@ impl KvIndex {
     }
 
     /// [`KvIndex::overlap`] for the workers `among` keeps only (a pool's candidates: the
-    /// others' leading blocks are not counted).
+    /// others' leading blocks are not counted). A worker's run goes on through blocks only the
+    /// store holds; a worker holding none of the first block is not listed: its run is the
+    /// store's ([`KvIndex::store_run`]).
     pub fn overlap_in(
         &self,
         blocks: &[BlockHash],
@@ -236,10 +294,16 @@ impl KvIndex {
             .filter(|&w| among(w))
             .filter_map(|w| Some((w, &self.workers.get(&w)?.blocks, Overlap::default())))
             .collect();
+        let store = &self.store.blocks;
         for h in blocks {
+            let in_store = store.contains_key(&h.0);
             live.retain_mut(|(w, held, run)| match held.get(&h.0) {
                 Some(&mask) => {
                     run.tiers[nearest(mask).index() as usize] += 1;
+                    true
+                }
+                None if in_store => {
+                    run.store += 1;
                     true
                 }
                 None => {
@@ -390,7 +454,7 @@ mod tests {
             [2, 1, 2],
             "pool: 1 and 4; host: 2; disk: 3 and 4"
         );
-        assert_eq!(o.weighed(&[1.0, 0.5, 0.25]), 2.75);
+        assert_eq!(o.weighed(&[1.0, 0.5, 0.25, 0.0]), 2.75);
         // Gone from its last tier, a block ends the run.
         assert!(!ix.apply(w, &tiered(11, &[(false, 3, disk)]), 100));
         assert_eq!(ix.overlap(&b(&[1, 2, 3, 4]))[&w], 2);
@@ -405,5 +469,36 @@ mod tests {
         assert_eq!(ix.by_tier(), [1, 1, 2]);
         ix.remove_worker(w);
         assert_eq!(ix.by_tier(), [0, 0, 0]);
+    }
+
+    #[test]
+    fn a_workers_run_goes_on_through_the_stores_blocks() {
+        let (w1, w2, mut ix) = (WorkerId(1), WorkerId(2), KvIndex::default());
+        assert!(!ix.apply(w1, &snapshot(0, &[1, 2]), 100));
+        assert!(!ix.apply(w2, &snapshot(0, &[7]), 100));
+        // The store's watch: a snapshot, then its changes, numbered as a worker's.
+        assert!(!ix.apply_store(&snapshot(0, &[1, 2, 3, 4])));
+        assert!(!ix.apply_store(&events(0, &[(true, 5), (false, 4)])));
+        assert_eq!(ix.store_blocks(), 4);
+        let o = ix.overlap_in(&b(&[1, 2, 3, 4, 5]), |_| true);
+        assert_eq!(
+            (o[&w1].tiers, o[&w1].store),
+            ([2, 0, 0], 1),
+            "1 and 2 its own, 3 the store's, 4 nowhere"
+        );
+        assert!(!o.contains_key(&w2), "holding none of the first block");
+        assert_eq!(ix.store_run(&b(&[1, 2, 3, 4, 5])), 3, "what w2 would fetch");
+        assert_eq!(o[&w1].weighed(&[1.0, 0.9, 0.7, 0.5]), 2.5);
+        assert!(
+            ix.apply_store(&events(5, &[(true, 4)])),
+            "2..5 missed: resync"
+        );
+        ix.clear_store();
+        assert_eq!(ix.store_run(&b(&[1, 2, 3])), 0);
+        assert_eq!(ix.overlap(&b(&[1, 2, 3]))[&w1], 2);
+        assert!(
+            ix.apply_store(&events(0, &[(true, 1)])),
+            "no snapshot since"
+        );
     }
 }

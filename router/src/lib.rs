@@ -24,6 +24,7 @@ pub mod request;
 pub mod response;
 pub mod routing;
 pub mod status;
+pub mod store_watch;
 pub mod tokenize;
 pub mod wire;
 
@@ -89,6 +90,8 @@ pub struct RouterConfig {
     pub peers: Vec<(String, String)>,
     /// Membership through etcd (`[discovery]`), beside the control endpoint workers may join.
     pub discovery: Option<discovery::Config>,
+    /// The cluster KV store's node (`http://HOST:PORT`), whose holdings the KV index follows.
+    pub store: Option<String>,
 }
 
 /// Which actuator the planner drives.
@@ -409,6 +412,10 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), 
         operator: op_addr,
     });
     let router_id = discovery::random_id();
+    if let Some(uri) = &cfg.store {
+        let (registry, security) = (state.registry.clone(), cfg.security.clone());
+        tokio::spawn(store_watch::follow(registry, security, uri.clone()));
+    }
     if let Some(d) = &cfg.discovery {
         members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);
     }
@@ -507,7 +514,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
     ("tandem_router_forwarded_total", Counter, "Requests passed to another model's router ([router] models), by model."),
     ("tandem_router_kv_index_blocks", Gauge, "Blocks in the router's KV index (one entry per block per worker caching it)."),
-    ("tandem_router_kv_index_tier_blocks", Gauge, "The KV index's entries by the tier holding them (pool, host, disk; a block in two tiers of a worker counts in each)."),
+    ("tandem_router_kv_index_tier_blocks", Gauge, "The KV index's entries by the tier holding them (pool, host, disk; a block in two tiers of a worker counts in each), and the blocks of the cluster store's it follows (store)."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),
     ("tandem_planner_live_replicas", Gauge, "Replicas serving (joined, not draining), by pool."),

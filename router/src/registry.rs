@@ -97,6 +97,11 @@ impl Registry {
         self.lock().indexed_by_tier()
     }
 
+    /// Blocks of the cluster store's in the KV index.
+    pub fn indexed_store_blocks(&self) -> usize {
+        self.lock().index_mut().store_blocks()
+    }
+
     /// A receiver that sees every change from now on (joins, heartbeats, removals): what a
     /// request waiting for room waits on.
     pub fn subscribe(&self) -> watch::Receiver<u64> {

@@ -46,6 +46,10 @@ pub const DEFAULT_RATE: f64 = 1000.0;
 /// from it (host memory, disk): a copy costs a small part of computing the block.
 pub const UNMEASURED_TIER_WEIGHTS: [f64; 2] = [0.9, 0.7];
 
+/// What a block only the cluster store holds counts for before the worker has measured a
+/// fetch: a network read, dearer than a local tier's.
+pub const UNMEASURED_STORE_WEIGHT: f64 = 0.5;
+
 /// What a block loaded from a tier counts for against one in the pool (1) and one computed
 /// (0): the share of the block's compute time (`block_tokens` at `rate` tokens/s) that loading
 /// it (`load_s`) saves.

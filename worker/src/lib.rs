@@ -169,6 +169,8 @@ pub struct Announce<'a> {
     pub detail: String,
     /// Its metrics, with help text.
     pub metrics: &'a [(&'static str, proto::metrics::Kind, &'static str)],
+    /// The cluster store's key for its blocks, when it uses a store (0: none).
+    pub store_model: u64,
 }
 
 /// Serves `routes` (the pool's own gRPC service) beside the `Worker` service, starts the
@@ -207,6 +209,7 @@ pub async fn serve<C: Send + 'static>(
         worker_id: 0,
         device: loaded.model.device_name(),
         kv_tier_blocks: loaded.model.kv_tier_blocks(&s.engine),
+        store_model: announce.store_model,
     };
     let period = proto::membership::HEARTBEAT_PERIOD;
     match &s.discovery {

@@ -59,6 +59,11 @@ pub struct StoreLink {
 }
 
 impl StoreLink {
+    /// The store's key for this engine's blocks (its names' seed and its weights).
+    pub fn model(&self) -> u64 {
+        self.names.1
+    }
+
     /// A link to the node at `uri` (dialled when first used), whose certificate must name the
     /// store role.
     pub fn new(

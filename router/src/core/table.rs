@@ -16,7 +16,7 @@ use serde::{Serialize, Serializer};
 use types::{BlockHash, WorkerId};
 
 use super::line::Line;
-use crate::kv_index::KvIndex;
+use crate::kv_index::{KvIndex, Overlap};
 use crate::routing::{self, Candidate, Policy, Routing};
 
 /// One joined worker.
@@ -226,6 +226,9 @@ pub struct Table {
     pub liveness: Liveness,
     /// The requests waiting for a decode worker with room.
     pub line: Line,
+    /// The cluster store's key for this model's blocks, as the first worker using a store
+    /// announced it (the key the router follows the store's holdings of).
+    store_model: Option<u64>,
 }
 
 impl Table {
@@ -241,7 +244,18 @@ impl Table {
             turns: [0; 2],
             liveness,
             line: Line::default(),
+            store_model: None,
         }
+    }
+
+    /// The cluster store's key for this model's blocks, once a worker using it has joined.
+    pub fn store_model(&self) -> Option<u64> {
+        self.store_model
+    }
+
+    /// The KV index, to follow the store's holdings in.
+    pub fn index_mut(&mut self) -> &mut KvIndex {
+        &mut self.index
     }
 
     /// Tokens per KV block in this cluster.
@@ -369,10 +383,18 @@ impl Table {
         };
         let bs = self.block_size();
         let rate = self.prefill_rate();
+        // A worker holding none of the prompt's first block fetches what the store holds.
+        let fetched = Overlap {
+            store: match self.routing.policy {
+                Policy::Kv => self.index.store_run(&route.blocks),
+                _ => 0,
+            },
+            ..Overlap::default()
+        };
         let c = ws
             .iter()
             .map(|w| {
-                let o = overlap.get(&w.id).copied().unwrap_or_default();
+                let o = overlap.get(&w.id).copied().unwrap_or(fetched);
                 let weights = self.tier_weights(w, rate);
                 w.candidate((o.weighed(&weights) * bs as f64).round() as usize)
             })
@@ -393,13 +415,10 @@ impl Table {
         sum / n as f64
     }
 
-    /// What a block in each of worker `w`'s tiers counts for (the pool's 1 first): the
-    /// configured weights, else each tier's measured load time a block against computing it
-    /// at `rate` (the worker's own rate where it measured one).
-    fn tier_weights(&self, w: &Worker, rate: f64) -> [f64; 3] {
-        if let Some([host, disk]) = self.routing.tier_weights {
-            return [1.0, host, disk];
-        }
+    /// What a block in each of worker `w`'s tiers, then in the store, counts for (the pool's
+    /// 1 first): the configured weights, else each tier's measured load time a block against
+    /// computing it at `rate` (the worker's own rate where it measured one).
+    fn tier_weights(&self, w: &Worker, rate: f64) -> [f64; 4] {
         let rate = match w.load.prompt_tokens_per_s as f64 {
             r if r > 0.0 => r,
             _ => rate,
@@ -410,11 +429,20 @@ impl Table {
             0 => unmeasured,
             n => routing::tier_weight(seconds / n as f64, bs, rate),
         };
+        let store = measured(
+            l.kv_store_load_seconds,
+            l.kv_store_hits,
+            routing::UNMEASURED_STORE_WEIGHT,
+        );
+        if let Some([host, disk]) = self.routing.tier_weights {
+            return [1.0, host, disk, store];
+        }
         let [host, disk] = routing::UNMEASURED_TIER_WEIGHTS;
         [
             1.0,
             measured(l.kv_host_load_seconds, l.kv_host_hits, host),
             measured(l.kv_disk_load_seconds, l.kv_disk_hits, disk),
+            store,
         ]
     }
 
@@ -502,6 +530,14 @@ impl Table {
             .ok()
             .and_then(|r| Pool::try_from(r).ok())
             .ok_or(JoinRefused::Role)?;
+        match (j.store_model, self.store_model) {
+            (0, _) => {}
+            (key, None) => self.store_model = Some(key),
+            (key, Some(k)) if key != k => {
+                tracing::warn!(name = %j.name, "this worker's blocks have another store key ({key:016x}, not {k:016x}: other weights under the same names); the router follows the first's")
+            }
+            _ => {}
+        }
         // A worker registered in etcd brings its cluster-wide id; joining again (through the
         // watch and through this call, or after an outage) changes nothing.
         let id = match WorkerId(j.worker_id) {

@@ -82,3 +82,43 @@ fn a_request_refused_again_and_again_keeps_one_entry_for_the_worker() {
     };
     assert_eq!(refused, &vec![(w, 49)]);
 }
+
+/// The cluster store in the table: the first worker announcing a store key sets it; a prefill
+/// pick counts the blocks only the store holds as cached, at the store's weight (unmeasured:
+/// [`crate::routing::UNMEASURED_STORE_WEIGHT`]), for a worker holding none of them — and
+/// nothing once the store's watch is gone.
+#[test]
+fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
+    let t0 = Instant::now();
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let join = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Prefill as i32,
+        name: "prefill-0".into(),
+        identity: Some(identity().into()),
+        kv_blocks_total: 64,
+        store_model: 0xabc,
+        ..Default::default()
+    };
+    table.join(join, t0).unwrap();
+    assert_eq!(table.store_model(), Some(0xabc));
+    let blocks: Vec<types::BlockHash> = (1..=4).map(types::BlockHash).collect();
+    let snapshot = grpc::KvEvents {
+        hashes: vec![1, 2, 3],
+        snapshot: true,
+        next: 3,
+        ..Default::default()
+    };
+    assert!(!table.index_mut().apply_store(&snapshot));
+    let route = Route {
+        blocks,
+        prompt_tokens: 4 * 16 + 1,
+    };
+    let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
+    let w = crate::routing::UNMEASURED_STORE_WEIGHT;
+    assert_eq!(p.cached_tokens, (3.0 * 16.0 * w).round() as usize);
+    drop(p);
+    table.index_mut().clear_store();
+    let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
+    assert_eq!(p.cached_tokens, 0);
+}

@@ -156,6 +156,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> WorkerId {
         worker_id: 0,
         device: "mock".into(),
         kv_tier_blocks: 0,
+        store_model: 0,
     };
     state.registry.join(req).expect("joins")
 }

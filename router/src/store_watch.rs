@@ -1,0 +1,81 @@
+//! The cluster KV store in the router's KV index: once a worker using the store has joined
+//! (announcing the store's key for this model's blocks), the router follows the node's `Watch`
+//! — a snapshot, then each block stored or removed — into its index, where every worker's
+//! cached prefix goes on through the blocks only the store holds (fetched before computing,
+//! at the store's measured load cost). A broken watch clears what the index knew of the store
+//! and is followed again after a pause; a gap in its numbers asks for a new snapshot.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use proto::grpc::store_client::StoreClient;
+use proto::grpc::WatchRequest;
+use tokio_stream::StreamExt;
+
+use crate::registry::Registry;
+
+/// Pauses between attempts to follow the store, growing to the last.
+const RETRY: [Duration; 4] = [
+    Duration::from_millis(200),
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+    Duration::from_secs(5),
+];
+
+/// How long connecting to the node may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Follows the store at `uri` into `registry`'s KV index for as long as the router runs.
+pub async fn follow(registry: Arc<Registry>, security: pki::Security, uri: String) {
+    let key = store_key(&registry).await;
+    tracing::info!(store = %uri, key = format!("{key:016x}"), "following the cluster store's blocks in the KV index");
+    let mut tries = 0usize;
+    loop {
+        match watch(&registry, &security, &uri, key).await {
+            Ok(()) => tracing::warn!(store = %uri, "the store's watch ended"),
+            Err(e) => tracing::warn!(store = %uri, "the store's watch failed: {e}"),
+        }
+        registry.with(|t| t.index_mut().clear_store());
+        tokio::time::sleep(RETRY[tries.min(RETRY.len() - 1)]).await;
+        tries += 1;
+    }
+}
+
+/// The store's key for this model's blocks, once a worker using the store has announced it.
+async fn store_key(registry: &Registry) -> u64 {
+    let mut changed = registry.subscribe();
+    loop {
+        if let Some(key) = registry.with(|t| t.store_model()) {
+            return key;
+        }
+        // Every join and heartbeat wakes it; a closed channel (the router stopping) ends it.
+        if changed.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// One watch: its snapshot and changes applied until it ends, fails or skips an event.
+async fn watch(
+    registry: &Registry,
+    security: &pki::Security,
+    uri: &str,
+    key: u64,
+) -> Result<(), String> {
+    let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
+        .map_err(|e| proto::secure::explain(&e))?
+        .connect_timeout(CONNECT_TIMEOUT);
+    let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
+    let mut events = StoreClient::new(channel)
+        .watch(WatchRequest { model: key })
+        .await
+        .map_err(|s| s.message().to_string())?
+        .into_inner();
+    while let Some(ev) = events.next().await {
+        let ev = ev.map_err(|s| s.message().to_string())?;
+        if registry.with(|t| t.index_mut().apply_store(&ev)) {
+            return Err("an event was missed: following it again from a snapshot".into());
+        }
+    }
+    Ok(())
+}
