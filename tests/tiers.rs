@@ -258,3 +258,56 @@ fn a_new_prefill_worker_and_another_decode_worker_take_a_prefix_from_the_store()
     assert_eq!(stat(c, p, "prompt_tokens"), (6 * BS) as u64);
     assert_eq!(stat(c, p, "prefix_hit_tokens"), 5 * BS as u64);
 }
+
+/// A store node frozen (`SIGSTOP`), then killed: no request fails or hangs — a worker's fetch
+/// gives up at its timeout, the prompt is computed instead (the same text), the failure is
+/// counted, and the worker leaves the store alone for a while (the next request pays no
+/// timeout); the router's index forgets the store's blocks once its watch breaks.
+#[test]
+fn a_frozen_or_killed_store_fails_no_request() {
+    let mut s = with_store("store-faults", 0, 1);
+    let w = "decode-0";
+    let first = prompt(13, 6);
+    let text = complete(&s.c, &first);
+    wait_until("the blocks in the store", Duration::from_secs(20), || {
+        puts(&s.c, w) >= 6
+    });
+    s.node.signal(libc::SIGSTOP);
+    // Another prompt: the worker lacks its blocks, asks the frozen store, gives up.
+    let t0 = std::time::Instant::now();
+    let other = prompt(14, 6);
+    let other_text = complete(&s.c, &other);
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "the fetch timed out, not the request"
+    );
+    assert_eq!(stat(&s.c, w, "kv_store_fetch_failures"), 1);
+    // Resting from the store: a new prompt within the rest (2 s from the failure, which came
+    // no sooner than the fetch timeout after t0) does not ask it at all.
+    complete(&s.c, &prompt(15, 6));
+    if t0.elapsed() < Duration::from_millis(2500) {
+        assert_eq!(stat(&s.c, w, "kv_store_fetch_failures"), 1, "left alone");
+    }
+    s.node.signal(libc::SIGCONT);
+    s.node.kill();
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until(
+        "the router forgets the dead store's blocks",
+        Duration::from_secs(10),
+        || metric_at(s.c.operator, indexed) == 0.0,
+    );
+    // Once its rest is over, a new prompt asks the dead store, fails at once, and is computed.
+    let mut k = 16;
+    wait_until(
+        "a fetch from the dead store fails",
+        Duration::from_secs(20),
+        || {
+            k += 1;
+            assert!(!complete(&s.c, &prompt(k, 6)).is_empty());
+            stat(&s.c, w, "kv_store_fetch_failures") == 2
+        },
+    );
+    assert_eq!(complete(&s.c, &first), text, "the same text, computed");
+    assert_eq!(complete(&s.c, &other), other_text);
+    assert_eq!(stat(&s.c, w, "kv_tier_corrupt"), 0);
+}

@@ -52,6 +52,21 @@ impl StoreNode {
     }
 }
 
+impl StoreNode {
+    /// Sends `signal` (e.g. `libc::SIGSTOP`: the node frozen) to the node.
+    pub fn signal(&self, signal: i32) {
+        // SAFETY: signalling a child process of this test, not yet reaped (reaped on drop).
+        let r = unsafe { libc::kill(self.child.id() as i32, signal) };
+        assert_eq!(r, 0, "signal {signal} sent to the store node");
+    }
+
+    /// Kills the node (`kill -9`) and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
 impl Drop for StoreNode {
     fn drop(&mut self) {
         let _ = self.child.kill();

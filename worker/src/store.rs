@@ -44,7 +44,13 @@ pub struct StoreCounters {
     pub bytes_loaded: AtomicU64,
     /// Microseconds spent fetching.
     pub load_us: AtomicU64,
+    /// Fetches that failed or ran out of time.
+    pub fetch_failures: AtomicU64,
 }
+
+/// How long a worker leaves the store alone after a fetch failed or ran out of time: a frozen
+/// or unreachable node costs one request its fetch timeout, not every request.
+const BACKOFF: Duration = Duration::from_secs(2);
 
 /// One store node as a worker uses it.
 #[derive(Clone)]
@@ -56,6 +62,8 @@ pub struct StoreLink {
     fetch_timeout: Duration,
     /// The counters, shared with the load a worker reports.
     pub counters: Arc<StoreCounters>,
+    /// Until when fetches are skipped (after a failed one).
+    backoff: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl StoreLink {
@@ -86,6 +94,7 @@ impl StoreLink {
             block_size,
             fetch_timeout,
             counters: Arc::default(),
+            backoff: Arc::default(),
         })
     }
 
@@ -158,20 +167,25 @@ impl StoreLink {
     }
 
     /// The store's blocks of `wanted`, in order up to the first the store lacks or the
-    /// deadline; each checked against its checksum by the engine when staged.
+    /// deadline; each checked against its checksum by the engine when staged. None while the
+    /// store is left alone after a failed fetch ([`BACKOFF`]).
     pub async fn fetch(&self, wanted: &[BlockHash]) -> Vec<StoreBlock> {
-        if wanted.is_empty() {
+        let t0 = std::time::Instant::now();
+        let resting = |b: &Option<std::time::Instant>| b.is_some_and(|until| t0 < until);
+        if wanted.is_empty() || resting(&self.backoff.lock().expect("not poisoned")) {
             return Vec::new();
         }
-        let t0 = std::time::Instant::now();
         let got = tokio::time::timeout(self.fetch_timeout, self.get(wanted)).await;
+        let failed = |why: String| {
+            tracing::warn!("store fetch failed ({why}): computing instead; the store is left alone for {BACKOFF:?}");
+            self.counters.fetch_failures.fetch_add(1, Ordering::Relaxed);
+            *self.backoff.lock().expect("not poisoned") = Some(std::time::Instant::now() + BACKOFF);
+            Vec::new()
+        };
         let blocks = match got {
             Ok(Ok(b)) => b,
-            Ok(Err(e)) => {
-                tracing::debug!("store fetch failed: {e}");
-                Vec::new()
-            }
-            Err(_) => Vec::new(),
+            Ok(Err(e)) => failed(e.message().to_string()),
+            Err(_) => failed(format!("no answer within {:?}", self.fetch_timeout)),
         };
         let c = &self.counters;
         c.hits.fetch_add(blocks.len() as u64, Ordering::Relaxed);
@@ -285,4 +299,5 @@ pub fn fill(c: &StoreCounters, l: &mut proto::grpc::WorkerLoad) {
     l.kv_store_puts = get(&c.puts);
     l.kv_store_puts_held = get(&c.held);
     l.kv_store_puts_dropped = get(&c.dropped);
+    l.kv_store_fetch_failures = get(&c.fetch_failures);
 }
