@@ -53,6 +53,15 @@ def simulate(d, name, text, work):
     return json.load(open(out))
 
 
+def ideal_floor(a):
+    """The infinite-cache floor of `a`'s trace slice (scripts/ideal_cache.py)."""
+    return json.loads(subprocess.run(
+        ["python3", os.path.join(ROOT, "scripts", "ideal_cache.py"), "--trace", a.trace,
+         "--requests", str(a.requests), "--length-scale", str(a.length_scale),
+         "--capacity-blocks", str(1 << 40), "--json", "/dev/stdout"],
+        check=True, capture_output=True, text=True).stdout.split("\n", 1)[1])
+
+
 def row(name, r, floor=None):
     t = r.get("tier_hit_blocks") or {}
     over = f"{r['computed_prompt_ratio'] / floor:.3f}x" if floor else "-"
@@ -75,11 +84,7 @@ def main():
     a = ap.parse_args()
     model = subprocess.run([EXE, "model", "path"], check=True, capture_output=True, text=True).stdout.strip()
     d = tempfile.mkdtemp(prefix="tandem-tiers-")
-    floor = json.loads(subprocess.run(
-        ["python3", os.path.join(ROOT, "scripts", "ideal_cache.py"), "--trace", a.trace,
-         "--requests", str(a.requests), "--length-scale", str(a.length_scale),
-         "--capacity-blocks", str(1 << 40), "--json", "/dev/stdout"],
-        check=True, capture_output=True, text=True).stdout.split("\n", 1)[1])
+    floor = ideal_floor(a)
     ws = floor["working_set_blocks"]
     blocks = int(ws * a.pool_share) // 4
     tiers = (2 * blocks, ws)

@@ -180,6 +180,10 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
             fault_seed: a.fault_seed,
         },
         faults: sim::schedule_faults(&a.faults, a.fault_seed, horizon),
+        // Workers pointed at a store node use the cluster store: the simulator keeps one.
+        store: cfg.store.node.as_ref().map(|_| sim::StoreSpec {
+            capacity_bytes: *cfg.store.capacity_bytes.get_ref(),
+        }),
     };
     Ok((config, planned))
 }
@@ -292,6 +296,7 @@ pub fn simulate(
         "migrations": r.migrations, "deaths": r.deaths, "stalls": r.stalls,
         "admission_holds": r.admission_holds,
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
+        "store_hits": r.store_hits,
         "faults": r.faults.iter().map(|(t, f)| serde_json::json!({"t_s": t, "fault": f})).collect::<Vec<_>>(),
         "ttft_phase_seconds": counted(&r.ttft_phases),
         "step_seconds": counted(&r.step_time),

@@ -41,12 +41,14 @@ pub struct TierTraffic {
     /// Blocks stored on the step's path (the host tier's copies; the disk's writer runs
     /// beside the steps).
     pub stored: [u64; 2],
+    /// Blocks fetched from the cluster KV store (staged in the host tier).
+    pub fetched: u64,
 }
 
 impl TierTraffic {
     /// Whether nothing moved.
     pub fn is_empty(&self) -> bool {
-        self.loaded == [0, 0] && self.stored == [0, 0]
+        self.loaded == [0, 0] && self.stored == [0, 0] && self.fetched == 0
     }
 }
 
@@ -70,6 +72,8 @@ pub struct MockTiming {
     pub host_tier: TierLink,
     /// The disk tier (G3).
     pub disk_tier: TierLink,
+    /// The cluster KV store's node over the network (a fetch reads it).
+    pub store_link: TierLink,
 }
 
 impl MockTiming {
@@ -93,6 +97,12 @@ impl MockTiming {
             latency_us: 50.0,
             read_bytes_per_s: 2e9,
             write_bytes_per_s: 1e9,
+        },
+        // A store node on this machine's loopback, as `cargo bench -p store` measures a get.
+        store_link: TierLink {
+            latency_us: 900.0,
+            read_bytes_per_s: 2e9,
+            write_bytes_per_s: 0.7e9,
         },
     };
 
@@ -118,6 +128,12 @@ impl MockTiming {
             read_bytes_per_s: 7e9,
             write_bytes_per_s: 5e9,
         },
+        // A store node across a 100 Gb/s network (~12 GB/s), a round trip and a read.
+        store_link: TierLink {
+            latency_us: 50.0,
+            read_bytes_per_s: 12e9,
+            write_bytes_per_s: 12e9,
+        },
     };
 
     /// The time of one step.
@@ -139,13 +155,15 @@ impl MockTiming {
         let bytes =
             |blocks: u64| (blocks as usize * t.block_tokens) as f64 * self.kv_bytes_per_token;
         let links = [&self.host_tier, &self.disk_tier];
+        let store = &self.store_link;
         let us: f64 = (0..2)
             .map(|i| {
                 let l = links[i];
                 l.time_us(bytes(t.loaded[i]), l.read_bytes_per_s)
                     + l.time_us(bytes(t.stored[i]), l.write_bytes_per_s)
             })
-            .sum();
+            .sum::<f64>()
+            + store.time_us(bytes(t.fetched), store.read_bytes_per_s);
         Duration::from_secs_f64(us / 1e6)
     }
 }

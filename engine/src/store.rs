@@ -19,7 +19,7 @@ impl Engine {
 
     /// Copies every block computed from now on for the store, up to `cap` waiting (more are
     /// dropped, counted). `false` where this engine cannot take part: a model with windowed
-    /// layer groups, a pool on a GPU, or the mock (no values).
+    /// layer groups, or a pool on a GPU.
     pub fn set_store_out(&mut self, cap: usize) -> bool {
         self.prefix_seed.is_some() && self.kv.set_store_out(cap)
     }
@@ -27,6 +27,17 @@ impl Engine {
     /// The blocks copied out since the last call, and how many were dropped in all.
     pub fn take_store_blocks(&mut self) -> (Vec<StoreBlock>, u64) {
         self.kv.take_store_blocks()
+    }
+
+    /// The names of `prompt`'s whole blocks (all but its last token: always computed) past
+    /// the leading run this engine holds: what a worker fetches from the store for it.
+    pub fn store_wanted(&self, prompt: &[u32], salt: Option<&str>) -> Vec<types::BlockHash> {
+        let Some(seed) = self.prefix_seed else {
+            return Vec::new();
+        };
+        let known = &prompt[..prompt.len().saturating_sub(1)];
+        let root = crate::block_hash::root(salt);
+        self.kv.missing_blocks((seed, root), known)
     }
 
     /// Puts blocks fetched from the store in G2, where the next prefix lookup finds them;

@@ -38,10 +38,12 @@ mod faults;
 mod overhead;
 mod planner;
 mod router_side;
+mod store;
 mod worker;
 pub use faults::{schedule as schedule_faults, Count, Fault, FaultKind, FaultSpec};
 pub use overhead::{Overhead, OverheadError};
 pub use planner::Sample;
+pub use store::StoreSpec;
 
 /// One pool: how many workers, each engine's configuration and step timing.
 #[derive(Debug, Clone)]
@@ -102,6 +104,8 @@ pub struct SimConfig {
     pub liveness: Liveness,
     /// What goes wrong, and when.
     pub faults: Vec<Fault>,
+    /// The cluster KV store the workers use (none: no store).
+    pub store: Option<StoreSpec>,
 }
 
 /// The router's failure detection (`[router]` and `[kv_transfer]` of cluster.toml) and where
@@ -175,6 +179,8 @@ pub struct SimResult {
     pub prefix_hit_tokens: u64,
     /// Of those, blocks loaded from the tiers below the pools (host memory, disk).
     pub tier_hits: [u64; 2],
+    /// Blocks fetched from the cluster store (staged in a worker's host tier).
+    pub store_hits: u64,
     /// KV bytes moved from prefill to decode workers.
     pub kv_bytes: u64,
     /// Where each request was prefilled, and why prompts were recomputed, by the router's
@@ -359,6 +365,8 @@ pub struct Sim {
     faults: Vec<Fault>,
     /// Per rack, the share of the link's bandwidth left.
     link_share: Vec<f64>,
+    /// The cluster KV store, once a worker using it has joined.
+    store: Option<store::SimStore>,
 }
 
 /// The simulated engines' vocabulary: a decoded token's logits are a row of this many floats
@@ -428,6 +436,7 @@ impl Sim {
             open: 0,
             faults: cfg.faults.clone(),
             link_share: vec![1.0; cfg.liveness.racks.max(1)],
+            store: None,
             cfg,
         };
         sim.start_pools()?;

@@ -60,7 +60,8 @@ impl Sim {
     /// A new worker of `pool` joins the router's table (its first heartbeat: an empty cache).
     pub(crate) fn add_worker(&mut self, pool: Pool, spec: &PoolSpec) -> engine::Result<()> {
         let (model, clock) = engine::Model::mock_virtual(self.cfg.model.clone(), spec.timing);
-        let engine = Engine::new(Arc::new(model), spec.engine.clone(), Vec::new())?;
+        let mut engine = Engine::new(Arc::new(model), spec.engine.clone(), Vec::new())?;
+        let store_model = self.store_join(&mut engine);
         let w = self.workers.len();
         let join = JoinRequest {
             protocol_version: proto::PROTOCOL_VERSION,
@@ -71,6 +72,7 @@ impl Sim {
             kv_tier_blocks: engine.model().kv_tier_blocks(&spec.engine),
             worker_id: wid(w).0,
             device: "mock".into(),
+            store_model,
             ..Default::default()
         };
         let now = self.instant();
@@ -205,6 +207,7 @@ impl Sim {
             };
             self.transfer(id, sent);
         }
+        self.store_puts(w);
         for o in std::mem::take(&mut self.workers[w].opening) {
             self.open_now(o, w);
         }
@@ -259,6 +262,8 @@ impl Sim {
             ..Default::default()
         };
         let prompt = core.prompt().to_vec();
+        self.store_fetch(w, &prompt);
+        let wk = &mut self.workers[w];
         let input = match o.remote {
             true => match wk
                 .engine
@@ -291,7 +296,8 @@ impl Sim {
             let input = Input::PrefillFailed(Cause::Unreachable, "the worker is gone".into());
             return self.input_at(req, id, input, back);
         }
-        let prompt = core.prompt();
+        let prompt = core.prompt().to_vec();
+        self.store_fetch(w, &prompt);
         let tokens = prompt[..prompt.len() - 1].to_vec();
         match self.workers[w]
             .engine

@@ -31,6 +31,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         token_delay: Default::default(),
         liveness: sim::Liveness::default(),
         faults: Vec::new(),
+        store: None,
     }
 }
 
@@ -538,4 +539,36 @@ fn cut_links_and_dead_prefill_workers_mean_recomputation_on_the_decode_worker() 
         .outcomes
         .iter()
         .all(|o| o.error.is_none() && o.tokens == 4));
+}
+
+/// The cluster store: a prompt computed on one colocated worker is put in the store; the same
+/// prompt sent to the other (round-robin) is fetched from it — its 6 whole blocks staged in
+/// the host tier and loaded from there, only its last 4 tokens computed — and the fetch is
+/// priced on that worker's step by the timing model's store link, beside the host tier's write
+/// and load: 1,150 + 4 × 1,030 µs, plus 2 × (2 + bytes / 8 GB/s) (into the host tier and out)
+/// and 900 + bytes / 2 GB/s (the store) for 96 tokens' KV.
+#[test]
+fn a_prefix_another_worker_computed_comes_from_the_store_at_its_price() {
+    let mut c = cluster(0, 2);
+    c.routing.policy = router::routing::Policy::RoundRobin;
+    let page = 16 * KV_BYTES;
+    c.decode.engine.tiers.host_bytes = 64 * page;
+    c.store = Some(sim::StoreSpec {
+        capacity_bytes: 1 << 30,
+    });
+    let prompt: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let reqs = vec![request(0, prompt.clone(), 1), request(1000, prompt, 1)];
+    let r = Sim::new(c, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    assert_eq!(
+        r.store_hits, 6,
+        "the second fetched the prompt's 6 whole blocks"
+    );
+    assert_eq!(r.tier_hits, [6, 0], "and loaded them from the host tier");
+    assert_eq!((r.prompt_tokens, r.prefix_hit_tokens), (200, 96));
+    let bytes = (96 * KV_BYTES) as f64;
+    let host = 2.0 + bytes / 8e9 * 1e6;
+    let want = 1150.0 + 4.0 * 1030.0 + 2.0 * host + (900.0 + bytes / 2e9 * 1e6);
+    let got = r.outcomes[1].ttft.unwrap().as_secs_f64() * 1e6;
+    assert!((got - want).abs() < 1.0, "TTFT {got} µs, by hand {want} µs");
 }

@@ -86,29 +86,33 @@ impl Inner {
             return;
         }
         self.watchers.retain_mut(|w| {
-            let (hashes, stored): (Vec<u64>, Vec<bool>) = changes
-                .iter()
-                .filter_map(|c| match *c {
-                    Change::Stored(k) if k.model == w.model => Some((k.block.0, true)),
-                    Change::Removed(k) if k.model == w.model => Some((k.block.0, false)),
-                    _ => None,
-                })
-                .unzip();
-            if hashes.is_empty() {
+            let events = watch_events(&changes, w.model, w.next);
+            if events.hashes.is_empty() {
                 return !w.tx.is_closed();
             }
-            let first = w.next;
-            w.next += hashes.len() as u64;
-            let events = KvEvents {
-                first,
-                hashes,
-                stored,
-                snapshot: false,
-                next: w.next,
-                tiers: Vec::new(),
-            };
+            w.next = events.next;
             w.tx.try_send(Ok(events)).is_ok()
         });
+    }
+}
+
+/// `changes` to model `model`'s objects as a watch sends them, numbered from `first`.
+pub fn watch_events(changes: &[Change], model: u64, first: u64) -> KvEvents {
+    let (hashes, stored): (Vec<u64>, Vec<bool>) = changes
+        .iter()
+        .filter_map(|c| match *c {
+            Change::Stored(k) if k.model == model => Some((k.block.0, true)),
+            Change::Removed(k) if k.model == model => Some((k.block.0, false)),
+            _ => None,
+        })
+        .unzip();
+    KvEvents {
+        first,
+        next: first + hashes.len() as u64,
+        hashes,
+        stored,
+        snapshot: false,
+        tiers: Vec::new(),
     }
 }
 

@@ -274,7 +274,7 @@ pub fn link(
         return Ok(None);
     };
     if !engine.set_store_out(QUEUE) {
-        tracing::warn!("this engine cannot share KV through the cluster store yet (windowed layer groups, a GPU pool or the mock engine): not used");
+        tracing::warn!("this engine cannot share KV through the cluster store yet (windowed layer groups or a GPU pool): not used");
         return Ok(None);
     }
     let bs = settings.engine.block_size;

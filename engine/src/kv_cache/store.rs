@@ -3,9 +3,11 @@
 //! loads them like its own (their checksums checked again on the way into the pool).
 //!
 //! A block travels as one object: its tokens (little-endian `u32`s), then its page's
-//! segments in the order a tier stores them (layer by layer, keys then values). Only a cache
-//! of one table (no windowed layer groups) whose pages are in host memory takes part: a GPU
-//! pool's pages would have to come off the device first.
+//! segments in the order a tier stores them (layer by layer, keys then values) — only its
+//! tokens where the tiers keep no values (the mock's, the simulator's: what a fetch moves is
+//! priced by the timing model). Only a cache of one table (no windowed layer groups) whose
+//! pages are in host memory takes part: a GPU pool's pages would have to come off the device
+//! first.
 
 use types::sum::sum;
 use types::BlockHash;
@@ -44,9 +46,9 @@ pub struct Staged {
 impl KvCache {
     /// From now on, copies each block computed here for the store, up to `cap` waiting at
     /// once (more are dropped, counted). `false` where this cache cannot: windowed layer
-    /// groups, pages on a device, or no values (the mock).
+    /// groups, or pages on a device.
     pub fn set_store_out(&mut self, cap: usize) -> bool {
-        if !self.one_table() || self.device.is_some() || self.page_bytes() == 0 {
+        if !self.one_table() || self.device.is_some() {
             return false;
         }
         self.store_out = Some(StoreOut {
@@ -75,7 +77,10 @@ impl KvCache {
             out.dropped += 1;
             return;
         }
-        let data = segments(&self.layers, self.block_size * self.width, b);
+        let data = match self.tiers.as_ref().is_some_and(|t| t.values()) {
+            true => segments(&self.layers, self.block_size * self.width, b),
+            false => Vec::new(),
+        };
         let len = tokens.len() * 4 + data.iter().map(|s| s.len()).sum::<usize>();
         let mut bytes = Vec::with_capacity(len);
         bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
@@ -92,10 +97,13 @@ impl KvCache {
     /// counted. Nothing is staged without a G2.
     pub fn stage(&mut self, blocks: &[StoreBlock]) -> Staged {
         let mut out = Staged::default();
-        let (bs, page) = (self.block_size, self.page_bytes());
-        let seg = self.block_bytes();
+        let (bs, seg) = (self.block_size, self.block_bytes());
         let Some(tiers) = self.tiers.as_mut().filter(|t| t.has_host()) else {
             return out;
+        };
+        let page = match tiers.values() {
+            true => self.layers.len() * 2 * seg,
+            false => 0,
         };
         for b in blocks {
             if b.bytes.len() != bs * 4 + page || sum(&b.bytes) != b.sum {
@@ -108,7 +116,10 @@ impl KvCache {
                 .chunks_exact(4)
                 .map(|t| u32::from_le_bytes(t.try_into().expect("4 bytes")))
                 .collect();
-            let data: Vec<&[u8]> = body.chunks_exact(seg).collect();
+            let data: Vec<&[u8]> = match page {
+                0 => Vec::new(),
+                _ => body.chunks_exact(seg).collect(),
+            };
             let key = (0, b.hash.0);
             let hits = 0;
             tiers.swap(Evicted {
@@ -119,6 +130,28 @@ impl KvCache {
             });
             out.staged += 1;
         }
+        tiers.count_fetched(out.staged);
         out
+    }
+
+    /// The names of the whole blocks of `tokens` from `root` past the leading run this cache
+    /// holds (in its pool or a tier): what a fetch from the store could add.
+    pub fn missing_blocks(&self, (seed, root): (u64, u64), tokens: &[u32]) -> Vec<BlockHash> {
+        let mut parent = root;
+        let mut names = Vec::new();
+        let mut held = true;
+        for block in tokens.chunks_exact(self.block_size) {
+            parent = crate::prefix::chain(seed, parent, block);
+            held = held
+                && (self.pool.find(0, parent, block).is_some()
+                    || self
+                        .tiers
+                        .as_ref()
+                        .is_some_and(|t| t.holds((0, parent), block)));
+            if !held {
+                names.push(BlockHash(parent));
+            }
+        }
+        names
     }
 }

@@ -124,6 +124,8 @@ pub struct Tiers {
     policy: WritePolicy,
     /// Whether the tiers keep the pages' bytes (or only their accounting).
     values: bool,
+    /// Blocks staged from the cluster store since the last [`Tiers::take_traffic`].
+    fetched: u64,
     host: Option<host::Host>,
     disk: Option<g3::G3>,
     stats: TiersStats,
@@ -168,6 +170,7 @@ impl Tiers {
         let mut t = Tiers {
             page_bytes,
             values: backed,
+            fetched: 0,
             policy: config.write_policy,
             host,
             disk,
@@ -281,6 +284,17 @@ impl Tiers {
 
     /// Where the block `key` holding `tokens` is: the nearest tier holding it, marked used
     /// there (a lookup about to load it keeps it from being the next evicted).
+    /// Whether a tier holds block `key` with `tokens` (nothing marked used).
+    pub(crate) fn holds(&self, key: Key, tokens: &[u32]) -> bool {
+        self.host.as_ref().is_some_and(|h| h.has(key, tokens))
+            || self.disk.as_ref().is_some_and(|d| d.has(key, tokens))
+    }
+
+    /// `n` blocks fetched from the cluster store were staged (the timing model prices them).
+    pub(crate) fn count_fetched(&mut self, n: u64) {
+        self.fetched += n;
+    }
+
     pub(crate) fn find(&mut self, key: Key, tokens: &[u32]) -> Option<Tier> {
         if let Some(h) = self.host.as_mut().filter(|h| h.has(key, tokens)) {
             h.touch(key);
@@ -509,6 +523,7 @@ impl Tiers {
             block_tokens,
             loaded: [now.host.hits - was.host.hits, now.disk.hits - was.disk.hits],
             stored: [(now.host.bytes_stored - was.host.bytes_stored) / page, 0],
+            fetched: std::mem::take(&mut self.fetched),
         }
     }
 

@@ -187,6 +187,7 @@ fn simulated() -> Vec<Trace> {
             1,
             Duration::ZERO,
         ),
+        store: None,
     };
     let req = |ms, prompt, output| sim::SimRequest {
         at: Duration::from_millis(ms),
