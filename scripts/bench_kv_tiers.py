@@ -40,6 +40,8 @@ def config(model, blocks, tiers, router="", policy="evicted"):
         for name in ("prefill", "decode"):
             text += (f'[{name}.kv_tiers]\nhost_bytes = {host * PAGE_BYTES}\ndisk_path = "g3"\n'
                      f'disk_bytes = {disk * PAGE_BYTES}\nwrite_policy = "{policy}"\n')
+        # Each worker's tiers alone: no cluster store (scripts/bench_store.py measures it).
+        text += "[store]\nembedded = false\n"
     return text
 
 

@@ -33,16 +33,16 @@ from tandem_cluster import EXE
 
 def config(model, pools, blocks, store):
     """`pools`: {name: replicas}; every pool's workers `blocks` blocks and a host tier twice
-    that; a store node named (the simulator keeps one) when `store`."""
+    that; the store `tandem up` embeds (the simulator keeps one) when `store`."""
     text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n'
     for name, n in pools.items():
         text += (f'[{name}]\nreplicas = {n}\nengine = "mock"\nkv_blocks = {blocks}\nmax_batch_tokens = 8192\n'
                  f'[{name}.mock]\npreset = "h200-llama8b"\n'
                  f'[{name}.kv_tiers]\nhost_bytes = {2 * blocks * PAGE_BYTES}\n')
-    if store:
-        # The mock's objects carry a block's tokens only (its KV has no values): a node of this
-        # size never fills on the slice, as a store sized for the working set would not.
-        text += '[store]\nnode = "http://127.0.0.1:7400"\ncapacity_bytes = 8_000_000_000\n'
+    # The store `tandem up` embeds, or none. The mock's objects carry a block's tokens only
+    # (its KV has no values): a node of this size never fills on the slice, as a store sized
+    # for the working set would not.
+    text += f'[store]\nembedded = {"true" if store else "false"}\ncapacity_bytes = 8_000_000_000\n'
     return text
 
 

@@ -31,7 +31,8 @@ def config(blocks, tiers, device):
     text += f"[decode]\nreplicas = 1\n{pool}"
     if tiers:
         text += '[decode.kv_tiers]\nhost_bytes = 150_000_000\ndisk_path = "g3"\ndisk_bytes = 2_000_000_000\n'
-    return text + '[kv_transfer]\nprefer = ["tcp"]\n'
+    # Each worker's tiers alone: no cluster store (tandem up would embed one with host tiers).
+    return text + '[kv_transfer]\nprefer = ["tcp"]\n[store]\nembedded = false\n'
 
 
 def turn_text(conv, k):

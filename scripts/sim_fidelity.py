@@ -34,12 +34,14 @@ TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trac
 def config(a):
     pool = (f'replicas = 2\nthreads = 1\nmax_batch_tokens = {a.max_batch_tokens}\nengine = "mock"\n'
             f'kv_blocks = {a.kv_blocks}\n')
-    tiers = lambda name: (f'[{name}.kv_tiers]\nhost_bytes = {a.tiers[0]}\ndisk_path = "g3"\n'
-                          f'disk_bytes = {a.tiers[1]}\n') if a.tiers else ""
+    disk = f'disk_path = "g3"\ndisk_bytes = {a.tiers[1]}\n' if a.tiers and a.tiers[1] else ""
+    tiers = lambda name: f'[{name}.kv_tiers]\nhost_bytes = {a.tiers[0]}\n{disk}' if a.tiers else ""
+    # With tiers, `tandem up` embeds a store node unless told not to (--store: keep it).
+    store = f'[store]\nembedded = {"true" if a.store else "false"}\n'
     return (f'[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
             f'[prefill]\n{pool}[prefill.mock]\npreset = "{a.preset}"\n{tiers("prefill")}'
             f'[decode]\n{pool}[decode.mock]\npreset = "{a.preset}"\n{tiers("decode")}'
-            '[kv_transfer]\nprefer = ["tcp"]\n')
+            '[kv_transfer]\nprefer = ["tcp"]\n' + store)
 
 
 def workload(a, out, skip=0):
@@ -115,6 +117,7 @@ def costs(texts, workers, overheads):
             "file": overheads, "router": router, "phases": phases(texts["router"]),
             "refusals": round(total(texts["router"], "tandem_worker_kv_refusals")),
             "holds": round(total(texts["router"], "tandem_router_admission_holds_total")),
+            "store_hits": round(total(texts["router"], "tandem_worker_kv_store_hits")),
             "token_delay_us": round(mean([texts["router"]], "tandem_router_token_delay_seconds") * 1e6)}
 
 
@@ -181,7 +184,9 @@ def main():
     ap.add_argument("--preset", default="cpu-smollm2")
     ap.add_argument("--kv-blocks", type=int, default=4096, help="KV blocks of each worker's pool")
     ap.add_argument("--tiers", type=lambda v: [int(x) for x in v.split(",")],
-                    help="HOST_BYTES,DISK_BYTES: KV tiers under every worker's pool (the tiered arm)")
+                    help="HOST_BYTES,DISK_BYTES: KV tiers under every worker's pool (the tiered arm; DISK_BYTES 0: no disk tier)")
+    ap.add_argument("--store", action="store_true",
+                    help="with --tiers: the cluster store `tandem up` embeds (and the simulator's)")
     ap.add_argument("--overhead", choices=["drawn", "mean"], default="drawn",
                     help="simulated step overheads: drawn from the measured histograms, or their means")
     ap.add_argument("--no-token-delays", dest="token_delays", action="store_false",
@@ -219,6 +224,7 @@ def main():
     # Decode workers' refusals of a reservation (no room) and the router's waits for room.
     sim = lambda n, k: sims[n]["simulation"].get(k, 0)
     print(f"| decode refusals | {cal['same']['refusals']} | {sim('same', 'refusals')} | | {sim('next', 'refusals')} | |")
+    print(f"| store hits, blocks | {cal['same']['store_hits']} | {sim('same', 'store_hits')} | | {sim('next', 'store_hits')} | |")
     print(f"| admission holds | {cal['same']['holds']} | {sim('same', 'admission_holds')} | | {sim('next', 'admission_holds')} | |")
     # Where the TTFT went (means, ms; the router's phases, and the simulator's of its own).
     real_ph = cal["same"]["phases"]

@@ -540,13 +540,9 @@ fn spawn(exe: &Path, args: &[&str], ready: Option<i32>) -> Result<Child> {
         .with_context(|| format!("starting {} {}", exe.display(), args.join(" ")))
 }
 
-/// Starts the router and waits (up to 120 s) for it to say, on a pipe of its own, where it
-/// listens: its HTTP address and its control endpoint.
-async fn start_router(
-    exe: &Path,
-    config: &str,
-    extra: &[String],
-) -> Result<(Child, router::Bound)> {
+/// Starts `exe args` with `--ready-fd 3` and waits (up to 120 s) for its readiness line on a
+/// pipe of its own (a JSON object); `who` names it in errors.
+async fn spawn_ready(exe: &Path, args: &[&str], who: &str) -> Result<(Child, serde_json::Value)> {
     let mut fds = [0i32; 2];
     // SAFETY: `fds` has room for the two descriptors pipe2 writes.
     if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } < 0 {
@@ -560,20 +556,33 @@ async fn start_router(
             std::fs::File::from_raw_fd(fds[1]),
         )
     };
-    let mut args = vec!["router", "--config", config, "--ready-fd", "3"];
-    args.extend(extra.iter().map(String::as_str));
-    let router = spawn(exe, &args, Some(fds[1]))?;
-    drop(write); // the router holds the only write end: EOF if it exits before it is ready
+    let mut args = args.to_vec();
+    args.extend(["--ready-fd", "3"]);
+    let child = spawn(exe, &args, Some(fds[1]))?;
+    drop(write); // the child holds the only write end: EOF if it exits before it is ready
     let mut line = String::new();
     let mut reader = BufReader::new(tokio::net::unix::pipe::Receiver::from_file(read)?);
     tokio::time::timeout(Duration::from_secs(120), reader.read_line(&mut line))
         .await
-        .map_err(|_| anyhow!("the router was not ready within 120 s"))??;
+        .map_err(|_| anyhow!("the {who} was not ready within 120 s"))??;
     if line.is_empty() {
-        bail!("the router exited before it was ready");
+        bail!("the {who} exited before it was ready");
     }
-    let v: serde_json::Value = serde_json::from_str(&line)
-        .with_context(|| format!("the router's readiness line {line:?}"))?;
+    let v = serde_json::from_str(&line)
+        .with_context(|| format!("the {who}'s readiness line {line:?}"))?;
+    Ok((child, v))
+}
+
+/// Starts the router and waits for it to say where it listens: its HTTP address and its
+/// control endpoint.
+async fn start_router(
+    exe: &Path,
+    config: &str,
+    extra: &[String],
+) -> Result<(Child, router::Bound)> {
+    let mut args = vec!["router", "--config", config];
+    args.extend(extra.iter().map(String::as_str));
+    let (router, v) = spawn_ready(exe, &args, "router").await?;
     let addr = |k: &str| {
         let a = v[k].as_str().unwrap_or_default();
         a.parse::<SocketAddr>()
@@ -594,12 +603,34 @@ struct Stack {
     operator: SocketAddr,
 }
 
+/// Starts the store node `tandem up` embeds (`[store] embedded`), adding it to `procs` and
+/// `children`; returns where it serves (`http://HOST:PORT`).
+async fn start_store(
+    exe: &Path,
+    config: &Path,
+    procs: &mut Vec<supervise::Process>,
+    children: &mut Vec<Child>,
+) -> Result<String> {
+    let cfg_s = config.to_string_lossy().to_string();
+    let (node, v) = spawn_ready(exe, &["store", "--config", &cfg_s], "store node").await?;
+    let at = v["store"].as_str().unwrap_or_default().to_string();
+    // Started again on the same address, so that the workers and the router find it.
+    let args = ["store", "--config", &cfg_s, "--listen", &at].map(String::from);
+    procs.push(supervise::Process {
+        name: "store".into(),
+        args: args.to_vec(),
+    });
+    children.push(node);
+    Ok(format!("http://{at}"))
+}
+
 /// Starts the router of `config` (with `extra` arguments) and the workers it does not start
-/// itself, adding them to `procs` and `children`; their names start with `prefix`.
+/// itself (each with `worker_extra`), adding them to `procs` and `children`; their names
+/// start with `prefix`.
 async fn start_stack(
     exe: &Path,
     config: &Path,
-    extra: &[String],
+    (extra, worker_extra): (&[String], &[String]),
     prefix: &str,
     procs: &mut Vec<supervise::Process>,
     children: &mut Vec<Child>,
@@ -640,11 +671,12 @@ async fn start_stack(
         }
         for i in 0..*pool.replicas.get_ref() {
             let name = format!("{prefix}{role}-{i}");
-            let args = [
+            let mut args = [
                 role, "--config", &cfg_s, "--router", &control, "--name", &name,
             ]
             .map(String::from)
             .to_vec();
+            args.extend(worker_extra.iter().cloned());
             let refs: Vec<&str> = args.iter().map(String::as_str).collect();
             children.push(spawn(exe, &refs, None)?);
             procs.push(supervise::Process { name, args });
@@ -670,11 +702,18 @@ pub fn up(config: PathBuf) -> Result<()> {
             for m in &cfg.models {
                 let path = config.parent().unwrap_or(Path::new(".")).join(m.config.get_ref());
                 let id = router::model_id(&load(&path)?.1);
-                let s = start_stack(&exe, &path, &[], &format!("{id}-"), &mut procs, &mut children).await?;
+                let s = start_stack(&exe, &path, (&[], &[]), &format!("{id}-"), &mut procs, &mut children).await?;
                 peers.extend(["--peer".to_string(), format!("{id}={}", s.http)]);
                 stacks.push(s);
             }
-            let main = start_stack(&exe, &config, &peers, "", &mut procs, &mut children).await?;
+            // The main model's workers and router share a store node of its own when it embeds one.
+            let mut store = Vec::new();
+            if cfg.embedded_store() {
+                let at = start_store(&exe, &config, &mut procs, &mut children).await?;
+                store = vec!["--store".to_string(), at];
+            }
+            let router_extra = [peers.clone(), store.clone()].concat();
+            let main = start_stack(&exe, &config, (&router_extra, &store), "", &mut procs, &mut children).await?;
             stacks.push(main);
             for s in &stacks {
                 wait_up(&s.cfg, s.http, &procs, &mut children).await?;
@@ -694,6 +733,9 @@ pub fn up(config: PathBuf) -> Result<()> {
         let (p, d) = stacks.iter().map(|s| wanted(&s.cfg)).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         let models = stacks.len();
         say(format_args!("tandem is up: {p} prefill + {d} decode workers ({models} model(s)) behind http://{http}"));
+        if cfg.embedded_store() {
+            say(format_args!("cluster KV store: one node of its own ([store] embedded; its workers put and fetch KV blocks there)"));
+        }
         say(format_args!("status page: http://{operator}/status (or `tandem status --addr {operator} --watch`); metrics: http://{operator}/metrics"));
         // A base model (no chat template) is asked through /v1/completions.
         let chat = engine::inspect(&model).map_or(true, |(_, t)| t.chat_template().is_some());

@@ -180,8 +180,9 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
             fault_seed: a.fault_seed,
         },
         faults: sim::schedule_faults(&a.faults, a.fault_seed, horizon),
-        // Workers pointed at a store node use the cluster store: the simulator keeps one.
-        store: cfg.store.node.as_ref().map(|_| sim::StoreSpec {
+        // Workers pointed at a store node, or given one by `tandem up`, use the cluster store:
+        // the simulator keeps one.
+        store: (cfg.store.node.is_some() || cfg.embedded_store()).then(|| sim::StoreSpec {
             capacity_bytes: *cfg.store.capacity_bytes.get_ref(),
         }),
     };

@@ -470,23 +470,7 @@ fn tandem_up_brings_the_cluster_up_its_printed_request_works_and_ctrl_c_stops_ev
     let dir = std::env::temp_dir().join(format!("tandem-up-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let cfg = Cluster::of(1, 1).write(&dir);
-    let mut up = std::process::Command::new(EXE)
-        .args(["up", "--config"])
-        .arg(&cfg)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut out = std::io::BufReader::new(up.stdout.take().unwrap());
-    let mut printed = String::new();
-    while !printed.contains("Ctrl-C") {
-        let mut line = String::new();
-        assert!(
-            std::io::BufRead::read_line(&mut out, &mut line).unwrap() > 0,
-            "tandem up ended early: {printed}"
-        );
-        printed += &line;
-    }
+    let (mut up, printed) = tandem_tests::cluster::tandem_up(EXE.as_ref(), &cfg);
     // The printed curl: its URL and its JSON body, sent as printed.
     let url = printed
         .split("curl http://")

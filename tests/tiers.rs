@@ -311,3 +311,61 @@ fn a_frozen_or_killed_store_fails_no_request() {
     assert_eq!(complete(&s.c, &other), other_text);
     assert_eq!(stat(&s.c, w, "kv_tier_corrupt"), 0);
 }
+
+/// `tandem up` on a file whose pools have host tiers embeds a store node: it says so, starts
+/// the node before the router, points every worker and the router at it — the workers put the
+/// blocks they compute, the router's index follows them — and Ctrl-C stops it with the rest.
+#[test]
+fn tandem_up_embeds_a_store_node_its_workers_and_router_use() {
+    let dir = std::env::temp_dir().join(format!("tandem-up-store-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let host = |pool: &str| format!("[{pool}.kv_tiers]\nhost_bytes = 100_000_000\n");
+    let cfg = Cluster::of(1, 1)
+        .pools([&host("prefill"), &host("decode")])
+        .write(&dir);
+    let (mut up, printed) = tandem_tests::cluster::tandem_up(EXE.as_ref(), &cfg);
+    assert!(
+        printed.contains("cluster KV store: one node of its own"),
+        "{printed}"
+    );
+    let addr = |after: &str, until: char| -> std::net::SocketAddr {
+        let rest = printed
+            .split(after)
+            .nth(1)
+            .unwrap_or_else(|| panic!("{printed}"));
+        rest.split(until).next().unwrap().parse().unwrap()
+    };
+    let (http, operator) = (
+        addr("behind http://", '\n'),
+        addr("status page: http://", '/'),
+    );
+    let body = json!({"model": MODEL, "prompt": prompt(17, 6), "max_tokens": 4,
+                      "temperature": 0});
+    let (status, v): (u16, Value) = post_json(http, "/v1/completions", &body);
+    assert_eq!(status, 200, "{v}");
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until(
+        "the prompt's blocks in the store and the router's index",
+        Duration::from_secs(20),
+        || metric_at(operator, indexed) >= 6.0,
+    );
+    // The workers' counters, as their heartbeats bring them.
+    wait_until("the workers' puts", Duration::from_secs(10), || {
+        metric_lines(operator, "tandem_worker_kv_store_puts{") >= 6
+    });
+    // SAFETY: signalling our own child process.
+    unsafe { libc::kill(up.id() as i32, libc::SIGINT) };
+    wait_until("tandem up stops", Duration::from_secs(20), || {
+        up.try_wait().unwrap().is_some()
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The sum of the samples of the metric lines at `at` starting with `prefix`.
+fn metric_lines(at: std::net::SocketAddr, prefix: &str) -> u64 {
+    let (_, m) = tandem_tests::cluster::get(at, "/metrics").unwrap();
+    m.lines()
+        .filter(|l| l.starts_with(prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}

@@ -75,6 +75,10 @@ pub struct StoreSection {
     /// Workers: how long a request waits for its prompt's blocks from the node.
     #[serde(default = "default_store_fetch_timeout_ms")]
     pub fetch_timeout_ms: Spanned<u64>,
+    /// `tandem up` starts a node of its own (on `listen`) for its workers and router when no
+    /// `node` is set and every pool has a host tier to stage fetched blocks in; `false`: never.
+    #[serde(default = "default_true")]
+    pub embedded: bool,
 }
 
 fn default_store_fetch_timeout_ms() -> Spanned<u64> {
@@ -91,6 +95,7 @@ impl Default for StoreSection {
             put_deadline_ms: default_store_put_deadline_ms(),
             node: None,
             fetch_timeout_ms: default_store_fetch_timeout_ms(),
+            embedded: true,
         }
     }
 }
@@ -625,6 +630,16 @@ impl ClusterConfig {
             ctx.discovery(d)?;
         }
         Ok(cfg)
+    }
+
+    /// Whether `tandem up` starts a store node of its own (see [`StoreSection::embedded`]):
+    /// no node set, embedding not turned off, and every pool has a host tier.
+    pub fn embedded_store(&self) -> bool {
+        let staged = |p: &PoolSection| p.kv_tiers.as_ref().is_some_and(|t| t.host_bytes > 0);
+        self.store.node.is_none()
+            && self.store.embedded
+            && staged(&self.decode)
+            && self.prefill.as_ref().is_none_or(staged)
     }
 
     /// Whether requests go through a separate prefill pool.

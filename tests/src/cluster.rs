@@ -546,3 +546,24 @@ pub fn promtool_check(text: &str) -> Result<(), String> {
         ))
     }
 }
+
+/// Starts `exe up --config config` and reads what it prints until its ready lines end (the
+/// line naming Ctrl-C); panics when it ends before.
+pub fn tandem_up(exe: &Path, config: &Path) -> (std::process::Child, String) {
+    let mut up = std::process::Command::new(exe)
+        .args(["up", "--config"])
+        .arg(config)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("tandem up starts");
+    let mut out = std::io::BufReader::new(up.stdout.take().expect("piped"));
+    let mut printed = String::new();
+    while !printed.contains("Ctrl-C") {
+        let mut line = String::new();
+        let n = std::io::BufRead::read_line(&mut out, &mut line).expect("its output");
+        assert!(n > 0, "tandem up ended early: {printed}");
+        printed += &line;
+    }
+    (up, printed)
+}
