@@ -262,7 +262,10 @@ pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
     router::routing::Routing {
         policy: cfg.router.policy,
         prefill_slack: std::time::Duration::from_millis(cfg.router.prefill_slack_ms),
-        tier_weights: cfg.router.tier_weights.as_ref().map(|w| *w.get_ref()),
+        tier_weights: cfg.router.tier_weights.as_ref().map(|w| {
+            let w = w.get_ref();
+            ([w[0], w[1]], w.get(2).copied())
+        }),
     }
 }
 

@@ -80,6 +80,17 @@ fn tier_cell(t: &Value) -> String {
     }
 }
 
+/// A worker's use of the cluster store: "put / fetched" blocks, failed fetches after a "!",
+/// or a dash when none.
+fn store_cell(s: &Value) -> String {
+    let n = |k: &str| s[k].as_u64().unwrap_or(0);
+    match (n("puts") + n("held"), n("hits"), n("fetch_failures")) {
+        (0, 0, 0) => "–".into(),
+        (p, h, 0) => format!("{p} put / {h} fetched"),
+        (p, h, f) => format!("{p} put / {h} fetched / {f} failed"),
+    }
+}
+
 /// A worker's preemptions: "swapped / recomputed", or a dash when none.
 fn preempted_cell(p: &Value) -> String {
     match (p["swapped"].as_u64(), p["recomputed"].as_u64()) {
@@ -134,6 +145,7 @@ pub fn render(addr: &str, s: &Value) -> String {
         "free",
         "host",
         "disk",
+        "store",
         "preempted",
         "running",
         "waiting",
@@ -175,6 +187,7 @@ pub fn render(addr: &str, s: &Value) -> String {
             text(&kv["free"]),
             tier_cell(&w["kv_tiers"]["host"]),
             tier_cell(&w["kv_tiers"]["disk"]),
+            store_cell(&w["kv_tiers"]["store"]),
             preempted_cell(&w["preempted"]),
             text(&w["running"]),
             text(&w["waiting"]),
@@ -261,7 +274,8 @@ mod tests {
                  "running": 0, "waiting": 0, "heartbeat_age_ms": 120},
                 {"name": "decode-long-name-0", "role": "decode", "health": "stalled", "device": "mock",
                  "kv_offers": ["tcp", "quic"], "kv_blocks": {"used": 40, "total": 1024, "cached": 0, "free": 984},
-                 "kv_tiers": {"host": {"blocks": 300, "hits": 7}, "disk": {"blocks": 0, "hits": 0}},
+                 "kv_tiers": {"host": {"blocks": 300, "hits": 7}, "disk": {"blocks": 0, "hits": 0},
+                              "store": {"puts": 20, "held": 4, "hits": 6, "fetch_failures": 1}},
                  "preempted": {"swapped": 4, "recomputed": 0},
                  "running": 3, "waiting": 1, "heartbeat_age_ms": 2500},
             ],
@@ -294,6 +308,10 @@ mod tests {
         assert_eq!(&lines[header + 1][col..col + 2], "ok", "{text}");
         assert_eq!(&lines[header + 2][col..col + 7], "stalled", "{text}");
         assert!(lines[header + 2].contains("300 (7 hits)"), "{text}");
+        assert!(
+            lines[header + 2].contains("24 put / 6 fetched / 1 failed"),
+            "{text}"
+        );
         assert!(
             lines[header + 2].contains("4 swapped / 0 recomputed"),
             "{text}"

@@ -21,7 +21,7 @@ impl Engine {
     /// dropped, counted). `false` where this engine cannot take part: a model with windowed
     /// layer groups, or a pool on a GPU.
     pub fn set_store_out(&mut self, cap: usize) -> bool {
-        self.prefix_seed.is_some() && self.kv.set_store_out(cap)
+        self.prefix_seed.is_some() && self.kv.set_store_out(cap, self.model.tier_values())
     }
 
     /// The blocks copied out since the last call, and how many were dropped in all.

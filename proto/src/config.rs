@@ -232,11 +232,12 @@ pub struct RouterSection {
     /// to first token is within this many milliseconds of the best worker's.
     #[serde(default = "default_prefill_slack_ms")]
     pub prefill_slack_ms: u64,
-    /// `kv`: what a prompt block held in a worker's host-memory tier and in its disk tier counts
-    /// for against one in its KV pool (1), each in 0..=1. Unset: derived per worker from its
+    /// `kv`: what a prompt block held in a worker's host-memory tier and in its disk tier — and,
+    /// a third value, one only the cluster store holds — counts for against one in its KV
+    /// pool (1), each in 0..=1. Unset (or the store's left out): derived per worker from its
     /// measured load time against the prefill rate; `[0.0, 0.0]` routes blind to the tiers.
     #[serde(default)]
-    pub tier_weights: Option<Spanned<[f64; 2]>>,
+    pub tier_weights: Option<Spanned<Vec<f64>>>,
     /// How many times a request may move to another decode worker when its own dies, freezes
     /// or stalls mid-stream (0: never; the client gets an error event).
     #[serde(default = "default_migration_limit")]

@@ -21,8 +21,9 @@ pub struct Routing {
     /// token may be and still be chosen for its cache.
     pub prefill_slack: Duration,
     /// `kv`: what a block in a worker's host-memory and disk tiers counts for against one in
-    /// its pool; `None`: derived per worker from its measured load time ([`tier_weight`]).
-    pub tier_weights: Option<[f64; 2]>,
+    /// its pool, and one only the cluster store holds; `None` (or the store's): derived per
+    /// worker from its measured load time ([`tier_weight`]).
+    pub tier_weights: Option<([f64; 2], Option<f64>)>,
 }
 
 impl Default for Routing {

@@ -200,7 +200,8 @@ fn worker(w: &crate::registry::Worker, now: Instant) -> Value {
 
 /// A worker's KV tiers below its pool (empty without any): per tier, blocks held, hits
 /// (blocks loaded back), bytes loaded and stored, load seconds; writes skipped and corrupt
-/// blocks found.
+/// blocks found; and its use of the cluster store (blocks put, held there already, dropped;
+/// fetched; failed fetches).
 fn tiers(l: &proto::grpc::WorkerLoad) -> Value {
     let tier = |blocks, hits, loaded, stored, seconds| {
         json!({"blocks": blocks, "hits": hits, "bytes_loaded": loaded, "bytes_stored": stored,
@@ -220,8 +221,12 @@ fn tiers(l: &proto::grpc::WorkerLoad) -> Value {
         l.kv_disk_bytes_stored,
         l.kv_disk_load_seconds,
     );
-    json!({"host": host, "disk": disk, "writes_skipped": l.kv_disk_writes_skipped,
-           "corrupt": l.kv_tier_corrupt})
+    let store = json!({"puts": l.kv_store_puts, "held": l.kv_store_puts_held,
+        "dropped": l.kv_store_puts_dropped, "hits": l.kv_store_hits,
+        "bytes_loaded": l.kv_store_bytes_loaded, "load_seconds": l.kv_store_load_seconds,
+        "fetch_failures": l.kv_store_fetch_failures});
+    json!({"host": host, "disk": disk, "store": store,
+           "writes_skipped": l.kv_disk_writes_skipped, "corrupt": l.kv_tier_corrupt})
 }
 
 /// The whole picture at `now`.

@@ -29,6 +29,8 @@ pub struct StoreBlock {
 
 /// Blocks waiting for the worker to take them to the store.
 pub(crate) struct StoreOut {
+    /// Whether a block carries its page's bytes (or only its tokens: the mock's).
+    values: bool,
     cap: usize,
     queue: Vec<StoreBlock>,
     dropped: u64,
@@ -45,13 +47,15 @@ pub struct Staged {
 
 impl KvCache {
     /// From now on, copies each block computed here for the store, up to `cap` waiting at
-    /// once (more are dropped, counted). `false` where this cache cannot: windowed layer
-    /// groups, or pages on a device.
-    pub fn set_store_out(&mut self, cap: usize) -> bool {
+    /// once (more are dropped, counted), each with its page's bytes where `values` (else its
+    /// tokens only: a mock's, whose values no step reads). `false` where this cache cannot:
+    /// windowed layer groups, or pages on a device.
+    pub fn set_store_out(&mut self, cap: usize, values: bool) -> bool {
         if !self.one_table() || self.device.is_some() {
             return false;
         }
         self.store_out = Some(StoreOut {
+            values: values && self.page_bytes() > 0,
             cap,
             queue: Vec::new(),
             dropped: 0,
@@ -77,7 +81,7 @@ impl KvCache {
             out.dropped += 1;
             return;
         }
-        let data = match self.tiers.as_ref().is_some_and(|t| t.values()) {
+        let data = match out.values {
             true => segments(&self.layers, self.block_size * self.width, b),
             false => Vec::new(),
         };

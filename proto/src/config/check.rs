@@ -133,9 +133,13 @@ impl Ctx<'_> {
         self.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
         self.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
         if let Some(w) = &r.tier_weights {
-            if !w.get_ref().iter().all(|x| (0.0..=1.0).contains(x)) {
-                let m = "each weight must be within 0 and 1 (host memory, then disk)";
-                return self.err(w.span(), "router.tier_weights", m);
+            let n = w.get_ref().len();
+            if !(2..=3).contains(&n) || !w.get_ref().iter().all(|x| (0.0..=1.0).contains(x)) {
+                let m = format!(
+                    "{n} weights: give host memory's and disk's, and optionally the store's, each \
+                     within 0 and 1"
+                );
+                return self.err(w.span(), "router.tier_weights", &m);
             }
         }
         let fit = "a request must fit";

@@ -237,7 +237,11 @@ fn kv_tiers_and_tier_weights_are_checked_with_their_line() {
         ),
         (
             "[router]\ntier_weights = [0.5, 1.5]\n[decode]\n",
-            "cluster.toml:2: router.tier_weights: each weight must be within 0 and 1",
+            "cluster.toml:2: router.tier_weights: 2 weights: give host memory's and disk's, and optionally the store's, each within 0 and 1",
+        ),
+        (
+            "[router]\ntier_weights = [0.5]\n[decode]\n",
+            "cluster.toml:2: router.tier_weights: 1 weights",
         ),
     ] {
         let e = parse(body).unwrap_err().to_string();

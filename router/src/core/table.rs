@@ -434,8 +434,8 @@ impl Table {
             l.kv_store_hits,
             routing::UNMEASURED_STORE_WEIGHT,
         );
-        if let Some([host, disk]) = self.routing.tier_weights {
-            return [1.0, host, disk, store];
+        if let Some(([host, disk], configured)) = self.routing.tier_weights {
+            return [1.0, host, disk, configured.unwrap_or(store)];
         }
         let [host, disk] = routing::UNMEASURED_TIER_WEIGHTS;
         [
