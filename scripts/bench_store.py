@@ -19,8 +19,12 @@ In one run:
 
 each beside the infinite-cache floor of computed prompt tokens (scripts/ideal_cache.py).
 
+With --real, acceptance 6's two arms also run as real mock clusters under `tandem up` (the
+store the one `tandem up` embeds), one after the other on the same slice through
+`tandem bench load`, beside the simulator's.
+
     cargo build --release && python3 scripts/bench_store.py [--requests 2000]
-        [--time-scale 0.05] [--length-scale 0.05] [--json out.json]
+        [--time-scale 0.05] [--length-scale 0.05] [--real] [--json out.json]
 """
 import argparse
 import json
@@ -28,13 +32,14 @@ import subprocess
 import tempfile
 
 from bench_kv_tiers import PAGE_BYTES, TRACE, ideal_floor, row, simulate
-from tandem_cluster import EXE
+from tandem_cluster import EXE, cluster
 
 
-def config(model, pools, blocks, store):
+def config(model, pools, blocks, store, router=""):
     """`pools`: {name: replicas}; every pool's workers `blocks` blocks and a host tier twice
-    that; the store `tandem up` embeds (the simulator keeps one) when `store`."""
-    text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n'
+    that; the store `tandem up` embeds (the simulator keeps one) when `store`; `router`: more
+    lines of its section."""
+    text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n{router}'
     for name, n in pools.items():
         text += (f'[{name}]\nreplicas = {n}\nengine = "mock"\nkv_blocks = {blocks}\nmax_batch_tokens = 8192\n'
                  f'[{name}.mock]\npreset = "h200-llama8b"\n'
@@ -46,12 +51,26 @@ def config(model, pools, blocks, store):
     return text
 
 
+LOOPBACK = 'listen = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
+
+
+def real(text, trace, d, name):
+    """`text` as a real mock cluster under `tandem up`, the slice through `tandem bench load`."""
+    out = f"{d}/{name}-real.json"
+    with cluster(text, "tandem-store-real-") as (http, _):
+        subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator, *trace,
+                        "--ttft-slo-ms", "200", "--itl-slo-ms", "50", "--json", out],
+                       check=True, stdout=subprocess.DEVNULL)
+    return json.load(open(out))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--trace", default=TRACE)
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--length-scale", type=float, default=0.05)
+    ap.add_argument("--real", action="store_true", help="acceptance 6's arms on real mock clusters too")
     ap.add_argument("--json")
     a = ap.parse_args()
     model = subprocess.run([EXE, "model", "path"], check=True, capture_output=True, text=True).stdout.strip()
@@ -87,6 +106,11 @@ def main():
     c = lambda n: runs[n]["computed_prompt_ratio"]
     print(f"acceptance 7: 2P+2D over 4 colocated, computed tokens: no store {c('2p2d') / c('colocated'):.3f}x, "
           f"with the store {c('2p2d-store') / c('colo-store'):.3f}x (target <= 1.15)")
+    if a.real:
+        for name in ("tiers", "store"):
+            text = config(model, disagg6, six, name == "store", LOOPBACK)
+            runs[f"{name}-real"] = real(text, trace, d, name)
+            print(row(f"{name}, real", runs[f"{name}-real"], f) + " |")
     if a.json:
         with open(a.json, "w") as out:
             json.dump({"floor": floor, "runs": runs}, out, indent=2)
