@@ -84,6 +84,7 @@ check() { # name, command...
   fi
 }
 k8s=(deploy/kubernetes/namespace.yaml deploy/kubernetes/configmap.yaml deploy/kubernetes/etcd.yaml
+  deploy/kubernetes/store.yaml
   deploy/kubernetes/rbac.yaml deploy/kubernetes/router.yaml deploy/kubernetes/prefill.yaml
   deploy/kubernetes/decode.yaml deploy/kubernetes/networkpolicy.yaml)
 check "kubernetes manifests" kubernetes-validate --strict --quiet "${k8s[@]}"
