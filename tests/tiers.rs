@@ -262,7 +262,8 @@ fn a_new_prefill_worker_and_another_decode_worker_take_a_prefix_from_the_store()
 /// A store node frozen (`SIGSTOP`), then killed: no request fails or hangs — a worker's fetch
 /// gives up at its timeout, the prompt is computed instead (the same text), the failure is
 /// counted, and the worker leaves the store alone for a while (the next request pays no
-/// timeout); the router's index forgets the store's blocks once its watch breaks.
+/// timeout); the router's index forgets the store's blocks once its watch's pings go
+/// unanswered, and once the node is dead.
 #[test]
 fn a_frozen_or_killed_store_fails_no_request() {
     let mut s = with_store("store-faults", 0, 1);
@@ -288,9 +289,15 @@ fn a_frozen_or_killed_store_fails_no_request() {
     if t0.elapsed() < Duration::from_millis(2500) {
         assert_eq!(stat(&s.c, w, "kv_store_fetch_failures"), 1, "left alone");
     }
+    // The router's watch pings the frozen node, gets no answer, and forgets its blocks.
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until(
+        "the router forgets the frozen store's blocks",
+        Duration::from_secs(15),
+        || metric_at(s.c.operator, indexed) == 0.0,
+    );
     s.node.signal(libc::SIGCONT);
     s.node.kill();
-    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
     wait_until(
         "the router forgets the dead store's blocks",
         Duration::from_secs(10),

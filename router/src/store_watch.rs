@@ -25,15 +25,24 @@ const RETRY: [Duration; 4] = [
 /// How long connecting to the node may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// A watch pings the node this often and gives it up when a ping goes unanswered this long: a
+/// frozen or cut-off node's blocks leave the index instead of being counted on forever.
+const PING: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(2));
+
 /// Follows the store at `uri` into `registry`'s KV index for as long as the router runs.
 pub async fn follow(registry: Arc<Registry>, security: pki::Security, uri: String) {
     let key = store_key(&registry).await;
     tracing::info!(store = %uri, key = format!("{key:016x}"), "following the cluster store's blocks in the KV index");
     let mut tries = 0usize;
     loop {
+        let since = std::time::Instant::now();
         match watch(&registry, &security, &uri, key).await {
             Ok(()) => tracing::warn!(store = %uri, "the store's watch ended"),
             Err(e) => tracing::warn!(store = %uri, "the store's watch failed: {e}"),
+        }
+        // A watch that held a while starts the pauses over.
+        if since.elapsed() > RETRY[RETRY.len() - 1] {
+            tries = 0;
         }
         registry.with(|t| t.index_mut().clear_store());
         tokio::time::sleep(RETRY[tries.min(RETRY.len() - 1)]).await;
@@ -64,7 +73,10 @@ async fn watch(
 ) -> Result<(), String> {
     let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
         .map_err(|e| proto::secure::explain(&e))?
-        .connect_timeout(CONNECT_TIMEOUT);
+        .connect_timeout(CONNECT_TIMEOUT)
+        .http2_keep_alive_interval(PING.0)
+        .keep_alive_timeout(PING.1)
+        .keep_alive_while_idle(true);
     let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
     let mut events = StoreClient::new(channel)
         .watch(WatchRequest { model: key })
