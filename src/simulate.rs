@@ -82,6 +82,13 @@ pub fn run(a: SimulateArgs) -> Result<()> {
         sim["steps"],
         sim["kv_bytes"].as_f64().unwrap_or(0.0) / 1e6
     );
+    let p = &sim["preempted"];
+    if p["swapped"].as_u64().unwrap_or(0) + p["recomputed"].as_u64().unwrap_or(0) > 0 {
+        println!(
+            "preempted: {} swapped to the host tier, {} recomputed; resumes needed {} tokens' KV, found {}",
+            p["swapped"], p["recomputed"], p["resumed_tokens"], p["resumed_hit_tokens"]
+        );
+    }
     load::finish(&a.work, &report)
 }
 
@@ -298,6 +305,9 @@ pub fn simulate(
         "admission_holds": r.admission_holds,
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "store_hits": r.store_hits,
+        "preempted": {"swapped": r.preemptions.swapped, "recomputed": r.preemptions.recomputed,
+            "resumed_tokens": r.preemptions.resumed_tokens,
+            "resumed_hit_tokens": r.preemptions.resumed_hit_tokens},
         "faults": r.faults.iter().map(|(t, f)| serde_json::json!({"t_s": t, "fault": f})).collect::<Vec<_>>(),
         "ttft_phase_seconds": counted(&r.ttft_phases),
         "step_seconds": counted(&r.step_time),

@@ -181,6 +181,8 @@ pub struct SimResult {
     pub tier_hits: [u64; 2],
     /// Blocks fetched from the cluster store (staged in a worker's host tier).
     pub store_hits: u64,
+    /// Sequences the engines preempted when their pools ran out, and what resuming cost.
+    pub preemptions: engine::Preemptions,
     /// KV bytes moved from prefill to decode workers.
     pub kv_bytes: u64,
     /// Where each request was prefilled, and why prompts were recomputed, by the router's
@@ -575,6 +577,11 @@ impl Sim {
             self.result.prefix_hit_tokens += load.prefix_hit_tokens;
             self.result.tier_hits[0] += load.tiers.host.hits;
             self.result.tier_hits[1] += load.tiers.disk.hits;
+            let (p, q) = (&mut self.result.preemptions, load.preemptions);
+            p.swapped += q.swapped;
+            p.recomputed += q.recomputed;
+            p.resumed_tokens += q.resumed_tokens;
+            p.resumed_hit_tokens += q.resumed_hit_tokens;
             let lived = w.stopped.unwrap_or(end).saturating_sub(w.started);
             *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
         }

@@ -572,3 +572,86 @@ fn a_prefix_another_worker_computed_comes_from_the_store_at_its_price() {
     let got = r.outcomes[1].ttft.unwrap().as_secs_f64() * 1e6;
     assert!((got - want).abs() < 1.0, "TTFT {got} µs, by hand {want} µs");
 }
+
+/// Decode memory pressure on the mock H200 preset (issue 34, acceptance 5, where a recompute
+/// costs what it costs a GPU): streams queued at once whose KV outgrows a pool a quarter of
+/// what they grow to, the engine stepped on the virtual clock. Preempted streams swapped to G2
+/// (priced at the preset's PCIe link) against the same engine recomputing them, the same pool
+/// reserving each stream's length up front, and room for all (the limit); every arm's tokens
+/// the same, the path asserted from the counters, and swap ahead of recompute. The goodputs
+/// are printed (`BENCHMARKS.md`):
+/// `cargo test --release -p sim --test sim -- swap_ --nocapture`
+#[test]
+fn swap_beats_recompute_under_decode_pressure_on_the_h200_preset() {
+    let (model, _) = engine::inspect(&tandem_tests::model_path()).unwrap();
+    let shapes: [(usize, (usize, usize)); 4] = [
+        (32, (128, 512)),
+        (24, (512, 512)),
+        (16, (1024, 512)),
+        (64, (512, 1024)),
+    ];
+    for (streams, (prompt, output)) in shapes {
+        let bs = EngineConfig::default().block_size;
+        let need = streams * (prompt + output).div_ceil(bs);
+        let run = |blocks, admission, host: bool| {
+            let (m, _) = engine::Model::mock_virtual(model.clone(), MockTiming::H200_LLAMA8B);
+            let block_bytes = (m.kv_page_bytes(bs) * m.kv_pages(1)) as u64;
+            let mut config = EngineConfig {
+                num_blocks: blocks,
+                admission,
+                ..Default::default()
+            };
+            config.tiers.host_bytes = if host { need as u64 * block_bytes } else { 0 };
+            let mut e = engine::Engine::new(std::sync::Arc::new(m), config, Vec::new()).unwrap();
+            for k in 0..streams as u64 {
+                let tokens = distinct(300 + 700 * k as u32, prompt as u32);
+                let params = engine::SamplingParams {
+                    max_tokens: Some(output),
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                e.add(engine::RequestId(k), tokens, params).unwrap();
+            }
+            let (mut out, mut ns) = (std::collections::BTreeMap::new(), 0u128);
+            while e.has_work() {
+                for t in e.step().unwrap() {
+                    out.entry(t.id).or_insert_with(Vec::new).push(t.token);
+                }
+                ns += e
+                    .model()
+                    .take_modelled_time()
+                    .unwrap_or_default()
+                    .as_nanos();
+            }
+            assert_eq!(e.free_blocks(), e.total_blocks(), "every page back");
+            let goodput = (streams * output) as f64 / (ns as f64 / 1e9);
+            (out, e.load(), goodput)
+        };
+        use engine::Admission::{Optimistic, Reserve};
+        let tight = need / 4;
+        let (want, _, limit) = run(need, Reserve, false);
+        let (swapped, s, swap) = run(tight, Optimistic, true);
+        let (recomputed, r, recompute) = run(tight, Optimistic, false);
+        let (reserved, _, reserve) = run(tight, Reserve, false);
+        assert!(want.values().all(|t| t.len() == output));
+        assert!(swapped == want && recomputed == want && reserved == want);
+        let (ps, pr) = (s.preemptions, r.preemptions);
+        assert!(
+            ps.swapped > 0 && ps.recomputed == 0 && s.tiers.host.hits > 0,
+            "{ps:?}"
+        );
+        assert!(pr.recomputed > 0 && pr.swapped == 0, "{pr:?}");
+        println!(
+            "{streams} x ({prompt} + {output}), pool {tight} of {need} pages: tokens/s room for \
+             all {limit:.0}, swap {swap:.0} ({} preempted), recompute {recompute:.0} ({} \
+             preempted), reserve {reserve:.0}; swap/recompute {:.2}x",
+            ps.swapped,
+            pr.recomputed,
+            swap / recompute
+        );
+        assert!(
+            swap > recompute,
+            "swap {swap:.0} tokens/s, recompute {recompute:.0}"
+        );
+    }
+}
