@@ -60,9 +60,18 @@ pub struct RoleArgs {
     /// models`; `tandem up` passes those of the config's `[[models]]`).
     #[arg(long = "peer")]
     pub peers: Vec<String>,
-    /// Workers: the cluster KV store's node (`http://HOST:PORT`), overriding `store.node`.
+    /// Workers and the router: the cluster KV store's nodes (`http://HOST:PORT`, several
+    /// comma-separated), overriding `store.node` / `store.nodes`.
     #[arg(long)]
     pub store: Option<String>,
+}
+
+/// The store's nodes a role uses: `--store`'s, else the file's.
+fn store_nodes(cfg: &ClusterConfig, a: &RoleArgs) -> Vec<String> {
+    match &a.store {
+        Some(list) => list.split(',').map(|s| s.trim().to_string()).collect(),
+        None => cfg.store.node_uris(),
+    }
 }
 
 pub(crate) fn runtime() -> Result<tokio::runtime::Runtime> {
@@ -209,8 +218,9 @@ fn worker_settings(
         require: cfg.kv_transfer.require.as_ref().map(|r| *r.get_ref()),
         secret: secret(cfg)?,
         ready_file: a.ready_file.clone(),
-        store: (a.store.clone()).or_else(|| cfg.store.node.as_ref().map(|n| n.get_ref().clone())),
+        store: store_nodes(cfg, a),
         store_fetch_timeout: Duration::from_millis(*cfg.store.fetch_timeout_ms.get_ref()),
+        store_replicas: *cfg.store.replicas.get_ref() as usize,
     })
 }
 
@@ -373,7 +383,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
     let security = security(&cfg, &a.config, pki::Role::Router, "router")?;
     let rc = router::RouterConfig {
         discovery: discovery(&cfg, &security),
-        store: (a.store.clone()).or_else(|| cfg.store.node.as_ref().map(|n| n.get_ref().clone())),
+        store: store_nodes(&cfg, &a),
         security,
         listen: a
             .listen

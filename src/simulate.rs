@@ -189,7 +189,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         faults: sim::schedule_faults(&a.faults, a.fault_seed, horizon),
         // Workers pointed at a store node, or given one by `tandem up`, use the cluster store:
         // the simulator keeps one.
-        store: (cfg.store.node.is_some() || cfg.embedded_store()).then(|| sim::StoreSpec {
+        store: (cfg.store.nodes_span().is_some() || cfg.embedded_store()).then(|| sim::StoreSpec {
             capacity_bytes: *cfg.store.capacity_bytes.get_ref(),
         }),
     };

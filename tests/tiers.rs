@@ -103,12 +103,14 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
     assert_eq!(stat(&c, worker, "kv_tier_corrupt"), 0);
 }
 
-/// A store node (started first, on a CA it shares with the cluster) and a cluster of
-/// `prefill` + `decode` workers using it, each with the host tier that fetched blocks are
+/// Store nodes (started first, on a CA they share with the cluster) and a cluster of
+/// `prefill` + `decode` workers using them, each with the host tier that fetched blocks are
 /// staged in; the scratch directory is removed when dropped.
 struct WithStore {
     c: Cluster,
     node: StoreNode,
+    /// Nodes beyond the first ([`with_store_nodes`]).
+    more: Vec<StoreNode>,
     scratch: std::path::PathBuf,
 }
 
@@ -119,20 +121,39 @@ impl Drop for WithStore {
 }
 
 fn with_store(name: &str, prefill: usize, decode: usize) -> WithStore {
+    with_store_nodes(name, prefill, decode, 1)
+}
+
+/// [`with_store`] with `nodes` store nodes, each block on two of them.
+fn with_store_nodes(name: &str, prefill: usize, decode: usize, nodes: usize) -> WithStore {
     let scratch = std::env::temp_dir().join(format!("tandem-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
     let security = format!("[security]\ndir = {:?}\n", scratch.join("pki"));
     let store = format!("[decode]\n{security}[store]\ncapacity_bytes = 1_000_000_000\n");
     std::fs::write(scratch.join("store.toml"), store).unwrap();
-    let (node, at) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
+    let (mut started, mut at) = (Vec::new(), Vec::new());
+    for _ in 0..nodes {
+        let (node, uri) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
+        started.push(node);
+        at.push(uri);
+    }
     let host = |pool: &str| format!("[{pool}.kv_tiers]\nhost_bytes = 100_000_000\n");
-    let decode_lines = format!("{}\n[store]\nnode = {at:?}\n\n{security}", host("decode"));
+    let decode_lines = format!(
+        "{}\n[store]\nnodes = {at:?}\nreplicas = 2\n\n{security}",
+        host("decode")
+    );
     let prefill_lines = host("prefill");
     let c = Cluster::of(prefill, decode)
         .pools([&prefill_lines, &decode_lines])
         .start(EXE.as_ref());
-    WithStore { c, node, scratch }
+    let node = started.remove(0);
+    WithStore {
+        c,
+        node,
+        more: started,
+        scratch,
+    }
 }
 
 /// Blocks worker `name` put in the store.
@@ -317,6 +338,46 @@ fn a_frozen_or_killed_store_fails_no_request() {
     assert_eq!(complete(&s.c, &first), text, "the same text, computed");
     assert_eq!(complete(&s.c, &other), other_text);
     assert_eq!(stat(&s.c, w, "kv_tier_corrupt"), 0);
+}
+
+/// Two store nodes, each block on both (`replicas = 2`): a prompt's blocks are put on each;
+/// one node killed, the other decode worker still takes every block from the survivor —
+/// the same text, the prompt computed only past its blocks — and the router's index keeps
+/// them, the survivor still holding them.
+#[test]
+fn with_two_replicas_a_killed_store_node_loses_no_block() {
+    let mut s = with_store_nodes("store-replicas", 0, 2, 2);
+    let c = &mut s.c;
+    let first = prompt(21, 6);
+    let text = complete(c, &first);
+    wait_until(
+        "the prompt's blocks on both nodes",
+        Duration::from_secs(20),
+        || puts(c, "decode-0") + puts(c, "decode-1") >= 12,
+    );
+    let (served, other) = match puts(c, "decode-0") >= 12 {
+        true => ("decode-0", "decode-1"),
+        false => ("decode-1", "decode-0"),
+    };
+    assert_eq!(puts(c, served), 12, "6 blocks, a copy on each node");
+    let objects = |n: &StoreNode| metric_at(n.metrics, "tandem_store_objects");
+    wait_until("each node's gauge", Duration::from_secs(5), || {
+        (objects(&s.node), objects(&s.more[0])) == (6.0, 6.0)
+    });
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until("both nodes followed", Duration::from_secs(10), || {
+        metric_at(c.operator, indexed) == 6.0
+    });
+    s.node.kill();
+    c.kill_worker(served);
+    c.wait_for(0, 1);
+    let hits_before = stat(c, other, "prefix_hit_tokens");
+    assert_eq!(complete(c, &first), text, "the same text from the survivor");
+    assert_eq!(stat(c, other, "kv_store_hits"), 6, "every block fetched");
+    let found = stat(c, other, "prefix_hit_tokens") - hits_before;
+    assert_eq!(found, 6 * BS as u64, "only the last token computed");
+    assert_eq!(objects(&s.more[0]), 6.0, "the survivor holds them all");
+    assert_eq!(metric_at(c.operator, indexed), 6.0, "the index keeps them");
 }
 
 /// `tandem up` on a file whose pools have host tiers embeds a store node: it says so, starts

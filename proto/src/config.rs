@@ -68,10 +68,17 @@ pub struct StoreSection {
     /// A put not published within this is abandoned and freed.
     #[serde(default = "default_store_put_deadline_ms")]
     pub put_deadline_ms: Spanned<u64>,
-    /// Workers: the node they put their computed KV blocks in and fetch prompts' blocks from
-    /// (`http://HOST:PORT`); none: workers use no store.
+    /// Workers and the router: the node workers put their computed KV blocks in and fetch
+    /// prompts' blocks from (`http://HOST:PORT`); none (and no `nodes`): no store.
     #[serde(default)]
     pub node: Option<Spanned<String>>,
+    /// Or several nodes: each block placed on `replicas` of them by rendezvous hashing, so a
+    /// node that leaves loses no block another holds.
+    #[serde(default)]
+    pub nodes: Option<Spanned<Vec<String>>>,
+    /// Copies of each block among `nodes` (all of them when fewer).
+    #[serde(default = "default_store_replicas")]
+    pub replicas: Spanned<u64>,
     /// Workers: how long a request waits for its prompt's blocks from the node.
     #[serde(default = "default_store_fetch_timeout_ms")]
     pub fetch_timeout_ms: Spanned<u64>,
@@ -94,8 +101,34 @@ impl Default for StoreSection {
             lease_ms: default_store_lease_ms(),
             put_deadline_ms: default_store_put_deadline_ms(),
             node: None,
+            nodes: None,
+            replicas: default_store_replicas(),
             fetch_timeout_ms: default_store_fetch_timeout_ms(),
             embedded: true,
+        }
+    }
+}
+
+fn default_store_replicas() -> Spanned<u64> {
+    Spanned::new(0..0, 2)
+}
+
+impl StoreSection {
+    /// The nodes workers and the router use (`node` or `nodes`); empty: no store.
+    pub fn node_uris(&self) -> Vec<String> {
+        match (&self.node, &self.nodes) {
+            (Some(n), _) => vec![n.get_ref().clone()],
+            (None, Some(ns)) => ns.get_ref().clone(),
+            (None, None) => Vec::new(),
+        }
+    }
+
+    /// Where the nodes are set, and the key: for errors about them.
+    pub fn nodes_span(&self) -> Option<(std::ops::Range<usize>, &'static str)> {
+        match (&self.node, &self.nodes) {
+            (Some(n), _) => Some((n.span(), "store.node")),
+            (None, Some(ns)) => Some((ns.span(), "store.nodes")),
+            (None, None) => None,
         }
     }
 }
@@ -612,7 +645,7 @@ impl ClusterConfig {
         }
         ctx.kv_transfer(&cfg.kv_transfer)?;
         ctx.store(&cfg.store)?;
-        if let Some(node) = &cfg.store.node {
+        if let Some((span, key)) = cfg.store.nodes_span() {
             for (name, pool) in [
                 ("prefill", cfg.prefill.as_ref()),
                 ("decode", Some(&cfg.decode)),
@@ -623,7 +656,7 @@ impl ClusterConfig {
                         "the {name} workers stage blocks fetched from the store in host memory: \
                          set [{name}.kv_tiers] host_bytes"
                     );
-                    return ctx.err(node.span(), "store.node", m);
+                    return ctx.err(span.clone(), key, m);
                 }
             }
         }
@@ -637,7 +670,7 @@ impl ClusterConfig {
     /// no node set, embedding not turned off, and every pool has a host tier.
     pub fn embedded_store(&self) -> bool {
         let staged = |p: &PoolSection| p.kv_tiers.as_ref().is_some_and(|t| t.host_bytes > 0);
-        self.store.node.is_none()
+        self.store.nodes_span().is_none()
             && self.store.embedded
             && staged(&self.decode)
             && self.prefill.as_ref().is_none_or(staged)

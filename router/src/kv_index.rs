@@ -124,8 +124,10 @@ pub struct KvIndex {
     workers: NameMap<WorkerId, Held>,
     /// Entries (a block of a worker) by tier holding them, by [`Tier::index`].
     by_tier: [usize; 3],
-    /// What the cluster store holds of this model: a holder every worker reaches.
-    store: Held,
+    /// What each of the cluster store's nodes holds of this model (by node number).
+    store_nodes: Vec<Held>,
+    /// Each block some node holds, with how many: a holder every worker reaches.
+    store: NameMap<u64, u32>,
 }
 
 /// Blocks of the store's the index keeps at most (its events beyond are dropped: a block not
@@ -220,40 +222,57 @@ impl KvIndex {
         }
     }
 
-    /// Applies the cluster store's events (a snapshot first: [`proto::grpc::KvEvents`] as its
+    /// Applies store node `node`'s events (a snapshot first: [`proto::grpc::KvEvents`] as its
     /// `Watch` sends them); `true` when some were missed (follow it again from a snapshot).
-    pub fn apply_store(&mut self, ev: &KvEvents) -> bool {
-        let held = &mut self.store;
+    pub fn apply_store(&mut self, node: usize, ev: &KvEvents) -> bool {
+        if self.store_nodes.len() <= node {
+            self.store_nodes.resize_with(node + 1, Held::default);
+        }
         if ev.snapshot {
-            held.blocks.clear();
-        } else if held.next != Some(ev.first) {
+            self.clear_store(node);
+        } else if self.store_nodes[node].next != Some(ev.first) {
             return true;
         }
-        held.next = Some(ev.next);
+        self.store_nodes[node].next = Some(ev.next);
         let stored = ev.stored.iter().copied().chain(std::iter::repeat(true));
         for (&h, stored) in ev.hashes.iter().zip(stored) {
-            match stored {
-                true if held.blocks.len() < MAX_STORE_BLOCKS => {
-                    held.blocks.insert(h, 1);
-                }
-                true => {}
-                false => {
-                    held.blocks.remove(&h);
-                }
+            let held = &mut self.store_nodes[node].blocks;
+            let counted = match stored {
+                true if held.len() < MAX_STORE_BLOCKS => held.insert(h, 1).is_none(),
+                true => false,
+                false => held.remove(&h).is_some(),
+            };
+            if counted {
+                self.count_store(h, stored);
             }
         }
         false
     }
 
-    /// Forgets what the store holds (its watch broke: until it is followed again, nothing is
-    /// counted as fetched from it).
-    pub fn clear_store(&mut self) {
-        self.store = Held::default();
+    /// One node more (or fewer) holding block `h`.
+    fn count_store(&mut self, h: u64, add: bool) {
+        let n = self.store.entry(h).or_insert(0);
+        *n = if add { *n + 1 } else { n.saturating_sub(1) };
+        if *n == 0 {
+            self.store.remove(&h);
+        }
     }
 
-    /// Blocks of the store's indexed.
+    /// Forgets what store node `node` holds (its watch broke: until it is followed again,
+    /// nothing only it holds is counted as fetched from the store).
+    pub fn clear_store(&mut self, node: usize) {
+        let Some(held) = self.store_nodes.get_mut(node) else {
+            return;
+        };
+        let gone = std::mem::take(held);
+        for h in gone.blocks.into_keys() {
+            self.count_store(h, false);
+        }
+    }
+
+    /// Blocks the store holds (on any node) indexed.
     pub fn store_blocks(&self) -> usize {
-        self.store.blocks.len()
+        self.store.len()
     }
 
     /// The leading run of `blocks` the store holds: what any worker holding none of them
@@ -261,7 +280,7 @@ impl KvIndex {
     pub fn store_run(&self, blocks: &[BlockHash]) -> usize {
         blocks
             .iter()
-            .take_while(|h| self.store.blocks.contains_key(&h.0))
+            .take_while(|h| self.store.contains_key(&h.0))
             .count()
     }
 
@@ -294,7 +313,7 @@ impl KvIndex {
             .filter(|&w| among(w))
             .filter_map(|w| Some((w, &self.workers.get(&w)?.blocks, Overlap::default())))
             .collect();
-        let store = &self.store.blocks;
+        let store = &self.store;
         for h in blocks {
             let in_store = store.contains_key(&h.0);
             live.retain_mut(|(w, held, run)| match held.get(&h.0) {
@@ -477,8 +496,8 @@ mod tests {
         assert!(!ix.apply(w1, &snapshot(0, &[1, 2]), 100));
         assert!(!ix.apply(w2, &snapshot(0, &[7]), 100));
         // The store's watch: a snapshot, then its changes, numbered as a worker's.
-        assert!(!ix.apply_store(&snapshot(0, &[1, 2, 3, 4])));
-        assert!(!ix.apply_store(&events(0, &[(true, 5), (false, 4)])));
+        assert!(!ix.apply_store(0, &snapshot(0, &[1, 2, 3, 4])));
+        assert!(!ix.apply_store(0, &events(0, &[(true, 5), (false, 4)])));
         assert_eq!(ix.store_blocks(), 4);
         let o = ix.overlap_in(&b(&[1, 2, 3, 4, 5]), |_| true);
         assert_eq!(
@@ -490,15 +509,35 @@ mod tests {
         assert_eq!(ix.store_run(&b(&[1, 2, 3, 4, 5])), 3, "what w2 would fetch");
         assert_eq!(o[&w1].weighed(&[1.0, 0.9, 0.7, 0.5]), 2.5);
         assert!(
-            ix.apply_store(&events(5, &[(true, 4)])),
+            ix.apply_store(0, &events(5, &[(true, 4)])),
             "2..5 missed: resync"
         );
-        ix.clear_store();
+        ix.clear_store(0);
         assert_eq!(ix.store_run(&b(&[1, 2, 3])), 0);
         assert_eq!(ix.overlap(&b(&[1, 2, 3]))[&w1], 2);
         assert!(
-            ix.apply_store(&events(0, &[(true, 1)])),
+            ix.apply_store(0, &events(0, &[(true, 1)])),
             "no snapshot since"
         );
+    }
+
+    #[test]
+    fn a_block_stays_in_the_store_while_any_node_holds_it() {
+        let mut ix = KvIndex::default();
+        assert!(!ix.apply_store(0, &snapshot(0, &[1, 2, 3])));
+        assert!(!ix.apply_store(1, &snapshot(0, &[1, 2, 4])));
+        assert_eq!(ix.store_blocks(), 4);
+        assert_eq!(ix.store_run(&b(&[1, 2, 3])), 3);
+        // Node 0 lost: what node 1 also holds stays.
+        ix.clear_store(0);
+        assert_eq!((ix.store_blocks(), ix.store_run(&b(&[1, 2, 3]))), (3, 2));
+        // Node 1 removes block 1; a new snapshot of node 0 brings it back.
+        assert!(!ix.apply_store(1, &events(0, &[(false, 1), (false, 9)])));
+        assert_eq!(ix.store_run(&b(&[1, 2])), 0);
+        assert!(!ix.apply_store(0, &snapshot(5, &[1])));
+        assert_eq!((ix.store_blocks(), ix.store_run(&b(&[1, 2]))), (3, 2));
+        ix.clear_store(1);
+        ix.clear_store(7);
+        assert_eq!(ix.store_blocks(), 1);
     }
 }

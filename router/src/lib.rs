@@ -90,8 +90,8 @@ pub struct RouterConfig {
     pub peers: Vec<(String, String)>,
     /// Membership through etcd (`[discovery]`), beside the control endpoint workers may join.
     pub discovery: Option<discovery::Config>,
-    /// The cluster KV store's node (`http://HOST:PORT`), whose holdings the KV index follows.
-    pub store: Option<String>,
+    /// The cluster KV store's nodes (`http://HOST:PORT`), whose holdings the KV index follows.
+    pub store: Vec<String>,
 }
 
 /// Which actuator the planner drives.
@@ -412,9 +412,9 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), 
         operator: op_addr,
     });
     let router_id = discovery::random_id();
-    if let Some(uri) = &cfg.store {
+    for (node, uri) in cfg.store.iter().enumerate() {
         let (registry, security) = (state.registry.clone(), cfg.security.clone());
-        tokio::spawn(store_watch::follow(registry, security, uri.clone()));
+        tokio::spawn(store_watch::follow(registry, security, node, uri.clone()));
     }
     if let Some(d) = &cfg.discovery {
         members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);

@@ -1,5 +1,5 @@
 //! The cluster KV store in the router's KV index: once a worker using the store has joined
-//! (announcing the store's key for this model's blocks), the router follows the node's `Watch`
+//! (announcing the store's key for this model's blocks), the router follows each node's `Watch`
 //! — a snapshot, then each block stored or removed — into its index, where every worker's
 //! cached prefix goes on through the blocks only the store holds (fetched before computing,
 //! at the store's measured load cost). A broken watch clears what the index knew of the store
@@ -30,13 +30,13 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 const PING: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(2));
 
 /// Follows the store at `uri` into `registry`'s KV index for as long as the router runs.
-pub async fn follow(registry: Arc<Registry>, security: pki::Security, uri: String) {
+pub async fn follow(registry: Arc<Registry>, security: pki::Security, node: usize, uri: String) {
     let key = store_key(&registry).await;
     tracing::info!(store = %uri, key = format!("{key:016x}"), "following the cluster store's blocks in the KV index");
     let mut tries = 0usize;
     loop {
         let since = std::time::Instant::now();
-        match watch(&registry, &security, &uri, key).await {
+        match watch(&registry, &security, node, &uri, key).await {
             Ok(()) => tracing::warn!(store = %uri, "the store's watch ended"),
             Err(e) => tracing::warn!(store = %uri, "the store's watch failed: {e}"),
         }
@@ -44,7 +44,7 @@ pub async fn follow(registry: Arc<Registry>, security: pki::Security, uri: Strin
         if since.elapsed() > RETRY[RETRY.len() - 1] {
             tries = 0;
         }
-        registry.with(|t| t.index_mut().clear_store());
+        registry.with(|t| t.index_mut().clear_store(node));
         tokio::time::sleep(RETRY[tries.min(RETRY.len() - 1)]).await;
         tries += 1;
     }
@@ -68,6 +68,7 @@ async fn store_key(registry: &Registry) -> u64 {
 async fn watch(
     registry: &Registry,
     security: &pki::Security,
+    node: usize,
     uri: &str,
     key: u64,
 ) -> Result<(), String> {
@@ -85,7 +86,7 @@ async fn watch(
         .into_inner();
     while let Some(ev) = events.next().await {
         let ev = ev.map_err(|s| s.message().to_string())?;
-        if registry.with(|t| t.index_mut().apply_store(&ev)) {
+        if registry.with(|t| t.index_mut().apply_store(node, &ev)) {
             return Err("an event was missed: following it again from a snapshot".into());
         }
     }

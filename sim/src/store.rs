@@ -72,7 +72,7 @@ impl Sim {
                 snapshot: true,
                 ..Default::default()
             };
-            self.table.index_mut().apply_store(&snapshot);
+            self.table.index_mut().apply_store(0, &snapshot);
         }
         key
     }
@@ -137,6 +137,6 @@ impl Sim {
             return;
         }
         s.next = events.next;
-        self.table.index_mut().apply_store(&events);
+        self.table.index_mut().apply_store(0, &events);
     }
 }

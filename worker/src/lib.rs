@@ -62,8 +62,10 @@ pub struct Settings {
     pub discovery: Option<discovery::Config>,
     /// Written once the worker serves (a readiness probe's file).
     pub ready_file: Option<PathBuf>,
-    /// The cluster KV store's node (`http://host:port`), when the cluster has one.
-    pub store: Option<String>,
+    /// The cluster KV store's nodes (`http://host:port`; none: no store).
+    pub store: Vec<String>,
+    /// Copies of each block among the store's nodes.
+    pub store_replicas: usize,
     /// How long a request waits for its prompt's blocks from the store.
     pub store_fetch_timeout: std::time::Duration,
 }

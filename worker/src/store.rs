@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use engine::StoreBlock;
 use proto::grpc::store_client::StoreClient;
@@ -31,7 +31,7 @@ const PUT_DEADLINE: Duration = Duration::from_secs(10);
 /// What a worker did with the store, since it started.
 #[derive(Debug, Default)]
 pub struct StoreCounters {
-    /// Blocks published by this worker's puts.
+    /// Blocks published by this worker's puts (each copy on each node it is placed on).
     pub puts: AtomicU64,
     /// Blocks offered that the node held already.
     pub held: AtomicU64,
@@ -52,18 +52,35 @@ pub struct StoreCounters {
 /// or unreachable node costs one request its fetch timeout, not every request.
 const BACKOFF: Duration = Duration::from_secs(2);
 
-/// One store node as a worker uses it.
+/// One node of the store as a worker uses it.
+#[derive(Clone)]
+struct Node {
+    uri: String,
+    client: StoreClient<Channel>,
+    /// Until when fetches skip it (after a failed one).
+    backoff: Arc<std::sync::Mutex<Option<Instant>>>,
+}
+
+impl Node {
+    fn resting(&self, now: Instant) -> bool {
+        let b = self.backoff.lock().expect("not poisoned");
+        b.is_some_and(|until| now < until)
+    }
+}
+
+/// The store's nodes as a worker uses them: each block put on its `replicas` nodes by
+/// rendezvous hashing ([`store::place`]), fetched from the first of them that answers.
 #[derive(Clone)]
 pub struct StoreLink {
-    client: StoreClient<Channel>,
+    nodes: Vec<Node>,
+    uris: Vec<String>,
+    replicas: usize,
     /// The engine's block-name seed and the store's model key ([`engine::Engine::store_names`]).
     names: (u64, u64),
     block_size: usize,
     fetch_timeout: Duration,
     /// The counters, shared with the load a worker reports.
     pub counters: Arc<StoreCounters>,
-    /// Until when fetches are skipped (after a failed one).
-    backoff: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
 }
 
 impl StoreLink {
@@ -72,29 +89,37 @@ impl StoreLink {
         self.names.1
     }
 
-    /// A link to the node at `uri` (dialled when first used), whose certificate must name the
-    /// store role.
+    /// A link to the nodes at `uris` (each dialled when first used), whose certificates must
+    /// name the store role; each block on `replicas` of them.
     pub fn new(
         security: &pki::Security,
-        uri: &str,
+        uris: &[String],
+        replicas: usize,
         names: (u64, u64),
         block_size: usize,
         fetch_timeout: Duration,
     ) -> Result<StoreLink, String> {
-        let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
-            .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?;
-        let endpoint = endpoint
-            .connect_timeout(fetch_timeout.max(Duration::from_secs(1)))
-            .initial_stream_window_size(store::node::WINDOW)
-            .initial_connection_window_size(store::node::WINDOW * 2)
-            .max_frame_size(store::node::FRAME);
+        let node = |uri: &String| {
+            let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
+                .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?
+                .connect_timeout(fetch_timeout.max(Duration::from_secs(1)))
+                .initial_stream_window_size(store::node::WINDOW)
+                .initial_connection_window_size(store::node::WINDOW * 2)
+                .max_frame_size(store::node::FRAME);
+            Ok(Node {
+                uri: uri.clone(),
+                client: StoreClient::new(endpoint.connect_lazy()),
+                backoff: Arc::default(),
+            })
+        };
         Ok(StoreLink {
-            client: StoreClient::new(endpoint.connect_lazy()),
+            nodes: uris.iter().map(node).collect::<Result<_, String>>()?,
+            uris: uris.to_vec(),
+            replicas: replicas.clamp(1, uris.len().max(1)),
             names,
             block_size,
             fetch_timeout,
             counters: Arc::default(),
-            backoff: Arc::default(),
         })
     }
 
@@ -105,30 +130,61 @@ impl StoreLink {
         }
     }
 
-    /// Starts the task that puts what the engine thread sends it; returns its queue.
+    /// The nodes holding `block`, best first (their numbers).
+    fn holders(&self, block: BlockHash) -> Vec<usize> {
+        let key = store::ObjectKey {
+            model: self.names.1,
+            block,
+        };
+        store::place(key, &self.uris, self.replicas)
+            .into_iter()
+            .filter_map(|u| self.uris.iter().position(|x| x == u))
+            .collect()
+    }
+
+    /// Starts the task that puts what the engine thread sends it, each batch on every node
+    /// its blocks are placed on at once; returns its queue.
     pub fn uploader(&self) -> mpsc::Sender<StoreBlock> {
         let (tx, mut rx) = mpsc::channel::<StoreBlock>(QUEUE);
         let link = self.clone();
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(BATCH);
             while rx.recv_many(&mut batch, BATCH).await > 0 {
-                let n = batch.len() as u64;
-                let put = link.put(std::mem::take(&mut batch));
-                let why = match tokio::time::timeout(PUT_DEADLINE, put).await {
-                    Ok(Ok(())) => continue,
-                    Ok(Err(e)) => e.to_string(),
-                    Err(_) => format!("no answer within {PUT_DEADLINE:?}"),
-                };
-                link.counters.dropped.fetch_add(n, Ordering::Relaxed);
-                tracing::debug!("store put of {n} blocks failed: {why}");
+                let mut by_node = vec![Vec::new(); link.nodes.len()];
+                for b in batch.drain(..) {
+                    for n in link.holders(b.hash) {
+                        by_node[n].push(b.clone());
+                    }
+                }
+                let mut puts = tokio::task::JoinSet::new();
+                for (n, blocks) in by_node.into_iter().enumerate() {
+                    if !blocks.is_empty() {
+                        puts.spawn(link.clone().put_within(n, blocks));
+                    }
+                }
+                puts.join_all().await;
             }
         });
         tx
     }
 
-    /// Offers `blocks`, then streams the bytes of those the node wants.
-    async fn put(&self, blocks: Vec<StoreBlock>) -> Result<(), tonic::Status> {
-        let mut c = self.client.clone();
+    /// [`StoreLink::put`] on node `n` within [`PUT_DEADLINE`]; a failure drops the blocks,
+    /// counted.
+    async fn put_within(self, n: usize, blocks: Vec<StoreBlock>) {
+        let count = blocks.len() as u64;
+        let why = match tokio::time::timeout(PUT_DEADLINE, self.put(n, blocks)).await {
+            Ok(Ok(())) => return,
+            Ok(Err(e)) => e.to_string(),
+            Err(_) => format!("no answer within {PUT_DEADLINE:?}"),
+        };
+        self.counters.dropped.fetch_add(count, Ordering::Relaxed);
+        let uri = &self.nodes[n].uri;
+        tracing::debug!("store put of {count} blocks on {uri} failed: {why}");
+    }
+
+    /// Offers `blocks` to node `n`, then streams the bytes of those it wants.
+    async fn put(&self, n: usize, blocks: Vec<StoreBlock>) -> Result<(), tonic::Status> {
+        let mut c = self.nodes[n].client.clone();
         let objects = blocks
             .iter()
             .map(|b| PutSpec {
@@ -166,27 +222,58 @@ impl StoreLink {
         engine::block_hash::prompt_hashes(self.names.0, root, self.block_size, known)
     }
 
-    /// The store's blocks of `wanted`, in order up to the first the store lacks or the
-    /// deadline; each checked against its checksum by the engine when staged. None while the
-    /// store is left alone after a failed fetch ([`BACKOFF`]).
+    /// The store's blocks of `wanted`, in order up to the first no node gives within the
+    /// deadline; each checked against its checksum by the engine when staged. Each block is
+    /// asked of its first holder, what that one lacks or fails of the next — the nodes asked
+    /// at once; a node that fails is left alone a while ([`BACKOFF`]).
     pub async fn fetch(&self, wanted: &[BlockHash]) -> Vec<StoreBlock> {
-        let t0 = std::time::Instant::now();
-        let resting = |b: &Option<std::time::Instant>| b.is_some_and(|until| t0 < until);
-        if wanted.is_empty() || resting(&self.backoff.lock().expect("not poisoned")) {
-            return Vec::new();
+        let t0 = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.fetch_timeout;
+        let mut got: Vec<Option<StoreBlock>> = vec![None; wanted.len()];
+        let holders: Vec<Vec<usize>> = wanted.iter().map(|h| self.holders(*h)).collect();
+        let mut tried = vec![0usize; wanted.len()];
+        for _ in 0..self.replicas {
+            // Each missing block from its next holder not resting.
+            let mut asks: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
+            for (i, hs) in holders.iter().enumerate() {
+                let rest = hs.iter().skip(tried[i]);
+                let next = rest
+                    .copied()
+                    .find(|&n| !self.nodes[n].resting(Instant::now()));
+                if let (None, Some(n)) = (&got[i], next) {
+                    tried[i] = hs.iter().position(|&x| x == n).map_or(hs.len(), |p| p + 1);
+                    asks[n].push(i);
+                }
+            }
+            let mut gets = tokio::task::JoinSet::new();
+            for (n, idx) in asks.into_iter().enumerate().filter(|(_, v)| !v.is_empty()) {
+                let (link, hashes) = (
+                    self.clone(),
+                    idx.iter().map(|&i| wanted[i]).collect::<Vec<_>>(),
+                );
+                gets.spawn(async move {
+                    let r = tokio::time::timeout_at(deadline, link.get(n, &hashes)).await;
+                    (n, idx, r)
+                });
+            }
+            if gets.is_empty() {
+                break;
+            }
+            while let Some(Ok((n, idx, r))) = gets.join_next().await {
+                let blocks = match r {
+                    Ok(Ok(b)) => b,
+                    Ok(Err(e)) => self.failed(n, e.message().to_string()),
+                    Err(_) => self.failed(n, format!("no answer within {:?}", self.fetch_timeout)),
+                };
+                for (i, b) in idx.into_iter().zip(blocks) {
+                    got[i] = Some(b);
+                }
+            }
+            if got.iter().all(Option::is_some) || tokio::time::Instant::now() >= deadline {
+                break;
+            }
         }
-        let got = tokio::time::timeout(self.fetch_timeout, self.get(wanted)).await;
-        let failed = |why: String| {
-            tracing::warn!("store fetch failed ({why}): computing instead; the store is left alone for {BACKOFF:?}");
-            self.counters.fetch_failures.fetch_add(1, Ordering::Relaxed);
-            *self.backoff.lock().expect("not poisoned") = Some(std::time::Instant::now() + BACKOFF);
-            Vec::new()
-        };
-        let blocks = match got {
-            Ok(Ok(b)) => b,
-            Ok(Err(e)) => failed(e.message().to_string()),
-            Err(_) => failed(format!("no answer within {:?}", self.fetch_timeout)),
-        };
+        let blocks: Vec<StoreBlock> = got.into_iter().map_while(|b| b).collect();
         let c = &self.counters;
         c.hits.fetch_add(blocks.len() as u64, Ordering::Relaxed);
         let bytes = blocks.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
@@ -196,9 +283,18 @@ impl StoreLink {
         blocks
     }
 
-    async fn get(&self, hashes: &[BlockHash]) -> Result<Vec<StoreBlock>, tonic::Status> {
+    /// Node `n`'s fetch failed: counted, and the node left alone for [`BACKOFF`].
+    fn failed(&self, n: usize, why: String) -> Vec<StoreBlock> {
+        let uri = &self.nodes[n].uri;
+        tracing::warn!("store fetch from {uri} failed ({why}): another replica or computing instead; {uri} is left alone for {BACKOFF:?}");
+        self.counters.fetch_failures.fetch_add(1, Ordering::Relaxed);
+        *self.nodes[n].backoff.lock().expect("not poisoned") = Some(Instant::now() + BACKOFF);
+        Vec::new()
+    }
+
+    async fn get(&self, n: usize, hashes: &[BlockHash]) -> Result<Vec<StoreBlock>, tonic::Status> {
         let keys = hashes.iter().map(|h| self.key(*h)).collect();
-        let mut s = self
+        let mut s = self.nodes[n]
             .client
             .clone()
             .get(GetRequest { keys })
@@ -266,9 +362,9 @@ pub fn link(
     settings: &crate::Settings,
     engine: &mut engine::Engine,
 ) -> Result<Option<(StoreLink, crate::engine_thread::StoreOut)>, crate::WorkerError> {
-    let Some(uri) = &settings.store else {
+    if settings.store.is_empty() {
         return Ok(None);
-    };
+    }
     let Some(names) = engine.store_names() else {
         tracing::warn!("the cluster store is set but the prefix cache is off: not used");
         return Ok(None);
@@ -280,7 +376,8 @@ pub fn link(
     let bs = settings.engine.block_size;
     let link = StoreLink::new(
         &settings.security,
-        uri,
+        &settings.store,
+        settings.store_replicas,
         names,
         bs,
         settings.store_fetch_timeout,

@@ -300,16 +300,30 @@ impl Ctx<'_> {
         }
         self.positive(&s.lease_ms, "store.lease_ms")?;
         self.positive(&s.fetch_timeout_ms, "store.fetch_timeout_ms")?;
-        if let Some(node) = &s.node {
-            let addr = node.get_ref().strip_prefix("http://").unwrap_or_default();
-            if addr
-                .rsplit_once(':')
-                .is_none_or(|(_, p)| p.parse::<u16>().is_err())
-            {
-                let m = format!("{:?} is not http://HOST:PORT", node.get_ref());
-                return self.err(node.span(), "store.node", m);
+        if let (Some(_), Some(ns)) = (&s.node, &s.nodes) {
+            let m = "set store.node (one) or store.nodes (several), not both";
+            return self.err(ns.span(), "store.nodes", m);
+        }
+        if let Some((span, key)) = s.nodes_span() {
+            let uris = s.node_uris();
+            if uris.is_empty() {
+                return self.err(span, key, "names no node");
+            }
+            for (i, uri) in uris.iter().enumerate() {
+                let addr = uri.strip_prefix("http://").unwrap_or_default();
+                if addr
+                    .rsplit_once(':')
+                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
+                {
+                    let m = format!("{uri:?} is not http://HOST:PORT");
+                    return self.err(span.clone(), key, m);
+                }
+                if uris[..i].contains(uri) {
+                    return self.err(span.clone(), key, format!("{uri:?} is named twice"));
+                }
             }
         }
+        self.positive(&s.replicas, "store.replicas")?;
         self.positive(&s.put_deadline_ms, "store.put_deadline_ms")
     }
 

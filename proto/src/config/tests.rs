@@ -272,6 +272,11 @@ fn the_store_section_has_defaults_and_is_checked_with_its_line() {
     let c = parse("[decode]\n[store]\nlisten = \"10.0.0.2:7400\"\ncapacity_bytes = 1000000000\n")
         .unwrap();
     assert_eq!(c.store.listen.get_ref(), "10.0.0.2:7400");
+    let two = "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\n[store]\nnodes = [\"http://a:1\", \"http://b:2\"]\n";
+    let c = parse(two).unwrap();
+    assert_eq!(c.store.node_uris(), ["http://a:1", "http://b:2"]);
+    assert_eq!(*c.store.replicas.get_ref(), 2);
+    assert!(!c.embedded_store(), "nodes named: none embedded");
     for (body, want) in [
         (
             "[decode]\n[store]\ncapacity_bytes = 1000\n",
@@ -285,7 +290,31 @@ fn the_store_section_has_defaults_and_is_checked_with_its_line() {
             "[decode]\n[store]\nlease_ms = 0\n",
             "cluster.toml:3: store.lease_ms",
         ),
-        ("[decode]\n[store]\nreplicas = 2\n", "cluster.toml:3"),
+        (
+            "[decode]\n[store]\nreplicas = 0\n",
+            "cluster.toml:3: store.replicas",
+        ),
+        ("[decode]\n[store]\nshards = 2\n", "cluster.toml:3"),
+        (
+            "[decode]\n[store]\nnode = \"http://a:1\"\nnodes = [\"http://b:1\"]\n",
+            "cluster.toml:4: store.nodes: set store.node (one) or store.nodes (several), not both",
+        ),
+        (
+            "[decode]\n[store]\nnodes = [\"http://b:1\", \"http://b:1\"]\n",
+            "cluster.toml:3: store.nodes: \"http://b:1\" is named twice",
+        ),
+        (
+            "[decode]\n[store]\nnodes = []\n",
+            "store.nodes: names no node",
+        ),
+        (
+            "[decode]\n[store]\nnodes = [\"http://b:1\", \"b:2\"]\n",
+            "cluster.toml:3: store.nodes: \"b:2\" is not http://HOST:PORT",
+        ),
+        (
+            "[decode]\n[store]\nnodes = [\"http://b:1\"]\n",
+            "store.nodes: the decode workers stage blocks fetched from the store in host memory",
+        ),
     ] {
         let e = parse(body).unwrap_err().to_string();
         assert!(e.contains(want), "{body}: {e}");

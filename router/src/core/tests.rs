@@ -109,7 +109,7 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
         next: 3,
         ..Default::default()
     };
-    assert!(!table.index_mut().apply_store(&snapshot));
+    assert!(!table.index_mut().apply_store(0, &snapshot));
     let route = Route {
         blocks,
         prompt_tokens: 4 * 16 + 1,
@@ -118,7 +118,7 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
     let w = crate::routing::UNMEASURED_STORE_WEIGHT;
     assert_eq!(p.cached_tokens, (3.0 * 16.0 * w).round() as usize);
     drop(p);
-    table.index_mut().clear_store();
+    table.index_mut().clear_store(0);
     let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
     assert_eq!(p.cached_tokens, 0);
 }
