@@ -91,6 +91,23 @@ fn store_cell(s: &Value) -> String {
     }
 }
 
+/// A store node's line: its address, whether the router follows it, and its figures.
+fn store_node_line(n: &Value) -> String {
+    let uri = n["uri"].as_str().unwrap_or("?");
+    let state = if n["up"] == true { "followed" } else { "down" };
+    let l = &n["load"];
+    if l.is_null() {
+        return format!("store node {uri}: {state}, no figures yet\n");
+    }
+    let mb = |k: &str| l[k].as_f64().unwrap_or(0.0) / 1e6;
+    format!(
+        "store node {uri}: {state} · {} objects, {:.1} of {:.1} MB · {} hits, {} misses · {} puts ({} refused, {} corrupt) · {} evicted · {} leases, {} pinned\n",
+        l["objects"], mb("bytes"), mb("capacity"), l["hits"], l["misses"], l["puts"],
+        l["puts_refused"], l["puts_corrupt"], l["evictions"], l["leases"],
+        l["soft_pins"].as_u64().unwrap_or(0) + l["hard_pins"].as_u64().unwrap_or(0)
+    )
+}
+
 /// A worker's preemptions: "swapped / recomputed", or a dash when none.
 fn preempted_cell(p: &Value) -> String {
     match (p["swapped"].as_u64(), p["recomputed"].as_u64()) {
@@ -219,6 +236,9 @@ pub fn render(addr: &str, s: &Value) -> String {
             transfers.join(", ")
         }
     );
+    for n in s["store_nodes"].as_array().into_iter().flatten() {
+        out += &store_node_line(n);
+    }
     let decisions = s["planner"]["decisions"]
         .as_array()
         .cloned()
@@ -282,6 +302,12 @@ mod tests {
             "prefix": {"hit_ratio": 0.25, "prompt_tokens": 400},
             "transfers": {"tcp": 3},
             "planner": {"decisions": [{"at_s": 9.0, "pool": "decode", "action": "up", "desired": 2, "why": "p90 over target"}]},
+            "store_nodes": [
+                {"uri": "http://10.0.0.5:7400", "up": true, "load": {"objects": 6, "bytes": 2_500_000,
+                 "capacity": 1_000_000_000, "hits": 12, "misses": 3, "puts": 6, "puts_refused": 0,
+                 "puts_corrupt": 1, "evictions": 0, "leases": 2, "soft_pins": 1, "hard_pins": 1}},
+                {"uri": "http://10.0.0.6:7400", "up": false, "load": null},
+            ],
         });
         let text = render("127.0.0.1:8000", &s);
         assert!(
@@ -297,6 +323,14 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("prefix cache: 25.0% of 400"), "{text}");
+        assert!(
+            text.contains("store node http://10.0.0.5:7400: followed · 6 objects, 2.5 of 1000.0 MB · 12 hits, 3 misses · 6 puts (0 refused, 1 corrupt) · 0 evicted · 2 leases, 2 pinned"),
+            "{text}"
+        );
+        assert!(
+            text.contains("store node http://10.0.0.6:7400: down, no figures yet"),
+            "{text}"
+        );
         assert!(
             text.contains("planner      9 s: decode up to 2 (p90 over target)"),
             "{text}"

@@ -2,8 +2,10 @@
 //! and long prompts, all greedy so every answer can be checked — against `tandem up` with 2
 //! prefill + 2 decode mock workers, while every `TANDEM_CHAOS_EVERY_SECS` (20 s for the record; 6 s in CI, so that every kind strikes) one
 //! fault strikes in turn: a worker killed, frozen for 10 s, restarted (SIGTERM), or the
-//! prefill→decode link cut (connections reset) or corrupted (nftables) for 5 s. For
-//! `TANDEM_CHAOS_SECS` (600 for the record, 60 in CI):
+//! prefill→decode link cut (connections reset) or corrupted (nftables) for 5 s, or the cluster
+//! KV store's node (embedded by `tandem up`: both pools have host tiers) killed, frozen for 10 s
+//! or cut off for 5 s. Each prompt is sent twice in a row, so cached prefixes serve. For
+//! `TANDEM_CHAOS_SECS` (600 for the record, 90 in CI):
 //! - every request ends with its answer or an error (an HTTP error or an error event), none
 //!   hangs past its deadline; every answer is exactly the mock's greedy continuation;
 //! - at least 99% complete;
@@ -51,6 +53,12 @@ max_batch_tokens = 512
 [decode.mock]
 preset = "cpu-smollm2"
 
+# Host tiers under both pools: `tandem up` embeds a cluster store node, which the faults strike too.
+[prefill.kv_tiers]
+host_bytes = 50_000_000
+[decode.kv_tiers]
+host_bytes = 50_000_000
+
 [kv_transfer]
 prefer = ["tcp"]
 "#;
@@ -92,10 +100,17 @@ fn one(
     k: u64,
 ) -> Outcome {
     let mix = (c * 7_919 + k * 104_729) % 1_000;
-    let long = mix % 5 == 0;
-    let len = if long { 1_000 } else { 64 + mix % 200 };
+    // Each prompt twice in a row (turns k and k + 1 of even k), so that cached prefixes, and the
+    // store's, serve.
+    let turn = k / 2 * 2;
+    let shape = (c * 7_919 + turn * 104_729) % 1_000;
+    let len = if shape % 5 == 0 {
+        1_000
+    } else {
+        64 + shape % 200
+    };
     let prompt: Vec<u32> = (0..len)
-        .map(|i| 300 + ((c << 20) + k * 131 + i * 7) as u32 % 40_000)
+        .map(|i| 300 + ((c << 20) + turn * 131 + i * 7) as u32 % 40_000)
         .collect();
     let n = 16 + (mix % 24) as usize;
     let stream = mix % 2 == 0;
@@ -213,11 +228,27 @@ fn kv_ports(up: &Up) -> Vec<u16> {
         .collect()
 }
 
+/// The embedded store node's port, from a worker's command line (`--store http://HOST:PORT`).
+fn store_port(up: &Up) -> Vec<u16> {
+    let Some(pid) = up.pid_of("decode-0").or_else(|| up.pid_of("decode-1")) else {
+        return Vec::new();
+    };
+    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let args: Vec<String> = cmd
+        .split(|&b| b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    args.windows(2)
+        .filter(|w| w[0] == "--store")
+        .filter_map(|w| w[1].rsplit(':').next()?.parse().ok())
+        .collect()
+}
+
 /// Strikes fault number `n` (of a fixed rotation); what it was.
 fn strike(up: &Up, nft: &Nft, n: usize) -> String {
     let workers = ["decode-0", "prefill-0", "decode-1", "prefill-1"];
     let who = workers[n % workers.len()];
-    match n % 5 {
+    match n % 8 {
         0 => {
             up.signal(who, libc::SIGKILL);
             format!("killed {who}")
@@ -239,7 +270,7 @@ fn strike(up: &Up, nft: &Nft, n: usize) -> String {
             nft.set(&[], "");
             "cut the P-D link for 5 s".into()
         }
-        _ => {
+        4 => {
             nft.set(
                 &kv_ports(up),
                 "numgen random mod 20 == 0 @ih,0,32 set 0xdeadbeef",
@@ -247,6 +278,23 @@ fn strike(up: &Up, nft: &Nft, n: usize) -> String {
             std::thread::sleep(Duration::from_secs(5));
             nft.set(&[], "");
             "corrupted the P-D link for 5 s".into()
+        }
+        5 => {
+            up.signal("store", libc::SIGKILL);
+            "killed the store node".into()
+        }
+        6 => {
+            let pid = up.signal("store", libc::SIGSTOP);
+            std::thread::sleep(Duration::from_secs(10));
+            // SAFETY: thawing the process this test froze.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            "froze the store node for 10 s".into()
+        }
+        _ => {
+            nft.set(&store_port(up), "reject with tcp reset");
+            std::thread::sleep(Duration::from_secs(5));
+            nft.set(&[], "");
+            "cut the store's links for 5 s".into()
         }
     }
 }
@@ -348,7 +396,7 @@ fn rss_flat(samples: &[BTreeMap<String, (i32, u64, f64)>]) {
 #[test]
 fn under_a_fault_every_few_seconds_every_request_ends_well_and_nothing_leaks() {
     let (total, every) = (
-        env_secs("TANDEM_CHAOS_SECS", 60),
+        env_secs("TANDEM_CHAOS_SECS", 90),
         env_secs("TANDEM_CHAOS_EVERY_SECS", 6),
     );
     let up = Up::start(EXE.as_ref(), CONFIG);
@@ -435,5 +483,22 @@ fn report(up: &Up, outcomes: &[Outcome], faults: &[String]) {
     );
     // Every worker back and idle: every block free or cached, every ledger balanced.
     up.wait_joined(2, 2, Duration::from_secs(30));
+    // The store was on the path: the live workers put blocks there (and say what they fetched).
+    let ws = up.workers();
+    let sum = |k: &str| {
+        ws.iter()
+            .map(|w| w["stats"][k].as_u64().unwrap_or(0))
+            .sum::<u64>()
+    };
+    eprintln!(
+        "live workers' store counters: {} blocks put, {} fetched, {} fetches failed",
+        sum("kv_store_puts"),
+        sum("kv_store_hits"),
+        sum("kv_store_fetch_failures")
+    );
+    assert!(
+        sum("kv_store_puts") > 0,
+        "the workers put blocks in the store"
+    );
     tandem_tests::cluster::wait_idle(Duration::from_secs(20), || up.workers());
 }

@@ -343,7 +343,8 @@ fn a_frozen_or_killed_store_fails_no_request() {
 /// Two store nodes, each block on both (`replicas = 2`): a prompt's blocks are put on each;
 /// one node killed, the other decode worker still takes every block from the survivor —
 /// the same text, the prompt computed only past its blocks — and the router's index keeps
-/// them, the survivor still holding them.
+/// them, the survivor still holding them; the status page shows each node's figures, and the
+/// killed one down.
 #[test]
 fn with_two_replicas_a_killed_store_node_loses_no_block() {
     let mut s = with_store_nodes("store-replicas", 0, 2, 2);
@@ -368,7 +369,25 @@ fn with_two_replicas_a_killed_store_node_loses_no_block() {
     wait_until("both nodes followed", Duration::from_secs(10), || {
         metric_at(c.operator, indexed) == 6.0
     });
+    // The status page has each node's own figures, as the router last asked them.
+    let nodes = || {
+        let (_, body) = tandem_tests::cluster::get(c.operator, "/status.json").unwrap();
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["store_nodes"].as_array().cloned().unwrap_or_default()
+    };
+    wait_until("both nodes' figures", Duration::from_secs(10), || {
+        let ns = nodes();
+        ns.len() == 2
+            && ns
+                .iter()
+                .all(|n| n["up"] == true && n["load"]["objects"] == 6)
+    });
     s.node.kill();
+    wait_until(
+        "the killed node shown down",
+        Duration::from_secs(10),
+        || nodes().iter().filter(|n| n["up"] == false).count() == 1,
+    );
     c.kill_worker(served);
     c.wait_for(0, 1);
     let hits_before = stat(c, other, "prefix_hit_tokens");

@@ -28,6 +28,8 @@ pub struct Registry {
     gone: watch::Sender<u64>,
     /// When a worker is given up on.
     pub liveness: Liveness,
+    /// The cluster store's nodes as last seen (by node number; the status page's).
+    store_nodes: Mutex<Vec<crate::store_watch::NodeView>>,
 }
 
 impl Registry {
@@ -57,6 +59,7 @@ impl Registry {
             changed: watch::Sender::new(0),
             gone: watch::Sender::new(0),
             liveness,
+            store_nodes: Mutex::default(),
         })
     }
 
@@ -95,6 +98,20 @@ impl Registry {
     /// The KV index's entries by tier (see [`Table::indexed_by_tier`]).
     pub fn indexed_by_tier(&self) -> [usize; 3] {
         self.lock().indexed_by_tier()
+    }
+
+    /// Changes what is known of store node `node`.
+    pub fn set_store_node(&self, node: usize, f: impl FnOnce(&mut crate::store_watch::NodeView)) {
+        let mut nodes = self.store_nodes.lock().expect("store nodes lock");
+        if nodes.len() <= node {
+            nodes.resize_with(node + 1, Default::default);
+        }
+        f(&mut nodes[node]);
+    }
+
+    /// The store's nodes as last seen.
+    pub fn store_nodes(&self) -> Vec<crate::store_watch::NodeView> {
+        self.store_nodes.lock().expect("store nodes lock").clone()
     }
 
     /// Blocks of the cluster store's in the KV index.

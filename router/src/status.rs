@@ -276,7 +276,26 @@ pub fn snapshot(state: &State, now: Instant) -> Value {
             "latest": &*b.last_decision.lock().expect("board lock"),
         },
         "transfers": transfers,
+        "store_nodes": store_nodes(state),
     })
+}
+
+/// The cluster store's nodes: each one's address, whether the router's watch on it holds, and
+/// its figures when last asked (objects, bytes, capacity, hits, misses, puts — refused,
+/// corrupt, abandoned —, evictions, leases, pins).
+fn store_nodes(state: &State) -> Value {
+    let nodes = state.registry.store_nodes();
+    let row = |n: &crate::store_watch::NodeView| {
+        let figures = n.load.as_ref().map(|l| {
+            json!({"objects": l.objects, "bytes": l.bytes, "capacity": l.capacity,
+                   "hits": l.hits, "misses": l.misses, "puts": l.puts,
+                   "puts_refused": l.puts_refused, "puts_corrupt": l.puts_corrupt,
+                   "puts_abandoned": l.puts_abandoned, "evictions": l.evictions,
+                   "leases": l.leases, "soft_pins": l.soft_pins, "hard_pins": l.hard_pins})
+        });
+        json!({"uri": n.uri, "up": n.up, "load": figures})
+    };
+    nodes.iter().map(row).collect::<Vec<_>>().into()
 }
 
 /// `GET /status`: the page.

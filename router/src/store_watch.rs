@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use proto::grpc::store_client::StoreClient;
-use proto::grpc::WatchRequest;
+use proto::grpc::{StoreLoad, StoreStatsRequest, WatchRequest};
 use tokio_stream::StreamExt;
 
 use crate::registry::Registry;
@@ -29,8 +29,24 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// frozen or cut-off node's blocks leave the index instead of being counted on forever.
 const PING: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(2));
 
+/// How often a followed node is asked for its figures (the status page's), and how long it
+/// may take to answer.
+const STATS: (Duration, Duration) = (Duration::from_secs(2), Duration::from_secs(1));
+
+/// A store node as the router last saw it.
+#[derive(Debug, Clone, Default)]
+pub struct NodeView {
+    /// Where it serves.
+    pub uri: String,
+    /// Whether its watch holds now.
+    pub up: bool,
+    /// Its figures when last asked (none before the first answer).
+    pub load: Option<StoreLoad>,
+}
+
 /// Follows the store at `uri` into `registry`'s KV index for as long as the router runs.
 pub async fn follow(registry: Arc<Registry>, security: pki::Security, node: usize, uri: String) {
+    registry.set_store_node(node, |v| v.uri = uri.clone());
     let key = store_key(&registry).await;
     tracing::info!(store = %uri, key = format!("{key:016x}"), "following the cluster store's blocks in the KV index");
     let mut tries = 0usize;
@@ -45,6 +61,7 @@ pub async fn follow(registry: Arc<Registry>, security: pki::Security, node: usiz
             tries = 0;
         }
         registry.with(|t| t.index_mut().clear_store(node));
+        registry.set_store_node(node, |v| v.up = false);
         tokio::time::sleep(RETRY[tries.min(RETRY.len() - 1)]).await;
         tries += 1;
     }
@@ -79,16 +96,34 @@ async fn watch(
         .keep_alive_timeout(PING.1)
         .keep_alive_while_idle(true);
     let channel = endpoint.connect().await.map_err(|e| e.to_string())?;
-    let mut events = StoreClient::new(channel)
+    let client = StoreClient::new(channel);
+    let mut events = client
+        .clone()
         .watch(WatchRequest { model: key })
         .await
         .map_err(|s| s.message().to_string())?
         .into_inner();
-    while let Some(ev) = events.next().await {
-        let ev = ev.map_err(|s| s.message().to_string())?;
-        if registry.with(|t| t.index_mut().apply_store(node, &ev)) {
-            return Err("an event was missed: following it again from a snapshot".into());
+    let mut stats = tokio::time::interval(STATS.0);
+    stats.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            ev = events.next() => {
+                let Some(ev) = ev else { return Ok(()) };
+                let ev = ev.map_err(|s| s.message().to_string())?;
+                if registry.with(|t| t.index_mut().apply_store(node, &ev)) {
+                    return Err("an event was missed: following it again from a snapshot".into());
+                }
+            }
+            _ = stats.tick() => {
+                let mut c = client.clone();
+                let asked = c.stats(StoreStatsRequest {});
+                if let Ok(Ok(load)) = tokio::time::timeout(STATS.1, asked).await {
+                    registry.set_store_node(node, |v| {
+                        v.up = true;
+                        v.load = Some(load.into_inner());
+                    });
+                }
+            }
         }
     }
-    Ok(())
 }

@@ -91,7 +91,8 @@ impl Up {
         self.log.lock().unwrap().clone()
     }
 
-    /// The pid of the cluster's process `who`: `router`, or a worker's name (`decode-0`).
+    /// The pid of the cluster's process `who`: `router`, `store` (the embedded node), or a
+    /// worker's name (`decode-0`).
     pub fn pid_of(&self, who: &str) -> Option<i32> {
         pid_of(&self.config, who)
     }
@@ -150,6 +151,7 @@ impl Up {
 pub fn pid_of(config: &str, who: &str) -> Option<i32> {
     let wanted: Vec<&str> = match who {
         "router" => vec!["router"],
+        "store" => vec!["store", "--config"],
         name => vec!["--name", name],
     };
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
