@@ -246,3 +246,54 @@ fn prefill_on_one_engine_decode_on_another_matches_single_engine() {
     assert!(decode.release(RequestId(99), engine::Release::Cancelled));
     assert_eq!(decode.free_blocks(), decode.total_blocks());
 }
+
+/// What a migration asks of a decode worker, on one engine: 8 copies of a greedy stream
+/// resumed at once from staggered points (its prompt plus its first `s` tokens, as the router
+/// re-sends it), sharing cached prefixes with each other and with the earlier groups, their
+/// prompts chunked with other sequences' decodes: each resumed copy's next tokens are bitwise
+/// the uninterrupted stream's. (A CI run once saw a migrated stream diverge under contention;
+/// this pins the engine's part of that path.)
+#[test]
+fn streams_resumed_from_any_point_continue_exactly() {
+    let (model, tok) = load_model();
+    let prompt: Vec<u32> = (0..37u32).map(|i| 400 + (i * 7919) % 20_000).collect();
+    let greedy = |n| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(n)
+    };
+    let stops = tok.stop_ids().to_vec();
+    let mut cold = Engine::new(model.clone(), EngineConfig::default(), stops.clone()).unwrap();
+    cold.add(RequestId(0), prompt.clone(), greedy(170)).unwrap();
+    let want = cold
+        .run_to_completion()
+        .unwrap()
+        .remove(&RequestId(0))
+        .unwrap();
+    for budget in [64, 256] {
+        let config = EngineConfig {
+            max_batch_tokens: budget,
+            ..Default::default()
+        };
+        let mut e = Engine::new(model.clone(), config, stops.clone()).unwrap();
+        let mut next = 0u64;
+        for s in (1..140).step_by(23) {
+            let mut starts = BTreeMap::new();
+            for j in 0..8 {
+                let at = s + j * 3;
+                let resumed: Vec<u32> = prompt.iter().chain(&want[..at]).copied().collect();
+                e.add(RequestId(next), resumed, greedy(4)).unwrap();
+                starts.insert(RequestId(next), at);
+                next += 1;
+            }
+            for (id, got) in e.run_to_completion().unwrap() {
+                let at = starts[&id];
+                assert_eq!(
+                    got,
+                    want[at..at + 4],
+                    "budget {budget}: resumed after {at} tokens"
+                );
+            }
+        }
+        assert_eq!(e.free_blocks(), e.total_blocks());
+    }
+}
