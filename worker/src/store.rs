@@ -232,6 +232,7 @@ impl StoreLink {
         let mut got: Vec<Option<StoreBlock>> = vec![None; wanted.len()];
         let holders: Vec<Vec<usize>> = wanted.iter().map(|h| self.holders(*h)).collect();
         let mut tried = vec![0usize; wanted.len()];
+        let mut asked = false;
         for _ in 0..self.replicas {
             // Each missing block from its next holder not resting.
             let mut asks: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
@@ -259,7 +260,10 @@ impl StoreLink {
             if gets.is_empty() {
                 break;
             }
-            while let Some(Ok((n, idx, r))) = gets.join_next().await {
+            asked = true;
+            while let Some(joined) = gets.join_next().await {
+                // (A get's task panicking loses only its blocks: they are computed.)
+                let Ok((n, idx, r)) = joined else { continue };
                 let blocks = match r {
                     Ok(Ok(b)) => b,
                     Ok(Err(e)) => self.failed(n, e.message().to_string()),
@@ -272,6 +276,10 @@ impl StoreLink {
             if got.iter().all(Option::is_some) || tokio::time::Instant::now() >= deadline {
                 break;
             }
+        }
+        if !asked {
+            // Nothing wanted, or every holder resting after a failure.
+            return Vec::new();
         }
         let blocks: Vec<StoreBlock> = got.into_iter().map_while(|b| b).collect();
         let c = &self.counters;
