@@ -163,6 +163,7 @@ struct BenchArgs {
 }
 
 fn main() -> Result<()> {
+    ::store::keep_freed_memory();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)

@@ -1,5 +1,6 @@
 //! `tandem store`: one node of the cluster KV store (`[store]` in cluster.toml), serving the
-//! `Store` gRPC service to the workers and the router under the cluster's certificates.
+//! `Store` gRPC service to the workers and the router, and its data connections to the workers,
+//! under the cluster's certificates.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -48,6 +49,15 @@ pub fn run(a: RoleArgs) -> Result<()> {
             .await
             .with_context(|| format!("binding the store's gRPC on {at}"))?;
         let bound = listener.local_addr().context("the store's bound address")?;
+        let data_at = SocketAddr::new(at.ip(), cfg.store.data_port);
+        let data = tokio::net::TcpListener::bind(data_at)
+            .await
+            .with_context(|| {
+                format!("binding the store's data connections on {data_at} (store.data_port)")
+            })?;
+        let data_bound = data
+            .local_addr()
+            .context("the store's bound data address")?;
         let metrics = proto::metrics::start(&bound.ip().to_string())
             .await
             .context("binding the store's metrics")?;
@@ -56,10 +66,12 @@ pub fn run(a: RoleArgs) -> Result<()> {
         if let Some(m) = metrics {
             eprintln!("tandem store: {name} metrics on http://{m}/metrics");
         }
-        eprintln!("tandem store: {name} serving on http://{bound}");
+        eprintln!(
+            "tandem store: {name} serving on http://{bound} (data connections on {data_bound})"
+        );
         cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
-        store::node::serve(listener, &security, node)
+        store::node::serve(listener, data, &security, node)
             .await
-            .map_err(|e| anyhow::anyhow!("the store's gRPC on {bound}: {e}"))
+            .map_err(|e| anyhow::anyhow!("the store node on {bound}: {e}"))
     })
 }

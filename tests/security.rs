@@ -423,7 +423,7 @@ fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
     let key = grpc::ObjectKey { model: 1, block: 2 };
     rt.block_on(async {
         // The cluster's decode worker puts a block and gets it back.
-        let mut c = client(worker).await.unwrap();
+        let mut c = client(worker.clone()).await.unwrap();
         let spec = grpc::PutSpec {
             key: Some(key),
             size: data.len() as u64,
@@ -435,24 +435,29 @@ fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
             .await
             .unwrap();
         let id = grants.into_inner().grants[0].put_id;
-        let chunk = grpc::PutChunk {
-            put_id: id,
-            offset: 0,
-            data: data.clone(),
-            end: true,
-        };
-        let reply = c.put(tokio_stream::iter([chunk])).await.unwrap();
-        assert_eq!(reply.into_inner().published, 1);
-        let mut got = c
-            .get(grpc::GetRequest { keys: vec![key] })
+        // The bytes go on the node's data connection, at the port its load names.
+        let load = c
+            .stats(grpc::StoreStatsRequest {})
             .await
             .unwrap()
             .into_inner();
-        let mut back = Vec::new();
-        while let Some(part) = got.message().await.unwrap() {
-            back.extend_from_slice(&part.data);
+        let data_at = format!("127.0.0.1:{}", load.data_port);
+        let soon = || tokio::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut d = store::data::Client::connect(&data_at, &worker, soon())
+            .await
+            .unwrap();
+        let done = d.put(&[(id, &data)], soon()).await.unwrap();
+        assert_eq!(done.published, 1);
+        let back = d.get(&[(key.model, key.block)], soon()).await.unwrap();
+        assert_eq!(back[0].data, data);
+        // Nor does a stranger get a data connection.
+        for (who, security) in impostors(&dir) {
+            let refused = match store::data::Client::connect(&data_at, &security, soon()).await {
+                Err(_) => true,
+                Ok(mut s) => s.get(&[(key.model, key.block)], soon()).await.is_err(),
+            };
+            assert!(refused, "{who} got a data connection");
         }
-        assert_eq!(back, data);
         // Strangers are refused at the handshake; the router's certificate may not put.
         for (who, security) in impostors(&dir) {
             let refused = match client(security).await {

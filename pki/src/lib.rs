@@ -136,6 +136,8 @@ impl std::fmt::Debug for Credentials {
 pub const ALPN_GRPC: &[u8] = b"h2";
 /// The TLS protocol name of tandem's KV stream (TCP, and the RDMA side channel).
 pub const ALPN_KV: &[u8] = b"tandem-kv/1";
+/// ALPN of a store node's data connections (store/src/data.rs).
+pub const ALPN_STORE: &[u8] = b"tandem-store/1";
 
 impl Credentials {
     /// The role this process's certificate names.

@@ -56,6 +56,10 @@ pub struct StoreSection {
     /// Where the node serves (gRPC, mutual TLS); port 0 picks a free one.
     #[serde(default = "default_store_listen")]
     pub listen: Spanned<String>,
+    /// The port of its data connections (the bytes of puts and gets), on `listen`'s host; 0
+    /// picks a free one (workers learn it from the node).
+    #[serde(default)]
+    pub data_port: u16,
     /// Bytes of objects it keeps (evicting from 90% down to 85%).
     #[serde(default = "default_store_capacity")]
     pub capacity_bytes: Spanned<u64>,
@@ -96,6 +100,7 @@ impl Default for StoreSection {
     fn default() -> Self {
         StoreSection {
             listen: default_store_listen(),
+            data_port: 0,
             capacity_bytes: default_store_capacity(),
             max_object_bytes: default_store_max_object(),
             lease_ms: default_store_lease_ms(),

@@ -89,9 +89,8 @@ impl Sim {
             let size = b.bytes.len() as u64;
             // A refused put (full of leased or pinned objects) is dropped, as a worker drops it.
             if let Ok(PutStart::Write(id)) = s.objects.put_start(key, size, b.sum, now) {
-                let published =
-                    s.objects.put_write(id, 0, &b.bytes).is_ok() && s.objects.put_end(id).is_ok();
-                if !published {
+                // As a node takes a put's bytes off its data connection.
+                if s.objects.put_whole(id, b.bytes).is_err() {
                     s.objects.put_abort(id);
                 }
             }

@@ -14,9 +14,11 @@
 //! - [`place`]: which nodes hold an object — rendezvous hashing over the nodes' names, so a
 //!   node that joins or leaves moves only the objects it gains or held.
 //!
-//! [`node`] serves it: a store node's gRPC service (`Store` in `tandem.proto`), every call
-//! checked against the caller's certificate.
+//! [`node`] serves it: a store node's gRPC service (`Store` in `tandem.proto`) for the control,
+//! every call checked against the caller's certificate, and [`data`], the node's data
+//! connections, for the bytes of puts and gets.
 
+pub mod data;
 pub mod node;
 mod objects;
 mod place;
@@ -25,3 +27,19 @@ pub use objects::{
     Change, Got, LeaseId, Limits, ObjectKey, Objects, Pin, PutId, PutStart, StoreError, StoreStats,
 };
 pub use place::place;
+
+/// Has the C allocator keep freed memory for reuse rather than return it to the system at
+/// once: KV blocks (about a MiB each) are allocated and freed all the time by a store node's
+/// puts and evictions and a worker's fetches, and memory new to the process costs a page
+/// fault per 4 KiB (zeroed by the kernel), more than the bytes' trip over loopback. Blocks
+/// under 32 MiB come from the allocator's heaps, and up to 256 MiB freed at a heap's top is
+/// kept. Called once, first thing, by the `tandem` binary (every role); glibc only.
+pub fn keep_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt sets glibc's malloc parameters and touches no memory of ours; it is
+    // called before any other thread runs.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 256 << 20);
+    }
+}

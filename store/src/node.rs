@@ -1,14 +1,13 @@
-//! A store node's gRPC service over [`Objects`]: workers offer and put blocks and get
-//! prefixes; the router watches what the node holds, pins, and reads its load.
+//! A store node's gRPC service over [`Objects`]: workers offer blocks (their bytes, and gets,
+//! go on the node's data connections, [`crate::data`]); the router watches what the node holds,
+//! pins, and reads its load.
 //!
 //! Every call is checked against the caller's certificate (mutual TLS, as every internal hop):
 //! only workers put and get, only the router pins. A put belongs to the certificate that
-//! started it; a put stream that ends (or breaks) leaves its unended puts abandoned, never
-//! visible. What one call can make the node hold is capped: the objects one offer or get
-//! names, a chunk's bytes (tonic's message limit), and [`Objects`]' own limits. A get's sends
-//! wait at most until its lease runs out.
+//! started it. What one call can make the node hold is capped: the objects one offer or get
+//! names, and [`Objects`]' own limits.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -16,31 +15,22 @@ use std::time::{Duration, Instant};
 use pki::{Role, Security};
 use proto::grpc::store_server::{Store, StoreServer};
 use proto::grpc::{
-    self, GetChunk, GetRequest, KvEvents, PinKind, PinReply, PinRequest, PutChunk, PutGrant,
-    PutOutcome, PutReply, PutStartReply, PutStartRequest, StoreLoad, StoreStatsRequest,
-    WatchRequest,
+    self, KvEvents, PinKind, PinReply, PinRequest, PutGrant, PutOutcome, PutStartReply,
+    PutStartRequest, StoreLoad, StoreStatsRequest, WatchRequest,
 };
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_stream::Stream;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Request, Response, Status};
 use types::BlockHash;
 
-use crate::{Change, Got, Limits, ObjectKey, Objects, Pin as Kept, PutId, PutStart};
+use crate::{Change, Limits, ObjectKey, Objects, Pin as Kept, PutId, PutStart};
 
 /// Most objects one offer or get names.
 pub const MAX_KEYS: usize = 4096;
-/// Bytes of one get chunk (under tonic's 4 MiB message limit).
-pub const CHUNK: usize = 1 << 20;
 /// Changes a watcher may fall behind by before it is dropped (it watches again, and gets a
 /// snapshot).
 const WATCH_BACKLOG: usize = 256;
-/// HTTP/2 flow-control window of a store connection's streams, both ways (its default, 64 KiB,
-/// holds a 1 MiB object to a round trip every 64 KiB).
-pub const WINDOW: u32 = 8 << 20;
-/// Largest HTTP/2 frame a store connection's peer may send (its default, 16 KiB, cuts a 1 MiB
-/// object in 64).
-pub const FRAME: u32 = 1 << 20;
 /// How often puts and leases past their time are freed.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -63,7 +53,7 @@ pub const CATALOGUE: [(&str, &str); 14] = [
 ];
 
 /// Who a put belongs to: its certificate's SHA-256 (`None` on a plain connection).
-type Owner = Option<[u8; 32]>;
+pub(crate) type Owner = Option<[u8; 32]>;
 
 struct Watcher {
     model: u64,
@@ -71,16 +61,24 @@ struct Watcher {
     tx: mpsc::Sender<Result<KvEvents, Status>>,
 }
 
-struct Inner {
-    objects: Objects,
-    owners: HashMap<PutId, Owner>,
+pub(crate) struct Inner {
+    pub(crate) objects: Objects,
+    pub(crate) owners: HashMap<PutId, Owner>,
     watchers: Vec<Watcher>,
+    /// The port of the node's data connections (0 until they are served).
+    data_port: u16,
 }
 
 impl Inner {
+    /// Put `id` given up: its writer went away before it was whole.
+    pub(crate) fn abandon(&mut self, id: PutId) {
+        self.objects.abandon(id);
+        self.owners.remove(&id);
+    }
+
     /// Sends the objects' changes to the watchers of their model; one that has fallen behind
     /// is dropped.
-    fn publish(&mut self) {
+    pub(crate) fn publish(&mut self) {
         let changes = self.objects.take_changes();
         if changes.is_empty() {
             return;
@@ -129,6 +127,7 @@ impl Node {
             objects: Objects::new(limits),
             owners: HashMap::new(),
             watchers: Vec::new(),
+            data_port: 0,
         };
         Node {
             inner: Arc::new(Mutex::new(inner)),
@@ -137,6 +136,11 @@ impl Node {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().expect("store node lock")
+    }
+
+    /// `f` on the node's state, under its lock.
+    pub(crate) fn with<R>(&self, f: impl FnOnce(&mut Inner) -> R) -> R {
+        f(&mut self.lock())
     }
 
     /// The node's counters and levels.
@@ -158,6 +162,7 @@ impl Node {
             leases: s.leases,
             soft_pins: s.soft_pins,
             hard_pins: s.hard_pins,
+            data_port: n.data_port.into(),
         }
     }
 
@@ -277,89 +282,6 @@ impl Store for Node {
         Ok(Response::new(PutStartReply { grants }))
     }
 
-    async fn put(&self, req: Request<Streaming<PutChunk>>) -> Result<Response<PutReply>, Status> {
-        let owner = caller(&req, WORKERS, "put")?;
-        let mut stream = req.into_inner();
-        let mut open = HashSet::new();
-        let mut reply = PutReply::default();
-        let end = loop {
-            let chunk = match stream.message().await {
-                Ok(Some(c)) => c,
-                Ok(None) => break Ok(()),
-                Err(e) => break Err(e),
-            };
-            let id = PutId(chunk.put_id);
-            let mut n = self.lock();
-            if n.owners.get(&id) != Some(&owner) {
-                reply
-                    .failed
-                    .push(format!("put {id} is not one this caller started"));
-                continue;
-            }
-            open.insert(id);
-            let done =
-                n.objects
-                    .put_write(id, chunk.offset, &chunk.data)
-                    .and_then(|()| match chunk.end {
-                        true => n.objects.put_end(id).map(|()| true),
-                        false => Ok(false),
-                    });
-            match done {
-                Ok(false) => continue,
-                Ok(true) => reply.published += 1,
-                Err(e) => {
-                    n.objects.put_abort(id);
-                    reply.failed.push(e.to_string());
-                }
-            }
-            open.remove(&id);
-            n.owners.remove(&id);
-            n.publish();
-        };
-        let mut n = self.lock();
-        for id in open {
-            n.objects.abandon(id);
-            n.owners.remove(&id);
-        }
-        drop(n);
-        end.map(|()| Response::new(reply))
-    }
-
-    type GetStream = Boxed<GetChunk>;
-
-    async fn get(&self, req: Request<GetRequest>) -> Result<Response<Self::GetStream>, Status> {
-        caller(&req, WORKERS, "get")?;
-        let keys = req.into_inner().keys;
-        capped(&keys, "objects asked for")?;
-        let keys = keys
-            .into_iter()
-            .map(|k| key(Some(k)))
-            .collect::<Result<Vec<_>, _>>()?;
-        let (tx, rx) = mpsc::channel(4);
-        let node = self.clone();
-        tokio::spawn(async move {
-            for (index, k) in keys.into_iter().enumerate() {
-                let got = node.lock().objects.get(k, Instant::now());
-                let got = match got {
-                    Ok(Some(g)) => g,
-                    Ok(None) => break,
-                    Err(e) => {
-                        let _ = tx
-                            .send(Err(Status::resource_exhausted(e.to_string())))
-                            .await;
-                        break;
-                    }
-                };
-                let sent = send(&tx, index as u32, &got).await;
-                node.lock().objects.release(got.lease);
-                if !sent {
-                    break;
-                }
-            }
-        });
-        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
-    }
-
     async fn pin(&self, req: Request<PinRequest>) -> Result<Response<PinReply>, Status> {
         caller(&req, &[Role::Router], "pin")?;
         let req = req.into_inner();
@@ -415,51 +337,27 @@ impl Store for Node {
     }
 }
 
-/// Sends object `index` in [`CHUNK`]s, each send waiting at most until the lease runs out;
-/// `false` when the caller went away or fell that far behind.
-async fn send(tx: &mpsc::Sender<Result<GetChunk, Status>>, index: u32, got: &Got) -> bool {
-    let deadline = tokio::time::Instant::from_std(got.expires);
-    let size = got.data.len() as u64;
-    let mut parts = got.data.chunks(CHUNK).peekable();
-    let mut offset = 0u64;
-    // An empty object is one empty chunk.
-    let first: &[u8] = &[];
-    let mut next = parts.next().or(Some(first));
-    while let Some(part) = next {
-        let chunk = GetChunk {
-            index,
-            size,
-            sum: got.sum,
-            offset,
-            data: part.to_vec(),
-        };
-        match tokio::time::timeout_at(deadline, tx.send(Ok(chunk))).await {
-            Ok(Ok(())) => {}
-            _ => return false,
-        }
-        offset += part.len() as u64;
-        next = parts.next();
-    }
-    true
-}
-
-/// Serves a store node on `listener` until the process ends: workers and the router may
-/// connect (mutual TLS under `security`), no one else.
+/// Serves a store node until the process ends: its gRPC on `control`, its data connections
+/// on `data`; workers and the router may connect (mutual TLS under `security`), no one else.
 pub async fn serve(
-    listener: tokio::net::TcpListener,
+    control: tokio::net::TcpListener,
+    data: tokio::net::TcpListener,
     security: &Security,
     node: Node,
 ) -> Result<(), String> {
     let allowed = [Role::Prefill, Role::Decode, Role::Router];
-    let incoming = proto::secure::incoming(listener, security, &allowed, "store")
-        .map_err(|e| e.to_string())?;
+    let incoming =
+        proto::secure::incoming(control, security, &allowed, "store").map_err(|e| e.to_string())?;
+    let port = data.local_addr().map_err(|e| e.to_string())?.port();
+    node.with(|n| n.data_port = port);
     tokio::spawn(node.clone().tick());
-    tonic::transport::Server::builder()
-        .initial_stream_window_size(WINDOW)
-        .initial_connection_window_size(WINDOW * 2)
-        .max_frame_size(FRAME)
+    let (security_, node_) = (security.clone(), node.clone());
+    let bytes = tokio::spawn(async move { crate::data::serve(data, &security_, node_).await });
+    let grpc = tonic::transport::Server::builder()
         .add_service(node.service())
-        .serve_with_incoming(incoming)
-        .await
-        .map_err(|e| proto::secure::explain(&e))
+        .serve_with_incoming(incoming);
+    tokio::select! {
+        r = grpc => r.map_err(|e| proto::secure::explain(&e)),
+        r = bytes => r.map_err(|e| e.to_string())?.map_err(|e| format!("data connections: {e}")),
+    }
 }

@@ -215,7 +215,7 @@ pub struct Got {
     /// When the lease runs out unless renewed.
     pub expires: Instant,
     /// The object's bytes.
-    pub data: Arc<[u8]>,
+    pub data: Arc<Vec<u8>>,
     /// Their checksum ([`types::sum::sum`]), as its writer gave it and the store checked it.
     pub sum: u64,
 }
@@ -252,7 +252,7 @@ pub struct StoreStats {
 }
 
 struct Object {
-    data: Arc<[u8]>,
+    data: Arc<Vec<u8>>,
     sum: u64,
     pin: Pin,
     /// Leases held on it.
@@ -289,6 +289,9 @@ pub struct Objects {
     next: u64,
     stats: StoreStats,
     changes: Vec<Change>,
+    /// Buffers of evicted objects, for the next puts' bytes (memory new to the process costs a
+    /// page fault per 4 KiB); at most a sixteenth of the capacity.
+    spare: Vec<Vec<u8>>,
 }
 
 impl Objects {
@@ -305,6 +308,29 @@ impl Objects {
             next: 0,
             stats: StoreStats::default(),
             changes: Vec::new(),
+            spare: Vec::new(),
+        }
+    }
+
+    /// An empty buffer for a put's `len` bytes: an evicted object's (no more than twice that
+    /// size), or a new one.
+    pub fn buffer(&mut self, len: usize) -> Vec<u8> {
+        let fits = |v: &Vec<u8>| v.capacity() >= len && v.capacity() <= len.max(1) * 2;
+        match self.spare.iter().position(fits) {
+            Some(i) => self.spare.swap_remove(i),
+            None => Vec::with_capacity(len),
+        }
+    }
+
+    /// Keeps an evicted object's buffer for [`Objects::buffer`] when no reader holds it and
+    /// the spares have room.
+    fn recycle(&mut self, data: Arc<Vec<u8>>) {
+        let held: usize = self.spare.iter().map(Vec::capacity).sum();
+        if let Ok(mut v) = Arc::try_unwrap(data) {
+            if (held + v.capacity()) as u64 <= self.limits.capacity / 16 {
+                v.clear();
+                self.spare.push(v);
+            }
         }
     }
 
@@ -341,7 +367,7 @@ impl Objects {
         self.used += size;
         let pending = Pending {
             key,
-            data: Vec::with_capacity(size as usize),
+            data: Vec::new(),
             size,
             sum,
             started: now,
@@ -370,8 +396,44 @@ impl Objects {
                 written,
             });
         }
+        if p.data.capacity() == 0 {
+            p.data.reserve_exact(p.size as usize);
+        }
         p.data.extend_from_slice(bytes);
         Ok(())
+    }
+
+    /// The size of put `id` when it is under way and nothing of it is written yet (what
+    /// [`Objects::put_whole`] takes).
+    pub fn put_unwritten(&self, id: PutId) -> Option<u64> {
+        let p = self.puts.get(&id)?;
+        p.data.is_empty().then_some(p.size)
+    }
+
+    /// Writes all of put `id`'s bytes at once (taken as they are, not copied) and publishes it
+    /// as [`Objects::put_end`] does.
+    pub fn put_whole(&mut self, id: PutId, data: Vec<u8>) -> Result<(), StoreError> {
+        let p = self.puts.get_mut(&id).ok_or(StoreError::UnknownPut(id))?;
+        let (len, size) = (data.len() as u64, p.size);
+        if !p.data.is_empty() {
+            let written = p.data.len() as u64;
+            return Err(StoreError::OutOfOrder {
+                id,
+                offset: 0,
+                written,
+            });
+        }
+        if len > size {
+            let offset = 0;
+            return Err(StoreError::OutOfRange {
+                id,
+                offset,
+                len,
+                size,
+            });
+        }
+        p.data = data;
+        self.put_end(id)
     }
 
     /// Publishes put `id` once all its bytes are written and match its checksum; a put whose
@@ -393,7 +455,7 @@ impl Objects {
         let stamp = self.next();
         self.order.insert((false, stamp), p.key);
         let object = Object {
-            data: p.data.into(),
+            data: Arc::new(p.data),
             sum: p.sum,
             pin: Pin::None,
             leases: 0,
@@ -560,6 +622,7 @@ impl Objects {
                 self.used -= o.data.len() as u64;
                 self.stats.evictions += 1;
                 self.changes.push(Change::Removed(key));
+                self.recycle(o.data);
             }
         }
         if self.used + len > self.limits.capacity {

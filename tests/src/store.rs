@@ -35,6 +35,7 @@ impl StoreNode {
                 if let Some(m) = after("metrics on http://") {
                     let _ = tx.send((1, m.trim_end_matches("/metrics").to_string()));
                 } else if let Some(at) = after("serving on ") {
+                    let at = at.split(' ').next().unwrap_or_default().to_string();
                     let _ = tx.send((0, at));
                 }
             }

@@ -235,8 +235,7 @@ fn through_the_store(from: &mut Engine) -> Vec<engine::StoreBlock> {
         let PutStart::Write(id) = node.put_start(key(b), size, b.sum, now).unwrap() else {
             panic!("a new block")
         };
-        node.put_write(id, 0, &b.bytes).unwrap();
-        node.put_end(id).unwrap();
+        node.put_whole(id, b.bytes.clone()).unwrap();
     }
     let got = |b: &engine::StoreBlock| {
         let g = node.get(key(b), now).unwrap().expect("held");

@@ -13,7 +13,8 @@ use std::time::{Duration, Instant};
 
 use engine::StoreBlock;
 use proto::grpc::store_client::StoreClient;
-use proto::grpc::{GetRequest, ObjectKey, PutChunk, PutOutcome, PutSpec, PutStartRequest};
+use proto::grpc::{ObjectKey, PutOutcome, PutSpec, PutStartRequest, StoreStatsRequest};
+use store::data;
 use tokio::sync::mpsc;
 use tonic::transport::Channel;
 use types::BlockHash;
@@ -22,8 +23,8 @@ use types::BlockHash;
 pub const QUEUE: usize = 256;
 /// Most blocks one offer names.
 const BATCH: usize = 64;
-/// Bytes of one put chunk (under tonic's 4 MiB message limit).
-const CHUNK: usize = 1 << 20;
+/// Idle data connections kept to each node.
+const POOL: usize = 8;
 /// Longest one batch's put may take (a frozen node): its blocks are then dropped, counted, and
 /// the next batch tries again.
 const PUT_DEADLINE: Duration = Duration::from_secs(10);
@@ -59,6 +60,8 @@ struct Node {
     client: StoreClient<Channel>,
     /// Until when fetches skip it (after a failed one).
     backoff: Arc<std::sync::Mutex<Option<Instant>>>,
+    /// Its data connections not in use.
+    idle: Arc<std::sync::Mutex<Vec<data::Client>>>,
 }
 
 impl Node {
@@ -66,6 +69,56 @@ impl Node {
         let b = self.backoff.lock().expect("not poisoned");
         b.is_some_and(|until| now < until)
     }
+
+    /// A data connection to the node by `deadline`: an idle one (not near the node's idle
+    /// limit), or a new one to the data port its load names.
+    async fn data(
+        &self,
+        security: &pki::Security,
+        deadline: tokio::time::Instant,
+    ) -> Result<data::Client, String> {
+        let fresh = |c: &data::Client| c.used.elapsed() < data::IDLE / 2;
+        while let Some(c) = self.idle.lock().expect("not poisoned").pop() {
+            if fresh(&c) {
+                return Ok(c);
+            }
+        }
+        let mut client = self.client.clone();
+        let stats = client.stats(StoreStatsRequest {});
+        let load = match tokio::time::timeout_at(deadline, stats).await {
+            Ok(Ok(l)) => l.into_inner(),
+            Ok(Err(e)) => return Err(e.message().to_string()),
+            Err(_) => return Err("no answer within the deadline".into()),
+        };
+        let addr = data_addr(&self.uri, load.data_port)?;
+        let c = data::Client::connect(&addr, security, deadline).await;
+        c.map_err(|e| format!("{addr}: {e}"))
+    }
+
+    /// `c` kept for the next use (a connection that failed is dropped instead).
+    fn keep(&self, c: data::Client) {
+        let mut idle = self.idle.lock().expect("not poisoned");
+        if idle.len() < POOL {
+            idle.push(c);
+        }
+    }
+}
+
+/// The data connections' address of the node at gRPC `uri`: its host, `port`.
+fn data_addr(uri: &str, port: u32) -> Result<String, String> {
+    let host = uri
+        .parse::<tonic::codegen::http::Uri>()
+        .ok()
+        .and_then(|u| u.host().map(str::to_string))
+        .ok_or_else(|| format!("no host in the store's address {uri}"))?;
+    if port == 0 || port > u16::MAX.into() {
+        return Err(format!("the store node at {uri} names no data port"));
+    }
+    let host = match host.contains(':') && !host.starts_with('[') {
+        true => format!("[{host}]"),
+        false => host,
+    };
+    Ok(format!("{host}:{port}"))
 }
 
 /// The store's nodes as a worker uses them: each block put on its `replicas` nodes by
@@ -73,6 +126,7 @@ impl Node {
 #[derive(Clone)]
 pub struct StoreLink {
     nodes: Vec<Node>,
+    security: pki::Security,
     uris: Vec<String>,
     replicas: usize,
     /// The engine's block-name seed and the store's model key ([`engine::Engine::store_names`]).
@@ -102,18 +156,17 @@ impl StoreLink {
         let node = |uri: &String| {
             let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
                 .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?
-                .connect_timeout(fetch_timeout.max(Duration::from_secs(1)))
-                .initial_stream_window_size(store::node::WINDOW)
-                .initial_connection_window_size(store::node::WINDOW * 2)
-                .max_frame_size(store::node::FRAME);
+                .connect_timeout(fetch_timeout.max(Duration::from_secs(1)));
             Ok(Node {
                 uri: uri.clone(),
                 client: StoreClient::new(endpoint.connect_lazy()),
                 backoff: Arc::default(),
+                idle: Arc::default(),
             })
         };
         Ok(StoreLink {
             nodes: uris.iter().map(node).collect::<Result<_, String>>()?,
+            security: security.clone(),
             uris: uris.to_vec(),
             replicas: replicas.clamp(1, uris.len().max(1)),
             names,
@@ -172,9 +225,10 @@ impl StoreLink {
     /// counted.
     async fn put_within(self, n: usize, blocks: Vec<StoreBlock>) {
         let count = blocks.len() as u64;
-        let why = match tokio::time::timeout(PUT_DEADLINE, self.put(n, blocks)).await {
+        let deadline = tokio::time::Instant::now() + PUT_DEADLINE;
+        let why = match tokio::time::timeout_at(deadline, self.put(n, blocks, deadline)).await {
             Ok(Ok(())) => return,
-            Ok(Err(e)) => e.to_string(),
+            Ok(Err(e)) => e,
             Err(_) => format!("no answer within {PUT_DEADLINE:?}"),
         };
         self.counters.dropped.fetch_add(count, Ordering::Relaxed);
@@ -182,9 +236,15 @@ impl StoreLink {
         tracing::debug!("store put of {count} blocks on {uri} failed: {why}");
     }
 
-    /// Offers `blocks` to node `n`, then streams the bytes of those it wants.
-    async fn put(&self, n: usize, blocks: Vec<StoreBlock>) -> Result<(), tonic::Status> {
-        let mut c = self.nodes[n].client.clone();
+    /// Offers `blocks` to node `n`, then sends the bytes of those it wants on a data
+    /// connection.
+    async fn put(
+        &self,
+        n: usize,
+        blocks: Vec<StoreBlock>,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), String> {
+        let node = &self.nodes[n];
         let objects = blocks
             .iter()
             .map(|b| PutSpec {
@@ -193,24 +253,28 @@ impl StoreLink {
                 sum: b.sum,
             })
             .collect();
-        let grants = c.put_start(PutStartRequest { objects }).await?.into_inner();
-        let mut chunks = Vec::new();
+        let mut client = node.client.clone();
+        let offer = client.put_start(PutStartRequest { objects });
+        let grants = offer.await.map_err(|e| e.message().to_string())?;
+        let mut puts = Vec::new();
         let count = |a: &AtomicU64| a.fetch_add(1, Ordering::Relaxed);
-        for (b, g) in blocks.into_iter().zip(grants.grants) {
+        for (b, g) in blocks.iter().zip(grants.into_inner().grants) {
             match PutOutcome::try_from(g.outcome) {
-                Ok(PutOutcome::PutWrite) => chunks.extend(parts(g.put_id, b.bytes)),
+                Ok(PutOutcome::PutWrite) => puts.push((g.put_id, &b.bytes[..])),
                 Ok(PutOutcome::PutHeld) => _ = count(&self.counters.held),
                 _ => _ = count(&self.counters.dropped),
             }
         }
-        if chunks.is_empty() {
+        if puts.is_empty() {
             return Ok(());
         }
-        let reply = c.put(tokio_stream::iter(chunks)).await?.into_inner();
+        let mut conn = node.data(&self.security, deadline).await?;
+        let done = conn.put(&puts, deadline).await.map_err(|e| e.to_string())?;
+        node.keep(conn);
         let c = &self.counters;
-        c.puts.fetch_add(reply.published as u64, Ordering::Relaxed);
+        c.puts.fetch_add(done.published as u64, Ordering::Relaxed);
         c.dropped
-            .fetch_add(reply.failed.len() as u64, Ordering::Relaxed);
+            .fetch_add(done.failed.len() as u64, Ordering::Relaxed);
         Ok(())
     }
 
@@ -253,8 +317,8 @@ impl StoreLink {
                     idx.iter().map(|&i| wanted[i]).collect::<Vec<_>>(),
                 );
                 gets.spawn(async move {
-                    let r = tokio::time::timeout_at(deadline, link.get(n, &hashes)).await;
-                    (n, idx, r)
+                    let r = tokio::time::timeout_at(deadline, link.get(n, &hashes, deadline));
+                    (n, idx, r.await)
                 });
             }
             if gets.is_empty() {
@@ -266,7 +330,7 @@ impl StoreLink {
                 let Ok((n, idx, r)) = joined else { continue };
                 let blocks = match r {
                     Ok(Ok(b)) => b,
-                    Ok(Err(e)) => self.failed(n, e.message().to_string()),
+                    Ok(Err(e)) => self.failed(n, e),
                     Err(_) => self.failed(n, format!("no answer within {:?}", self.fetch_timeout)),
                 };
                 for (i, b) in idx.into_iter().zip(blocks) {
@@ -300,49 +364,25 @@ impl StoreLink {
         Vec::new()
     }
 
-    async fn get(&self, n: usize, hashes: &[BlockHash]) -> Result<Vec<StoreBlock>, tonic::Status> {
-        let keys = hashes.iter().map(|h| self.key(*h)).collect();
-        let mut s = self.nodes[n]
-            .client
-            .clone()
-            .get(GetRequest { keys })
-            .await?
-            .into_inner();
-        let mut out: Vec<StoreBlock> = Vec::new();
-        while let Some(chunk) = s.message().await? {
-            let i = chunk.index as usize;
-            if i == out.len() && i < hashes.len() {
-                out.push(StoreBlock {
-                    hash: hashes[i],
-                    bytes: Vec::with_capacity(chunk.size as usize),
-                    sum: chunk.sum,
-                });
-            }
-            if i + 1 != out.len() {
-                return Err(tonic::Status::internal(
-                    "the store sent objects out of order",
-                ));
-            }
-            out[i].bytes.extend_from_slice(&chunk.data);
-        }
-        Ok(out)
+    /// The blocks of `hashes` node `n` holds, in order up to the first it does not.
+    async fn get(
+        &self,
+        n: usize,
+        hashes: &[BlockHash],
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<StoreBlock>, String> {
+        let node = &self.nodes[n];
+        let keys: Vec<(u64, u64)> = hashes.iter().map(|h| (self.names.1, h.0)).collect();
+        let mut conn = node.data(&self.security, deadline).await?;
+        let got = conn.get(&keys, deadline).await.map_err(|e| e.to_string())?;
+        node.keep(conn);
+        let blocks = hashes.iter().zip(got).map(|(&hash, f)| StoreBlock {
+            hash,
+            bytes: f.data,
+            sum: f.sum,
+        });
+        Ok(blocks.collect())
     }
-}
-
-/// `bytes` as put `id`'s chunks, the last one ending it.
-fn parts(id: u64, bytes: Vec<u8>) -> Vec<PutChunk> {
-    let n = bytes.len().div_ceil(CHUNK).max(1);
-    (0..n)
-        .map(|i| {
-            let r = (i * CHUNK).min(bytes.len())..((i + 1) * CHUNK).min(bytes.len());
-            PutChunk {
-                put_id: id,
-                offset: r.start as u64,
-                data: bytes[r].to_vec(),
-                end: i + 1 == n,
-            }
-        })
-        .collect()
 }
 
 /// Fetches the blocks of `prompt` the engine behind `engine` lacks and the store holds, and
@@ -405,4 +445,24 @@ pub fn fill(c: &StoreCounters, l: &mut proto::grpc::WorkerLoad) {
     l.kv_store_puts_held = get(&c.held);
     l.kv_store_puts_dropped = get(&c.dropped);
     l.kv_store_fetch_failures = get(&c.fetch_failures);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::data_addr;
+
+    #[test]
+    fn the_data_port_is_on_the_host_of_the_nodes_grpc_address() {
+        let at = |uri, port| data_addr(uri, port);
+        assert_eq!(at("http://10.0.0.7:7400", 7401).unwrap(), "10.0.0.7:7401");
+        assert_eq!(
+            at("https://tandem-store-0.tandem-store:7400", 7401).unwrap(),
+            "tandem-store-0.tandem-store:7401"
+        );
+        assert_eq!(at("http://[::1]:7400", 9).unwrap(), "[::1]:9");
+        assert!(at("http://10.0.0.7:7400", 0)
+            .unwrap_err()
+            .contains("no data port"));
+        assert!(at("not a uri", 1).is_err());
+    }
 }
