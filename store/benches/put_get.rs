@@ -95,7 +95,8 @@ async fn node(server: Security, client: Security, n: usize) -> (StoreClient<Chan
     let control = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let data = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let (at, data_at) = (control.local_addr().unwrap(), data.local_addr().unwrap());
-    // Room for 1.2 n objects: the second n puts evict the first ones (from 90% down to 85%).
+    // Room for 1.2 n objects: each n puts after the first evict older ones (from 90% down to
+    // 85%).
     let limits = Limits {
         capacity: (n * OBJECT * 6 / 5) as u64,
         ..Default::default()
@@ -150,55 +151,92 @@ async fn get(d: &mut Client, range: std::ops::Range<usize>) -> usize {
     got.iter().map(|o| o.data.len()).sum()
 }
 
-/// One arm: put throughput into the empty node (every page it keeps new to the process) and
-/// into the full node (evicting as it goes: a cache's steady state), get throughput (`BATCH`
-/// objects a request), and one object's get latency p50 and p99, each against the raw streams'
-/// (`raw`: name, time).
-async fn arm(name: &str, server: Security, client: Security, n: usize, raw: &[(&str, Duration)]) {
+/// Rounds of the steady state (each: the raw streams, n puts into the full node, then gets).
+const ROUNDS: usize = 5;
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// One arm: put throughput into the empty node (every page it keeps new to the process), then
+/// [`ROUNDS`] rounds of the raw streams (`raws`: name, TLS certificates or none), n puts into
+/// the full node (evicting as it goes: a cache's steady state) and gets of what it holds
+/// (`BATCH` objects a request), each figure against the raw streams of its round, the median
+/// round's shown; and one object's get latency p50 and p99.
+async fn arm(
+    name: &str,
+    (server, client): (Security, Security),
+    n: usize,
+    raws: &[(&str, Option<(Security, Security)>)],
+) {
     let (mut c, mut d) = node(server, client, n).await;
     let data: Vec<u8> = (0..OBJECT).map(|i| (i * 31 + i / 4099) as u8).collect();
-    let fill_t = put(&mut c, &mut d, 0..n, &data).await;
-    let put_t = put(&mut c, &mut d, n..2 * n, &data).await;
-    let t0 = Instant::now();
-    let mut got = 0;
-    // The latest n - n/5 objects are held.
-    let held = 2 * n - (n - n / 5)..2 * n;
-    for start in held.clone().step_by(BATCH) {
-        got += get(&mut d, start..(start + BATCH).min(held.end)).await;
+    let bytes = n * OBJECT;
+    let raw_first: Vec<Duration> = futures_raw(n, raws).await;
+    let fill = gbps(bytes, put(&mut c, &mut d, 0..n, &data).await);
+    let mut rounds = Vec::new();
+    for r in 1..=ROUNDS {
+        let raw_t = futures_raw(n, raws).await;
+        let put_g = gbps(bytes, put(&mut c, &mut d, r * n..(r + 1) * n, &data).await);
+        // The latest n - n/5 objects are held.
+        let held = (r + 1) * n - (n - n / 5)..(r + 1) * n;
+        let t0 = Instant::now();
+        let mut got = 0;
+        for start in held.clone().step_by(BATCH) {
+            got += get(&mut d, start..(start + BATCH).min(held.end)).await;
+        }
+        let get_g = gbps(got, t0.elapsed());
+        rounds.push((raw_t, put_g, get_g));
     }
-    let get_t = t0.elapsed();
-    assert_eq!(got, held.len() * OBJECT);
+    let last = (ROUNDS + 1) * n;
     let mut lat: Vec<Duration> = Vec::new();
     for i in 0..200 {
-        let k = held.start + i % held.len();
+        let k = last - 1 - i % (n / 2);
         let t0 = Instant::now();
         assert_eq!(get(&mut d, k..k + 1).await, OBJECT);
         lat.push(t0.elapsed());
     }
     lat.sort();
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
-    let g = |bytes: usize, t: Duration| gbps(bytes, t);
-    let (fill_g, put_g, get_g) = (g(n * OBJECT, fill_t), g(n * OBJECT, put_t), g(got, get_t));
-    let against = |g: f64| {
-        let x: Vec<String> = raw
-            .iter()
-            .map(|(r, t)| format!("{:.2}x {r}", g / gbps(n * OBJECT, *t)))
+    // Each figure against raw stream j of its round, the median over the rounds.
+    let ratio = |pick: &dyn Fn(&(Vec<Duration>, f64, f64)) -> f64| -> String {
+        let x: Vec<String> = (0..raws.len())
+            .map(|j| {
+                let r = median(rounds.iter().map(|x| pick(x) / gbps(bytes, x.0[j])).collect());
+                format!("{r:.2}x {}", raws[j].0)
+            })
             .collect();
-        x.join(", ")
+        let g = median(rounds.iter().map(pick).collect());
+        format!("{g:.2} GB/s ({})", x.join(", "))
     };
-    let raws: Vec<String> = raw
-        .iter()
-        .map(|(r, t)| format!("{r} {:.2} GB/s", gbps(n * OBJECT, *t)))
+    let fill_x: Vec<String> = (0..raws.len())
+        .map(|j| format!("{:.2}x {}", fill / gbps(bytes, raw_first[j]), raws[j].0))
+        .collect();
+    let raw_g: Vec<String> = (0..raws.len())
+        .map(|j| {
+            let g = median(rounds.iter().map(|x| gbps(bytes, x.0[j])).collect());
+            format!("{} {g:.2} GB/s", raws[j].0)
+        })
         .collect();
     println!(
-        "| {name} | {put_g:.2} GB/s ({}) | {get_g:.2} GB/s ({}) | {fill_g:.2} GB/s ({}) | {} | {:.2} / {:.2} ms |",
-        against(put_g),
-        against(get_g),
-        against(fill_g),
-        raws.join(", "),
+        "| {name} | {} | {} | {fill:.2} GB/s ({}) | {} | {:.2} / {:.2} ms |",
+        ratio(&|x| x.1),
+        ratio(&|x| x.2),
+        fill_x.join(", "),
+        raw_g.join(", "),
         ms(lat[lat.len() / 2]),
         ms(lat[lat.len() * 99 / 100]),
     );
+}
+
+/// Each raw stream of `raws` once, in turn.
+async fn futures_raw(n: usize, raws: &[(&str, Option<(Security, Security)>)]) -> Vec<Duration> {
+    let mut out = Vec::new();
+    for (_, tls) in raws {
+        out.push(raw(n, tls.clone()).await);
+    }
+    out
 }
 
 fn main() {
@@ -218,30 +256,15 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     let pki = pki::Store::at(dir.join("pki"));
     let mutual = |role: Role| Security::Mutual(Arc::new(pki.credentials(role, "bench").unwrap()));
-    println!("{n} objects of 1 MiB over loopback; the raw streams measured just before each arm");
+    println!("{n} objects of 1 MiB a round over loopback; the median of {ROUNDS} rounds, each against the raw streams of its round");
     println!("| node | put, full node (x raw) | get (x raw) | put, empty node (x raw) | raw streams | get 1 MiB p50 / p99 |");
     println!("|---|---:|---:|---:|---|---:|");
     rt.block_on(async {
-        let tcp = raw(n, None).await;
-        arm(
-            "plain",
-            Security::Insecure,
-            Security::Insecure,
-            n,
-            &[("TCP", tcp)],
-        )
-        .await;
-        let (server, client) = (mutual(Role::Store), mutual(Role::Decode));
-        let tcp = raw(n, None).await;
-        let tls = raw(n, Some((server.clone(), client.clone()))).await;
-        arm(
-            "mutual TLS",
-            server,
-            client,
-            n,
-            &[("TCP", tcp), ("TLS", tls)],
-        )
-        .await;
+        let plain = (Security::Insecure, Security::Insecure);
+        arm("plain", plain, n, &[("TCP", None)]).await;
+        let mutual = (mutual(Role::Store), mutual(Role::Decode));
+        let raws = [("TCP", None), ("TLS", Some(mutual.clone()))];
+        arm("mutual TLS", mutual, n, &raws).await;
     });
     let _ = std::fs::remove_dir_all(&dir);
 }
