@@ -307,6 +307,84 @@ async fn cache_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<CacheC
     })
 }
 
+/// How often the engines' prompt and hit tokens are sampled during a run.
+const SAMPLE: Duration = Duration::from_secs(1);
+
+/// The engines' prompt tokens and prefix hits admitted in one sampling interval, summed over
+/// the workers, at `t` seconds into the run.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheSample {
+    /// When (seconds since the run started).
+    pub t: f64,
+    /// Prompt tokens admitted since the previous sample.
+    pub prompt: u64,
+    /// Of those, found cached.
+    pub hit: u64,
+}
+
+/// Each worker's (prompt, hit) counters by its id (a restarted worker joins under a new id and
+/// counts from zero).
+async fn worker_counts(http: &reqwest::Client, addr: SocketAddr) -> Option<Counts> {
+    let url = format!("http://{addr}/debug/workers");
+    let v: serde_json::Value = http.get(url).send().await.ok()?.json().await.ok()?;
+    let ws = v["workers"].as_array()?;
+    let count = |w: &serde_json::Value, k: &str| w["stats"][k].as_u64().unwrap_or(0);
+    let by_id = ws.iter().filter_map(|w| {
+        let c = (count(w, "prompt_tokens"), count(w, "prefix_hit_tokens"));
+        Some((w["id"].as_u64()?, c))
+    });
+    Some(by_id.collect())
+}
+
+type Counts = std::collections::HashMap<u64, (u64, u64)>;
+
+/// The (prompt, hit) tokens admitted from `last` to `now` (by worker id): a worker new in
+/// `now` counts from zero, one gone from it counts nothing.
+fn admitted(last: &Counts, now: &Counts) -> (u64, u64) {
+    let (mut prompt, mut hit) = (0, 0);
+    for (id, (p, h)) in now {
+        let (p0, h0) = last.get(id).copied().unwrap_or_default();
+        prompt += p.saturating_sub(p0);
+        hit += h.saturating_sub(h0);
+    }
+    (prompt, hit)
+}
+
+/// Samples the engines' counters every [`SAMPLE`] from `t0` until `done`: what each interval
+/// admitted (a worker seen first counts from its first sample, or from zero once the run is
+/// under way — it joined, or rejoined after a restart, during the run).
+async fn sample_cache(
+    http: reqwest::Client,
+    addr: SocketAddr,
+    t0: Instant,
+    done: std::sync::Arc<tokio::sync::Notify>,
+) -> Vec<CacheSample> {
+    let Some(mut last) = worker_counts(&http, addr).await else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    let mut every = tokio::time::interval(SAMPLE);
+    every.tick().await;
+    loop {
+        let stop = tokio::select! {
+            _ = every.tick() => false,
+            _ = done.notified() => true,
+        };
+        if let Some(now) = worker_counts(&http, addr).await {
+            let (prompt, hit) = admitted(&last, &now);
+            out.push(CacheSample {
+                t: t0.elapsed().as_secs_f64(),
+                prompt,
+                hit,
+            });
+            last = now;
+        }
+        if stop {
+            return out;
+        }
+    }
+}
+
 fn pct(v: &mut [f64], p: f64) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -337,8 +415,10 @@ pub fn run(a: LoadArgs) -> Result<()> {
     let at: Vec<Duration> = planned.iter().map(|p| p.at).collect();
     let http = reqwest::Client::new();
     let before = rt.block_on(cache_counts(&http, operator));
-    let (outcomes, elapsed) = rt.block_on(async {
+    let (outcomes, elapsed, samples) = rt.block_on(async {
         let t0 = Instant::now();
+        let done = std::sync::Arc::new(tokio::sync::Notify::new());
+        let sampler = tokio::spawn(sample_cache(http.clone(), operator, t0, done.clone()));
         let mut tasks = Vec::new();
         for p in planned {
             let (model, http) = (a.model.clone(), http.clone());
@@ -351,19 +431,20 @@ pub fn run(a: LoadArgs) -> Result<()> {
         for t in tasks {
             out.push(t.await.unwrap_or_default());
         }
-        (out, t0.elapsed())
+        let elapsed = t0.elapsed();
+        done.notify_one();
+        (out, elapsed, sampler.await.unwrap_or_default())
     });
     let after = rt.block_on(cache_counts(&http, operator));
     // The engines' prompt tokens and prefix-cache hits over the run (a tandem router only).
     let cache = before.zip(after).map(|(b, a)| a.since(b));
-    let report = report(
-        &a.work,
-        &at,
-        &outcomes,
-        elapsed.as_secs_f64(),
-        sent_prompt,
-        cache,
-    );
+    let run = Run {
+        at: &at,
+        outcomes: &outcomes,
+        secs: elapsed.as_secs_f64(),
+        samples: &samples,
+    };
+    let report = report(&a.work, &run, sent_prompt, cache);
     finish(&a.work, &report)
 }
 
@@ -381,22 +462,33 @@ fn cdf(v: &mut [f64]) -> Vec<f64> {
     (0..=100).map(|p| pct(v, p as f64 / 100.0)).collect()
 }
 
+/// A finished run: the requests sent at `at` and their outcomes, over `secs`, with the
+/// engines' counters sampled during it (none from a simulation or a router that is not
+/// tandem's).
+pub struct Run<'a> {
+    pub at: &'a [Duration],
+    pub outcomes: &'a [Outcome],
+    pub secs: f64,
+    pub samples: &'a [CacheSample],
+}
+
 /// The run over time in about 60 bins (at least a second each): output tokens per second by
-/// when they arrived, and the share of the requests arriving in each bin that met both targets.
-fn timeline(a: &Workload, at: &[Duration], outcomes: &[Outcome], secs: f64) -> serde_json::Value {
-    let bin = (secs / 60.0).max(1.0);
-    let n = ((secs / bin).ceil() as usize).max(1);
-    let index = |t: Duration| ((t.as_secs_f64() / bin) as usize).min(n - 1);
+/// when they arrived, the share of the requests arriving in each bin that met both targets,
+/// and the share of the prompt tokens the engines admitted in each bin that were cached.
+fn timeline(a: &Workload, r: &Run) -> serde_json::Value {
+    let bin = (r.secs / 60.0).max(1.0);
+    let n = ((r.secs / bin).ceil() as usize).max(1);
+    let index = |t: f64| ((t / bin) as usize).min(n - 1);
     let (mut tokens, mut arrived, mut good) = (vec![0u64; n], vec![0u64; n], vec![0u64; n]);
-    for (&t, o) in at.iter().zip(outcomes) {
-        arrived[index(t)] += 1;
-        good[index(t)] += meets(a, o) as u64;
+    for (&t, o) in r.at.iter().zip(r.outcomes) {
+        arrived[index(t.as_secs_f64())] += 1;
+        good[index(t.as_secs_f64())] += meets(a, o) as u64;
         if let (Some(first), None) = (o.ttft, &o.error) {
             let mut tt = t + first;
-            tokens[index(tt)] += 1;
+            tokens[index(tt.as_secs_f64())] += 1;
             for g in &o.gaps {
                 tt += *g;
-                tokens[index(tt)] += 1;
+                tokens[index(tt.as_secs_f64())] += 1;
             }
         }
     }
@@ -405,25 +497,34 @@ fn timeline(a: &Workload, at: &[Duration], outcomes: &[Outcome], secs: f64) -> s
         .zip(&arrived)
         .map(|(&g, &n)| (n > 0).then(|| g as f64 / n as f64))
         .collect();
+    let (mut prompt, mut hit) = (vec![0u64; n], vec![0u64; n]);
+    for s in r.samples {
+        prompt[index(s.t)] += s.prompt;
+        hit[index(s.t)] += s.hit;
+    }
+    let hits: Vec<Option<f64>> = hit
+        .iter()
+        .zip(&prompt)
+        .map(|(&h, &p)| (p > 0).then(|| h as f64 / p as f64))
+        .collect();
     serde_json::json!({
         "bin_s": bin,
         "output_tokens_per_s": tokens.iter().map(|&t| t as f64 / bin).collect::<Vec<_>>(),
         "arrived": arrived,
         "slo_attainment": attainment,
+        "prefix_hit_ratio": (!r.samples.is_empty()).then_some(hits),
     })
 }
 
-/// The report of a run (`tandem-bench-load/3`, documented in README.md): `outcomes` (of
-/// requests sent at `at`) over `secs`, the prompt tokens sent and the engines' (admitted,
-/// cached) prompt tokens.
+/// The report of a run (`tandem-bench-load/3`, documented in README.md): `run`, the prompt
+/// tokens sent and the engines' (admitted, cached) prompt tokens.
 pub fn report(
     a: &Workload,
-    at: &[Duration],
-    outcomes: &[Outcome],
-    secs: f64,
+    run: &Run,
     sent_prompt: usize,
     cache: Option<CacheCounts>,
 ) -> serde_json::Value {
+    let (outcomes, secs) = (run.outcomes, run.secs);
     let ok: Vec<&Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();
     let ms = |d: &Duration| d.as_secs_f64() * 1e3;
     let mut ttft: Vec<f64> = ok.iter().filter_map(|o| o.ttft.as_ref().map(ms)).collect();
@@ -442,7 +543,7 @@ pub fn report(
         "itl_ms": {"p50": pct(&mut itl, 0.5), "p90": pct(&mut itl, 0.9), "p99": pct(&mut itl, 0.99)},
         "e2e_ms": {"p50": pct(&mut e2e, 0.5), "p90": pct(&mut e2e, 0.9), "p99": pct(&mut e2e, 0.99)},
         "ttft_cdf_ms": cdf(&mut ttft), "itl_cdf_ms": cdf(&mut itl),
-        "timeline": timeline(a, at, outcomes, secs),
+        "timeline": timeline(a, run),
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
         "prompt_tokens_sent": sent_prompt,
         "prompt_tokens_admitted": cache.map(|c| c.prompt),
@@ -513,4 +614,18 @@ pub fn finish(a: &Workload, report: &serde_json::Value) -> Result<()> {
         println!("plot: {}", p.display());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{admitted, Counts};
+
+    #[test]
+    fn a_worker_restarted_during_the_run_counts_from_zero() {
+        let last: Counts = [(1, (100, 40)), (2, (50, 10))].into();
+        // Worker 2 was killed and rejoined as 3; worker 1 admitted 20 more, 15 of them cached.
+        let now: Counts = [(1, (120, 55)), (3, (30, 0))].into();
+        assert_eq!(admitted(&last, &now), (50, 15));
+        assert_eq!(admitted(&now, &now), (0, 0));
+    }
 }

@@ -58,7 +58,10 @@ pub fn write(path: &Path, runs: &[Run]) -> Result<()> {
             .as_array()
             .is_some_and(|s| !s.is_empty())
     });
-    let rows = if sim { 3 } else { 2 };
+    let hits = runs
+        .iter()
+        .any(|(_, r)| r["timeline"]["prefix_hit_ratio"].is_array());
+    let rows = 2 + sim as u32 + hits as u32;
     let root = SVGBackend::new(path, (1200, 400 * rows)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
     let panes = root.split_evenly((rows as usize, 2));
@@ -96,6 +99,16 @@ pub fn write(path: &Path, runs: &[Run]) -> Result<()> {
             "planner's p90 (ms; prefill TTFT, decode ITL)",
             runs,
             "p90_ms",
+        )?;
+    }
+    if hits {
+        let ratio = over_time("prefix_hit_ratio");
+        timeline(
+            &panes[if sim { 6 } else { 4 }],
+            "prefix-hit ratio (prompt tokens admitted, by when)",
+            runs,
+            &|r| series(&ratio(r), bin(r)),
+            Some(1.05),
         )?;
     }
     root.present().map_err(err)?;
@@ -264,6 +277,9 @@ mod tests {
             "timeline": {"bin_s": 1.0, "output_tokens_per_s": [10.0, 20.0, 15.0],
                          "slo_attainment": [1.0, null, 0.5]},
         });
+        if !simulated {
+            r["timeline"]["prefix_hit_ratio"] = json!([0.8, 0.1, 0.7]);
+        }
         if simulated {
             r["simulation"] = json!({"series": [
                 {"t_s": 0.0, "pool": "decode", "live": 1, "p90_ms": 30.0},
@@ -293,6 +309,7 @@ mod tests {
             "target 200 ms",
             "TTFT: CDF",
             "replicas (live)",
+            "prefix-hit ratio",
         ] {
             assert!(svg.contains(text), "{text} missing");
         }

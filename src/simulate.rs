@@ -297,7 +297,13 @@ pub fn simulate(
         hit: r.prefix_hit_tokens,
         tier_hits: r.tier_hits,
     });
-    let mut report = load::report(work, &at, &r.outcomes, secs, sent, cache);
+    let run = load::Run {
+        at: &at,
+        outcomes: &r.outcomes,
+        secs,
+        samples: &[],
+    };
+    let mut report = load::report(work, &run, sent, cache);
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,

@@ -10,6 +10,10 @@ use proto::config::ClusterConfig;
 
 use crate::cluster::{self, RoleArgs};
 
+/// Fault injection for tests and chaos runs: set, every block the node sends has a bit
+/// flipped (readers must find it by its checksum and compute the block instead).
+const CORRUPT: &str = "TANDEM_FAULT_STORE_CORRUPT_GETS";
+
 /// The node's limits from `[store]`.
 fn limits(cfg: &ClusterConfig) -> store::Limits {
     let s = &cfg.store;
@@ -44,6 +48,12 @@ pub fn run(a: RoleArgs) -> Result<()> {
     }
     let security = cluster::security(&cfg, &a.config, pki::Role::Store, &name)?;
     let node = store::node::Node::new(limits(&cfg));
+    if std::env::var_os(CORRUPT).is_some() {
+        tracing::warn!(
+            "{CORRUPT} is set: fault injection on, every block this node sends is corrupted"
+        );
+        node.corrupt_what_it_sends();
+    }
     cluster::runtime()?.block_on(async move {
         let listener = tokio::net::TcpListener::bind(at)
             .await

@@ -126,6 +126,16 @@ fn with_store(name: &str, prefill: usize, decode: usize) -> WithStore {
 
 /// [`with_store`] with `nodes` store nodes, each block on two of them.
 fn with_store_nodes(name: &str, prefill: usize, decode: usize, nodes: usize) -> WithStore {
+    with_store_env(name, (prefill, decode), nodes, &[])
+}
+
+/// [`with_store_nodes`], the nodes started with more environment (fault injection).
+fn with_store_env(
+    name: &str,
+    (prefill, decode): (usize, usize),
+    nodes: usize,
+    env: &[(&str, &str)],
+) -> WithStore {
     let scratch = std::env::temp_dir().join(format!("tandem-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&scratch);
     std::fs::create_dir_all(&scratch).unwrap();
@@ -134,7 +144,7 @@ fn with_store_nodes(name: &str, prefill: usize, decode: usize, nodes: usize) -> 
     std::fs::write(scratch.join("store.toml"), store).unwrap();
     let (mut started, mut at) = (Vec::new(), Vec::new());
     for _ in 0..nodes {
-        let (node, uri) = StoreNode::start(EXE.as_ref(), &scratch.join("store.toml"));
+        let (node, uri) = StoreNode::start_with(EXE.as_ref(), &scratch.join("store.toml"), env);
         started.push(node);
         at.push(uri);
     }
@@ -221,6 +231,43 @@ fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store()
     });
     assert_eq!(store("tandem_store_objects"), 6.0);
     assert_eq!(store("tandem_store_puts"), 6.0);
+}
+
+/// A store node that corrupts what it sends (fault injection): the worker fetching a prompt's
+/// blocks finds every one by its checksum, drops it (counted) and computes the prompt itself —
+/// the same text, nothing taken from the store.
+#[test]
+fn a_corrupted_block_from_the_store_is_found_and_computed_instead() {
+    let env = [("TANDEM_FAULT_STORE_CORRUPT_GETS", "1")];
+    let mut s = with_store_env("store-corrupt", (0, 2), 1, &env);
+    let c = &mut s.c;
+    let first = prompt(12, 6);
+    let text = complete(c, &first);
+    wait_until(
+        "the prompt's blocks in the store",
+        Duration::from_secs(20),
+        || puts(c, "decode-0") + puts(c, "decode-1") >= 6,
+    );
+    let (served, other) = match puts(c, "decode-0") >= 6 {
+        true => ("decode-0", "decode-1"),
+        false => ("decode-1", "decode-0"),
+    };
+    let hits_before = stat(c, other, "prefix_hit_tokens");
+    c.kill_worker(served);
+    c.wait_for(0, 1);
+    assert_eq!(complete(c, &first), text, "the same text, computed");
+    assert_eq!(stat(c, other, "kv_store_hits"), 6, "the 6 blocks fetched");
+    assert_eq!(
+        stat(c, other, "kv_tier_corrupt"),
+        6,
+        "each found corrupt by its checksum"
+    );
+    assert_eq!(stat(c, other, "kv_host_hits"), 0, "none loaded");
+    assert_eq!(
+        stat(c, other, "prefix_hit_tokens"),
+        hits_before,
+        "the whole prompt computed"
+    );
 }
 
 /// Disaggregated, every worker that computed a prompt gone: a new prefill worker and the other

@@ -203,7 +203,12 @@ async fn arm(
     let ratio = |pick: &dyn Fn(&(Vec<Duration>, f64, f64)) -> f64| -> String {
         let x: Vec<String> = (0..raws.len())
             .map(|j| {
-                let r = median(rounds.iter().map(|x| pick(x) / gbps(bytes, x.0[j])).collect());
+                let r = median(
+                    rounds
+                        .iter()
+                        .map(|x| pick(x) / gbps(bytes, x.0[j]))
+                        .collect(),
+                );
                 format!("{r:.2}x {}", raws[j].0)
             })
             .collect();

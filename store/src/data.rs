@@ -277,17 +277,22 @@ async fn get(node: &Node, w: &mut Stream, by: tokio::time::Instant) -> Result<()
         .await
         .map_err(|_| Serve::Refuse("a get's keys did not come within the deadline".into()))??;
     for k in keys {
-        let got = match node.with(|n| n.objects.get(k, Instant::now())) {
-            Ok(Some(g)) => g,
-            Ok(None) => break,
-            Err(e) => return Err(Serve::Refuse(e.to_string())),
+        let (got, corrupting) =
+            match node.with(|n| (n.objects.get(k, Instant::now()), n.corrupting)) {
+                (Ok(Some(g)), c) => (g, c),
+                (Ok(None), _) => break,
+                (Err(e), _) => return Err(Serve::Refuse(e.to_string())),
+            };
+        let bytes = match corrupting {
+            false => std::borrow::Cow::Borrowed(&got.data[..]),
+            true => std::borrow::Cow::Owned(flipped(&got.data)),
         };
         let lease = tokio::time::Instant::from_std(got.expires);
         let sent = timeout_at(lease, async {
             w.write_u8(OBJECT).await?;
-            w.write_u64_le(got.data.len() as u64).await?;
+            w.write_u64_le(bytes.len() as u64).await?;
             w.write_u64_le(got.sum).await?;
-            w.write_all(&got.data).await
+            w.write_all(&bytes).await
         })
         .await;
         node.with(|n| n.objects.release(got.lease));
@@ -304,6 +309,15 @@ async fn get(node: &Node, w: &mut Stream, by: tokio::time::Instant) -> Result<()
     .await
     .map_err(|_| Serve::Broken)??;
     Ok(())
+}
+
+/// `data` with one bit flipped (fault injection: [`Node::corrupt_what_it_sends`]).
+fn flipped(data: &[u8]) -> Vec<u8> {
+    let mut v = data.to_vec();
+    if let Some(b) = v.get_mut(data.len() / 2) {
+        *b ^= 0x10;
+    }
+    v
 }
 
 /// A GET's keys, at most [`MAX_KEYS`].

@@ -67,6 +67,9 @@ pub(crate) struct Inner {
     watchers: Vec<Watcher>,
     /// The port of the node's data connections (0 until they are served).
     data_port: u16,
+    /// Fault injection for tests and chaos runs: every object sent has a bit flipped (its
+    /// checksum left as it was), as a node whose memory went bad would send it.
+    pub(crate) corrupting: bool,
 }
 
 impl Inner {
@@ -128,6 +131,7 @@ impl Node {
             owners: HashMap::new(),
             watchers: Vec::new(),
             data_port: 0,
+            corrupting: false,
         };
         Node {
             inner: Arc::new(Mutex::new(inner)),
@@ -136,6 +140,12 @@ impl Node {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().expect("store node lock")
+    }
+
+    /// Fault injection: from now on every object this node sends has a bit flipped (readers
+    /// must find it by its checksum). For tests and chaos runs only.
+    pub fn corrupt_what_it_sends(&self) {
+        self.with(|n| n.corrupting = true);
     }
 
     /// `f` on the node's state, under its lock.

@@ -17,7 +17,14 @@ impl StoreNode {
     /// Starts `exe store` with the cluster file `config`; returns it and its gRPC address
     /// (`http://HOST:PORT`), read from its lines on stderr within 60 s.
     pub fn start(exe: &Path, config: &Path) -> (StoreNode, String) {
+        StoreNode::start_with(exe, config, &[])
+    }
+
+    /// [`StoreNode::start`] with more environment (`env`: the fault-injection variables of
+    /// `tandem store`, such as `TANDEM_FAULT_STORE_CORRUPT_GETS`).
+    pub fn start_with(exe: &Path, config: &Path, env: &[(&str, &str)]) -> (StoreNode, String) {
         let mut child = Command::new(exe)
+            .envs(env.iter().copied())
             .args(["store", "--config"])
             .arg(config)
             .args(["--listen", "127.0.0.1:0"])
