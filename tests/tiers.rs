@@ -171,6 +171,21 @@ fn puts(c: &Cluster, name: &str) -> u64 {
     stat(c, name, "kv_store_puts")
 }
 
+/// Completes `prompt` (6 whole blocks) on one of two colocated decode workers and waits for its
+/// blocks in the store; returns the text, the worker that served it and the other.
+fn put_by_one(c: &Cluster, prompt: &[u32]) -> (String, &'static str, &'static str) {
+    let text = complete(c, prompt);
+    wait_until(
+        "the prompt's blocks in the store",
+        Duration::from_secs(20),
+        || puts(c, "decode-0") + puts(c, "decode-1") >= 6,
+    );
+    match puts(c, "decode-0") >= 6 {
+        true => (text, "decode-0", "decode-1"),
+        false => (text, "decode-1", "decode-0"),
+    }
+}
+
 /// The cluster KV store through a real cluster: a prompt computed on one decode worker is put
 /// in the store; that worker killed, the other serves the same prompt from the store's blocks
 /// (fetched, staged in its host tier, loaded into its pool), computing only the rest — the
@@ -181,16 +196,7 @@ fn a_prefix_computed_by_a_worker_killed_since_serves_another_through_the_store()
     let mut s = with_store("store-colocated", 0, 2);
     let c = &mut s.c;
     let first = prompt(11, 6);
-    let text = complete(c, &first);
-    wait_until(
-        "the prompt's blocks in the store",
-        Duration::from_secs(20),
-        || puts(c, "decode-0") + puts(c, "decode-1") >= 6,
-    );
-    let (served, other) = match puts(c, "decode-0") >= 6 {
-        true => ("decode-0", "decode-1"),
-        false => ("decode-1", "decode-0"),
-    };
+    let (text, served, other) = put_by_one(c, &first);
     assert_eq!(
         puts(c, served),
         6,
@@ -242,16 +248,7 @@ fn a_corrupted_block_from_the_store_is_found_and_computed_instead() {
     let mut s = with_store_env("store-corrupt", (0, 2), 1, &env);
     let c = &mut s.c;
     let first = prompt(12, 6);
-    let text = complete(c, &first);
-    wait_until(
-        "the prompt's blocks in the store",
-        Duration::from_secs(20),
-        || puts(c, "decode-0") + puts(c, "decode-1") >= 6,
-    );
-    let (served, other) = match puts(c, "decode-0") >= 6 {
-        true => ("decode-0", "decode-1"),
-        false => ("decode-1", "decode-0"),
-    };
+    let (text, served, other) = put_by_one(c, &first);
     let hits_before = stat(c, other, "prefix_hit_tokens");
     c.kill_worker(served);
     c.wait_for(0, 1);
