@@ -16,12 +16,14 @@ In one run:
     colocated    4 colocated workers, no store
     2p2d-store   2 prefill + 2 decode with the store
     colo-store   4 colocated with the store
+    2p2d-bare    2 prefill + 2 decode, pools alone (cluster.toml's default: no tiers, no store)
+    colo-bare    4 colocated, pools alone
 
 each beside the infinite-cache floor of computed prompt tokens (scripts/ideal_cache.py).
 
-With --real, acceptance 6's two arms also run as real mock clusters under `tandem up` (the
-store the one `tandem up` embeds), one after the other on the same slice through
-`tandem bench load`, beside the simulator's.
+With --real, acceptance 6's two arms and acceptance 7's two arms with the store also run as
+real mock clusters under `tandem up` (the store the one `tandem up` embeds), one after the
+other on the same slice through `tandem bench load`, beside the simulator's.
 
     cargo build --release && python3 scripts/bench_store.py [--requests 2000]
         [--time-scale 0.05] [--length-scale 0.05] [--real] [--json out.json]
@@ -35,15 +37,16 @@ from bench_kv_tiers import PAGE_BYTES, TRACE, ideal_floor, row, simulate
 from tandem_cluster import EXE, cluster
 
 
-def config(model, pools, blocks, store, router=""):
-    """`pools`: {name: replicas}; every pool's workers `blocks` blocks and a host tier twice
-    that; the store `tandem up` embeds (the simulator keeps one) when `store`; `router`: more
-    lines of its section."""
+def config(model, pools, blocks, store, router="", tiers=True):
+    """`pools`: {name: replicas}; every pool's workers `blocks` blocks and (with `tiers`) a
+    host tier twice that; the store `tandem up` embeds (the simulator keeps one) when `store`;
+    `router`: more lines of its section."""
     text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n{router}'
     for name, n in pools.items():
         text += (f'[{name}]\nreplicas = {n}\nengine = "mock"\nkv_blocks = {blocks}\nmax_batch_tokens = 8192\n'
-                 f'[{name}.mock]\npreset = "h200-llama8b"\n'
-                 f'[{name}.kv_tiers]\nhost_bytes = {2 * blocks * PAGE_BYTES}\n')
+                 f'[{name}.mock]\npreset = "h200-llama8b"\n')
+        if tiers:
+            text += f'[{name}.kv_tiers]\nhost_bytes = {2 * blocks * PAGE_BYTES}\n'
     # The store `tandem up` embeds, or none. The mock's objects carry a block's tokens only
     # (its KV has no values): a node of this size never fills on the slice, as a store sized
     # for the working set would not.
@@ -70,7 +73,7 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--length-scale", type=float, default=0.05)
-    ap.add_argument("--real", action="store_true", help="acceptance 6's arms on real mock clusters too")
+    ap.add_argument("--real", action="store_true", help="acceptance 6's and 7's store arms on real mock clusters too")
     ap.add_argument("--json")
     a = ap.parse_args()
     model = subprocess.run([EXE, "model", "path"], check=True, capture_output=True, text=True).stdout.strip()
@@ -89,6 +92,9 @@ def main():
         "colocated": config(model, {"decode": 4}, four, False),
         "2p2d-store": config(model, {"prefill": 2, "decode": 2}, four, True),
         "colo-store": config(model, {"decode": 4}, four, True),
+        # cluster.toml's defaults: no tier below the pools, so no store.
+        "2p2d-bare": config(model, {"prefill": 2, "decode": 2}, four, False, tiers=False),
+        "colo-bare": config(model, {"decode": 4}, four, False, tiers=False),
     }
     runs = {name: simulate(d, name, text, trace) for name, text in arms.items()}
     f = floor["floor_computed_ratio"]
@@ -105,12 +111,17 @@ def main():
           f"TTFT p50 {s['ttft_ms']['p50']:.0f} vs {t['ttft_ms']['p50']:.0f} ms (target: both better with the store)")
     c = lambda n: runs[n]["computed_prompt_ratio"]
     print(f"acceptance 7: 2P+2D over 4 colocated, computed tokens: no store {c('2p2d') / c('colocated'):.3f}x, "
-          f"with the store {c('2p2d-store') / c('colo-store'):.3f}x (target <= 1.15)")
+          f"with the store {c('2p2d-store') / c('colo-store'):.3f}x, pools alone (no tiers, no store) "
+          f"{c('2p2d-bare') / c('colo-bare'):.3f}x (target <= 1.15)")
     if a.real:
-        for name in ("tiers", "store"):
-            text = config(model, disagg6, six, name == "store", LOOPBACK)
+        shapes = {"tiers": (disagg6, six), "store": (disagg6, six),
+                  "2p2d-store": ({"prefill": 2, "decode": 2}, four), "colo-store": ({"decode": 4}, four)}
+        for name, (pools, blocks) in shapes.items():
+            text = config(model, pools, blocks, name != "tiers", LOOPBACK)
             runs[f"{name}-real"] = real(text, trace, d, name)
             print(row(f"{name}, real", runs[f"{name}-real"], f) + " |")
+        print(f"acceptance 7, real: 2P+2D over 4 colocated with the store "
+              f"{c('2p2d-store-real') / c('colo-store-real'):.3f}x (target <= 1.15)")
     if a.json:
         with open(a.json, "w") as out:
             json.dump({"floor": floor, "runs": runs}, out, indent=2)
