@@ -3,9 +3,9 @@
 //! prefill + 2 decode mock workers, while every `TANDEM_CHAOS_EVERY_SECS` (20 s for the record; 6 s in CI, so that every kind strikes) one
 //! fault strikes in turn: a worker killed, frozen for 10 s, restarted (SIGTERM), or the
 //! prefill→decode link cut (connections reset) or corrupted (nftables) for 5 s, or the cluster
-//! KV store's node (embedded by `tandem up`: both pools have host tiers) killed, frozen for 10 s
-//! or cut off for 5 s. Each prompt is sent twice in a row, so cached prefixes serve. For
-//! `TANDEM_CHAOS_SECS` (600 for the record, 90 in CI):
+//! KV store's node (embedded by `tandem up`: both pools have host tiers) killed, frozen for 10 s,
+//! or its links (gRPC and data connections) cut off or corrupted for 5 s. Each prompt is sent twice in a row, so cached prefixes serve. For
+//! `TANDEM_CHAOS_SECS` (600 for the record, 100 in CI):
 //! - every request ends with its answer or an error (an HTTP error or an error event), none
 //!   hangs past its deadline; every answer is exactly the mock's greedy continuation;
 //! - at least 99% complete;
@@ -228,19 +228,25 @@ fn kv_ports(up: &Up) -> Vec<u16> {
         .collect()
 }
 
-/// The embedded store node's port, from a worker's command line (`--store http://HOST:PORT`).
-fn store_port(up: &Up) -> Vec<u16> {
-    let Some(pid) = up.pid_of("decode-0").or_else(|| up.pid_of("decode-1")) else {
+/// Every port the embedded store node listens on (its gRPC, its data connections, its
+/// metrics), from `ss`.
+fn store_ports(up: &Up) -> Vec<u16> {
+    let Some(pid) = up.pid_of("store") else {
         return Vec::new();
     };
-    let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let args: Vec<String> = cmd
-        .split(|&b| b == 0)
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    args.windows(2)
-        .filter(|w| w[0] == "--store")
-        .filter_map(|w| w[1].rsplit(':').next()?.parse().ok())
+    let out = Command::new("ss").arg("-Htlnp").output().expect("ss runs");
+    let owner = format!("pid={pid},");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&owner))
+        .filter_map(|l| {
+            l.split_whitespace()
+                .nth(3)?
+                .rsplit(':')
+                .next()?
+                .parse()
+                .ok()
+        })
         .collect()
 }
 
@@ -248,7 +254,7 @@ fn store_port(up: &Up) -> Vec<u16> {
 fn strike(up: &Up, nft: &Nft, n: usize) -> String {
     let workers = ["decode-0", "prefill-0", "decode-1", "prefill-1"];
     let who = workers[n % workers.len()];
-    match n % 8 {
+    match n % 9 {
         0 => {
             up.signal(who, libc::SIGKILL);
             format!("killed {who}")
@@ -290,11 +296,20 @@ fn strike(up: &Up, nft: &Nft, n: usize) -> String {
             unsafe { libc::kill(pid, libc::SIGCONT) };
             "froze the store node for 10 s".into()
         }
-        _ => {
-            nft.set(&store_port(up), "reject with tcp reset");
+        7 => {
+            nft.set(&store_ports(up), "reject with tcp reset");
             std::thread::sleep(Duration::from_secs(5));
             nft.set(&[], "");
             "cut the store's links for 5 s".into()
+        }
+        _ => {
+            nft.set(
+                &store_ports(up),
+                "numgen random mod 20 == 0 @ih,0,32 set 0xdeadbeef",
+            );
+            std::thread::sleep(Duration::from_secs(5));
+            nft.set(&[], "");
+            "corrupted the store's links for 5 s".into()
         }
     }
 }
@@ -396,7 +411,7 @@ fn rss_flat(samples: &[BTreeMap<String, (i32, u64, f64)>]) {
 #[test]
 fn under_a_fault_every_few_seconds_every_request_ends_well_and_nothing_leaks() {
     let (total, every) = (
-        env_secs("TANDEM_CHAOS_SECS", 90),
+        env_secs("TANDEM_CHAOS_SECS", 100),
         env_secs("TANDEM_CHAOS_EVERY_SECS", 6),
     );
     let up = Up::start(EXE.as_ref(), CONFIG);
