@@ -68,6 +68,11 @@ pub struct Workload {
     /// Random seed for arrivals and prompts.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Modulate the arrival rate over the run: `day` (a 0.3x night, a ramp to a 1.5x peak, a
+    /// 3x burst, a 0.6x evening) or `X:MULTIPLIER,...` over the schedule's span (X from 0 to
+    /// 1, linear between); every request keeps its prompt and its place in the order.
+    #[arg(long, value_name = "PROFILE")]
+    rate_profile: Option<crate::profile::RateProfile>,
     /// Also write the report as JSON here.
     #[arg(long)]
     pub(crate) json: Option<PathBuf>,
@@ -168,6 +173,13 @@ pub fn plan(a: &Workload) -> Result<Vec<Planned>> {
                     output: a.output_tokens,
                 });
             }
+        }
+    }
+    if let Some(profile) = &a.rate_profile {
+        let mut at: Vec<Duration> = out.iter().map(|p| p.at).collect();
+        profile.apply(&mut at);
+        for (p, t) in out.iter_mut().zip(at) {
+            p.at = t;
         }
     }
     Ok(out)

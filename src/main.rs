@@ -12,6 +12,7 @@ mod load;
 mod pki;
 mod plan;
 mod plot;
+mod profile;
 mod simulate;
 mod status;
 mod store;
