@@ -93,12 +93,21 @@ pub fn write(path: &Path, runs: &[Run]) -> Result<()> {
         Some(1.05),
     )?;
     if sim {
-        planner(&panes[4], "replicas (live)", runs, "live")?;
+        planner(
+            &panes[4],
+            "replicas: live, the demand's need, predicted a start-up ahead",
+            runs,
+            &[
+                ("live", ""),
+                ("needed", " needs"),
+                ("needed_ahead", " predicted"),
+            ],
+        )?;
         planner(
             &panes[5],
             "planner's p90 (ms; prefill TTFT, decode ITL)",
             runs,
-            "p90_ms",
+            &[("p90_ms", "")],
         )?;
     }
     if hits {
@@ -210,19 +219,22 @@ fn timeline(
 }
 
 /// Per pool, a simulation's planner series `key` over time.
-fn planner(pane: &Area, title: &str, runs: &[Run], key: &str) -> Result<()> {
+/// A simulation's planner series: for each run and pool, a line per `(key, name)`.
+fn planner(pane: &Area, title: &str, runs: &[Run], keys: &[(&str, &str)]) -> Result<()> {
     let mut lines = Vec::new();
     for (label, r) in runs {
         for pool in ["prefill", "decode"] {
-            let pts: Vec<(f64, f64)> = r["simulation"]["series"]
-                .as_array()
-                .into_iter()
-                .flatten()
-                .filter(|s| s["pool"] == pool)
-                .filter_map(|s| Some((s["t_s"].as_f64()?, s[key].as_f64()?)))
-                .collect();
-            if !pts.is_empty() {
-                lines.push((format!("{label}: {pool}"), pts));
+            for (key, name) in keys {
+                let pts: Vec<(f64, f64)> = r["simulation"]["series"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|s| s["pool"] == pool)
+                    .filter_map(|s| Some((s["t_s"].as_f64()?, s[*key].as_f64()?)))
+                    .collect();
+                if !pts.is_empty() {
+                    lines.push((format!("{label}: {pool}{name}"), pts));
+                }
             }
         }
     }

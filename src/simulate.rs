@@ -320,6 +320,7 @@ pub fn simulate(
         "series": r.series.iter().map(|s| serde_json::json!({
             "t_s": s.t, "pool": s.pool, "live": s.live, "starting": s.starting, "desired": s.desired,
             "queued": s.queued, "p90_ms": s.p90_ms, "action": s.action.label(),
+            "needed": s.needed, "needed_ahead": s.needed_ahead,
         })).collect::<Vec<_>>(),
     });
     Ok((r, report))

@@ -521,6 +521,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_p90_seconds", Gauge, "The p90 the planner read over its window (prefill: TTFT from decode reservation; decode: ITL)."),
     ("tandem_planner_predicted_seconds", Gauge, "Latency the queue predicts (prefill: pending prompt tokens over measured capacity; decode: admission wait while requests queue)."),
     ("tandem_planner_queued", Gauge, "Work queued in front of the pool (prefill: prompt tokens; decode: requests waiting for room)."),
+    ("tandem_planner_needed_replicas", Gauge, "Replicas the demand needs: observed now (horizon=now) and predicted a start-up ahead on its trend (horizon=lead)."),
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
     ("tandem_router_prefill_call_failures_total", Counter, "Prefill calls that ended in an error (the prompt recomputed, or its KV already arrived and only the reply was lost)."),

@@ -57,6 +57,7 @@ impl Serialize for DecisionRecord {
             "action": d.action.label(), "desired": d.desired, "why": d.why,
             "live": i.live, "starting": i.starting, "queued": i.queued,
             "p90_ms": ms(i.p90), "predicted_ms": ms(i.predicted), "needed": i.needed, "room_needed": i.room_needed,
+            "growth_per_s": i.growth, "needed_ahead": d.needed_ahead,
         })
         .serialize(s)
     }

@@ -408,6 +408,7 @@ impl Sim {
             stall: cfg.liveness.stall,
             ..Default::default()
         };
+        let plans: Vec<PoolPlan> = cfg.scaling.iter().cloned().map(PoolPlan::new).collect();
         let window = cfg
             .scaling
             .iter()
@@ -431,8 +432,8 @@ impl Sim {
             result: SimResult::default(),
             base: Instant::now(),
             tick_every: Duration::from_secs(1),
-            plans: cfg.scaling.iter().cloned().map(PoolPlan::new).collect(),
-            watch: Watch::new(window),
+            watch: Watch::for_plans(&plans),
+            plans,
             starting: Vec::new(),
             series: Vec::new(),
             open: 0,

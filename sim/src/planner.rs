@@ -28,6 +28,10 @@ pub struct Sample {
     pub queued: u64,
     /// The window's p90 (TTFT, ITL), milliseconds.
     pub p90_ms: Option<f64>,
+    /// Replicas the demand needs, observed now.
+    pub needed: Option<u32>,
+    /// And predicted a start-up ahead, on its trend.
+    pub needed_ahead: Option<u32>,
     /// Which way it moved the pool.
     pub action: Action,
 }
@@ -52,6 +56,8 @@ impl Sim {
                 desired: d.desired,
                 queued: inputs.queued,
                 p90_ms: inputs.p90.map(|p| p.as_secs_f64() * 1e3),
+                needed: inputs.needed,
+                needed_ahead: d.needed_ahead,
                 action: d.action,
             });
             self.reconcile(pool, d.desired);

@@ -20,10 +20,7 @@ mod signals;
 mod tests;
 
 pub use observe::{observe, run, Observed, Watch};
-pub use signals::{Peak, PendingPrefill, Rate, Signals, Window};
-/// The share of its measured rate a prefill replica is sized to: room for the queueing that
-/// arrivals in bursts bring.
-pub const PREFILL_UTILISATION: f64 = 0.7;
+pub use signals::{Outlook, Peak, PendingPrefill, Rate, Signals, Trend, Window};
 
 /// The share of its KV blocks a decode replica is sized to (a request's blocks are reserved
 /// whole, prompt and output, when it is admitted; the rest is room for the long ones, which
@@ -68,12 +65,17 @@ pub struct Inputs {
     pub predicted: Option<Duration>,
     /// Work queued in front of the pool (prompt tokens pending; requests waiting for room).
     pub queued: u64,
-    /// Replicas the measured demand needs (prefill: prompt tokens arriving per second over the
-    /// window, at [`PREFILL_UTILISATION`] of the replicas' measured rate; decode: the most KV
+    /// Replicas the measured demand needs (prefill: the p90 over the window of the prompt
+    /// tokens arriving per second, each reading over a span of the TTFT target, less the share
+    /// the engines found cached — the tokens to compute — at the replicas' measured rate: the
+    /// margin is the demand's own spread, not a chosen utilisation; decode: the p90 of the KV
     /// blocks its requests held over a whole window, at [`DECODE_UTILISATION`] of a replica's,
     /// while none waits for room — the current blocks of a pool filling up from idle looked
     /// ten times too few and cut a simulated pool to its minimum).
     pub needed: Option<u32>,
+    /// How fast `needed` is moving, replicas a second (the least-squares slope of the demand
+    /// read each tick over the window): the planner asks a replica's start-up ahead of it.
+    pub growth: f64,
     /// Decode, while requests wait for room: replicas for the KV blocks held and those the
     /// waiting requests want (each at the mean a held request takes), at
     /// [`DECODE_UTILISATION`] — what a scale-up for room asks, not the latency's ratio to
@@ -112,6 +114,9 @@ pub struct Decision {
     pub action: Action,
     /// The reason, with the numbers.
     pub why: String,
+    /// Replicas the demand will need a start-up from now, on its trend (what the planner
+    /// predicts; `Inputs::needed` is what it observes).
+    pub needed_ahead: Option<u32>,
 }
 
 /// One tick's reading of a pool against its target.
@@ -139,6 +144,11 @@ pub struct PoolPlan {
     last_change: Option<Instant>,
     last_up: Option<Instant>,
     calm_since: Option<Instant>,
+    /// The replicas last asked for and when, until they have all joined.
+    asked: Option<(Instant, u32)>,
+    /// How long replicas take from being asked for to serving, as measured (the window until
+    /// one has been).
+    lead: Duration,
 }
 
 fn ms(d: Option<Duration>) -> String {
@@ -149,13 +159,40 @@ impl PoolPlan {
     /// A plan starting at `scaling.initial` (clamped to the bounds).
     pub fn new(scaling: Scaling) -> PoolPlan {
         let desired = scaling.initial.clamp(scaling.min, scaling.max);
+        let lead = scaling.window;
         PoolPlan {
             scaling,
             desired,
             last_change: None,
             last_up: None,
             calm_since: None,
+            asked: None,
+            lead,
         }
+    }
+
+    /// How far ahead the planner looks: the replicas' start-up, as measured.
+    pub fn lead(&self) -> Duration {
+        self.lead
+    }
+
+    /// Replicas the demand will need a start-up from now, on its trend (never fewer than it
+    /// needs now).
+    pub fn needed_ahead(&self, inp: &Inputs) -> Option<u32> {
+        let ahead = inp.growth.max(0.0) * self.lead.as_secs_f64();
+        inp.needed.map(|n| n + ahead.ceil() as u32)
+    }
+
+    /// Notes replicas joining: once all those asked for serve, how long they took (averaged
+    /// with what was measured before).
+    fn note_joins(&mut self, now: Instant, inp: &Inputs) {
+        let Some((at, want)) = self.asked else { return };
+        if inp.starting > 0 || inp.live < want {
+            return;
+        }
+        let took = now.duration_since(at);
+        self.lead = (self.lead + took * 3) / 4;
+        self.asked = None;
     }
 
     /// Replicas currently wanted.
@@ -167,10 +204,20 @@ impl PoolPlan {
     /// (or will be) missed, by the ratio of the pressure; down one replica at a time after the
     /// pool has been calm (below half the target, nothing queued) for the cooldown.
     pub fn decide(&mut self, now: Instant, inp: Inputs) -> Decision {
+        let mut d = self.choose(now, inp);
+        d.needed_ahead = self.needed_ahead(&inp);
+        d
+    }
+
+    fn choose(&mut self, now: Instant, inp: Inputs) -> Decision {
+        self.note_joins(now, &inp);
         let r = self.read(now, &inp);
         if r.pressure > 1.0 {
             self.calm_since = None;
             return self.up(now, &inp, &r);
+        }
+        if let Some(d) = self.ahead(now, &inp, &r) {
+            return d;
         }
         if let Some(d) = self.sized_down(now, &inp, &r) {
             return d;
@@ -212,6 +259,7 @@ impl PoolPlan {
             desired: self.desired,
             action: Action::Hold,
             why,
+            needed_ahead: None,
         }
     }
 
@@ -232,14 +280,42 @@ impl PoolPlan {
         if want <= self.desired.max(inp.live) {
             return self.hold(format!("over target at the maximum: {}", r.seen));
         }
-        self.desired = want;
-        self.last_change = Some(now);
-        self.last_up = Some(now);
+        self.asked_for(now, want);
         Decision {
             desired: want,
             action: Action::Up,
             why: format!("pressure {:.2}: {}", r.pressure, r.seen),
+            needed_ahead: None,
         }
+    }
+
+    fn asked_for(&mut self, now: Instant, want: u32) {
+        self.desired = want;
+        self.last_change = Some(now);
+        self.last_up = Some(now);
+        self.asked = Some((now, want));
+    }
+
+    /// Within target, but the demand's trend will need more replicas than are serving or
+    /// starting by the time a new one would serve: up to that, now.
+    fn ahead(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Option<Decision> {
+        let s = &self.scaling;
+        let want = self.needed_ahead(inp)?.clamp(s.min, s.max);
+        if inp.growth <= 0.0 || want <= self.desired.max(inp.live + inp.starting) {
+            return None;
+        }
+        self.asked_for(now, want);
+        Some(Decision {
+            desired: want,
+            action: Action::Up,
+            why: format!(
+                "the demand rising {:.2} replicas/s needs {want} in {:.0} s: {}",
+                inp.growth,
+                self.lead.as_secs_f64(),
+                r.seen
+            ),
+            needed_ahead: None,
+        })
     }
 
     /// Far more replicas than the demand needs, and within target with a margin: down to what
@@ -249,8 +325,8 @@ impl PoolPlan {
     /// it: an idle pool's demand is no measure.
     fn sized_down(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Option<Decision> {
         let s = &self.scaling;
-        let n = inp
-            .needed
+        let n = self
+            .needed_ahead(inp)
             .filter(|_| inp.p90.is_some())?
             .clamp(s.min, s.max);
         if n + 1 >= self.desired || r.load >= SIZED_DOWN_BELOW || !r.cooled {
@@ -263,6 +339,7 @@ impl PoolPlan {
             desired: n,
             action: Action::Down,
             why: format!("the demand needs {n}: {}", r.seen),
+            needed_ahead: None,
         })
     }
 
@@ -284,6 +361,7 @@ impl PoolPlan {
             desired: self.desired,
             action: Action::Down,
             why: format!("calm for {:?}: {}", s.cooldown, r.seen),
+            needed_ahead: None,
         }
     }
 }

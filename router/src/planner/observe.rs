@@ -18,8 +18,13 @@ pub struct Observed {
     pub prefill_capacity: f64,
     /// How many of the live prefill replicas have measured a rate.
     pub prefill_measured: u32,
-    /// Prompt tokens per second sent to the prefill pool over the window.
-    pub prefill_demand: Option<f64>,
+    /// Prompt tokens per second sent to the prefill pool, read each tick over spans of the
+    /// pool's TTFT target (a burst shorter than that the queue absorbs within the target):
+    /// their p90 and their trend over the window.
+    pub prefill_demand: Option<Outlook>,
+    /// Of the prompt tokens the prefill engines admitted over the window, the share they found
+    /// cached (in their pools, tiers or the cluster store): what of the demand is not computed.
+    pub prefill_hit_share: Option<f64>,
     /// p90 of the prefill TTFT window.
     pub prefill_ttft_p90: Option<Duration>,
     /// p90 of the inter-token latency window.
@@ -30,8 +35,11 @@ pub struct Observed {
     pub decode_waiting: u64,
     /// The live decode replicas' KV blocks in use, by their heartbeats.
     pub decode_blocks_used: u64,
-    /// The most in use over the planner's window, once it has a whole one.
+    /// The p90 of those in use over the planner's window (read each tick), once it has a
+    /// whole one.
     pub decode_blocks_peak: Option<u64>,
+    /// How fast the blocks in use are rising (blocks a second, over the window).
+    pub decode_blocks_slope: f64,
     /// Their KV blocks in all.
     pub decode_blocks_total: u64,
     /// The requests holding their blocks (running, queued, awaiting their KV).
@@ -55,11 +63,13 @@ impl Observed {
                 // The queue's prediction: prompt tokens not yet prefilled over the pool's rate.
                 let predicted = (capacity > 0.0 && pending > 0)
                     .then(|| Duration::from_secs_f64(pending as f64 / capacity));
-                // Replicas sized to the demand.
-                let needed = self
-                    .prefill_demand
-                    .filter(|_| per_replica > 0.0)
-                    .map(|d| (d / (per_replica * PREFILL_UTILISATION)).ceil() as u32);
+                // Replicas sized to the demand in the tokens they will compute (a replica's
+                // rate is of tokens computed): what is sent, less the share the engines find
+                // cached; and how fast that is moving, in replicas a second.
+                let computed = 1.0 - self.prefill_hit_share.unwrap_or(0.0).clamp(0.0, 1.0);
+                let demand = self.prefill_demand.filter(|_| per_replica > 0.0);
+                let needed = demand.map(|d| (d.high * computed / per_replica).ceil() as u32);
+                let growth = demand.map_or(0.0, |d| d.slope * computed / per_replica);
                 Inputs {
                     live,
                     starting,
@@ -67,6 +77,7 @@ impl Observed {
                     predicted,
                     queued: pending,
                     needed,
+                    growth,
                     room_needed: None,
                 }
             }
@@ -78,12 +89,13 @@ impl Observed {
                 predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
                 queued: self.decode_waiting,
                 needed: self.decode_needed(live),
+                growth: self.decode_growth(live),
                 room_needed: self.room_needed(live),
             },
         }
     }
 
-    /// Decode replicas for the most KV held over the window, while none waits for room.
+    /// Decode replicas for the KV held over the window (its p90), while none waits for room.
     fn decode_needed(&self, live: u32) -> Option<u32> {
         let peak = self.decode_blocks_peak? as f64;
         if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
@@ -91,6 +103,15 @@ impl Observed {
         }
         let per_replica = self.decode_blocks_total as f64 / live as f64;
         Some((peak / (per_replica * DECODE_UTILISATION)).ceil().max(1.0) as u32)
+    }
+
+    /// How fast the KV held is rising, in replicas a second.
+    fn decode_growth(&self, live: u32) -> f64 {
+        if self.decode_blocks_total == 0 || live == 0 {
+            return 0.0;
+        }
+        let per_replica = self.decode_blocks_total as f64 / live as f64;
+        self.decode_blocks_slope / (per_replica * DECODE_UTILISATION)
     }
 
     /// Decode replicas for the blocks held and wanted, while requests wait for room.
@@ -109,21 +130,69 @@ impl Observed {
     }
 }
 
-/// What the planner keeps from tick to tick beside its plans: the prefill pool's demand as a
-/// rate and the decode pool's peak KV, over the window.
+/// What the planner keeps from tick to tick beside its plans: the prefill pool's demand (a
+/// rate over spans of its target, read each tick into a trend) and the decode pool's peak KV
+/// and its trend, over the window.
 pub struct Watch {
     demand: Rate,
+    demand_trend: Trend,
     peak: Peak,
+    used_trend: Trend,
     window: Duration,
+    /// The prefill engines' admitted and cached prompt tokens, as rates.
+    admitted: Rate,
+    hit: Rate,
+    engines: EngineCounts,
+}
+
+/// The prefill engines' counters (admitted, cached prompt tokens) summed into totals that only
+/// grow: each worker's growth since it was last read (a worker that joins or rejoins under a
+/// new id counts from zero; one that leaves takes nothing back).
+#[derive(Default)]
+struct EngineCounts {
+    last: std::collections::HashMap<types::WorkerId, (u64, u64)>,
+    total: (u64, u64),
+}
+
+impl EngineCounts {
+    fn read<'a>(&mut self, workers: impl Iterator<Item = &'a crate::core::Worker>) -> (u64, u64) {
+        let mut seen = std::collections::HashMap::new();
+        for w in workers {
+            let now = (w.load.prompt_tokens, w.load.prefix_hit_tokens);
+            let (p0, h0) = self.last.get(&w.id).copied().unwrap_or_default();
+            self.total.0 += now.0.saturating_sub(p0);
+            self.total.1 += now.1.saturating_sub(h0);
+            seen.insert(w.id, now);
+        }
+        self.last = seen;
+        self.total
+    }
 }
 
 impl Watch {
-    /// Over `window`.
-    pub fn new(window: Duration) -> Watch {
+    /// For `plans`: over the longest of their windows, the prefill demand over spans of its
+    /// pool's target.
+    pub fn for_plans(plans: &[PoolPlan]) -> Watch {
+        let window = plans.iter().map(|p| p.scaling.window).max();
+        let span = plans
+            .iter()
+            .find(|p| p.scaling.pool == Pool::Prefill)
+            .map(|p| p.scaling.target);
+        let window = window.unwrap_or(Duration::from_secs(10));
+        Watch::new(window, span.unwrap_or(window).min(window))
+    }
+
+    /// Over `window`, the prefill demand read over spans of `span`.
+    pub fn new(window: Duration, span: Duration) -> Watch {
         Watch {
-            demand: Rate::new(window),
+            demand: Rate::new(span),
+            demand_trend: Trend::new(window),
             peak: Peak::new(window),
+            used_trend: Trend::new(window),
             window,
+            admitted: Rate::new(window),
+            hit: Rate::new(window),
+            engines: EngineCounts::default(),
         }
     }
 
@@ -144,8 +213,28 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
         live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
     };
     let used = decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free));
+    let (admitted, hit) = watch.engines.read(table.pool(Pool::Prefill));
+    let hit_share = match (
+        watch.admitted.observe(now, admitted),
+        watch.hit.observe(now, hit),
+    ) {
+        (Some(a), Some(h)) if a > 0.0 => Some(h / a),
+        _ => None,
+    };
+    // The p90 of the blocks in use over the window, once readings cover a whole one (a pool
+    // filling from idle is not sized by its first seconds).
+    let used_trend = watch.used_trend.observe(now, used as f64);
+    let used_over_window = watch
+        .peak
+        .observe(now, used)
+        .and(used_trend)
+        .map(|t| t.high as u64);
     Observed {
-        prefill_demand: watch.demand.observe(now, sent),
+        prefill_demand: watch
+            .demand
+            .observe(now, sent)
+            .and_then(|d| watch.demand_trend.observe(now, d)),
+        prefill_hit_share: hit_share,
         prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
         prefill_capacity: live(Pool::Prefill)
             .map(|w| w.load.prompt_tokens_per_s as f64)
@@ -158,7 +247,8 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
         admission_p90: p90(&signals.admission),
         decode_waiting: table.line.len() as u64,
         decode_blocks_used: used,
-        decode_blocks_peak: watch.peak.observe(now, used),
+        decode_blocks_peak: used_over_window,
+        decode_blocks_slope: used_trend.map_or(0.0, |t| t.slope),
         decode_blocks_total: decode(|l| l.kv_blocks_total),
         decode_holding: decode(|l| l.running + l.waiting + l.pending_transfers),
     }
@@ -178,6 +268,12 @@ fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
     metrics::gauge!("tandem_planner_predicted_seconds", "pool" => name)
         .set(inputs.predicted.map_or(0.0, |d| d.as_secs_f64()));
     metrics::gauge!("tandem_planner_queued", "pool" => name).set(inputs.queued as f64);
+    // The demand in replicas: observed now, and predicted a start-up ahead on its trend.
+    let needed = |n: Option<u32>| n.map_or(0.0, |n| n as f64);
+    metrics::gauge!("tandem_planner_needed_replicas", "pool" => name, "horizon" => "now")
+        .set(needed(inputs.needed));
+    metrics::gauge!("tandem_planner_needed_replicas", "pool" => name, "horizon" => "lead")
+        .set(needed(d.needed_ahead));
     metrics::counter!("tandem_planner_decisions_total", "pool" => name, "action" => d.action.label())
         .increment(1);
     if d.action == Action::Hold {
@@ -215,8 +311,7 @@ pub async fn run(
         .unwrap_or(Duration::from_secs(1));
     let registry = state.registry.clone();
     let mut starting: std::collections::HashMap<Pool, u32> = Default::default();
-    let window = plans.iter().map(|p| p.scaling.window).max();
-    let mut watch = Watch::new(window.unwrap_or(Duration::from_secs(10)));
+    let mut watch = Watch::for_plans(&plans);
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -113,6 +113,84 @@ impl Rate {
     }
 }
 
+/// A reading taken each tick, over the last `window`: its p90 (what a pool sized to it meets
+/// nine times in ten — the margin measured from how the reading moves, not chosen) and its
+/// trend (the least-squares slope, per second: where it is heading).
+#[derive(Debug)]
+pub struct Trend {
+    window: Duration,
+    points: VecDeque<(Instant, f64)>,
+}
+
+/// What a [`Trend`] says of its window.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Outlook {
+    /// The p90 of the readings.
+    pub high: f64,
+    /// Their least-squares slope, per second, less two of its standard errors (0 where it is
+    /// within them).
+    pub slope: f64,
+}
+
+impl Trend {
+    /// A trend over `window`.
+    pub fn new(window: Duration) -> Trend {
+        Trend {
+            window,
+            points: VecDeque::new(),
+        }
+    }
+
+    /// Notes `value` at `now`; the window's reading from its second.
+    pub fn observe(&mut self, now: Instant, value: f64) -> Option<Outlook> {
+        self.points.push_back((now, value));
+        while self
+            .points
+            .front()
+            .is_some_and(|(t, _)| now.duration_since(*t) > self.window)
+        {
+            self.points.pop_front();
+        }
+        let t0 = self.points.front()?.0;
+        if self.points.len() < 2 {
+            return None;
+        }
+        // A trend is read over half a window at least; the p90 from the second reading (a
+        // pool started far over its load comes down within seconds, not a window).
+        let trended = now.duration_since(t0) >= self.window / 2 && self.points.len() >= 3;
+        let xy: Vec<(f64, f64)> = self
+            .points
+            .iter()
+            .map(|(t, v)| (t.duration_since(t0).as_secs_f64(), *v))
+            .collect();
+        let n = xy.len() as f64;
+        let (mx, my) = xy
+            .iter()
+            .fold((0.0, 0.0), |(a, b), (x, y)| (a + x / n, b + y / n));
+        let sxx: f64 = xy.iter().map(|(x, _)| (x - mx) * (x - mx)).sum();
+        let sxy: f64 = xy.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
+        let slope = if sxx > 0.0 && trended { sxy / sxx } else { 0.0 };
+        // The slope's standard error: a trend counts only as far as it stands out of the
+        // readings' noise (two standard errors), or flat load's jitter would read as growth.
+        let resid: f64 = xy
+            .iter()
+            .map(|(x, y)| (y - my - slope * (x - mx)).powi(2))
+            .sum();
+        let se = if sxx > 0.0 && trended {
+            (resid / (n - 2.0) / sxx).sqrt()
+        } else {
+            0.0
+        };
+        let mut values: Vec<f64> = xy.iter().map(|p| p.1).collect();
+        values.sort_by(f64::total_cmp);
+        let at = ((values.len() as f64 * 0.9).ceil() as usize).clamp(1, values.len()) - 1;
+        Some(Outlook {
+            high: values[at],
+            slope: slope.signum() * (slope.abs() - 2.0 * se).max(0.0),
+        })
+    }
+}
+
 /// A reading's highest value over the last `window`, from readings at ticks.
 #[derive(Debug)]
 pub struct Peak {
@@ -162,9 +240,9 @@ pub struct Signals {
     pub admission: Mutex<Window>,
     /// Prompt tokens sent to the prefill pool and not yet done.
     pub prefill_pending_tokens: AtomicU64,
-    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate: cached ones
-    /// included, which errs on the side of more replicas — the index's view of the caches
-    /// said a mock pool needed one replica where it needed two).
+    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate; the planner takes
+    /// off the share the engines themselves report cached — not the index's view of the
+    /// caches, which said a mock pool needed one replica where it needed two).
     pub prefill_sent_tokens: AtomicU64,
 }
 

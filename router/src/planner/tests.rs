@@ -37,6 +37,7 @@ fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -
         predicted: predicted_ms.map(Duration::from_millis),
         queued,
         needed: None,
+        growth: 0.0,
         room_needed: None,
     }
 }
@@ -262,4 +263,75 @@ fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
     seen.decode_waiting = 0;
     seen.decode_blocks_peak = None;
     assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
+}
+
+/// The prefill pool is sized to the tokens it will compute: 100,000 prompt tokens a second
+/// sent (the p90 of the readings) to replicas computing 10,000 a second each → 10 replicas;
+/// with a quarter of what the engines admit found cached → 8 (75,000 / 10,000, up).
+#[test]
+fn a_prefill_pool_is_sized_to_the_tokens_it_will_compute() {
+    let mut seen = Observed {
+        prefill_capacity: 200_000.0,
+        prefill_measured: 20,
+        prefill_demand: Some(Outlook {
+            high: 100_000.0,
+            slope: 0.0,
+        }),
+        ..Default::default()
+    };
+    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(10));
+    seen.prefill_hit_share = Some(0.25);
+    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(8));
+}
+
+/// A trend's p90 and slope: a steady rise of 100 a second reads as 100 (less its noise: none);
+/// flat readings that jitter read as no trend at all.
+#[test]
+fn a_trend_reads_a_rise_and_not_jitter() {
+    let t0 = Instant::now();
+    let mut rising = Trend::new(Duration::from_secs(10));
+    let mut flat = Trend::new(Duration::from_secs(10));
+    let (mut r, mut f) = (None, None);
+    for i in 0..=10u64 {
+        let at = t0 + Duration::from_secs(i);
+        r = rising.observe(at, 1000.0 + 100.0 * i as f64);
+        f = flat.observe(at, if i % 2 == 0 { 900.0 } else { 1100.0 });
+    }
+    let (r, f) = (r.unwrap(), f.unwrap());
+    assert!((r.slope - 100.0).abs() < 1e-6, "{r:?}");
+    assert_eq!(r.high, 1900.0);
+    assert_eq!((f.slope, f.high), (0.0, 1100.0));
+}
+
+/// Demand rising within target: the pool is asked, now, for what the trend will need once a
+/// replica has started (the window, 5 s, until a start-up is measured): 4 needed, rising 0.5 a
+/// second → 4 + ⌈2.5⌉ = 7; and the start-up, once measured, becomes
+/// the lead.
+#[test]
+fn rising_demand_is_met_a_start_up_ahead() {
+    let t0 = Instant::now();
+    let mut p = PoolPlan::new(Scaling {
+        max: 10,
+        initial: 4,
+        ..plan(Pool::Prefill).scaling
+    });
+    let rising = |live, starting, growth| Inputs {
+        needed: Some(4),
+        growth,
+        starting,
+        ..inp(live, Some(100), None, 0)
+    };
+    assert_eq!(p.decide(t0, rising(4, 0, 0.0)).action, Action::Hold);
+    let d = p.decide(t0, rising(4, 0, 0.5));
+    assert_eq!((d.desired, d.action), (7, Action::Up), "{}", d.why);
+    assert!(d.why.contains("rising"), "{}", d.why);
+    // Asked for already: no more while they start.
+    assert_eq!(
+        p.decide(t0 + Duration::from_secs(1), rising(4, 3, 0.5))
+            .action,
+        Action::Hold
+    );
+    p.decide(t0 + Duration::from_secs(3), rising(7, 0, 0.0));
+    // 5 s until measured, then 3 s measured: (5 + 3·3)/4 = 3.5 s.
+    assert_eq!(p.lead(), Duration::from_millis(3500));
 }

@@ -85,6 +85,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
         desired: 2,
         action: router::planner::Action::Up,
         why: "p90 90 ms over target 60 ms".into(),
+        needed_ahead: Some(3),
     };
     st.board.decided(now, Pool::Decode, &inputs, &up);
     st.board.sample(&st);
@@ -119,6 +120,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
         desired: 2,
         action: router::planner::Action::Hold,
         why: "within target".into(),
+        needed_ahead: None,
     };
     st.board
         .decided(Instant::now(), Pool::Decode, &inputs, &hold);

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The planner against the cheapest static fleets on the whole conversation trace (issue 36,
+# acceptance 1 and 2): `tandem plan` on the sim_cluster.sh cluster with both pools autoscaled
+# (prefill 10–512 from 400, decode 10–128 from 50, tick 1 s, cooldown and window 10 s, the
+# `command` actuator; a replica serves 20 s after it is asked for), TTFT p90 ≤ 3 s, ITL p90 ≤
+# 100 ms for 90% of requests, time x 0.04.
+#   cargo build --release && scripts/plan_trace.sh OUT.json [--rate-profile day]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=$1
+shift
+dir=$(mktemp -d)
+trap 'rm -rf "$dir"' EXIT
+scripts/sim_cluster.sh "$dir/cluster.toml" 400 50 8192
+autoscale() {
+  printf '[%s.slo]\n%s\n[%s.autoscale]\nmin = 10\nmax = %s\ntick_ms = 1000\n' "$1" "$2" "$1" "$3"
+  printf 'cooldown_ms = 10000\nwindow_ms = 10000\nactuator = "command"\ncommand = "true"\n'
+}
+# The pools' sections end the file in order: append each one's SLO and autoscaling after it.
+python3 - "$dir/cluster.toml" "$(autoscale prefill 'ttft_p90_ms = 3000' 512)" \
+  "$(autoscale decode 'itl_p90_ms = 100' 128)" <<'PY'
+import sys
+path, prefill, decode = sys.argv[1:]
+text = open(path).read().replace("[decode]\n", prefill + "\n[decode]\n", 1) + decode + "\n"
+open(path, "w").write(text)
+PY
+./target/release/tandem plan --config "$dir/cluster.toml" \
+  --trace ../shared/traces/mooncake_conversation_trace.jsonl --requests 100000 --time-scale 0.04 \
+  --context-len 131072 --start-up-ms 20000 --ttft-p90-ms 3000 --itl-p90-ms 100 \
+  --max-replicas 512 --json "$out" "$@"
