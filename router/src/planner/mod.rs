@@ -68,7 +68,7 @@ pub struct Inputs {
     /// Replicas the measured demand needs (prefill: the p90 over the window of the prompt
     /// tokens arriving per second, each reading over a span of the TTFT target, less the share
     /// the engines found cached — the tokens to compute — at the replicas' measured rate: the
-    /// margin is the demand's own spread, not a chosen utilisation; decode: the p90 of the KV
+    /// margin is the demand's own spread, not a chosen utilisation; decode: the most KV
     /// blocks its requests held over a whole window, at [`DECODE_UTILISATION`] of a replica's,
     /// while none waits for room — the current blocks of a pool filling up from idle looked
     /// ten times too few and cut a simulated pool to its minimum).
@@ -329,7 +329,9 @@ impl PoolPlan {
             .needed_ahead(inp)
             .filter(|_| inp.p90.is_some())?
             .clamp(s.min, s.max);
-        if n + 1 >= self.desired || r.load >= SIZED_DOWN_BELOW || !r.cooled {
+        // Not while replicas asked for still start: they were asked for a demand a start-up
+        // ahead, and a trend that has since gone flat would cancel them as they arrive.
+        if n + 1 >= self.desired || r.load >= SIZED_DOWN_BELOW || !r.cooled || inp.starting > 0 {
             return None;
         }
         self.desired = n;

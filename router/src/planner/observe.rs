@@ -35,8 +35,8 @@ pub struct Observed {
     pub decode_waiting: u64,
     /// The live decode replicas' KV blocks in use, by their heartbeats.
     pub decode_blocks_used: u64,
-    /// The p90 of those in use over the planner's window (read each tick), once it has a
-    /// whole one.
+    /// The most in use over the planner's window, once it has a whole one (its p90 cost
+    /// requests: a pool sized to it turned more away for want of room within their wait).
     pub decode_blocks_peak: Option<u64>,
     /// How fast the blocks in use are rising (blocks a second, over the window).
     pub decode_blocks_slope: f64,
@@ -95,7 +95,7 @@ impl Observed {
         }
     }
 
-    /// Decode replicas for the KV held over the window (its p90), while none waits for room.
+    /// Decode replicas for the most KV held over the window, while none waits for room.
     fn decode_needed(&self, live: u32) -> Option<u32> {
         let peak = self.decode_blocks_peak? as f64;
         if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
@@ -221,14 +221,7 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
         (Some(a), Some(h)) if a > 0.0 => Some(h / a),
         _ => None,
     };
-    // The p90 of the blocks in use over the window, once readings cover a whole one (a pool
-    // filling from idle is not sized by its first seconds).
     let used_trend = watch.used_trend.observe(now, used as f64);
-    let used_over_window = watch
-        .peak
-        .observe(now, used)
-        .and(used_trend)
-        .map(|t| t.high as u64);
     Observed {
         prefill_demand: watch
             .demand
@@ -247,7 +240,7 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
         admission_p90: p90(&signals.admission),
         decode_waiting: table.line.len() as u64,
         decode_blocks_used: used,
-        decode_blocks_peak: used_over_window,
+        decode_blocks_peak: watch.peak.observe(now, used),
         decode_blocks_slope: used_trend.map_or(0.0, |t| t.slope),
         decode_blocks_total: decode(|l| l.kv_blocks_total),
         decode_holding: decode(|l| l.running + l.waiting + l.pending_transfers),
