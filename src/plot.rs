@@ -320,7 +320,7 @@ mod tests {
             "colocated",
             "target 200 ms",
             "TTFT: CDF",
-            "replicas (live)",
+            "replicas: live",
             "prefix-hit ratio",
         ] {
             assert!(svg.contains(text), "{text} missing");

@@ -133,7 +133,11 @@ fn each_pool_scales_on_its_own_slo_and_shrinks_back_without_failing_requests() {
     // Baseline: half a prefill replica's capacity. Nothing scales.
     let r = load(http, &dir, 4, 24, 128, 16);
     assert_eq!(r["errors"], 0, "{r}");
-    assert_eq!(ups(ops, "prefill"), 0.0);
+    let planner = |log: String| -> String {
+        let lines = log.lines().filter(|l| l.contains("planner"));
+        lines.collect::<Vec<_>>().join("\n")
+    };
+    assert_eq!(ups(ops, "prefill"), 0.0, "{}", planner(up.log()));
 
     // The prompt load triples: the prefill pool grows; the decode pool has no reason to.
     let r = load(http, &dir, 12, 100, 128, 16);

@@ -29,7 +29,7 @@ pub struct Sample {
     /// The window's p90 (TTFT, ITL), milliseconds.
     pub p90_ms: Option<f64>,
     /// Replicas the demand needs, observed now.
-    pub needed: Option<u32>,
+    pub needed: Option<f64>,
     /// And predicted a start-up ahead, on its trend.
     pub needed_ahead: Option<u32>,
     /// Which way it moved the pool.

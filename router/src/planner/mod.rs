@@ -65,14 +65,16 @@ pub struct Inputs {
     pub predicted: Option<Duration>,
     /// Work queued in front of the pool (prompt tokens pending; requests waiting for room).
     pub queued: u64,
-    /// Replicas the measured demand needs (prefill: the p90 over the window of the prompt
-    /// tokens arriving per second, each reading over a span of the TTFT target, less the share
-    /// the engines found cached — the tokens to compute — at the replicas' measured rate: the
-    /// margin is the demand's own spread, not a chosen utilisation; decode: the most KV
-    /// blocks its requests held over a whole window, at [`DECODE_UTILISATION`] of a replica's,
-    /// while none waits for room — the current blocks of a pool filling up from idle looked
-    /// ten times too few and cut a simulated pool to its minimum).
-    pub needed: Option<u32>,
+    /// Replicas the measured demand needs, a fraction kept (prefill: the p90 over the window
+    /// of the prompt tokens arriving per second — each reading the larger of the rate over the
+    /// window and a burst over a span of the TTFT target, which may take the span and the
+    /// target to serve — less the share the engines found cached — the tokens to compute — at
+    /// the replicas' measured rate: the margin is the demand's own spread, not a chosen
+    /// utilisation; decode: the most KV blocks its requests held over a whole window, at
+    /// [`DECODE_UTILISATION`] of a replica's, while none waits for room — the current blocks
+    /// of a pool filling up from idle looked ten times too few and cut a simulated pool to
+    /// its minimum).
+    pub needed: Option<f64>,
     /// How fast `needed` is moving, replicas a second (the least-squares slope of the demand
     /// read each tick over the window): the planner asks a replica's start-up ahead of it.
     pub growth: f64,
@@ -146,9 +148,10 @@ pub struct PoolPlan {
     calm_since: Option<Instant>,
     /// The replicas last asked for and when, until they have all joined.
     asked: Option<(Instant, u32)>,
-    /// How long replicas take from being asked for to serving, as measured (the window until
-    /// one has been).
-    lead: Duration,
+    /// How long replicas take from being asked for to serving, as measured (none until it has
+    /// been: the planner looks no further ahead than it has seen a start-up take — with a
+    /// guess, a load starting from idle, extrapolated, asked for replicas it never needed).
+    lead: Option<Duration>,
 }
 
 fn ms(d: Option<Duration>) -> String {
@@ -159,7 +162,6 @@ impl PoolPlan {
     /// A plan starting at `scaling.initial` (clamped to the bounds).
     pub fn new(scaling: Scaling) -> PoolPlan {
         let desired = scaling.initial.clamp(scaling.min, scaling.max);
-        let lead = scaling.window;
         PoolPlan {
             scaling,
             desired,
@@ -167,20 +169,21 @@ impl PoolPlan {
             last_up: None,
             calm_since: None,
             asked: None,
-            lead,
+            lead: None,
         }
     }
 
-    /// How far ahead the planner looks: the replicas' start-up, as measured.
-    pub fn lead(&self) -> Duration {
+    /// How far ahead the planner looks: the replicas' start-up, once measured.
+    pub fn lead(&self) -> Option<Duration> {
         self.lead
     }
 
     /// Replicas the demand will need a start-up from now, on its trend (never fewer than it
-    /// needs now).
+    /// needs now), rounded up.
     pub fn needed_ahead(&self, inp: &Inputs) -> Option<u32> {
-        let ahead = inp.growth.max(0.0) * self.lead.as_secs_f64();
-        inp.needed.map(|n| n + ahead.ceil() as u32)
+        let lead = self.lead.unwrap_or_default().as_secs_f64();
+        let ahead = inp.growth.max(0.0) * lead;
+        inp.needed.map(|n| (n + ahead).ceil().max(0.0) as u32)
     }
 
     /// Notes replicas joining: once all those asked for serve, how long they took (averaged
@@ -191,7 +194,7 @@ impl PoolPlan {
             return;
         }
         let took = now.duration_since(at);
-        self.lead = (self.lead + took * 3) / 4;
+        self.lead = Some(self.lead.map_or(took, |l| (l + took * 3) / 4));
         self.asked = None;
     }
 
@@ -311,7 +314,7 @@ impl PoolPlan {
             why: format!(
                 "the demand rising {:.2} replicas/s needs {want} in {:.0} s: {}",
                 inp.growth,
-                self.lead.as_secs_f64(),
+                self.lead.unwrap_or_default().as_secs_f64(),
                 r.seen
             ),
             needed_ahead: None,

@@ -68,7 +68,7 @@ impl Observed {
                 // cached; and how fast that is moving, in replicas a second.
                 let computed = 1.0 - self.prefill_hit_share.unwrap_or(0.0).clamp(0.0, 1.0);
                 let demand = self.prefill_demand.filter(|_| per_replica > 0.0);
-                let needed = demand.map(|d| (d.high * computed / per_replica).ceil() as u32);
+                let needed = demand.map(|d| d.high * computed / per_replica);
                 let growth = demand.map_or(0.0, |d| d.slope * computed / per_replica);
                 Inputs {
                     live,
@@ -96,13 +96,13 @@ impl Observed {
     }
 
     /// Decode replicas for the most KV held over the window, while none waits for room.
-    fn decode_needed(&self, live: u32) -> Option<u32> {
+    fn decode_needed(&self, live: u32) -> Option<f64> {
         let peak = self.decode_blocks_peak? as f64;
         if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
             return None;
         }
         let per_replica = self.decode_blocks_total as f64 / live as f64;
-        Some((peak / (per_replica * DECODE_UTILISATION)).ceil().max(1.0) as u32)
+        Some(peak / (per_replica * DECODE_UTILISATION))
     }
 
     /// How fast the KV held is rising, in replicas a second.
@@ -134,8 +134,18 @@ impl Observed {
 /// rate over spans of its target, read each tick into a trend) and the decode pool's peak KV
 /// and its trend, over the window.
 pub struct Watch {
-    demand: Rate,
+    /// The prompt tokens sent, over the window and over a span of the TTFT target; what
+    /// arrives in that span may take the span and the target to serve (the queue absorbs it).
+    sustained: Rate,
+    burst: Rate,
+    burst_share: f64,
+    /// The readings' p90, over the window.
     demand_trend: Trend,
+    /// The slope, fitted to what each tick alone saw sent (a rate over a window read each tick
+    /// overlaps its neighbours: fitted to those, noise passed for a trend) since the window
+    /// last saw none (a load starting from idle is a step, not a rise to extrapolate).
+    tick_trend: Trend,
+    last_sent: Option<(Instant, u64)>,
     peak: Peak,
     used_trend: Trend,
     window: Duration,
@@ -170,23 +180,29 @@ impl EngineCounts {
 }
 
 impl Watch {
-    /// For `plans`: over the longest of their windows, the prefill demand over spans of its
-    /// pool's target.
+    /// For `plans`: over the longest of their windows, the prefill demand over the window and
+    /// over spans of its pool's TTFT target.
     pub fn for_plans(plans: &[PoolPlan]) -> Watch {
         let window = plans.iter().map(|p| p.scaling.window).max();
-        let span = plans
+        let target = plans
             .iter()
             .find(|p| p.scaling.pool == Pool::Prefill)
             .map(|p| p.scaling.target);
         let window = window.unwrap_or(Duration::from_secs(10));
-        Watch::new(window, span.unwrap_or(window).min(window))
+        Watch::new(window, target.unwrap_or(window))
     }
 
-    /// Over `window`, the prefill demand read over spans of `span`.
-    pub fn new(window: Duration, span: Duration) -> Watch {
+    /// Over `window`, the prefill demand: the rate over it, or a burst over a span of `target`
+    /// served within the span and the target, whichever is more.
+    pub fn new(window: Duration, target: Duration) -> Watch {
+        let span = target.min(window);
         Watch {
-            demand: Rate::new(span),
+            sustained: Rate::new(window),
+            burst: Rate::new(span),
+            burst_share: span.as_secs_f64() / (span + target).as_secs_f64(),
             demand_trend: Trend::new(window),
+            tick_trend: Trend::new(window),
+            last_sent: None,
             peak: Peak::new(window),
             used_trend: Trend::new(window),
             window,
@@ -194,6 +210,28 @@ impl Watch {
             hit: Rate::new(window),
             engines: EngineCounts::default(),
         }
+    }
+
+    /// Notes the prompt tokens `sent` in all at `now`; the demand's outlook over the window.
+    pub fn demand(&mut self, now: Instant, sent: u64) -> Option<Outlook> {
+        let tick = self.last_sent.replace((now, sent)).and_then(|(t, n)| {
+            let dt = now.duration_since(t).as_secs_f64();
+            (dt > 0.0).then(|| sent.saturating_sub(n) as f64 / dt)
+        });
+        let sustained = self.sustained.observe(now, sent);
+        if sustained == Some(0.0) {
+            self.tick_trend = Trend::new(self.window);
+        }
+        let slope = tick
+            .and_then(|r| self.tick_trend.observe(now, r))
+            .map_or(0.0, |o| o.slope);
+        let burst = self.burst.observe(now, sent).map(|r| r * self.burst_share);
+        let reading = match (sustained, burst) {
+            (Some(s), Some(b)) => s.max(b),
+            (s, b) => s.or(b)?,
+        };
+        let high = self.demand_trend.observe(now, reading)?.high;
+        Some(Outlook { high, slope })
     }
 
     /// Starts the peak afresh (a router leading again reads a whole window before sizing down
@@ -223,10 +261,7 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
     };
     let used_trend = watch.used_trend.observe(now, used as f64);
     Observed {
-        prefill_demand: watch
-            .demand
-            .observe(now, sent)
-            .and_then(|d| watch.demand_trend.observe(now, d)),
+        prefill_demand: watch.demand(now, sent),
         prefill_hit_share: hit_share,
         prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
         prefill_capacity: live(Pool::Prefill)
@@ -262,11 +297,10 @@ fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
         .set(inputs.predicted.map_or(0.0, |d| d.as_secs_f64()));
     metrics::gauge!("tandem_planner_queued", "pool" => name).set(inputs.queued as f64);
     // The demand in replicas: observed now, and predicted a start-up ahead on its trend.
-    let needed = |n: Option<u32>| n.map_or(0.0, |n| n as f64);
     metrics::gauge!("tandem_planner_needed_replicas", "pool" => name, "horizon" => "now")
-        .set(needed(inputs.needed));
+        .set(inputs.needed.unwrap_or(0.0));
     metrics::gauge!("tandem_planner_needed_replicas", "pool" => name, "horizon" => "lead")
-        .set(needed(d.needed_ahead));
+        .set(d.needed_ahead.map_or(0.0, f64::from));
     metrics::counter!("tandem_planner_decisions_total", "pool" => name, "action" => d.action.label())
         .increment(1);
     if d.action == Action::Hold {

@@ -127,8 +127,8 @@ pub struct Trend {
 pub struct Outlook {
     /// The p90 of the readings.
     pub high: f64,
-    /// Their least-squares slope, per second, less two of its standard errors (0 where it is
-    /// within them).
+    /// Their least-squares slope, per second, less its standard error times Student's t at
+    /// 97.5% for the points fitted — about two, more for few points (0 where it is within).
     pub slope: f64,
 }
 
@@ -171,7 +171,7 @@ impl Trend {
         let sxy: f64 = xy.iter().map(|(x, y)| (x - mx) * (y - my)).sum();
         let slope = if sxx > 0.0 && trended { sxy / sxx } else { 0.0 };
         // The slope's standard error: a trend counts only as far as it stands out of the
-        // readings' noise (two standard errors), or flat load's jitter would read as growth.
+        // readings' noise, or flat load's jitter would read as growth.
         let resid: f64 = xy
             .iter()
             .map(|(x, y)| (y - my - slope * (x - mx)).powi(2))
@@ -186,8 +186,18 @@ impl Trend {
         let at = ((values.len() as f64 * 0.9).ceil() as usize).clamp(1, values.len()) - 1;
         Some(Outlook {
             high: values[at],
-            slope: slope.signum() * (slope.abs() - 2.0 * se).max(0.0),
+            slope: slope.signum() * (slope.abs() - t_975(n - 2.0) * se).max(0.0),
         })
+    }
+}
+
+/// Student's t at 97.5% for `df` degrees of freedom (within 1% beyond the table).
+fn t_975(df: f64) -> f64 {
+    const TABLE: [f64; 10] = [12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23];
+    match df as usize {
+        0 => f64::INFINITY,
+        d @ 1..=10 => TABLE[d - 1],
+        _ => 1.96 + 2.4 / df,
     }
 }
 

@@ -106,7 +106,7 @@ fn a_pool_far_over_its_demand_goes_down_to_it_at_once() {
         ..plan(Pool::Prefill).scaling
     });
     let sized = |live, p90_ms, needed| Inputs {
-        needed: Some(needed),
+        needed: Some(needed as f64),
         ..inp(live, Some(p90_ms), Some(20), 5000)
     };
     // Over 80% of the target: no.
@@ -255,7 +255,7 @@ fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
         ..Default::default()
     };
     let inputs = seen.inputs(Pool::Decode, 50, 0);
-    assert_eq!(inputs.needed, Some(20));
+    assert_eq!(inputs.needed.map(f64::ceil), Some(20.0));
     let d = p.decide(t0, inputs);
     assert_eq!((d.desired, d.action), (20, Action::Down), "{}", d.why);
     seen.decode_waiting = 1;
@@ -267,7 +267,7 @@ fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
 
 /// The prefill pool is sized to the tokens it will compute: 100,000 prompt tokens a second
 /// sent (the p90 of the readings) to replicas computing 10,000 a second each → 10 replicas;
-/// with a quarter of what the engines admit found cached → 8 (75,000 / 10,000, up).
+/// with a quarter of what the engines admit found cached → 7.5 (75,000 / 10,000).
 #[test]
 fn a_prefill_pool_is_sized_to_the_tokens_it_will_compute() {
     let mut seen = Observed {
@@ -279,9 +279,9 @@ fn a_prefill_pool_is_sized_to_the_tokens_it_will_compute() {
         }),
         ..Default::default()
     };
-    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(10));
+    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(10.0));
     seen.prefill_hit_share = Some(0.25);
-    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(8));
+    assert_eq!(seen.inputs(Pool::Prefill, 20, 0).needed, Some(7.5));
 }
 
 /// A trend's p90 and slope: a steady rise of 100 a second reads as 100 (less its noise: none);
@@ -304,9 +304,8 @@ fn a_trend_reads_a_rise_and_not_jitter() {
 }
 
 /// Demand rising within target: the pool is asked, now, for what the trend will need once a
-/// replica has started (the window, 5 s, until a start-up is measured): 4 needed, rising 0.5 a
-/// second → 4 + ⌈2.5⌉ = 7; and the start-up, once measured, becomes
-/// the lead.
+/// replica has started, as measured: none before one has been; after a start-up of 5 s, 4
+/// needed, rising 0.5 a second → 4 + 2.5 = 7 (up); and each start-up measured moves the lead.
 #[test]
 fn rising_demand_is_met_a_start_up_ahead() {
     let t0 = Instant::now();
@@ -315,23 +314,98 @@ fn rising_demand_is_met_a_start_up_ahead() {
         initial: 4,
         ..plan(Pool::Prefill).scaling
     });
+    // No start-up measured: no look ahead. Then one, on pressure, taking 5 s.
+    let s = Duration::from_secs;
     let rising = |live, starting, growth| Inputs {
-        needed: Some(4),
+        needed: Some(4.0),
         growth,
         starting,
-        ..inp(live, Some(100), None, 0)
+        ..inp(live, Some(300), None, 0)
     };
-    assert_eq!(p.decide(t0, rising(4, 0, 0.0)).action, Action::Hold);
     let d = p.decide(t0, rising(4, 0, 0.5));
+    assert_eq!((d.action, d.needed_ahead), (Action::Hold, Some(4)));
+    let d = p.decide(t0, inp(4, Some(100), Some(600), 9000));
+    assert_eq!((d.desired, d.action), (5, Action::Up), "{}", d.why);
+    p.decide(t0 + s(2), rising(4, 1, 0.0));
+    let t0 = t0 + s(5);
+    assert_eq!(p.decide(t0, rising(5, 0, 0.0)).action, Action::Hold);
+    assert_eq!(p.lead(), Some(s(5)));
+    // A slight rise in a demand short of what serves asks nothing (3.9 + 0.05 is still 4).
+    let slight = Inputs {
+        needed: Some(3.9),
+        ..rising(5, 0, 0.01)
+    };
+    assert_eq!(p.decide(t0, slight).action, Action::Hold);
+    let d = p.decide(t0, rising(5, 0, 0.5));
     assert_eq!((d.desired, d.action), (7, Action::Up), "{}", d.why);
     assert!(d.why.contains("rising"), "{}", d.why);
     // Asked for already: no more while they start.
+    assert_eq!(p.decide(t0 + s(1), rising(5, 2, 0.5)).action, Action::Hold);
+    p.decide(t0 + s(3), rising(7, 0, 0.0));
+    // 5 s measured, then 3 s: (5 + 3·3)/4 = 3.5 s.
+    assert_eq!(p.lead(), Some(Duration::from_millis(3500)));
+}
+
+/// The prefill demand is the larger of the rate over the window and a burst over a span of the
+/// TTFT target, which the queue may take the span and the target to serve: 1,000 tokens a
+/// second steadily reads 1,000 (its burst, half that, never counts). Then 6,000 a second: the
+/// first reads 7,000 over the 2-s span served within 4 s — 1,750, over the window's 1,500 —
+/// and, the p90 of the window's eleven readings being its second highest, counts once a
+/// second such second has come.
+#[test]
+fn the_prefill_demand_is_the_window_rate_or_a_burst_served_within_the_target() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let mut w = Watch::new(s(10), s(2));
+    let mut sent = 0;
+    let mut last = None;
+    for i in 0..=20u64 {
+        last = w.demand(t0 + s(i), sent);
+        sent += 1000;
+    }
     assert_eq!(
-        p.decide(t0 + Duration::from_secs(1), rising(4, 3, 0.5))
-            .action,
-        Action::Hold
+        last,
+        Some(Outlook {
+            high: 1000.0,
+            slope: 0.0
+        })
     );
-    p.decide(t0 + Duration::from_secs(3), rising(7, 0, 0.0));
-    // 5 s until measured, then 3 s measured: (5 + 3·3)/4 = 3.5 s.
-    assert_eq!(p.lead(), Duration::from_millis(3500));
+    sent += 5000;
+    assert_eq!(w.demand(t0 + s(21), sent).unwrap().high, 1000.0);
+    sent += 6000;
+    assert_eq!(w.demand(t0 + s(22), sent).unwrap().high, 1750.0);
+}
+
+/// The demand's trend is fitted to what each tick alone saw sent: a steady rise of 100 tokens
+/// a second each second reads as 100; a flat load read over an overlapping window, however it
+/// happened to fall, as none.
+#[test]
+fn the_prefill_trend_is_fitted_to_each_ticks_own_tokens() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let mut rising = Watch::new(s(10), s(2));
+    let (mut sent, mut rate) = (0, 1000);
+    let mut last = None;
+    for i in 0..=10u64 {
+        last = rising.demand(t0 + s(i), sent);
+        sent += rate;
+        rate += 100;
+    }
+    assert!((last.unwrap().slope - 100.0).abs() < 1e-6, "{last:?}");
+    // Flat at 1,000 a second, in uneven ticks: 400, 1,600, 1,000, ... .
+    let mut flat = Watch::new(s(10), s(2));
+    let mut sent = 0;
+    for i in 0..=20u64 {
+        last = flat.demand(t0 + s(i), sent);
+        sent += [400, 1600, 1000][i as usize % 3];
+    }
+    assert_eq!(last.unwrap().slope, 0.0, "{last:?}");
+    // From idle to 1,000 a second: a step, no trend.
+    let mut step = Watch::new(s(10), s(2));
+    let mut sent = 0;
+    for i in 0..=30u64 {
+        last = step.demand(t0 + s(i), sent);
+        sent += if i < 15 { 0 } else { 1000 };
+        assert_eq!(last.map_or(0.0, |o| o.slope), 0.0, "at {i} s: {last:?}");
+    }
 }

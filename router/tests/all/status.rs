@@ -79,6 +79,8 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
         live: 1,
         p90: Some(Duration::from_millis(90)),
         queued: 3,
+        needed: Some(2.4),
+        growth: 0.1,
         ..Default::default()
     };
     let up = Decision {
@@ -112,6 +114,12 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
     assert_eq!(d["desired"], 2);
     assert_eq!(d["queued"], 3);
     assert_eq!(d["p90_ms"], 90.0);
+    // The demand's need, observed (a fraction) and predicted a start-up ahead.
+    assert_eq!(
+        (d["needed"].as_f64(), d["needed_ahead"].as_u64()),
+        (Some(2.4), Some(3))
+    );
+    assert_eq!(d["growth_per_s"], 0.1);
     let h = s["history"].as_array().unwrap();
     assert_eq!(h.len(), 1);
     assert_eq!(h[0]["decode_workers"], 1);
