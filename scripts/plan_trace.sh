@@ -4,9 +4,12 @@
 # (prefill 10–512 from 400, decode 10–128 from 50, tick 1 s, cooldown and window 10 s, the
 # `command` actuator; a replica serves 20 s after it is asked for), TTFT p90 ≤ 3 s, ITL p90 ≤
 # 100 ms for 90% of requests, time x 0.04.
-#   cargo build --release && scripts/plan_trace.sh OUT.json [--rate-profile day]
+#   cargo build --release && scripts/plan_trace.sh [--planner-only] OUT.json [--rate-profile day]
+# --planner-only: only the planner's run (`tandem simulate` on the same file), no static search.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+only=
+if [ "${1:-}" = --planner-only ]; then only=1; shift; fi
 out=$1
 shift
 dir=$(mktemp -d)
@@ -24,7 +27,11 @@ path, prefill, decode = sys.argv[1:]
 text = open(path).read().replace("[decode]\n", prefill + "\n[decode]\n", 1) + decode + "\n"
 open(path, "w").write(text)
 PY
-./target/release/tandem plan --config "$dir/cluster.toml" \
-  --trace ../shared/traces/mooncake_conversation_trace.jsonl --requests 100000 --time-scale 0.04 \
-  --context-len 131072 --start-up-ms 20000 --ttft-p90-ms 3000 --itl-p90-ms 100 \
-  --max-replicas 512 --json "$out" "$@"
+run=(--config "$dir/cluster.toml" --trace ../shared/traces/mooncake_conversation_trace.jsonl
+  --requests 100000 --time-scale 0.04 --context-len 131072 --start-up-ms 20000
+  --ttft-p90-ms 3000 --itl-p90-ms 100 --json "$out")
+if [ -n "$only" ]; then
+  ./target/release/tandem simulate "${run[@]}" "$@"
+else
+  ./target/release/tandem plan "${run[@]}" --max-replicas 512 "$@"
+fi

@@ -1,5 +1,5 @@
 //! Nothing lost, nothing hung (issue 13), on real clusters of the real engine: a decode worker
-//! killed or frozen mid-stream, a prefill worker killed or frozen mid-prefill. Every stream
+//! killed, frozen or sent `SIGTERM` mid-stream, a prefill worker killed or frozen mid-prefill. Every stream
 //! completes with exactly the tokens of an unfailed run, or — past the migration limit — ends
 //! with an error event; reserved KV is freed; the path taken is asserted from the router's
 //! metrics (migrations, recomputes, transfers).
@@ -238,6 +238,106 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
     c.signal_worker("decode-0", libc::SIGCONT);
     c.wait_for(1, 2);
     c.wait_all_free(Duration::from_secs(10));
+}
+
+/// A decode worker sent `SIGTERM` mid-stream (how Kubernetes deletes a pod) finishes the stream
+/// itself — exactly the tokens of an undisturbed run, not moved, nothing recomputed — admits
+/// nothing new (its heartbeat says it drains: the router sends the next request to the other
+/// worker), and exits 0 once the stream is done; the prefill worker, idle, exits at once.
+#[test]
+fn a_worker_sent_sigterm_finishes_what_it_holds_admits_nothing_and_exits() {
+    let mut c = Cluster::start(EXE.as_ref(), 1, 2);
+    let message = "Tell me a story about a lighthouse keeper.";
+    let greedy = |n| SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(n)
+    };
+    // Long enough (300 tokens) to run well past a heartbeat after the signal.
+    let params = json!({"temperature": 0, "max_tokens": 300, "ignore_eos": true});
+    let mut r = open_stream(&c, message, params);
+    let mut text = read_chunks(&mut r, 4);
+    let drained = serving(&c);
+    let other = if drained == "decode-0" {
+        "decode-1"
+    } else {
+        "decode-0"
+    };
+    c.signal_worker(&drained, libc::SIGTERM);
+    let signalled = Instant::now();
+    let draining = |c: &Cluster, name: &str| {
+        let ws = c.workers();
+        ws.iter()
+            .any(|w| w["name"] == name && w["draining"] == true)
+    };
+    tandem_tests::wait_until("the router sees it drain", Duration::from_secs(5), || {
+        draining(&c, &drained)
+    });
+    // A new request goes to the other worker, while the stream goes on where it is.
+    let freed = |c: &Cluster, name: &str| {
+        let ws = c.workers();
+        let w = ws.iter().find(|w| w["name"] == name).expect("joined");
+        w["stats"]["kv_requests_freed"].as_u64().unwrap_or(0)
+    };
+    let before = freed(&c, other);
+    let mut second = open_stream(&c, message, json!({"temperature": 0, "max_tokens": 8}));
+    let (short, error) = read_rest(&mut second);
+    assert_eq!(
+        (short.as_str(), error),
+        (engine_text(message, greedy(8)).as_str(), None)
+    );
+    let (rest, _) = read_timed(&mut r);
+    text += &rest;
+    assert_eq!(
+        text,
+        engine_text(message, greedy(300)),
+        "the drained stream"
+    );
+    tandem_tests::wait_until("the other worker freed it", Duration::from_secs(5), || {
+        freed(&c, other) > before
+    });
+    let status = c.wait_exit(&drained, Duration::from_secs(10));
+    assert!(status.success(), "{status:?}");
+    eprintln!("{drained} exited {:?} after SIGTERM", signalled.elapsed());
+    let count = |series: &str| metric_at(c.operator, series);
+    assert_eq!(
+        count("tandem_router_migrations_total"),
+        0.0,
+        "nothing moved"
+    );
+    assert_eq!(
+        count("tandem_kv_transfer_failures_total"),
+        0.0,
+        "nothing recomputed"
+    );
+    // The prefill worker, idle, drains at once.
+    c.signal_worker("prefill-0", libc::SIGTERM);
+    assert!(c.wait_exit("prefill-0", Duration::from_secs(5)).success());
+}
+
+/// A worker still holding a stream at its drain deadline (`drain_timeout_ms`) exits then: the
+/// stream moves to the other decode worker and ends with exactly the undisturbed tokens.
+#[test]
+fn past_its_drain_deadline_a_worker_exits_and_its_stream_moves() {
+    let mut c = Cluster::of(1, 2)
+        .pools(["", "drain_timeout_ms = 100"])
+        .start(EXE.as_ref());
+    let message = "Write a poem about the sea.";
+    // 400 tokens: far more than 100 ms of decoding.
+    let params = json!({"temperature": 0, "max_tokens": 400, "ignore_eos": true});
+    let mut r = open_stream(&c, message, params);
+    let mut text = read_chunks(&mut r, 4);
+    let drained = serving(&c);
+    c.signal_worker(&drained, libc::SIGTERM);
+    assert!(c.wait_exit(&drained, Duration::from_secs(10)).success());
+    let (rest, error) = read_rest(&mut r);
+    assert_eq!(error, None);
+    text += &rest;
+    let want = SamplingParams {
+        ignore_eos: true,
+        ..SamplingParams::greedy(400)
+    };
+    assert_eq!(text, engine_text(message, want));
+    assert_eq!(metric_at(c.operator, "tandem_router_migrations_total"), 1.0);
 }
 
 /// What the engine alone generates for `prompt` (token ids), `n` tokens whatever is sampled.

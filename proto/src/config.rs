@@ -439,6 +439,10 @@ pub struct PoolSection {
     pub autoscale: Option<AutoscaleSection>,
     /// KV below each worker's pool (host memory, local disk); absent: none.
     pub kv_tiers: Option<KvTiersSection>,
+    /// Sent `SIGTERM` (a Kubernetes pod deleted), how long a worker lets the requests it holds
+    /// finish, admitting none, before it exits (under the pod's termination grace period).
+    #[serde(default = "default_drain_timeout_ms")]
+    pub drain_timeout_ms: Spanned<u64>,
 }
 
 /// `[<pool>.kv_tiers]`: where a worker's prefix cache keeps the blocks its pool evicts — host
@@ -542,6 +546,10 @@ fn default_true() -> bool {
 
 fn default_max_running() -> Spanned<u32> {
     Spanned::new(0..0, 64)
+}
+
+fn default_drain_timeout_ms() -> Spanned<u64> {
+    Spanned::new(0..0, 25_000)
 }
 
 fn default_batch_tokens() -> Spanned<u32> {

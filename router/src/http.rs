@@ -544,7 +544,10 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);
         let load = serde_json::to_value(&w.load).unwrap_or(Value::Null);
         for &(field, metric, _) in grpc::LOAD_FIELDS {
-            let v = load[field].as_f64().unwrap_or(0.0);
+            let v = load[field].as_f64();
+            let v = v
+                .or_else(|| load[field].as_bool().map(f64::from))
+                .unwrap_or(0.0);
             metrics::gauge!(metric, &labels).set(v);
         }
     }

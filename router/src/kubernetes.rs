@@ -1,9 +1,12 @@
 //! The `kubernetes` actuator: each pool is a Deployment, and the planner's desired replicas
 //! are written to its `scale` subresource through the API server (a JSON merge patch of
 //! `spec.replicas`), with the pod's service-account token (read again for every call: tokens
-//! rotate) and, over HTTPS, the cluster's CA. New pods register in etcd and join like any worker;
-//! a scale-down is Kubernetes' to carry out (it sends SIGTERM; set a grace period that lets a
-//! decode worker's streams finish or migrate).
+//! rotate) and, over HTTPS, the cluster's CA. New pods register in etcd and join like any worker.
+//! A scale-down picks the pods that go: the pool's least busy workers (a worker is named after
+//! its pod), annotated with the lowest `pod-deletion-cost`, so the ReplicaSet removes those;
+//! each, sent SIGTERM, admits nothing more (its heartbeats tell the router), finishes what it
+//! holds and exits (`worker::serve`) within the pod's grace period. (Not marked draining here:
+//! a scale-down the planner takes back before Kubernetes acts would leave them so.)
 //!
 //! Unit-tested against recorded API requests (an in-process fake API server); not run against a
 //! live API server here.
@@ -24,6 +27,9 @@ const SERVICE_ACCOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
 /// The deadline of one API call.
 const CALL: Duration = Duration::from_secs(5);
+
+/// The annotation by which a ReplicaSet scaling down picks its pods, the lowest cost first.
+pub const DELETION_COST: &str = "controller.kubernetes.io/pod-deletion-cost";
 
 /// How the actuator reaches the API server.
 #[derive(Debug, Clone)]
@@ -106,10 +112,48 @@ impl Kubernetes {
             "/apis/apps/v1/namespaces/{ns}/deployments/{}/scale",
             t.deployment
         );
+        self.merge(&path, serde_json::json!({"spec": {"replicas": n}}))
+            .await
+    }
+
+    /// Before `pool` goes down to `n` replicas: the workers beyond `n` to go — draining ones
+    /// first, then the fewest requests held — their pods annotated with the lowest deletion
+    /// cost (the ReplicaSet removes those).
+    async fn choose_leaving(
+        &self,
+        t: &Target,
+        pool: Pool,
+        n: u32,
+        registry: &Registry,
+    ) -> Result<(), String> {
+        let leaving: Vec<String> = registry.with(|table| {
+            let mut ws: Vec<_> = table
+                .pool(pool)
+                .map(|w| {
+                    let l = &w.load;
+                    let held = l.running + l.waiting + l.pending_transfers + l.transfers_in_flight;
+                    ((!w.draining, held), w.name.clone())
+                })
+                .collect();
+            ws.sort();
+            let excess = ws.len().saturating_sub(n as usize);
+            ws.into_iter().take(excess).map(|(_, name)| name).collect()
+        });
+        let ns = t.namespace.as_deref().unwrap_or(&self.api.namespace);
+        for pod in leaving {
+            let path = format!("/api/v1/namespaces/{ns}/pods/{pod}");
+            let cost = serde_json::json!({"metadata": {"annotations": {DELETION_COST: "-1000"}}});
+            self.merge(&path, cost).await?;
+            tracing::info!(pod, "planner: {pool} pod chosen to go: draining");
+        }
+        Ok(())
+    }
+
+    /// A JSON merge patch of `path`, with the token read now.
+    async fn merge(&self, path: &str, body: serde_json::Value) -> Result<(), String> {
         let token = std::fs::read_to_string(&self.api.token_file)
             .map_err(|e| format!("reading the token {}: {e}", self.api.token_file.display()))?;
-        let body = serde_json::json!({"spec": {"replicas": n}}).to_string();
-        let call = self.patch(&path, token.trim(), body);
+        let call = self.patch(path, token.trim(), body.to_string());
         let (status, text) = tokio::time::timeout(CALL, call)
             .await
             .map_err(|_| format!("PATCH {path}: no answer within {CALL:?}"))??;
@@ -212,6 +256,15 @@ impl Actuator for Kubernetes {
                 return 0;
             };
             if self.applied.get(&pool) != Some(&desired) {
+                let down = desired < registry.count(pool) as u32;
+                let chosen = match down {
+                    true => self.choose_leaving(t, pool, desired, registry).await,
+                    false => Ok(()),
+                };
+                if let Err(e) = chosen {
+                    // Kubernetes picks the pods itself (they drain on SIGTERM all the same).
+                    tracing::warn!("planner: choosing the {pool} pods to go: {e}");
+                }
                 match self.scale(t, desired).await {
                     Ok(()) => {
                         tracing::info!(deployment = %t.deployment, "planner: scaled {pool} to {desired}");

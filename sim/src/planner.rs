@@ -41,6 +41,7 @@ impl Sim {
     /// remain.
     pub(crate) fn tick(&mut self, tick: Duration) {
         let now = self.instant();
+        self.watch.look_ahead(&self.plans);
         let observed = observe(&self.signals, &mut self.watch, &self.table, now);
         for i in 0..self.plans.len() {
             let pool = self.plans[i].scaling.pool;

@@ -276,6 +276,23 @@ impl Cluster {
         c.wait().unwrap();
     }
 
+    /// Waits, at most `limit`, for a worker process to end by itself (e.g. drained after
+    /// `SIGTERM`); its exit status. Panics past the limit.
+    pub fn wait_exit(&mut self, name: &str, limit: Duration) -> std::process::ExitStatus {
+        let i = self
+            .workers
+            .iter()
+            .position(|(n, _)| n == name)
+            .expect("worker exists");
+        let mut status = None;
+        crate::wait_until(&format!("{name} exits"), limit, || {
+            status = self.workers[i].1.try_wait().expect("try_wait");
+            status.is_some()
+        });
+        self.workers.remove(i);
+        status.expect("exited")
+    }
+
     /// Sends `signal` (e.g. `libc::SIGSTOP`) to a worker process.
     pub fn signal_worker(&self, name: &str, signal: i32) {
         let (_, c) = self

@@ -152,6 +152,14 @@ impl<C: Send + 'static> EngineHandle<C> {
         self.tx.send(Command::Drain).map_err(|_| stopped())
     }
 
+    /// Whether it holds nothing: no command of new work waiting, no sequence running, queued
+    /// or awaiting its KV, no KV being sent.
+    pub fn idle(&self) -> bool {
+        let l = self.load();
+        self.queued.load(Ordering::Acquire) == 0
+            && l.running + l.waiting + l.pending_transfers + l.transfers_in_flight == 0
+    }
+
     /// The load after the engine's last step or command, with the live figures kept outside
     /// the engine thread read now.
     pub fn load(&self) -> WorkerLoad {
@@ -286,7 +294,10 @@ fn run<R: Role>(
                 }
             }
         }
-        *load.lock().expect("load lock") = role.load();
+        *load.lock().expect("load lock") = WorkerLoad {
+            draining,
+            ..role.load()
+        };
         let events = role.kv_events();
         if !events.is_empty() {
             kv.lock().expect("kv log lock").push(events);

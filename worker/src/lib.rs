@@ -68,6 +68,8 @@ pub struct Settings {
     pub store_replicas: usize,
     /// How long a request waits for its prompt's blocks from the store.
     pub store_fetch_timeout: std::time::Duration,
+    /// Sent `SIGTERM`, how long the worker lets what it holds finish before it exits.
+    pub drain_timeout: std::time::Duration,
 }
 
 /// Why a worker stopped.
@@ -177,7 +179,7 @@ pub struct Announce<'a> {
 
 /// Serves `routes` (the pool's own gRPC service) beside the `Worker` service, starts the
 /// metrics endpoint, joins the router with heartbeats of the engine's load, and serves until
-/// the process ends.
+/// the process ends — or, sent `SIGTERM`, drains ([`drain`]) and returns.
 pub async fn serve<C: Send + 'static>(
     s: &Settings,
     loaded: &Loaded,
@@ -193,10 +195,16 @@ pub async fn serve<C: Send + 'static>(
     // Only the router calls a worker (reserve, generate, prefill, cancel, drain).
     let incoming = proto::secure::incoming(listener, &s.security, &[pki::Role::Router], "worker")
         .map_err(|e| WorkerError::Security(e.to_string()))?;
-    let server = tokio::spawn(
+    // Installed before the worker joins: a SIGTERM from then on drains it.
+    let mut sigterm = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| WorkerError::Bind("a SIGTERM handler".into(), e))?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut server = tokio::spawn(
         tonic::transport::Server::builder()
             .add_routes(routes)
-            .serve_with_incoming(incoming),
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            }),
     );
     let metrics_at = start_metrics(s, announce.pool, announce.metrics).await?;
     let join = grpc::JoinRequest {
@@ -241,8 +249,53 @@ pub async fn serve<C: Send + 'static>(
         announce.detail,
         loaded.model.device_name()
     );
-    server.await.expect("server task does not panic")?;
+    tokio::select! {
+        served = &mut server => served.expect("server task does not panic")?,
+        _ = sigterm.recv() => {
+            // Drained, the calls still answering (a stream's last tokens) end, new ones
+            // refused; past the deadline the worker just goes (the router moves its streams).
+            if drain(engine, &s.name, s.drain_timeout).await {
+                let _ = stop.send(());
+                if tokio::time::timeout(SERVER_GRACE, server).await.is_err() {
+                    tracing::warn!("calls still open {SERVER_GRACE:?} after the drain: ended");
+                }
+            }
+        }
+    }
     Ok(())
+}
+
+/// How long the gRPC server may take, once drained, to finish the calls still answering.
+const SERVER_GRACE: Duration = Duration::from_secs(5);
+
+/// How often a draining worker looks whether it holds anything still (only while draining:
+/// its engine is told nothing of the gRPC streams and KV sends that finish the work).
+const DRAIN_POLL: Duration = Duration::from_millis(20);
+
+/// `SIGTERM`: the worker admits nothing new (its heartbeats say so, and the router routes
+/// nothing more to it) and lets what it holds finish, at most `timeout`: whether it did.
+async fn drain<C: Send + 'static>(engine: &EngineHandle<C>, name: &str, timeout: Duration) -> bool {
+    eprintln!("tandem worker {name}: SIGTERM: draining (at most {timeout:?})");
+    if engine.drain().is_err() {
+        return false;
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut poll = tokio::time::interval(DRAIN_POLL);
+    loop {
+        poll.tick().await;
+        if engine.idle() {
+            eprintln!("tandem worker {name}: drained: exiting");
+            return true;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let l = engine.load();
+            eprintln!(
+                "tandem worker {name}: still {} running, {} waiting after {timeout:?}: exiting",
+                l.running, l.waiting
+            );
+            return false;
+        }
+    }
 }
 
 /// A heartbeat builder for one router: each router has its own place in the KV event log.

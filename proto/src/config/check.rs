@@ -186,6 +186,7 @@ impl Ctx<'_> {
         self.positive(&pool.kv_blocks, &format!("{name}.kv_blocks"))?;
         self.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
         self.positive(&pool.max_running, &format!("{name}.max_running"))?;
+        self.positive(&pool.drain_timeout_ms, &format!("{name}.drain_timeout_ms"))?;
         let dev = pool.device.get_ref();
         let cuda_ok = dev
             .strip_prefix("cuda:")

@@ -560,6 +560,11 @@ impl Table {
         let stall = self.liveness.stall;
         let w = self.get_mut(id).ok_or(UnknownWorker(id))?;
         w.load = b.load.unwrap_or_default();
+        if w.load.draining && !w.draining {
+            // Sent SIGTERM (or told to drain): it admits nothing new, so nothing is routed to it.
+            tracing::info!(worker = %id, name = %w.name, "worker draining: no new requests");
+            w.draining = true;
+        }
         w.last_beat = now;
         w.beats += 1;
         let was = w.stalled;

@@ -134,16 +134,16 @@ impl Observed {
 /// rate over spans of its target, read each tick into a trend) and the decode pool's peak KV
 /// and its trend, over the window.
 pub struct Watch {
-    /// The prompt tokens sent, over the window and over a span of the TTFT target; what
-    /// arrives in that span may take the span and the target to serve (the queue absorbs it).
-    sustained: Rate,
-    burst: Rate,
-    burst_share: f64,
-    /// The readings' p90, over the window.
+    /// The prompt tokens sent per second over a span of the TTFT target (a burst shorter than
+    /// that the queue absorbs within the target), and over the window (whether it saw any).
+    demand: Rate,
+    recent: Rate,
+    /// The demand's readings' p90, over the window.
     demand_trend: Trend,
     /// The slope, fitted to what each tick alone saw sent (a rate over a window read each tick
     /// overlaps its neighbours: fitted to those, noise passed for a trend) since the window
-    /// last saw none (a load starting from idle is a step, not a rise to extrapolate).
+    /// last saw none (a load starting from idle is a step, not a rise to extrapolate), over
+    /// the window or as far back as the planner looks ahead, the longer.
     tick_trend: Trend,
     last_sent: Option<(Instant, u64)>,
     peak: Peak,
@@ -180,26 +180,23 @@ impl EngineCounts {
 }
 
 impl Watch {
-    /// For `plans`: over the longest of their windows, the prefill demand over the window and
-    /// over spans of its pool's TTFT target.
+    /// For `plans`: over the longest of their windows, the prefill demand over spans of its
+    /// pool's target.
     pub fn for_plans(plans: &[PoolPlan]) -> Watch {
         let window = plans.iter().map(|p| p.scaling.window).max();
-        let target = plans
+        let span = plans
             .iter()
             .find(|p| p.scaling.pool == Pool::Prefill)
             .map(|p| p.scaling.target);
         let window = window.unwrap_or(Duration::from_secs(10));
-        Watch::new(window, target.unwrap_or(window))
+        Watch::new(window, span.unwrap_or(window).min(window))
     }
 
-    /// Over `window`, the prefill demand: the rate over it, or a burst over a span of `target`
-    /// served within the span and the target, whichever is more.
-    pub fn new(window: Duration, target: Duration) -> Watch {
-        let span = target.min(window);
+    /// Over `window`, the prefill demand read over spans of `span`.
+    pub fn new(window: Duration, span: Duration) -> Watch {
         Watch {
-            sustained: Rate::new(window),
-            burst: Rate::new(span),
-            burst_share: span.as_secs_f64() / (span + target).as_secs_f64(),
+            demand: Rate::new(span),
+            recent: Rate::new(window),
             demand_trend: Trend::new(window),
             tick_trend: Trend::new(window),
             last_sent: None,
@@ -218,20 +215,27 @@ impl Watch {
             let dt = now.duration_since(t).as_secs_f64();
             (dt > 0.0).then(|| sent.saturating_sub(n) as f64 / dt)
         });
-        let sustained = self.sustained.observe(now, sent);
-        if sustained == Some(0.0) {
-            self.tick_trend = Trend::new(self.window);
+        if self.recent.observe(now, sent) == Some(0.0) {
+            self.tick_trend = Trend::new(self.tick_trend.window());
         }
         let slope = tick
             .and_then(|r| self.tick_trend.observe(now, r))
             .map_or(0.0, |o| o.slope);
-        let burst = self.burst.observe(now, sent).map(|r| r * self.burst_share);
-        let reading = match (sustained, burst) {
-            (Some(s), Some(b)) => s.max(b),
-            (s, b) => s.or(b)?,
-        };
+        let reading = self.demand.observe(now, sent)?;
         let high = self.demand_trend.observe(now, reading)?.high;
         Some(Outlook { high, slope })
+    }
+
+    /// Fits the demand's trend over as long as `plans`' prefill pool looks ahead (its measured
+    /// start-up), when that is longer than the window: a line is extrapolated no further than
+    /// it was fitted.
+    pub fn look_ahead(&mut self, plans: &[PoolPlan]) {
+        let lead = plans
+            .iter()
+            .find(|p| p.scaling.pool == Pool::Prefill)
+            .and_then(|p| p.lead());
+        let span = lead.map_or(self.window, |l| l.max(self.window));
+        self.tick_trend.set_window(span);
     }
 
     /// Starts the peak afresh (a router leading again reads a whole window before sizing down
@@ -355,6 +359,7 @@ pub async fn run(
             }
         }
         let now = Instant::now();
+        watch.look_ahead(&plans);
         let (mut observed, live) = registry.with(|t| {
             let live = |pool| t.pool(pool).filter(|w| !w.draining).count() as u32;
             let o = observe(&state.signals, &mut watch, t, now);

@@ -141,6 +141,16 @@ impl Trend {
         }
     }
 
+    /// How far back it looks.
+    pub fn window(&self) -> Duration {
+        self.window
+    }
+
+    /// Looks back `window` from the next reading on.
+    pub fn set_window(&mut self, window: Duration) {
+        self.window = window;
+    }
+
     /// Notes `value` at `now`; the window's reading from its second.
     pub fn observe(&mut self, now: Instant, value: f64) -> Option<Outlook> {
         self.points.push_back((now, value));

@@ -346,14 +346,12 @@ fn rising_demand_is_met_a_start_up_ahead() {
     assert_eq!(p.lead(), Some(Duration::from_millis(3500)));
 }
 
-/// The prefill demand is the larger of the rate over the window and a burst over a span of the
-/// TTFT target, which the queue may take the span and the target to serve: 1,000 tokens a
-/// second steadily reads 1,000 (its burst, half that, never counts). Then 6,000 a second: the
-/// first reads 7,000 over the 2-s span served within 4 s — 1,750, over the window's 1,500 —
-/// and, the p90 of the window's eleven readings being its second highest, counts once a
-/// second such second has come.
+/// The prefill demand is read over spans of the TTFT target, its p90 over the window: 1,000
+/// tokens a second steadily reads 1,000; then 6,000 in a second reads 3,500 over the 2-s span
+/// — counted once a second such reading has come (the p90 of the window's eleven readings is
+/// their second highest).
 #[test]
-fn the_prefill_demand_is_the_window_rate_or_a_burst_served_within_the_target() {
+fn the_prefill_demand_is_the_p90_of_its_rate_over_spans_of_the_target() {
     let t0 = Instant::now();
     let s = Duration::from_secs;
     let mut w = Watch::new(s(10), s(2));
@@ -372,8 +370,8 @@ fn the_prefill_demand_is_the_window_rate_or_a_burst_served_within_the_target() {
     );
     sent += 5000;
     assert_eq!(w.demand(t0 + s(21), sent).unwrap().high, 1000.0);
-    sent += 6000;
-    assert_eq!(w.demand(t0 + s(22), sent).unwrap().high, 1750.0);
+    sent += 1000;
+    assert_eq!(w.demand(t0 + s(22), sent).unwrap().high, 3500.0);
 }
 
 /// The demand's trend is fitted to what each tick alone saw sent: a steady rise of 100 tokens
@@ -408,4 +406,30 @@ fn the_prefill_trend_is_fitted_to_each_ticks_own_tokens() {
         sent += if i < 15 { 0 } else { 1000 };
         assert_eq!(last.map_or(0.0, |o| o.slope), 0.0, "at {i} s: {last:?}");
     }
+}
+
+/// Over target while replicas start: the window's pressure asks nothing more (it does not
+/// show them yet), but a demand beyond the replicas asked for does.
+#[test]
+fn over_target_while_replicas_start_only_the_demand_asks_for_more() {
+    let t0 = Instant::now();
+    let mut p = PoolPlan::new(Scaling {
+        max: 20,
+        initial: 4,
+        ..plan(Pool::Prefill).scaling
+    });
+    let over = |needed: f64| Inputs {
+        starting: 2,
+        needed: Some(needed),
+        ..inp(4, Some(900), Some(900), 5000)
+    };
+    // Asked for 6 (4 serving, 2 starting): a demand of 5.5 asks nothing more.
+    let d = p.decide(t0, inp(4, Some(700), Some(700), 5000));
+    assert_eq!((d.desired, d.action), (6, Action::Up), "{}", d.why);
+    let d = p.decide(t0 + Duration::from_secs(1), over(5.5));
+    assert_eq!(d.action, Action::Hold, "{}", d.why);
+    // The demand grows to 9.2 replicas: up to 10 now, before the two have joined.
+    let d = p.decide(t0 + Duration::from_secs(2), over(9.2));
+    assert_eq!((d.desired, d.action), (10, Action::Up), "{}", d.why);
+    assert!(d.why.contains("the demand needs 10"), "{}", d.why);
 }

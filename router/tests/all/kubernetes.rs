@@ -1,6 +1,6 @@
 //! The `kubernetes` actuator against recorded API requests: an in-process fake API server
 //! (axum on a loopback port) records every request and answers as the API server's scale
-//! subresource does. No live API server runs here.
+//! subresource and pods do. No live API server runs here.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -61,6 +61,22 @@ async fn scale(
     (StatusCode::OK, s.to_string())
 }
 
+/// A pod's merge patch, recorded as the scale's are.
+async fn pod(
+    State(f): State<Fake>,
+    Path((ns, name)): Path<(String, String)>,
+    body: String,
+) -> (StatusCode, String) {
+    f.seen.lock().unwrap().push(Seen {
+        path: format!("/api/v1/namespaces/{ns}/pods/{name}"),
+        auth: String::new(),
+        content_type: String::new(),
+        body: serde_json::from_str(&body).unwrap_or(Value::Null),
+    });
+    let p = json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"name": name, "namespace": ns}});
+    (StatusCode::OK, p.to_string())
+}
+
 fn registry() -> Arc<Registry> {
     let (config, _) = engine::inspect(&engine::fetch::default_model_path()).unwrap();
     Registry::with_timeout(engine::identity_of(&config, 16), Duration::from_secs(60))
@@ -73,6 +89,7 @@ async fn serve_api(fake: Fake) -> std::net::SocketAddr {
             "/apis/apps/v1/namespaces/{ns}/deployments/{name}/scale",
             patch(scale),
         )
+        .route("/api/v1/namespaces/{ns}/pods/{name}", patch(pod))
         .with_state(fake);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -159,6 +176,69 @@ async fn scaling_patches_each_pools_deployment_scale_with_a_fresh_token() {
     k.reconcile(Pool::Decode, 1, &reg).await;
     assert_eq!(seen().len(), 5);
     assert_eq!(seen()[4].body, json!({"spec": {"replicas": 1}}));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Scaling down, the actuator picks the pods that go: the least busy workers (a worker is named
+/// after its pod) get the lowest deletion cost before the scale is written, so the ReplicaSet
+/// removes those (which then drain themselves on SIGTERM); scaling up marks none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scale_down_marks_the_least_busy_pods_to_go() {
+    let fake = Fake::default();
+    let addr = serve_api(fake.clone()).await;
+    let dir = std::env::temp_dir().join(format!("tandem-kube-down-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("token"), "tok").unwrap();
+    let api = KubeApi {
+        base: format!("http://{addr}"),
+        token_file: dir.join("token"),
+        ca_pem: None,
+        namespace: "serving".into(),
+    };
+    let mut k = Kubernetes::new(api, two_targets()).unwrap();
+    let reg = registry();
+    let (config, _) = engine::inspect(&engine::fetch::default_model_path()).unwrap();
+    // Three decode pods holding 5, 0 and 2 requests.
+    for (name, running) in [("decode-a", 5), ("decode-b", 0), ("decode-c", 2)] {
+        let id = reg
+            .join(JoinRequest {
+                protocol_version: proto::PROTOCOL_VERSION,
+                role: grpc::Role::Decode as i32,
+                identity: Some(engine::identity_of(&config, 16).into()),
+                name: name.into(),
+                ..Default::default()
+            })
+            .unwrap();
+        let beat = grpc::Heartbeat {
+            worker_id: id.0,
+            load: Some(grpc::WorkerLoad {
+                running,
+                ..Default::default()
+            }),
+            kv: None,
+        };
+        reg.with(|t| t.beat(beat, std::time::Instant::now()))
+            .unwrap();
+    }
+    let seen = || fake.seen.lock().unwrap().clone();
+    assert_eq!(k.reconcile(Pool::Decode, 3, &reg).await, 0);
+    assert_eq!(seen().len(), 1, "up to 3: the scale alone");
+    k.reconcile(Pool::Decode, 1, &reg).await;
+    let paths: Vec<String> = seen()[1..].iter().map(|s| s.path.clone()).collect();
+    assert_eq!(
+        paths,
+        [
+            "/api/v1/namespaces/serving/pods/decode-b",
+            "/api/v1/namespaces/serving/pods/decode-c",
+            "/apis/apps/v1/namespaces/serving/deployments/tandem-decode/scale",
+        ]
+    );
+    let cost = json!({"metadata": {"annotations": {router::kubernetes::DELETION_COST: "-1000"}}});
+    assert_eq!(
+        (seen()[1].body.clone(), seen()[2].body.clone()),
+        (cost.clone(), cost)
+    );
+    assert_eq!(seen()[3].body, json!({"spec": {"replicas": 1}}));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
