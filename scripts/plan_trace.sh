@@ -6,6 +6,7 @@
 # 100 ms for 90% of requests, time x 0.04.
 #   cargo build --release && scripts/plan_trace.sh [--planner-only] OUT.json [--rate-profile day]
 # --planner-only: only the planner's run (`tandem simulate` on the same file), no static search.
+# START_UP_MS: the replicas' start-up instead of 20000.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
@@ -28,7 +29,7 @@ text = open(path).read().replace("[decode]\n", prefill + "\n[decode]\n", 1) + de
 open(path, "w").write(text)
 PY
 run=(--config "$dir/cluster.toml" --trace ../shared/traces/mooncake_conversation_trace.jsonl
-  --requests 100000 --time-scale 0.04 --context-len 131072 --start-up-ms 20000
+  --requests 100000 --time-scale 0.04 --context-len 131072 --start-up-ms "${START_UP_MS:-20000}"
   --ttft-p90-ms 3000 --itl-p90-ms 100 --json "$out")
 if [ -n "$only" ]; then
   ./target/release/tandem simulate "${run[@]}" "$@"
