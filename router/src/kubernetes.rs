@@ -85,6 +85,9 @@ pub struct Kubernetes {
     tls: Option<tokio_rustls::TlsConnector>,
     /// The replicas last written per pool (written again only when the planner changes them).
     applied: HashMap<Pool, u32>,
+    /// Scale-downs so far: each marks its pods one lower than the last, so pods marked before
+    /// and kept (a scale-down taken back) never tie with those chosen now.
+    downs: u32,
 }
 
 impl Kubernetes {
@@ -102,6 +105,7 @@ impl Kubernetes {
             targets,
             tls,
             applied: HashMap::new(),
+            downs: 0,
         })
     }
 
@@ -120,7 +124,7 @@ impl Kubernetes {
     /// first, then the fewest requests held — their pods annotated with the lowest deletion
     /// cost (the ReplicaSet removes those).
     async fn choose_leaving(
-        &self,
+        &mut self,
         t: &Target,
         pool: Pool,
         n: u32,
@@ -139,14 +143,22 @@ impl Kubernetes {
             let excess = ws.len().saturating_sub(n as usize);
             ws.into_iter().take(excess).map(|(_, name)| name).collect()
         });
+        self.downs += 1;
+        let cost = format!("-{}", 1000 + self.downs);
         let ns = t.namespace.as_deref().unwrap_or(&self.api.namespace);
+        let mut failed = Vec::new();
         for pod in leaving {
             let path = format!("/api/v1/namespaces/{ns}/pods/{pod}");
-            let cost = serde_json::json!({"metadata": {"annotations": {DELETION_COST: "-1000"}}});
-            self.merge(&path, cost).await?;
-            tracing::info!(pod, "planner: {pool} pod chosen to go: draining");
+            let body = serde_json::json!({"metadata": {"annotations": {DELETION_COST: cost}}});
+            match self.merge(&path, body).await {
+                Ok(()) => tracing::info!(pod, cost, "planner: {pool} pod chosen to go"),
+                Err(e) => failed.push(e),
+            }
         }
-        Ok(())
+        match failed.is_empty() {
+            true => Ok(()),
+            false => Err(failed.join("; ")),
+        }
     }
 
     /// A JSON merge patch of `path`, with the token read now.
@@ -252,20 +264,20 @@ impl Actuator for Kubernetes {
         registry: &'a Arc<Registry>,
     ) -> Pin<Box<dyn Future<Output = Starting> + Send + 'a>> {
         Box::pin(async move {
-            let Some(t) = self.targets.get(&pool) else {
+            let Some(t) = self.targets.get(&pool).cloned() else {
                 return 0;
             };
             if self.applied.get(&pool) != Some(&desired) {
                 let down = desired < registry.count(pool) as u32;
                 let chosen = match down {
-                    true => self.choose_leaving(t, pool, desired, registry).await,
+                    true => self.choose_leaving(&t, pool, desired, registry).await,
                     false => Ok(()),
                 };
                 if let Err(e) = chosen {
                     // Kubernetes picks the pods itself (they drain on SIGTERM all the same).
                     tracing::warn!("planner: choosing the {pool} pods to go: {e}");
                 }
-                match self.scale(t, desired).await {
+                match self.scale(&t, desired).await {
                     Ok(()) => {
                         tracing::info!(deployment = %t.deployment, "planner: scaled {pool} to {desired}");
                         self.applied.insert(pool, desired);

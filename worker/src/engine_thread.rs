@@ -152,11 +152,13 @@ impl<C: Send + 'static> EngineHandle<C> {
         self.tx.send(Command::Drain).map_err(|_| stopped())
     }
 
-    /// Whether it holds nothing: no command of new work waiting, no sequence running, queued
-    /// or awaiting its KV, no KV being sent.
+    /// Drained: the engine thread has taken [`EngineHandle::drain`] (its load says so, and
+    /// counts every command taken before it) and holds nothing — no command of new work
+    /// waiting, no sequence running, queued or awaiting its KV, no KV being sent.
     pub fn idle(&self) -> bool {
         let l = self.load();
-        self.queued.load(Ordering::Acquire) == 0
+        l.draining
+            && self.queued.load(Ordering::Acquire) == 0
             && l.running + l.waiting + l.pending_transfers + l.transfers_in_flight == 0
     }
 

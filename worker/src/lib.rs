@@ -225,15 +225,19 @@ pub async fn serve<C: Send + 'static>(
     match &s.discovery {
         None => {
             let beat = beats(engine.clone());
-            let id = proto::membership::join(
+            let joining = proto::membership::join(
                 s.router.clone(),
                 s.security.clone(),
                 join,
                 Duration::from_secs(60),
                 period,
                 beat,
-            )
-            .await?;
+            );
+            // Sent SIGTERM while it joins, it holds nothing yet: it goes at once.
+            let id = tokio::select! {
+                id = joining => id?,
+                _ = sigterm.recv() => return Ok(()),
+            };
             tracing::info!(worker_id = id, grpc = %grpc_addr, "{} worker {} joined {}", announce.pool, s.name, s.router);
         }
         Some(d) => etcd_membership(d, join, s.security.clone(), engine.clone(), period),
@@ -265,8 +269,10 @@ pub async fn serve<C: Send + 'static>(
     Ok(())
 }
 
-/// How long the gRPC server may take, once drained, to finish the calls still answering.
-const SERVER_GRACE: Duration = Duration::from_secs(5);
+/// How long the gRPC server may take, once drained, to finish the calls still answering (the
+/// last messages of streams whose work is done: short, so a drain that stopped too early
+/// cuts a stream rather than hiding behind it).
+const SERVER_GRACE: Duration = Duration::from_secs(1);
 
 /// How often a draining worker looks whether it holds anything still (only while draining:
 /// its engine is told nothing of the gRPC streams and KV sends that finish the work).

@@ -70,7 +70,7 @@ pub struct Inputs {
     /// less the share the engines found cached — the tokens to compute — at the replicas'
     /// measured rate: the margin is the demand's own spread, not a chosen utilisation (read
     /// instead as the larger of the window's rate and a span's burst served within the span and
-    /// the target, a simulated day met its targets for 58% of requests, not 83%); decode: the most KV blocks its requests held over a whole window, at
+    /// the target, a simulated day met its targets for 52–65% of requests, not 83%); decode: the most KV blocks its requests held over a whole window, at
     /// [`DECODE_UTILISATION`] of a replica's, while none waits for room — the current blocks
     /// of a pool filling up from idle looked ten times too few and cut a simulated pool to
     /// its minimum).

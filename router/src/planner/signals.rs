@@ -196,7 +196,10 @@ impl Trend {
         let at = ((values.len() as f64 * 0.9).ceil() as usize).clamp(1, values.len()) - 1;
         Some(Outlook {
             high: values[at],
-            slope: slope.signum() * (slope.abs() - t_975(n - 2.0) * se).max(0.0),
+            slope: match se > 0.0 {
+                true => slope.signum() * (slope.abs() - t_975(n - 2.0) * se).max(0.0),
+                false => slope,
+            },
         })
     }
 }

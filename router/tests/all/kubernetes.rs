@@ -233,7 +233,8 @@ async fn a_scale_down_marks_the_least_busy_pods_to_go() {
             "/apis/apps/v1/namespaces/serving/deployments/tandem-decode/scale",
         ]
     );
-    let cost = json!({"metadata": {"annotations": {router::kubernetes::DELETION_COST: "-1000"}}});
+    // Each scale-down's pods one lower than the last's: the first, -1001.
+    let cost = json!({"metadata": {"annotations": {router::kubernetes::DELETION_COST: "-1001"}}});
     assert_eq!(
         (seen()[1].body.clone(), seen()[2].body.clone()),
         (cost.clone(), cost)
