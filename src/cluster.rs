@@ -488,23 +488,34 @@ pub fn prefill(a: RoleArgs) -> Result<()> {
         .prefill
         .as_ref()
         .ok_or_else(|| anyhow!("{}: has no [prefill] section", a.config.display()))?;
-    let t = &cfg.kv_transfer;
+    let worker = worker_settings(&cfg, pool, model, &a, pki::Role::Prefill)?;
     let pc = prefill_worker::PrefillConfig {
-        worker: worker_settings(&cfg, pool, model, &a, pki::Role::Prefill)?,
-        connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
-        transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
-        prefer: t.prefer.get_ref().clone(),
-        layerwise: t.layerwise,
+        send: send_config(&cfg, &worker),
+        worker,
+        layerwise: cfg.kv_transfer.layerwise,
     };
     runtime()?.block_on(prefill_worker::run(pc))?;
     Ok(())
 }
 
+/// How a worker sends KV (a prefill's prompts, a decode worker's handoffs).
+fn send_config(cfg: &ClusterConfig, w: &worker::Settings) -> worker::kv_send::SendConfig {
+    let t = &cfg.kv_transfer;
+    worker::kv_send::SendConfig {
+        connect_timeout: Duration::from_millis(*t.connect_timeout_ms.get_ref()),
+        transfer_timeout: Duration::from_millis(*t.transfer_timeout_ms.get_ref()),
+        prefer: t.prefer.get_ref().clone(),
+        require: w.require,
+    }
+}
+
 /// `tandem decode`.
 pub fn decode(a: RoleArgs) -> Result<()> {
     let (cfg, model) = load(&a.config)?;
+    let worker = worker_settings(&cfg, &cfg.decode, model, &a, pki::Role::Decode)?;
     let dc = decode_worker::DecodeConfig {
-        worker: worker_settings(&cfg, &cfg.decode, model, &a, pki::Role::Decode)?,
+        send: send_config(&cfg, &worker),
+        worker,
         kv_advertise: a.kv_advertise.clone(),
         transfer_timeout: Duration::from_millis(*cfg.kv_transfer.transfer_timeout_ms.get_ref()),
     };

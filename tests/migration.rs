@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{metric_at, request, Cluster, Response};
+use tandem_tests::cluster::{metric_at, metric_sum, request, Cluster, Response};
 use tandem_tests::load_model;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -240,82 +240,97 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
     c.wait_all_free(Duration::from_secs(10));
 }
 
-/// A decode worker sent `SIGTERM` mid-stream (how Kubernetes deletes a pod) finishes the stream
-/// itself — exactly the tokens of an undisturbed run, not moved, nothing recomputed — admits
-/// nothing new (its heartbeat says it drains: the router sends the next request to the other
-/// worker), and exits 0 once the stream is done; the prefill worker, idle, exits at once.
+/// A decode worker sent `SIGTERM` mid-stream (how Kubernetes deletes a pod) moves the stream
+/// live: its heartbeat says it drains, the router has it pause the sequence and hand its KV to
+/// the other decode worker, where it goes on — exactly the tokens of an undisturbed run, greedy,
+/// seeded and penalised, nothing computed again (no migration, no recomputation; the KV bytes
+/// moved are counted) — admits nothing new, and exits 0 within 10 s, long before its 300-token
+/// stream would have ended there. A new decode worker joins for each round.
 #[test]
-fn a_worker_sent_sigterm_finishes_what_it_holds_admits_nothing_and_exits() {
+fn a_worker_sent_sigterm_moves_its_stream_live_and_exits() {
     let mut c = Cluster::start(EXE.as_ref(), 1, 2);
-    let message = "Tell me a story about a lighthouse keeper.";
-    let greedy = |n| SamplingParams {
-        ignore_eos: true,
-        ..SamplingParams::greedy(n)
-    };
-    // Long enough (300 tokens) to run well past a heartbeat after the signal.
-    let params = json!({"temperature": 0, "max_tokens": 300, "ignore_eos": true});
-    let mut r = open_stream(&c, message, params);
-    let mut text = read_chunks(&mut r, 4);
-    let drained = serving(&c);
-    let other = if drained == "decode-0" {
-        "decode-1"
-    } else {
-        "decode-0"
-    };
-    c.signal_worker(&drained, libc::SIGTERM);
-    let signalled = Instant::now();
-    let draining = |c: &Cluster, name: &str| {
-        let ws = c.workers();
-        ws.iter()
-            .any(|w| w["name"] == name && w["draining"] == true)
-    };
-    tandem_tests::wait_until("the router sees it drain", Duration::from_secs(5), || {
-        draining(&c, &drained)
-    });
-    // A new request goes to the other worker, while the stream goes on where it is.
-    let freed = |c: &Cluster, name: &str| {
-        let ws = c.workers();
-        let w = ws.iter().find(|w| w["name"] == name).expect("joined");
-        w["stats"]["kv_requests_freed"].as_u64().unwrap_or(0)
-    };
-    let before = freed(&c, other);
-    let mut second = open_stream(&c, message, json!({"temperature": 0, "max_tokens": 8}));
-    let (short, error) = read_rest(&mut second);
-    assert_eq!(
-        (short.as_str(), error),
-        (engine_text(message, greedy(8)).as_str(), None)
-    );
-    let (rest, _) = read_timed(&mut r);
-    text += &rest;
-    assert_eq!(
-        text,
-        engine_text(message, greedy(300)),
-        "the drained stream"
-    );
-    tandem_tests::wait_until("the other worker freed it", Duration::from_secs(5), || {
-        freed(&c, other) > before
-    });
-    let status = c.wait_exit(&drained, Duration::from_secs(10));
-    assert!(status.success(), "{status:?}");
-    eprintln!("{drained} exited {:?} after SIGTERM", signalled.elapsed());
-    let count = |series: &str| metric_at(c.operator, series);
-    assert_eq!(
-        count("tandem_router_migrations_total"),
-        0.0,
-        "nothing moved"
-    );
-    assert_eq!(
-        count("tandem_kv_transfer_failures_total"),
-        0.0,
-        "nothing recomputed"
-    );
-    // The prefill worker, idle, drains at once.
+    let n = 300;
+    let cases = [
+        (
+            "Tell me a story about a lighthouse keeper.",
+            json!({"temperature": 0, "max_tokens": n, "ignore_eos": true}),
+            SamplingParams {
+                ignore_eos: true,
+                ..SamplingParams::greedy(n)
+            },
+        ),
+        (
+            "Write a poem about the sea.",
+            json!({"temperature": 0.8, "top_p": 0.95, "seed": 42, "max_tokens": n, "ignore_eos": true}),
+            SamplingParams {
+                max_tokens: Some(n),
+                temperature: 0.8,
+                top_p: 0.95,
+                seed: 42,
+                ignore_eos: true,
+                ..Default::default()
+            },
+        ),
+        (
+            "Tell me a story about a lighthouse keeper.",
+            json!({"temperature": 0, "max_tokens": n, "ignore_eos": true,
+                   "presence_penalty": 1.2, "frequency_penalty": 0.8}),
+            SamplingParams {
+                presence_penalty: 1.2,
+                frequency_penalty: 0.8,
+                ignore_eos: true,
+                ..SamplingParams::greedy(n)
+            },
+        ),
+    ];
+    let count = |c: &Cluster, series: &str| metric_at(c.operator, series);
+    for (k, (message, params, engine_params)) in cases.into_iter().enumerate() {
+        let mut r = open_stream(&c, message, params);
+        let mut text = read_chunks(&mut r, 4);
+        let drained = serving(&c);
+        c.signal_worker(&drained, libc::SIGTERM);
+        let signalled = Instant::now();
+        // The stream is read meanwhile: the worker's exit waits on nothing of the client's.
+        let ((rest, gap), (status, exited)) = std::thread::scope(|s| {
+            let reader = s.spawn(|| read_timed(&mut r));
+            let status = c.wait_exit(&drained, Duration::from_secs(10));
+            (reader.join().unwrap(), (status, signalled.elapsed()))
+        });
+        text += &rest;
+        assert_eq!(text, engine_text(message, engine_params), "stream {k}");
+        assert!(status.success(), "{status:?}");
+        let moved = metric_sum(c.operator, "tandem_router_moved_kv_bytes_total");
+        let took = metric_sum(c.operator, "tandem_router_move_transfer_seconds_sum");
+        eprintln!(
+            "stream {k}: {drained} exited {exited:?} after SIGTERM; longest gap {gap:?}; \
+             {moved} KV bytes moved in {took:.4} s so far"
+        );
+        let moves = count(&c, "tandem_router_moves_total{why=\"draining\"}");
+        assert_eq!(moves, (k + 1) as f64, "moved live once a round");
+        assert!(moved > 0.0, "its KV moved, not computed again");
+        assert_eq!(count(&c, "tandem_router_migrations_total"), 0.0);
+        assert_eq!(
+            count(&c, "tandem_kv_transfer_failures_total"),
+            0.0,
+            "nothing recomputed"
+        );
+        let cfg = c.config(&Cluster::of(1, 1));
+        c.add_worker("decode", &format!("decode-new-{k}"), &cfg);
+        c.wait_for(1, 2);
+    }
+    // A new request after it all is served; the prefill worker, idle, drains at once.
+    let mut r = open_stream(&c, "Hi", json!({"temperature": 0, "max_tokens": 8}));
+    let (_, error) = read_rest(&mut r);
+    assert_eq!(error, None);
     c.signal_worker("prefill-0", libc::SIGTERM);
     assert!(c.wait_exit("prefill-0", Duration::from_secs(5)).success());
+    c.wait_all_free(Duration::from_secs(5));
 }
 
 /// A worker still holding a stream at its drain deadline (`drain_timeout_ms`) exits then: the
-/// stream moves to the other decode worker and ends with exactly the undisturbed tokens.
+/// stream goes on on the other decode worker and ends with exactly the undisturbed tokens —
+/// migrated when the worker left before the router could move it live (100 ms is less than a
+/// heartbeat), or moved.
 #[test]
 fn past_its_drain_deadline_a_worker_exits_and_its_stream_moves() {
     let mut c = Cluster::of(1, 2)
@@ -337,7 +352,9 @@ fn past_its_drain_deadline_a_worker_exits_and_its_stream_moves() {
         ..SamplingParams::greedy(400)
     };
     assert_eq!(text, engine_text(message, want));
-    assert_eq!(metric_at(c.operator, "tandem_router_migrations_total"), 1.0);
+    let migrations = metric_at(c.operator, "tandem_router_migrations_total");
+    let moves = metric_at(c.operator, "tandem_router_moves_total{why=\"draining\"}");
+    assert_eq!(migrations + moves, 1.0, "left its worker once");
 }
 
 /// What the engine alone generates for `prompt` (token ids), `n` tokens whatever is sampled.

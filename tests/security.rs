@@ -36,11 +36,10 @@ fn impostors(dir: &Path) -> Vec<(&'static str, Security)> {
     ]
 }
 
-/// A compromised decode worker: a genuine certificate of the cluster, of the wrong role for
-/// everything but receiving KV.
-fn decode_worker_cert(dir: &Path) -> Security {
+/// A compromised worker or node: a genuine certificate of the cluster, of `role`.
+fn cluster_cert(dir: &Path, role: Role) -> Security {
     let creds = Store::at(dir.join(".tandem/pki"))
-        .credentials(Role::Decode, "compromised")
+        .credentials(role, "compromised")
         .unwrap();
     Security::Mutual(Arc::new(creds))
 }
@@ -179,8 +178,9 @@ async fn attack_kv(security: &Security, tcp: &str) {
     );
 }
 
-/// A compromised prefill worker — a genuine prefill certificate and the cluster's model — with
-/// no ticket: the KV it sends into a request the router did not hand it is refused at `Begin`.
+/// A compromised KV sender — a genuine prefill (or decode: handing a sequence off) certificate
+/// and the cluster's model — with no ticket: the KV it sends into a request the router did not
+/// hand it is refused at `Begin`.
 async fn send_without_ticket(security: &Security, tcp: &str) -> kv_transfer::TransferError {
     let (config, _) = engine::inspect(&tandem_tests::model_path()).unwrap();
     let identity = engine::identity_of(&config, 16);
@@ -196,7 +196,7 @@ async fn send_without_ticket(security: &Security, tcp: &str) -> kv_transfer::Tra
     let t = Duration::from_secs(5);
     let mut conn = kv_transfer::KvSender::connect(&offer, &local, t)
         .await
-        .expect("a prefill worker's certificate passes the handshake");
+        .expect("a KV sender's certificate passes the handshake");
     let n_tokens = 16;
     let layers: Vec<kv_transfer::Layer> = (0..identity.n_layers as usize)
         .map(|l| kv_transfer::core::layer_bytes(&identity, l, n_tokens) as usize)
@@ -237,25 +237,32 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
 
     let rt = tokio::runtime::Runtime::new().unwrap();
     let mut attackers = impostors(c.dir());
-    attackers.push(("a decode worker's certificate", decode_worker_cert(c.dir())));
+    let decode_cert = cluster_cert(c.dir(), Role::Decode);
+    attackers.push(("a decode worker's certificate", decode_cert.clone()));
     for (who, security) in &attackers {
         let calls = rt.block_on(attack_grpc(security, &c.control, &before));
         eprintln!("{who}: {calls} gRPC calls refused");
     }
-    for (_, security) in &attackers {
+    // A store node's certificate is of the wrong role for the KV listener (only prefill
+    // workers and decode workers send KV).
+    let mut kv_attackers = impostors(c.dir());
+    kv_attackers.push((
+        "a store node's certificate",
+        cluster_cert(c.dir(), Role::Store),
+    ));
+    for (_, security) in &kv_attackers {
         rt.block_on(attack_kv(security, &tcp));
     }
-    let prefill_cert = Store::at(c.dir().join(".tandem/pki"))
-        .credentials(Role::Prefill, "compromised")
-        .unwrap();
-    let e = rt.block_on(send_without_ticket(
-        &Security::Mutual(Arc::new(prefill_cert)),
-        &tcp,
-    ));
-    // The sender sees the refusal, or (when its layers were still going out as the receiver
-    // closed) a broken pipe; the receiver counted why, before it read a layer.
-    eprintln!("a prefill certificate without the ticket: {e}");
-    assert!(refused(metrics(&decode), "kv", "ticket") >= 1.0, "{e}");
+    for (who, cert) in [
+        ("prefill", cluster_cert(c.dir(), Role::Prefill)),
+        ("decode", decode_cert),
+    ] {
+        let e = rt.block_on(send_without_ticket(&cert, &tcp));
+        // The sender sees the refusal, or (when its layers were still going out as the receiver
+        // closed) a broken pipe; the receiver counted why, before it read a layer.
+        eprintln!("a {who} certificate without the ticket: {e}");
+    }
+    assert!(refused(metrics(&decode), "kv", "ticket") >= 2.0);
 
     // The path: refused at each listener, by reason.
     for (listener, at) in [
@@ -274,7 +281,7 @@ fn a_rogue_without_the_clusters_credentials_gets_nowhere() {
         );
     }
     // A decode worker's certificate reaches the control plane, but may not join the prefill
-    // pool, nor heartbeat for another decode worker, and may not send KV.
+    // pool, nor heartbeat for another decode worker, and may send KV only with a ticket.
     let id = decode["id"].as_u64().unwrap();
     let beat = rt.block_on(async {
         let e = proto::secure::endpoint(&attackers[2].1, &c.control, Role::Router.dns()).unwrap();

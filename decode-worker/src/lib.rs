@@ -14,19 +14,22 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use engine::{Engine, Release, RequestId};
-use kv_transfer::KvEvent;
+use kv_transfer::{KvEvent, Layers};
 use proto::grpc::decode_server::{Decode, DecodeServer};
 use proto::grpc::{
-    generate_event, GenerateEvent, GenerateRequest, KvOffer, Reservation, WorkerLoad,
+    generate_event, GenerateEvent, GenerateRequest, HandoffRequest, KvOffer, PauseReply,
+    PauseRequest, PrefillReply, Reservation, WorkerLoad,
 };
 use proto::{Cause, Pool};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status};
+use worker::kv_send::{SendConfig, Senders};
 use worker::service::ReleaseOnDrop;
 use worker::{EngineHandle, Settings, WorkerError};
 
@@ -41,6 +44,8 @@ pub struct DecodeConfig {
     /// How long an arriving transfer may go without a frame (its sender renews it every
     /// second while the prompt computes).
     pub transfer_timeout: Duration,
+    /// How a handoff's KV is sent (a live move to another decode worker).
+    pub send: SendConfig,
 }
 
 type EventTx = mpsc::UnboundedSender<Result<GenerateEvent, Status>>;
@@ -54,6 +59,24 @@ enum Cmd {
         events: EventTx,
     },
     Kv(KvEvent),
+    /// Pause a decoding request for a live move; whether it was decoding here.
+    Pause {
+        id: RequestId,
+        reply: oneshot::Sender<bool>,
+    },
+    /// A paused request's KV for a handoff: after the receiver's first `skip` tokens, for a
+    /// receiver that reserved `n_tokens`.
+    Export {
+        id: RequestId,
+        skip: usize,
+        n_tokens: usize,
+        reply: oneshot::Sender<Result<Vec<Vec<u8>>, Status>>,
+    },
+    /// A paused request's KV was handed off (`bytes` of it): it leaves this worker.
+    Moved {
+        id: RequestId,
+        bytes: u64,
+    },
 }
 
 /// The decode pool's engine role: generates, admits arriving KV, streams tokens.
@@ -63,6 +86,8 @@ struct Decoder {
     /// The transfer tickets of the reservations waiting for a prefill worker's KV, shared
     /// with the KV listeners.
     tickets: kv_transfer::Tickets,
+    /// Sequences handed off to another decode worker since start, and their KV bytes.
+    moved_out: (u64, u64),
 }
 
 fn token_event(ev: &engine::TokenEvent) -> GenerateEvent {
@@ -138,6 +163,28 @@ impl Decoder {
         }
     }
 
+    /// Pauses decoding request `id` for a live move: its stream says so after its last token.
+    fn pause(&mut self, id: RequestId) -> bool {
+        let Some(generated) = self.engine.pause(id) else {
+            return false;
+        };
+        let paused = proto::grpc::Paused {
+            generated: generated as u32,
+        };
+        tracing::debug!(request = %id, generated, "paused for a move");
+        match self.streams.get(&id) {
+            Some(tx) => {
+                let event = Some(generate_event::Event::Paused(paused));
+                let ev = GenerateEvent {
+                    event,
+                    ..Default::default()
+                };
+                tx.send(Ok(ev)).is_ok()
+            }
+            None => false,
+        }
+    }
+
     fn kv(&mut self, ev: KvEvent) {
         match ev {
             KvEvent::Arriving(id) => {
@@ -207,6 +254,25 @@ impl worker::Role for Decoder {
                 events,
             } => self.generate((req, *params), events, draining),
             Cmd::Kv(ev) => self.kv(ev),
+            Cmd::Pause { id, reply } => {
+                let _ = reply.send(self.pause(id));
+            }
+            Cmd::Export {
+                id,
+                skip,
+                n_tokens,
+                reply,
+            } => {
+                let kv = self.engine.export_paused(id, skip, n_tokens);
+                let _ = reply.send(kv.map_err(worker::status));
+            }
+            Cmd::Moved { id, bytes } => {
+                if self.end(id, Release::Moved, None) {
+                    self.moved_out.0 += 1;
+                    self.moved_out.1 += bytes;
+                    metrics::counter!("tandem_decode_moved_out_total").increment(1);
+                }
+            }
         }
     }
 
@@ -284,7 +350,11 @@ impl worker::Role for Decoder {
     }
 
     fn load(&self) -> WorkerLoad {
-        let l = worker::wire::load(&self.engine.load());
+        let l = WorkerLoad {
+            moved_out: self.moved_out.0,
+            moved_out_bytes: self.moved_out.1,
+            ..worker::wire::load(&self.engine.load())
+        };
         metrics::gauge!("tandem_decode_running").set(l.running as f64);
         metrics::gauge!("tandem_decode_waiting").set(l.waiting as f64);
         metrics::gauge!("tandem_decode_kv_blocks_free").set(l.kv_blocks_free as f64);
@@ -321,6 +391,19 @@ struct Service {
     grammars: worker::grammar::Compiler,
     /// The cluster KV store, when the cluster has one this engine can use.
     store: Option<worker::store::StoreLink>,
+    /// Where handed-off KV goes: connections to other decode workers.
+    senders: Senders,
+    width: u32,
+}
+
+impl Service {
+    /// Asks the engine thread and waits for its answer.
+    async fn ask<T>(&self, cmd: impl FnOnce(oneshot::Sender<T>) -> Cmd) -> Result<T, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.engine.follow(cmd(tx))?;
+        rx.await
+            .map_err(|_| Cause::Engine.status("the engine thread has stopped"))
+    }
 }
 
 #[tonic::async_trait]
@@ -352,6 +435,56 @@ impl Decode for Service {
             _release: ReleaseOnDrop::new(&self.engine, id),
         }))
     }
+
+    async fn pause(&self, req: Request<PauseRequest>) -> Result<Response<PauseReply>, Status> {
+        let id = RequestId(req.into_inner().request_id);
+        let paused = self.ask(|reply| Cmd::Pause { id, reply }).await?;
+        Ok(Response::new(PauseReply { paused }))
+    }
+
+    async fn handoff(
+        &self,
+        req: Request<HandoffRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
+        let req = req.into_inner();
+        let id = RequestId(req.request_id);
+        let ticket = kv_transfer::TransferTicket::from_slice(&req.transfer_ticket)
+            .ok_or_else(|| Cause::BadRequest.status("transfer_ticket must be 16 bytes"))?;
+        let (skip, n_tokens) = (req.skip_tokens as usize, req.n_tokens as usize);
+        let layers = self
+            .ask(|reply| Cmd::Export {
+                id,
+                skip,
+                n_tokens,
+                reply,
+            })
+            .await??;
+        let layers: Vec<kv_transfer::Layer> =
+            layers.into_iter().map(kv_transfer::Layer::new).collect();
+        let _counted = self.senders.count();
+        let (offer, why) = self.senders.choose(&req.offers)?;
+        let t0 = Instant::now();
+        let mut conn = self.senders.connection(&offer).await?;
+        let transport = offer.transport.name();
+        let to = (RequestId(req.to_request_id), ticket);
+        let n = (n_tokens - 1 - skip) as u32;
+        let timeout = self.senders.cfg.transfer_timeout;
+        let sent = conn
+            .send(to, n, self.width, Layers::Ready(&layers), timeout)
+            .await;
+        Senders::record(transport, &sent);
+        let stats = sent.map_err(|e| Cause::KvTransfer.status(e.to_string()))?;
+        self.senders.put_back(offer.endpoint, conn);
+        let bytes = stats.bytes;
+        self.engine.follow(Cmd::Moved { id, bytes })?;
+        Ok(Response::new(PrefillReply {
+            kv_bytes: bytes,
+            compute_us: 0,
+            transfer_us: t0.elapsed().as_micros() as u64,
+            transport: stats.transport.name().into(),
+            transport_reason: why,
+        }))
+    }
 }
 
 /// Loads the model, starts the KV listeners and the gRPC service, joins the router and serves
@@ -372,8 +505,19 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         engine,
         streams: HashMap::new(),
         tickets: tickets.clone(),
+        moved_out: (0, 0),
     };
-    let mut handle = worker::engine_thread::spawn_with("decode-engine", decoder, out);
+    let local = kv_transfer::Local {
+        tickets: None,
+        identity: loaded.identity.clone(),
+        secret: s.secret.clone(),
+        security: s.security.clone(),
+        max_kv_tokens: u32::MAX,
+    };
+    let senders = Senders::new(local, cfg.send.clone());
+    let counted = senders.transfers.clone();
+    let mut handle = worker::engine_thread::spawn_with("decode-engine", decoder, out)
+        .with_live(move |l| l.transfers_in_flight = counted.load(Ordering::SeqCst) as u32);
     if let Some(link) = &store {
         let counters = link.counters.clone();
         handle = handle.with_live(move |l| worker::store::fill(&counters, l));
@@ -384,6 +528,8 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         engine: handle.clone(),
         grammars,
         store,
+        senders,
+        width: loaded.model.config.kv_width() as u32,
     };
     let routes = tonic::service::Routes::new(DecodeServer::new(service));
     let announce = worker::Announce {
@@ -521,6 +667,10 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_decode_step_overhead_seconds", Histogram, "A mock engine's decode step beyond its timing model's time: what this machine adds (the simulator draws its steps' overheads from it)."),
     ("tandem_decode_kv_queue_seconds", Histogram, "From a request's KV landing whole to the engine thread taking it (it takes arrivals between steps); the prefill's exposed wait includes it."),
     ("tandem_decode_kv_admit_seconds", Histogram, "Engine-thread time to admit one request's arrived KV (written into the cache, or checked in place); the batch's next step waits for it."),
+    ("tandem_decode_moved_out_total", Counter, "Sequences handed off live to another decode worker (a move: their KV sent, not computed again)."),
+    ("tandem_kv_sent_bytes_total", Counter, "KV bytes this worker's handoffs delivered to other decode workers, by transport."),
+    ("tandem_kv_send_seconds", Histogram, "One handoff's KV transfer, first byte to ack, by transport."),
+    ("tandem_kv_send_failures_total", Counter, "Handoffs whose KV transfer failed, by transport."),
     ("tandem_kv_receive_failures_total", Counter, "Incoming KV transfers that broke before completing."),
     ("tandem_decode_grammar_timeouts_total", Counter, "Requests refused because their response format did not compile within grammar::BUDGET."),
 ];

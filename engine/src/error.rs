@@ -69,6 +69,9 @@ pub enum EngineError {
     /// In-place (RDMA) transfers cannot address this cache, and why.
     #[error("in-place KV transfers: {0}")]
     NotInPlace(String),
+    /// A paused request's KV cannot be handed to another worker from here, and why.
+    #[error("KV handoff: {0}")]
+    Handoff(String),
     /// The KV cache has no room for the request now.
     #[error("KV cache full: {0}")]
     OutOfBlocks(String),

@@ -269,6 +269,64 @@ impl Engine {
         self.ledger.next_expiry()
     }
 
+    /// Pauses decoding request `id` for a live move: it is no longer stepped and keeps its
+    /// blocks until [`Engine::export_paused`] hands its KV on and [`Engine::release`] frees
+    /// it. Returns the tokens it generated (all of them already out as [`crate::TokenEvent`]s);
+    /// `None` when it is not decoding here (unknown, finished, queued or still prefilling).
+    pub fn pause(&mut self, id: RequestId) -> Option<usize> {
+        let i = self
+            .running
+            .iter()
+            .position(|s| s.id == id && s.decoding() && !s.prefill_only)?;
+        let seq = self.running.remove(i);
+        let generated = seq.tokens.len() - seq.prompt_len;
+        self.paused.push(seq);
+        Some(generated)
+    }
+
+    /// A paused request's KV for a receiver that reserved it with prompt = its `n_tokens`
+    /// tokens and holds the first `skip` (one buffer per layer, the layout of
+    /// [`crate::KvCache::read_range`]): the tokens after `skip` but the newest, whose KV the
+    /// receiver's first step computes. The request stays paused.
+    pub fn export_paused(
+        &self,
+        id: RequestId,
+        skip: usize,
+        n_tokens: usize,
+    ) -> Result<Vec<Vec<u8>>> {
+        let s = self
+            .paused
+            .iter()
+            .find(|s| s.id == id)
+            .ok_or(EngineError::UnknownRequest {
+                id,
+                expected: "paused",
+            })?;
+        let end = s.tokens.len() - 1;
+        if n_tokens != s.tokens.len() || skip > end || s.computed != end {
+            let msg = format!(
+                "a handoff of {n_tokens} tokens (the receiver holds {skip}); {} here, {} computed",
+                s.tokens.len(),
+                s.computed
+            );
+            return Err(EngineError::KvMismatch { id, msg });
+        }
+        if !self.model.kv_on_host() {
+            return Err(EngineError::Handoff(format!(
+                "request {id}'s KV is on {}, not in host memory: a handoff from a GPU worker is \
+                 not implemented (the router computes it again elsewhere)",
+                self.model.device_name()
+            )));
+        }
+        Ok((0..self.model.config.n_layers)
+            .map(|l| {
+                let mut buf = Vec::new();
+                self.kv.read_range(&s.table, l, skip..end, &mut buf);
+                buf
+            })
+            .collect())
+    }
+
     /// The ledger's blocks per state.
     pub fn ledger(&self) -> LedgerCounts {
         self.ledger.counts()

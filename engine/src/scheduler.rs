@@ -127,7 +127,7 @@ pub(crate) struct Seq {
 impl Seq {
     /// Whether its next chunk is its newest token: its prompt and every token before the
     /// newest are computed.
-    fn decoding(&self) -> bool {
+    pub(crate) fn decoding(&self) -> bool {
         self.computed >= self.prompt_len && self.computed + 1 == self.tokens.len()
     }
 }
@@ -144,6 +144,9 @@ pub struct Engine {
     pub(crate) awaiting: Vec<Seq>,
     /// Prefill-only requests whose KV is complete, until exported.
     pub(crate) prefilled: Vec<Seq>,
+    /// Decoding sequences paused for a live move: not stepped, their KV held until handed
+    /// off ([`Engine::export_paused`]) and released.
+    pub(crate) paused: Vec<Seq>,
     /// Tokens in the last step: (prompt tokens, decode tokens).
     pub(crate) last_step: (usize, usize),
     /// Who holds blocks for KV from a prefill worker: reserved, in flight, committed.
@@ -175,6 +178,8 @@ pub struct Load {
     pub waiting: u32,
     /// Requests holding blocks while their KV arrives from a prefill worker.
     pub pending_transfers: u32,
+    /// Sequences paused for a live move, holding their KV.
+    pub paused: u32,
     /// Blocks an allocation can take (free, or cached and evictable).
     pub kv_blocks_free: u32,
     /// Blocks in all.
@@ -240,6 +245,8 @@ pub enum Release {
     LeaseExpired,
     /// A step failed.
     StepFailed,
+    /// Its KV was handed to another decode worker (a live move).
+    Moved,
 }
 
 impl Engine {
@@ -277,6 +284,7 @@ impl Engine {
             running: Vec::new(),
             awaiting: Vec::new(),
             prefilled: Vec::new(),
+            paused: Vec::new(),
             last_step: (0, 0),
             ledger: Ledger::new(),
             prefix_seed,
@@ -358,6 +366,7 @@ impl Engine {
             running: self.running.len() as u32,
             waiting: self.waiting.len() as u32,
             pending_transfers: self.awaiting.len() as u32,
+            paused: self.paused.len() as u32,
             kv_blocks_free: self.free_blocks() as u32,
             kv_blocks_total: self.total_blocks() as u32,
             kv_blocks_cached: self.kv.block_counts().cached as u32,
@@ -400,6 +409,7 @@ impl Engine {
             .chain(&self.running)
             .chain(&self.waiting)
             .chain(&self.prefilled)
+            .chain(&self.paused)
             .find(|s| s.id == id)
             .map_or(0, |s| s.table.held())
     }
@@ -515,7 +525,12 @@ impl Engine {
             self.kv.release(s.table);
             return true;
         }
-        for list in [&mut self.running, &mut self.awaiting, &mut self.prefilled] {
+        for list in [
+            &mut self.running,
+            &mut self.awaiting,
+            &mut self.prefilled,
+            &mut self.paused,
+        ] {
             if let Some(i) = list.iter().position(|s| s.id == id) {
                 let s = list.remove(i);
                 self.kv.release(s.table);

@@ -37,6 +37,11 @@ pub use wire::{IncomingKv, KvEvent, Layer, Layers, Local};
 /// A way to move KV between workers (the config's names: `rdma`, `quic`, `tcp`).
 pub use proto::config::Transport;
 
+/// Whose certificates a KV listener takes under mutual TLS: prefill workers sending a prompt's
+/// KV, decode workers handing a running sequence off (a live move). Either sends only under a
+/// reservation's ticket, which the router gives the one sender it picked.
+pub const KV_SENDERS: [pki::Role; 2] = [pki::Role::Prefill, pki::Role::Decode];
+
 /// What one transfer cost.
 #[derive(Debug, Clone, Copy)]
 pub struct TransferStats {

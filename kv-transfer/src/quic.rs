@@ -79,11 +79,11 @@ impl QuicKvReceiver {
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
                 let peer = conn.remote_address();
-                if mutual && !from_prefill_worker(&conn) {
+                if mutual && !from_kv_sender(&conn) {
                     metrics::counter!("tandem_auth_refused_total", "listener" => "kv_quic", "reason" => "wrong_role")
                         .increment(1);
-                    tracing::warn!(%peer, "refused a QUIC KV connection: not a prefill worker");
-                    return conn.close(1u32.into(), b"not a prefill worker");
+                    tracing::warn!(%peer, "refused a QUIC KV connection: not a prefill or decode worker");
+                    return conn.close(1u32.into(), b"not a KV sender");
                 }
                 while let Ok((mut send, mut recv)) = conn.accept_bi().await {
                     let receiving = receiving.clone();
@@ -114,15 +114,16 @@ fn self_signed() -> Result<(Arc<rustls::ServerConfig>, CertificateDer<'static>),
     Ok((Arc::new(crypto), cert_der))
 }
 
-/// Whether the peer of an accepted connection presented a prefill worker's certificate (the
-/// chain was verified in the handshake).
-fn from_prefill_worker(conn: &quinn::Connection) -> bool {
+/// Whether the peer of an accepted connection presented a KV sender's certificate — a prefill
+/// worker's, or a decode worker's handing a sequence off (the chain was verified in the
+/// handshake; what it may send is still bound to a reservation's ticket).
+fn from_kv_sender(conn: &quinn::Connection) -> bool {
     let certs = conn
         .peer_identity()
         .and_then(|i| i.downcast::<Vec<CertificateDer<'static>>>().ok());
     certs
         .and_then(|c| c.first().and_then(Role::of))
-        .is_some_and(|r| r == Role::Prefill)
+        .is_some_and(|r| crate::KV_SENDERS.contains(&r))
 }
 
 /// The client's configuration: the cluster certificate under mutual TLS (the server must

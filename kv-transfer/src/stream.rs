@@ -81,7 +81,7 @@ impl Gate {
         let acceptor = match &local.security {
             Security::Insecure => None,
             Security::Mutual(c) => Some(
-                Acceptor::new(c, pki::ALPN_KV, &[Role::Prefill], name)
+                Acceptor::new(c, pki::ALPN_KV, &crate::KV_SENDERS, name)
                     .map_err(|e| TransferError::Refused(e.to_string()))?,
             ),
         };

@@ -11,18 +11,19 @@
 //! the `Worker` service) lives in the `worker` crate; this crate is what a prefill does with
 //! finished KV.
 
-use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use engine::{Engine, PromptRate, RequestId};
-use kv_transfer::{KvSender, Layers, Offer, Transport};
+use kv_transfer::{KvSender, Layers};
 use proto::grpc::prefill_server::{Prefill, PrefillServer};
 use proto::grpc::{PrefillReply, PrefillRequest, WorkerLoad};
 use proto::{Cause, Pool};
 use tokio::sync::{mpsc, oneshot};
 use tonic::{Request, Response, Status};
+use worker::kv_send::{SendConfig, Senders};
 use worker::service::ReleaseOnDrop;
 use worker::{EngineHandle, Settings, WorkerError};
 
@@ -31,12 +32,8 @@ use worker::{EngineHandle, Settings, WorkerError};
 pub struct PrefillConfig {
     /// What every worker is configured with.
     pub worker: Settings,
-    /// Connect and handshake deadline for KV connections.
-    pub connect_timeout: Duration,
-    /// Deadline for one request's KV transfer.
-    pub transfer_timeout: Duration,
-    /// Transports in order of preference.
-    pub prefer: Vec<Transport>,
+    /// How its KV is sent.
+    pub send: SendConfig,
     /// Send each layer's KV as soon as it is computed (overlapping the transfer with the rest
     /// of the prefill) rather than all at the end.
     pub layerwise: bool,
@@ -190,95 +187,18 @@ impl worker::Role for Prefiller {
     }
 }
 
-/// How long a KV connection may sit idle before it is closed.
-const IDLE_CONNECTION: Duration = Duration::from_secs(60);
-
-/// Closes the connections idle for longer than [`IDLE_CONNECTION`], and forgets endpoints left
-/// without one.
-fn close_idle(conns: &mut HashMap<String, Vec<(KvSender, Instant)>>) {
-    for idle in conns.values_mut() {
-        idle.retain(|(_, since)| since.elapsed() < IDLE_CONNECTION);
-    }
-    conns.retain(|_, idle| !idle.is_empty());
-}
-
-/// Counts a transfer in flight until dropped, however the call ends.
-struct Counted(Arc<AtomicUsize>);
-
-impl Counted {
-    fn new(n: &Arc<AtomicUsize>) -> Counted {
-        n.fetch_add(1, Ordering::SeqCst);
-        Counted(n.clone())
-    }
-}
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::SeqCst);
-    }
-}
-
 struct Service {
     engine: EngineHandle<Cmd>,
     /// The cluster KV store, when the cluster has one this engine can use.
     store: Option<worker::store::StoreLink>,
-    local: kv_transfer::Local,
+    /// Where the KV goes: connections to decode workers, the transport chosen per peer.
+    senders: Senders,
     width: u32,
     n_layers: u32,
-    cfg: PrefillConfig,
-    /// Idle connections to decode workers, by KV endpoint, with when each went idle. A
-    /// connection is taken out while a transfer uses it, so a cancelled transfer drops its
-    /// (possibly half-written) connection; one idle longer than [`IDLE_CONNECTION`] is closed
-    /// (a decode worker that went away, or restarted elsewhere, leaves no socket behind here).
-    conns: Mutex<HashMap<String, Vec<(KvSender, Instant)>>>,
-    /// Peers whose transport choice has been logged.
-    announced: Mutex<HashSet<String>>,
-    transfers: Arc<AtomicUsize>,
+    layerwise: bool,
 }
 
 impl Service {
-    /// The decode worker's offer to use, and why (logged once per peer).
-    fn choose(&self, offers: &[proto::grpc::KvOffer]) -> Result<(Offer, String), Status> {
-        let offers: Vec<Offer> = offers.iter().filter_map(Offer::from_wire).collect();
-        let (local, _) = kv_transfer::negotiate::local_transports();
-        let (offer, why) = kv_transfer::negotiate::choose(
-            &offers,
-            &local,
-            &self.cfg.prefer,
-            self.cfg.worker.require,
-        )
-        .map_err(|e| Cause::KvTransfer.status(e.to_string()))?;
-        let peer = offer.endpoint.clone();
-        if self
-            .announced
-            .lock()
-            .expect("announced lock")
-            .insert(peer.clone())
-        {
-            tracing::info!(%peer, transport = %offer.transport, "KV transport chosen: {why}");
-            eprintln!("tandem prefill: KV to {peer} over {why}");
-        }
-        Ok((offer, why))
-    }
-
-    /// An idle connection to `offer`'s worker, or a new one.
-    async fn connection(&self, offer: &Offer) -> Result<KvSender, Status> {
-        let idle = {
-            let mut conns = self.conns.lock().expect("conns lock");
-            close_idle(&mut conns);
-            conns
-                .get_mut(&offer.endpoint)
-                .and_then(Vec::pop)
-                .map(|(c, _)| c)
-        };
-        match idle {
-            Some(c) => Ok(c),
-            None => KvSender::connect(offer, &self.local, self.cfg.connect_timeout)
-                .await
-                .map_err(|e| Cause::KvTransfer.status(e.to_string())),
-        }
-    }
-
     /// Sends the layers as the engine produces them (streamed) or once all are computed.
     async fn transfer(
         &self,
@@ -287,8 +207,8 @@ impl Service {
         n_tokens: u32,
         rx: &mut mpsc::UnboundedReceiver<kv_transfer::Layer>,
     ) -> Result<kv_transfer::TransferStats, kv_transfer::TransferError> {
-        let timeout = self.cfg.transfer_timeout;
-        if self.cfg.layerwise {
+        let timeout = self.senders.cfg.transfer_timeout;
+        if self.layerwise {
             let layers = Layers::Stream {
                 n_layers: self.n_layers,
                 rx,
@@ -350,29 +270,15 @@ impl Prefill for Service {
         verdict
             .await
             .map_err(|_| Cause::Engine.status("the engine thread has stopped"))??;
-        let _counted = Counted::new(&self.transfers);
-        let (offer, why) = self.choose(&req.offers)?;
+        let _counted = self.senders.count();
+        let (offer, why) = self.senders.choose(&req.offers)?;
         // Connected while the prompt computes; then the layers, streamed or whole.
-        let mut conn = self.connection(&offer).await?;
+        let mut conn = self.senders.connection(&offer).await?;
         let transport = offer.transport.name();
-        let stats = self
-            .transfer(&mut conn, (id, ticket), n, &mut rx)
-            .await
-            .map_err(|e| {
-                metrics::counter!("tandem_kv_send_failures_total", "transport" => transport)
-                    .increment(1);
-                Cause::KvTransfer.status(e.to_string())
-            })?;
-        metrics::counter!("tandem_kv_sent_bytes_total", "transport" => transport)
-            .increment(stats.bytes);
-        metrics::histogram!("tandem_kv_send_seconds", "transport" => transport)
-            .record(stats.elapsed.as_secs_f64());
-        let mut conns = self.conns.lock().expect("conns lock");
-        conns
-            .entry(offer.endpoint)
-            .or_default()
-            .push((conn, Instant::now()));
-        close_idle(&mut conns);
+        let sent = self.transfer(&mut conn, (id, ticket), n, &mut rx).await;
+        Senders::record(transport, &sent);
+        let stats = sent.map_err(|e| Cause::KvTransfer.status(e.to_string()))?;
+        self.senders.put_back(offer.endpoint, conn);
         Ok(Response::new(PrefillReply {
             kv_bytes: stats.bytes,
             compute_us: done.get().map_or(0, |d| (*d - t0).as_micros() as u64),
@@ -395,9 +301,16 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         rate: PromptRate::default(),
         layerwise: cfg.layerwise,
     };
+    let local = kv_transfer::Local {
+        tickets: None,
+        identity: loaded.identity.clone(),
+        secret: cfg.worker.secret.clone(),
+        security: cfg.worker.security.clone(),
+        max_kv_tokens: u32::MAX,
+    };
+    let senders = Senders::new(local, cfg.send.clone());
     // Requests between admission and the decode worker's ack, counted by the service.
-    let transfers = Arc::new(AtomicUsize::new(0));
-    let counted = transfers.clone();
+    let counted = senders.transfers.clone();
     let mut handle = worker::engine_thread::spawn_with("prefill-engine", role, out)
         .with_live(move |l| l.transfers_in_flight = counted.load(Ordering::SeqCst) as u32);
     if let Some(link) = &store {
@@ -408,19 +321,10 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let service = Service {
         engine: handle.clone(),
         store,
-        local: kv_transfer::Local {
-            tickets: None,
-            identity: loaded.identity.clone(),
-            secret: cfg.worker.secret.clone(),
-            security: cfg.worker.security.clone(),
-            max_kv_tokens: u32::MAX,
-        },
+        senders,
         width: model.config.kv_width() as u32,
         n_layers: model.config.n_layers as u32,
-        cfg: cfg.clone(),
-        conns: Mutex::new(HashMap::new()),
-        announced: Mutex::new(HashSet::new()),
-        transfers,
+        layerwise: cfg.layerwise,
     };
     let routes = tonic::service::Routes::new(PrefillServer::new(service));
     let announce = worker::Announce {

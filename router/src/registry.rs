@@ -26,6 +26,8 @@ pub struct Registry {
     changed: watch::Sender<u64>,
     /// Bumped when a worker is removed or marked stalled: what [`Registry::lost`] wakes on.
     gone: watch::Sender<u64>,
+    /// Bumped when a worker starts to drain: the requests on it may move off.
+    drains: watch::Sender<u64>,
     /// When a worker is given up on.
     pub liveness: Liveness,
     /// The cluster store's nodes as last seen (by node number; the status page's).
@@ -58,6 +60,7 @@ impl Registry {
             table: Mutex::new(Table::new(identity, liveness, routing)),
             changed: watch::Sender::new(0),
             gone: watch::Sender::new(0),
+            drains: watch::Sender::new(0),
             liveness,
             store_nodes: Mutex::default(),
         })
@@ -167,6 +170,21 @@ impl Registry {
     /// Stops routing new requests to worker `id` (it is being drained).
     pub fn set_draining(&self, id: WorkerId) {
         self.lock().set_draining(id);
+        self.drains.send_modify(|v| *v += 1);
+    }
+
+    /// Resolves when worker `id` drains (never while it does not, nor once it has left the
+    /// table: [`Registry::lost`] says that). Wakes when any worker starts to drain; never polls.
+    pub async fn leaving(&self, id: WorkerId) {
+        let mut drains = self.drains.subscribe();
+        loop {
+            if self.with(|t| t.get(id).is_some_and(|w| w.draining)) {
+                return;
+            }
+            if drains.changed().await.is_err() {
+                return std::future::pending().await;
+            }
+        }
     }
 
     /// Forgets a worker at once (e.g. its connection broke), and its cache.
@@ -226,6 +244,9 @@ impl Registry {
         match beaten.stalled {
             true => self.announce_gone(),
             false => self.touch(),
+        }
+        if beaten.draining {
+            self.drains.send_modify(|v| *v += 1);
         }
         Ok(beaten.resync)
     }

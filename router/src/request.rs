@@ -103,6 +103,7 @@ pub async fn start_on(
         tx,
         changes,
         stream: None,
+        parked: None,
         prefill: None,
         token: None,
         known: HashMap::new(),
@@ -111,6 +112,7 @@ pub async fn start_on(
         deadline: Box::pin(tokio::time::sleep_until(deadline.into())),
         lost: Lost::default(),
         prefill_lost: Lost::default(),
+        leaving: Leaving::default(),
     };
     let trace = tokio::spawn(driver.run(first));
     let first = rest.recv().await.unwrap_or_else(|| {
@@ -165,6 +167,9 @@ struct Driver {
     tx: mpsc::Sender<TokenResult>,
     changes: watch::Receiver<u64>,
     stream: Option<Streaming<GenerateEvent>>,
+    /// A moving request's stream on the decode worker it leaves (by the id that worker knows):
+    /// it holds the paused sequence there until the handoff is done.
+    parked: Option<(RequestId, Streaming<GenerateEvent>)>,
     prefill: Option<PrefillCall>,
     /// The token handed to the core, passed on at its `Emit`.
     token: Option<Token>,
@@ -178,6 +183,8 @@ struct Driver {
     /// across tokens (one watch a worker, not one a token).
     lost: Lost,
     prefill_lost: Lost,
+    /// Whether the decode worker is leaving (draining): once a worker.
+    leaving: Leaving,
 }
 
 /// The loss of one worker, watched for as long as the request is on it.
@@ -199,6 +206,31 @@ impl Lost {
         let (_, lost) = self.0.as_mut().expect("set above");
         lost.as_mut().await;
         self.0 = None;
+    }
+}
+
+/// The departure of the decode worker a request decodes on (it drains), told once a worker.
+#[derive(Default)]
+struct Leaving {
+    told: Option<WorkerId>,
+    watch: Option<(WorkerId, Pin<Box<dyn Future<Output = ()> + Send>>)>,
+}
+
+impl Leaving {
+    /// Resolves when `worker` starts to drain, once for each worker (never without one).
+    async fn watch(&mut self, worker: Option<WorkerId>, registry: &Arc<Registry>) {
+        let Some(w) = worker.filter(|&w| self.told != Some(w)) else {
+            self.watch = None;
+            return std::future::pending().await;
+        };
+        if self.watch.as_ref().is_none_or(|(x, _)| *x != w) {
+            let registry = registry.clone();
+            self.watch = Some((w, Box::pin(async move { registry.leaving(w).await })));
+        }
+        let (_, leaving) = self.watch.as_mut().expect("set above");
+        leaving.as_mut().await;
+        self.watch = None;
+        self.told = Some(w);
     }
 }
 
@@ -266,11 +298,26 @@ impl Driver {
                             p.task.abort();
                         }
                     }
-                    Pool::Decode => self.stream = None,
+                    Pool::Decode => match &self.parked {
+                        Some((id, _)) if *id == request => self.parked = None,
+                        _ => self.stream = None,
+                    },
                 }
                 self.cancel_on(worker, request);
                 None
             }
+            Action::Pause { worker, request } => self.pause(worker, request).await,
+            Action::Park { request } => {
+                self.parked = self.stream.take().map(|s| (request, s));
+                None
+            }
+            Action::Handoff {
+                from,
+                request,
+                decode,
+                skip,
+                ticket,
+            } => self.start_handoff(from, request, decode, (skip, ticket)),
             Action::Remove(_) | Action::MarkStalled(_) => {
                 self.state.registry.announce_gone();
                 None
@@ -307,6 +354,9 @@ impl Driver {
                     .increment(1)
             }
             Note::Migrated => metrics::counter!("tandem_router_migrations_total").increment(1),
+            Note::Moved(why) => {
+                metrics::counter!("tandem_router_moves_total", "why" => why.label()).increment(1)
+            }
             Note::Recomputed(_) => {
                 metrics::counter!("tandem_kv_transfer_failures_total").increment(1)
             }
@@ -431,6 +481,63 @@ impl Driver {
         None
     }
 
+    /// Asks decode worker `w` to pause `request` for a move: once paused, the stream says so
+    /// after its last token ([`Input::Paused`]); else [`Input::NotPaused`] at once.
+    async fn pause(&mut self, w: WorkerId, request: RequestId) -> Option<Input> {
+        let Some(channel) = self
+            .known(w)
+            .and_then(|k| self.state.channel(&k.endpoint).ok())
+        else {
+            return Some(Input::NotPaused);
+        };
+        let mut client = DecodeClient::new(channel);
+        let call = client.pause(grpc::PauseRequest {
+            request_id: request.0,
+        });
+        match tokio::time::timeout(CANCEL_WAIT, call).await {
+            Ok(Ok(r)) if r.get_ref().paused => None,
+            _ => Some(Input::NotPaused),
+        }
+    }
+
+    /// Has decode worker `from` send paused `request`'s KV to decode worker `decode` (which
+    /// holds its first `skip` tokens); answered as a prefill call is.
+    fn start_handoff(
+        &mut self,
+        from: WorkerId,
+        request: RequestId,
+        decode: WorkerId,
+        (skip, ticket): (u32, types::TransferTicket),
+    ) -> Option<Input> {
+        let (Some(fw), Some(dw)) = (self.known(from), self.known(decode)) else {
+            let m = "the worker has left".into();
+            return Some(Input::PrefillFailed(Cause::Unreachable, m));
+        };
+        let channel = match self.state.channel(&fw.endpoint) {
+            Ok(c) => c,
+            Err(s) => return Some(Input::PrefillFailed(Cause::Engine, s.message().into())),
+        };
+        let req = grpc::HandoffRequest {
+            request_id: request.0,
+            to_request_id: self.core.id().0,
+            offers: dw.offers,
+            skip_tokens: skip,
+            transfer_ticket: ticket.0.to_vec(),
+            n_tokens: self.core.prompt().len() as u32,
+        };
+        let task = tokio::spawn(async move {
+            let reply = DecodeClient::new(channel).handoff(req).await?.into_inner();
+            let t = reply.transport.clone();
+            metrics::counter!("tandem_router_moved_kv_bytes_total", "transport" => t.clone())
+                .increment(reply.kv_bytes);
+            metrics::histogram!("tandem_router_move_transfer_seconds", "transport" => t)
+                .record(reply.transfer_us as f64 / 1e6);
+            Ok(reply)
+        });
+        self.prefill = Some(PrefillCall { task });
+        None
+    }
+
     /// Waits for what happens next to the request in its phase.
     async fn next(&mut self) -> Input {
         let registry = self.state.registry.clone();
@@ -441,6 +548,11 @@ impl Driver {
         };
         let lost = self.lost.watch(decode, &registry);
         let prefill_lost = self.prefill_lost.watch(prefill, &registry);
+        let on = match self.core.phase() {
+            Phase::Decoding { decode } => Some(decode.worker),
+            _ => None,
+        };
+        let leaving = self.leaving.watch(on, &registry);
         let stall = self
             .core
             .owes_token_since()
@@ -455,6 +567,7 @@ impl Driver {
             _ = &mut self.deadline => Input::Timeout,
             _ = lost => Input::DecodeLost,
             _ = prefill_lost => Input::PrefillLost,
+            _ = leaving => Input::Leave(core::MoveWhy::Draining),
             _ = sleep_until(stall) => Input::Stalled,
             r = tokio::time::timeout_at(admit_by, changes.changed()), if reserving => match r {
                 Ok(_) => Input::Changed,
@@ -556,6 +669,12 @@ async fn message(
             });
             Input::Token { id: t, finish }
         }
+        Ok(Some(GenerateEvent {
+            event: Some(generate_event::Event::Paused(p)),
+            ..
+        })) => Input::Paused {
+            generated: p.generated,
+        },
         Ok(Some(other)) => Input::Unexpected(format!("{other:?}")),
         Ok(None) => Input::StreamEnded,
         Err(s) => Input::DecodeFailed(Cause::of(&s), s.message().into()),

@@ -35,6 +35,7 @@ use router::routing::Routing;
 use types::{RequestId, WorkerId};
 
 mod faults;
+mod moves;
 mod overhead;
 mod planner;
 mod router_side;
@@ -198,6 +199,8 @@ pub struct SimResult {
     pub series: Vec<Sample>,
     /// Requests moved to another decode worker.
     pub migrations: u64,
+    /// Requests moved off a decode worker live (paused, their KV handed to another).
+    pub moves: u64,
     /// Decode workers held for the oldest request waiting for room.
     pub admission_holds: u64,
     /// Workers that died, and that the router found stalled.
@@ -239,6 +242,23 @@ enum Event {
     },
     /// A worker's step ends.
     StepDone(usize),
+    /// The router's pause of request `req`'s try `id` (a live move) reaches decode worker
+    /// `worker`.
+    Pause {
+        req: usize,
+        id: RequestId,
+        worker: usize,
+    },
+    /// The router's handoff call for `req` (now try `id`) reaches decode worker `from`, which
+    /// holds it paused as `paused`; its KV goes to decode worker `decode`, which holds `skip`.
+    Handoff {
+        req: usize,
+        id: RequestId,
+        from: usize,
+        paused: RequestId,
+        decode: usize,
+        skip: u32,
+    },
     /// Request `req`'s KV has crossed the link to decode worker `decode`.
     KvArrived {
         req: usize,
@@ -532,6 +552,15 @@ impl Sim {
             } => self.prefill_at(req, id, worker, skip),
             Event::StepDone(w) => self.step_done(w),
             Event::KvArrived { req, id, decode } => self.kv_arrived(req, id, decode),
+            Event::Pause { req, id, worker } => self.pause_at(req, id, worker),
+            Event::Handoff {
+                req,
+                id,
+                from,
+                paused,
+                decode,
+                skip,
+            } => self.handoff_at(req, id, (from, paused), decode, skip),
             Event::TransferFailed { req, id } => {
                 let why = "the KV transfer did not complete within its deadline".into();
                 let failed = Input::PrefillFailed(proto::Cause::KvTransfer, why);

@@ -98,6 +98,7 @@ impl Sim {
             self.workers[w].draining = true;
             self.table.set_draining(wid(w));
             self.draining.push(w);
+            self.leaving(w);
             self.retire(w);
         }
     }

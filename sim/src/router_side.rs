@@ -121,6 +121,33 @@ impl Sim {
                     }
                     self.release_on(widx(worker), request);
                 }
+                Action::Pause { worker, request } => {
+                    let ev = Event::Pause {
+                        req: r,
+                        id: request,
+                        worker: widx(worker),
+                    };
+                    self.schedule(at + hop, ev);
+                }
+                // The simulator's streams are the core's phases: nothing to keep aside.
+                Action::Park { .. } => {}
+                Action::Handoff {
+                    from,
+                    request,
+                    decode,
+                    skip,
+                    ..
+                } => {
+                    let ev = Event::Handoff {
+                        req: r,
+                        id: self.id(r),
+                        from: widx(from),
+                        paused: request,
+                        decode: widx(decode),
+                        skip,
+                    };
+                    self.schedule(at + hop, ev);
+                }
                 Action::Remove(_) => {}
                 Action::MarkStalled(w) => {
                     self.lose(widx(w), Input::DecodeLost, Input::PrefillLost);
@@ -196,6 +223,7 @@ impl Sim {
                 *self.result.decisions.entry(d.label()).or_default() += 1;
             }
             Note::Migrated => self.result.migrations += 1,
+            Note::Moved(_) => self.result.moves += 1,
             Note::Recomputed(why) => *self.result.decisions.entry(why.label()).or_default() += 1,
             Note::Held => self.result.admission_holds += 1,
             Note::Refused => self.reqs[r].refusals += 1,

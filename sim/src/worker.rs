@@ -31,6 +31,9 @@ pub(crate) struct Worker {
     /// Decode: the router's opens that came while it stepped: its engine thread takes them
     /// when the step ends.
     opening: Vec<Opening>,
+    /// Decode: the router's pauses (for live moves) that came while it stepped, taken when
+    /// the step ends.
+    pub(crate) pausing: Vec<(usize, RequestId)>,
     /// The running step's tokens, delivered at its end.
     pending: Vec<engine::TokenEvent>,
     /// Prefill: prompt tokens per second of engine time, as a real prefill worker measures it.
@@ -93,6 +96,7 @@ impl Sim {
             busy: false,
             busy_until: 0,
             opening: Vec::new(),
+            pausing: Vec::new(),
             pending: Vec::new(),
             rate: PromptRate::default(),
             kv_next: 0,
@@ -211,6 +215,9 @@ impl Sim {
         for o in std::mem::take(&mut self.workers[w].opening) {
             self.open_now(o, w);
         }
+        for (req, id) in std::mem::take(&mut self.workers[w].pausing) {
+            self.pause_now(req, id, w);
+        }
         self.kick(w);
         self.retire(w);
     }
@@ -327,7 +334,12 @@ impl Sim {
         else {
             return;
         };
-        let decode = crate::widx(decode);
+        self.send_kv(req, id, tokens, crate::widx(decode));
+    }
+
+    /// Try `id` of request `req`: `tokens` of KV leave for decode worker `decode` over the
+    /// link to its rack (a prefill's, or a live move's handoff).
+    pub(crate) fn send_kv(&mut self, req: usize, id: RequestId, tokens: usize, decode: usize) {
         let bytes = tokens as u64 * self.kv_bytes_per_token();
         let share = self.link_share[self.rack(decode)];
         if share <= 0.0 {

@@ -494,6 +494,21 @@ pub fn metric_at(at: SocketAddr, series: &str) -> f64 {
         .unwrap_or(0.0)
 }
 
+/// The sum of metric `name`'s series at `at`, whatever their labels (0 when it has none).
+pub fn metric_sum(at: SocketAddr, name: &str) -> f64 {
+    let (_, text) = get(at, "/metrics").unwrap();
+    text.lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.trim().parse::<f64>().ok()
+        })
+        .sum()
+}
+
 /// Sends a request; returns once the status line and headers are read.
 pub fn request(
     addr: SocketAddr,

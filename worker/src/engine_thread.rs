@@ -154,12 +154,13 @@ impl<C: Send + 'static> EngineHandle<C> {
 
     /// Drained: the engine thread has taken [`EngineHandle::drain`] (its load says so, and
     /// counts every command taken before it) and holds nothing — no command of new work
-    /// waiting, no sequence running, queued or awaiting its KV, no KV being sent.
+    /// waiting, no sequence running, queued, paused for a move or awaiting its KV, no KV being
+    /// sent.
     pub fn idle(&self) -> bool {
         let l = self.load();
         l.draining
             && self.queued.load(Ordering::Acquire) == 0
-            && l.running + l.waiting + l.pending_transfers + l.transfers_in_flight == 0
+            && l.running + l.waiting + l.pending_transfers + l.paused + l.transfers_in_flight == 0
     }
 
     /// The load after the engine's last step or command, with the live figures kept outside

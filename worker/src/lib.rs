@@ -7,6 +7,8 @@
 //!   what differs through [`engine_thread::Role`].
 //! - [`grammar`]: structured output's grammars compiled off the engine thread, within a
 //!   time budget.
+//! - [`kv_send`]: KV sent to decode workers (a prefill's prompt, a decode worker's handoff):
+//!   connections per peer, the transport chosen per peer.
 //! - [`service`]: the `Worker` gRPC service every worker serves (cancel, drain, stats), and
 //!   the guard that releases a request when its caller goes away.
 //! - [`serve`]: gRPC listener, metrics endpoint, joining the router and heartbeating.
@@ -16,6 +18,7 @@
 pub mod engine_thread;
 pub mod grammar;
 pub mod kv_log;
+pub mod kv_send;
 pub mod service;
 pub mod store;
 pub mod wire;

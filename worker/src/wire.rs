@@ -65,6 +65,7 @@ pub fn load(l: &engine::Load) -> grpc::WorkerLoad {
         running: l.running,
         waiting: l.waiting,
         pending_transfers: l.pending_transfers,
+        paused: l.paused,
         kv_blocks_free: l.kv_blocks_free,
         kv_blocks_total: l.kv_blocks_total,
         kv_blocks_reserved: l.ledger.reserved as u32,

@@ -12,7 +12,8 @@
 //! - [`Request`]: one request's phases, each carrying its data, moved by
 //!   [`Request::handle`]`(now, Input)` to the [`Action`]s its driver carries out (open a
 //!   stream, start a prefill, cancel, emit a token) — reserving, refusals, the local-prefill
-//!   rule, recomputation and migration, in one place.
+//!   rule, recomputation and migration, in one place; a live move off a decode worker
+//!   (paused there, its KV handed to another) in `request::moving`.
 
 mod line;
 mod request;
@@ -27,6 +28,6 @@ pub use table::{
     Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker,
 };
 pub use vocab::{
-    Action, Cx, Held, Input, Note, Params, Phase, PhaseName, PrefillDecision, Recompute,
+    Action, Cx, Held, Input, MoveWhy, Note, Params, Phase, PhaseName, PrefillDecision, Recompute,
     Reservation, Settings, Trace, TtftPhases,
 };

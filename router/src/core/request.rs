@@ -5,7 +5,8 @@
 //!  ▲  │            │  prefill or KV lost      ▲
 //!  │  │            └──────► Recomputing ──────┘
 //!  │  └─ colocated, or prefilled where it was reserved ─► Decoding
-//!  └── Migrating ◄── the decode worker died, froze or stalled (Prefilling, Decoding)
+//!  ├── Migrating ◄── the decode worker died, froze or stalled (Prefilling, Decoding)
+//!  └── Moving ◄── the decode worker drains or sheds load (Decoding; see [`moving`])
 //! any phase ─► Failed (the error goes to the client) | Gone (the client went away)
 //! ```
 //!
@@ -21,6 +22,8 @@
 //! already streamed (the sampler's draws depend on the seed and the position only, so greedy
 //! and seeded output continue exactly), up to `migration_limit` times; the client sees one
 //! stream. A prefill or KV that fails before any token is recomputed on the decode worker.
+
+mod moving;
 
 use std::time::Instant;
 
@@ -53,6 +56,10 @@ pub struct Request {
     /// The decode worker to use while it is in the table.
     pin: Option<WorkerId>,
     migrations: u32,
+    /// A live move under way, the moves made, and why the last one was asked for.
+    moving: Option<moving::Moving>,
+    moves: u32,
+    move_why: MoveWhy,
     /// The decode workers the request left.
     avoid: Vec<WorkerId>,
     /// Every token sent to the client, and how many came before the current stream opened.
@@ -96,6 +103,9 @@ impl Request {
             recomputed: false,
             pin,
             migrations: 0,
+            moving: None,
+            moves: 0,
+            move_why: MoveWhy::Draining,
             avoid: Vec::new(),
             streamed: Vec::new(),
             stream_from: 0,
@@ -298,7 +308,10 @@ impl Request {
             Some(p) => {
                 let worker = p.worker;
                 *asking = Some(Held::new(worker, p.guard));
-                let (remote, local_max) = (self.remote(), self.local_max(worker, cx));
+                let (remote, local_max) = match self.handing() {
+                    true => (true, 0),
+                    false => (self.remote(), self.local_max(worker, cx)),
+                };
                 out.push(Action::Open {
                     worker,
                     remote,
@@ -372,6 +385,9 @@ impl Request {
         cx: &mut Cx<'_>,
         out: &mut Vec<Action>,
     ) {
+        if self.handing() {
+            return self.hand_off(decode, r, out);
+        }
         self.reserved = Some(now);
         let waited = now.saturating_duration_since(self.arrived);
         cx.signals
@@ -436,12 +452,20 @@ impl Request {
             Input::PrefillDone => {
                 self.prefill_call = None;
                 self.prefilled = Some(now);
+                self.moved_off(out);
                 let decode = self.take_decode();
                 self.go(Phase::Decoding { decode }, out);
             }
             Input::PrefillFailed(cause, msg) => {
                 let name = name(cx.table, prefill);
                 let why = match cause {
+                    _ if self.handing() => {
+                        if cause == Cause::Unreachable {
+                            out.push(Action::Remove(prefill));
+                            cx.table.remove(prefill);
+                        }
+                        Recompute::MoveFailed
+                    }
                     Cause::Unreachable => {
                         tracing::warn!(worker = %prefill, "prefill worker failed: {msg}");
                         out.push(Action::Remove(prefill));
@@ -456,10 +480,13 @@ impl Request {
             }
             Input::PrefillLost => {
                 let name = name(cx.table, prefill);
-                let e =
-                    ApiError::Upstream(format!("prefill worker {name} stopped making progress"));
+                let (e, why) = match self.handing() {
+                    true => ("the decode worker it moves from", Recompute::MoveFailed),
+                    false => ("prefill worker", Recompute::PrefillWorkerLost),
+                };
+                let e = ApiError::Upstream(format!("{e} {name} stopped making progress"));
                 let decode = self.take_decode();
-                self.recompute(decode, e, Recompute::PrefillWorkerLost, cx, out);
+                self.recompute(decode, e, why, cx, out);
             }
             Input::Token { id, finish } => out.extend(self.token(now, id, finish, cx.signals)),
             input => self.stream_trouble(now, input, cx, out),
@@ -470,9 +497,16 @@ impl Request {
     fn decoding(&mut self, now: Instant, input: Input, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
         match input {
             Input::Token { id, finish } => out.extend(self.token(now, id, finish, cx.signals)),
-            // The prefill's late answer: the call has ended.
-            Input::PrefillDone | Input::PrefillFailed(..) => self.prefill_call = None,
+            // The prefill's (or handoff's) late answer: the call has ended.
+            Input::PrefillDone | Input::PrefillFailed(..) => {
+                if !self.moved_off(out) {
+                    self.prefill_call = None;
+                }
+            }
             Input::PrefillLost => {}
+            Input::Leave(why) => self.leave(why, cx, out),
+            Input::Paused { generated } => self.paused(now, generated, cx, out),
+            Input::NotPaused => self.moving = None,
             input => self.stream_trouble(now, input, cx, out),
         }
     }
@@ -712,6 +746,14 @@ impl Request {
         self.release_everywhere(out);
         self.migrations += 1;
         self.avoid.push(left);
+        self.restart(now, cx);
+        self.go(reserving(), out);
+        self.reserve(now, cx, out);
+    }
+
+    /// A new try from the prompt plus every token streamed, with the rest of `max_tokens`, a
+    /// new id and a new admission deadline (a migration's, a move's).
+    fn restart(&mut self, now: Instant, cx: &mut Cx<'_>) {
         self.prompt.truncate(self.prompt_len);
         self.prompt.extend(&self.streamed);
         let streamed = self.streamed.len() as u32;
@@ -725,8 +767,8 @@ impl Request {
         self.disaggregated = !self.params.prompt_logprobs && cx.table.count(Pool::Prefill) > 0;
         self.id = (cx.next_id)();
         self.admit_by = now + cx.settings.admission_wait;
-        self.go(reserving(), out);
-        self.reserve(now, cx, out);
+        // No token is owed until the new stream opens.
+        self.stream_from = self.streamed.len();
     }
 
     /// The decode worker held, out of the phase (which the caller replaces).
@@ -740,6 +782,9 @@ impl Request {
     }
 
     fn release_prefill(&mut self, out: &mut Vec<Action>) {
+        if self.moved_off(out) {
+            return;
+        }
         if let Some(worker) = self.prefill_call.take() {
             out.push(Action::Release {
                 pool: Pool::Prefill,
@@ -762,7 +807,7 @@ impl Request {
     }
 }
 
-fn reserving() -> Phase {
+pub(super) fn reserving() -> Phase {
     Phase::Reserving {
         asking: None,
         refused: Vec::new(),

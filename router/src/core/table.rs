@@ -204,6 +204,8 @@ pub struct Beaten {
     pub resync: bool,
     /// The worker was found stalled: its engine's steps stood still while it held work.
     pub stalled: bool,
+    /// The worker said it drains, for the first time (its requests may move off it).
+    pub draining: bool,
 }
 
 /// The worker a heartbeat named is not in the table (it joins again).
@@ -560,7 +562,8 @@ impl Table {
         let stall = self.liveness.stall;
         let w = self.get_mut(id).ok_or(UnknownWorker(id))?;
         w.load = b.load.unwrap_or_default();
-        if w.load.draining && !w.draining {
+        let draining = w.load.draining && !w.draining;
+        if draining {
             // Sent SIGTERM (or told to drain): it admits nothing new, so nothing is routed to it.
             tracing::info!(worker = %id, name = %w.name, "worker draining: no new requests");
             w.draining = true;
@@ -578,7 +581,11 @@ impl Table {
             Some(kv) => self.index.apply(id, kv, cap),
             None => false,
         };
-        Ok(Beaten { resync, stalled })
+        Ok(Beaten {
+            resync,
+            stalled,
+            draining,
+        })
     }
 }
 

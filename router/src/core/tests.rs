@@ -23,6 +23,37 @@ fn identity() -> ModelIdentity {
     }
 }
 
+/// What a request core reads besides the table: the planner's signals, the settings and the
+/// request ids.
+struct Core {
+    signals: Arc<Signals>,
+    settings: Settings,
+    ids: Box<dyn FnMut() -> RequestId>,
+}
+
+impl Core {
+    fn new(settings: Settings) -> Core {
+        let mut n = 0;
+        Core {
+            signals: Arc::new(Signals::new(Duration::from_secs(10))),
+            settings,
+            ids: Box::new(move || {
+                n += 1;
+                RequestId(n)
+            }),
+        }
+    }
+
+    fn cx<'a>(&'a mut self, table: &'a mut Table) -> Cx<'a> {
+        Cx {
+            table,
+            signals: &self.signals,
+            settings: &self.settings,
+            next_id: &mut *self.ids,
+        }
+    }
+}
+
 fn opens(actions: &[Action]) -> Option<WorkerId> {
     actions.iter().find_map(|a| match a {
         Action::Open { worker, .. } => Some(*worker),
@@ -37,28 +68,9 @@ fn opens(actions: &[Action]) -> Option<WorkerId> {
 fn a_request_refused_again_and_again_keeps_one_entry_for_the_worker() {
     let t0 = Instant::now();
     let mut table = Table::new(identity(), Liveness::default(), Routing::default());
-    let join = JoinRequest {
-        protocol_version: proto::PROTOCOL_VERSION,
-        role: grpc::Role::Decode as i32,
-        name: "decode-0".into(),
-        identity: Some(identity().into()),
-        kv_blocks_total: 64,
-        ..Default::default()
-    };
-    let w = table.join(join, t0).unwrap();
-    let signals = Arc::new(Signals::new(Duration::from_secs(10)));
-    let settings = Settings::default();
-    let mut n = 0;
-    let mut next_id = || {
-        n += 1;
-        RequestId(n)
-    };
-    let mut cx = Cx {
-        table: &mut table,
-        signals: &signals,
-        settings: &settings,
-        next_id: &mut next_id,
-    };
+    let w = decode_worker(&mut table, "decode-0", t0);
+    let mut core = Core::new(Settings::default());
+    let mut cx = core.cx(&mut table);
     let params = Params {
         max_tokens: Some(4),
         ..Default::default()
@@ -121,4 +133,158 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
     table.index_mut().clear_store(0);
     let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
     assert_eq!(p.cached_tokens, 0);
+}
+
+/// A decode worker of the test table.
+fn decode_worker(table: &mut Table, name: &str, t0: Instant) -> WorkerId {
+    let join = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: grpc::Role::Decode as i32,
+        name: name.into(),
+        identity: Some(identity().into()),
+        kv_blocks_total: 64,
+        ..Default::default()
+    };
+    table.join(join, t0).unwrap()
+}
+
+/// A live move, step by step: told to leave, the request asks its decode worker to pause it;
+/// paused after the tokens its stream carried, it parks that stream, reserves on the other
+/// worker with the prompt plus those tokens (a remote prefill, nothing computed there), has the
+/// old worker hand its KV over, and releases it there once the handoff answers — counted as a
+/// move, not a migration or a recomputation. A second request whose handoff fails is computed
+/// on its new worker ("recomputed: move failed"), the old one released.
+#[test]
+fn a_request_told_to_leave_is_paused_reserved_elsewhere_and_handed_over() {
+    let t0 = Instant::now();
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let a = decode_worker(&mut table, "decode-a", t0);
+    let mut core = Core::new(Settings {
+        disaggregated: false,
+        ..Settings::default()
+    });
+    let mut cx = core.cx(&mut table);
+    let params = Params {
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    let start = |cx: &mut Cx<'_>| {
+        let (mut r, acts) = Request::start(vec![1, 2, 3], params, None, t0, cx);
+        assert_eq!(opens(&acts), Some(a));
+        r.handle(t0, Input::Opened(None), cx);
+        for t in [7, 8] {
+            let acts = r.handle(
+                t0,
+                Input::Token {
+                    id: t,
+                    finish: None,
+                },
+                cx,
+            );
+            assert!(matches!(acts[..], [.., Action::Emit]), "{acts:?}");
+        }
+        r
+    };
+    let mut r = start(&mut cx);
+    let old = r.id();
+    // Alone in its pool, it stays.
+    let acts = r.handle(t0, Input::Leave(MoveWhy::Draining), &mut cx);
+    assert!(acts.is_empty(), "nowhere to go: {acts:?}");
+    let b = decode_worker(cx.table, "decode-b", t0);
+    let acts = r.handle(t0, Input::Leave(MoveWhy::Draining), &mut cx);
+    assert!(
+        matches!(acts[..], [Action::Pause { worker, request }] if worker == a && request == old),
+        "{acts:?}"
+    );
+    // A token already on the way is passed on; then the pause.
+    r.handle(
+        t0,
+        Input::Token {
+            id: 9,
+            finish: None,
+        },
+        &mut cx,
+    );
+    let acts = r.handle(t0, Input::Paused { generated: 3 }, &mut cx);
+    assert!(acts
+        .iter()
+        .any(|x| matches!(x, Action::Park { request } if *request == old)));
+    assert!(acts
+        .iter()
+        .any(|x| matches!(x, Action::Note(Note::Moved(MoveWhy::Draining)))));
+    assert!(
+        acts.iter().any(
+            |x| matches!(x, Action::Open { worker, remote: true, local_max: 0 } if *worker == b)
+        ),
+        "reserved on the other worker for the old one's KV: {acts:?}"
+    );
+    assert_eq!(r.prompt(), &[1, 2, 3, 7, 8, 9]);
+    assert_eq!(r.params().generated, 3);
+    assert_eq!(r.params().max_tokens, Some(5));
+    let ticket = types::TransferTicket::default();
+    let reserved = Reservation {
+        cached_tokens: 0,
+        local: false,
+        ticket,
+    };
+    let acts = r.handle(t0, Input::Opened(Some(reserved)), &mut cx);
+    assert!(
+        acts.iter().any(|x| matches!(x, Action::Handoff { from, request, decode, skip: 0, .. } if *from == a && *request == old && *decode == b)),
+        "{acts:?}"
+    );
+    assert_eq!(
+        cx.table.get(a).unwrap().in_flight(),
+        1,
+        "held on the old worker"
+    );
+    let acts = r.handle(t0, Input::PrefillDone, &mut cx);
+    assert!(
+        acts.iter().any(|x| matches!(x, Action::Release { pool: proto::Pool::Decode, worker, request } if *worker == a && *request == old)),
+        "{acts:?}"
+    );
+    assert_eq!(
+        cx.table.get(a).unwrap().in_flight(),
+        0,
+        "let go on the old worker"
+    );
+    assert!(matches!(r.phase(), Phase::Decoding { decode } if decode.worker == b));
+    let acts = r.handle(
+        t0,
+        Input::Token {
+            id: 10,
+            finish: Some(engine::FinishReason::Length),
+        },
+        &mut cx,
+    );
+    assert!(
+        matches!(
+            acts[..],
+            [Action::Emit, Action::Note(Note::Entered(PhaseName::Done))]
+        ),
+        "{acts:?}"
+    );
+
+    // A handoff that fails: computed on the new worker, the old one let go.
+    let mut r = start(&mut cx);
+    let old = r.id();
+    r.handle(t0, Input::Leave(MoveWhy::Rebalance), &mut cx);
+    r.handle(t0, Input::Paused { generated: 2 }, &mut cx);
+    r.handle(t0, Input::Opened(Some(reserved)), &mut cx);
+    let failed = Input::PrefillFailed(Cause::KvTransfer, "broke".into());
+    let acts = r.handle(t0, failed, &mut cx);
+    assert!(
+        acts.iter()
+            .any(|x| matches!(x, Action::Note(Note::Recomputed(Recompute::MoveFailed)))),
+        "{acts:?}"
+    );
+    assert!(
+        acts.iter().any(|x| matches!(x, Action::Release { pool: proto::Pool::Decode, worker, request } if *worker == a && *request == old)),
+        "{acts:?}"
+    );
+    assert!(
+        acts.iter()
+            .any(|x| matches!(x, Action::Open { worker, remote: false, .. } if *worker == b)),
+        "{acts:?}"
+    );
+    assert_eq!(cx.table.get(a).unwrap().in_flight(), 0);
 }

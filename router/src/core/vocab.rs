@@ -173,6 +173,9 @@ pub enum PhaseName {
     Recomputing,
     /// The decode worker was lost: back to Reserving elsewhere (or failed past the limit).
     Migrating,
+    /// Leaving a decode worker live (draining, or its pool rebalanced): paused there, its KV
+    /// handed to another decode worker, where it goes on exactly (see [`super::moving`]).
+    Moving,
     /// See [`Phase::Done`].
     Done,
     /// See [`Phase::Failed`].
@@ -190,6 +193,7 @@ impl PhaseName {
             PhaseName::Decoding => "decoding",
             PhaseName::Recomputing => "recomputing",
             PhaseName::Migrating => "migrating",
+            PhaseName::Moving => "moving",
             PhaseName::Done => "done",
             PhaseName::Failed => "failed",
             PhaseName::Gone => "gone",
@@ -261,6 +265,8 @@ pub enum Recompute {
     PrefillWorkerLost,
     /// No prefill worker had joined when the prefill was due.
     NoPrefillWorker,
+    /// A live move's handoff failed (the KV computed on the new decode worker instead).
+    MoveFailed,
 }
 
 impl Recompute {
@@ -270,6 +276,26 @@ impl Recompute {
             Recompute::TransferFailed => "recomputed: transfer failed",
             Recompute::PrefillWorkerLost => "recomputed: prefill worker lost",
             Recompute::NoPrefillWorker => "recomputed: no prefill worker",
+            Recompute::MoveFailed => "recomputed: move failed",
+        }
+    }
+}
+
+/// Why a request moves off its decode worker live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum MoveWhy {
+    /// The worker drains (the planner removes it, or it was sent `SIGTERM`).
+    Draining,
+    /// The decode pool's KV is uneven: the fullest worker sheds sequences.
+    Rebalance,
+}
+
+impl MoveWhy {
+    /// The metrics label.
+    pub fn label(self) -> &'static str {
+        match self {
+            MoveWhy::Draining => "draining",
+            MoveWhy::Rebalance => "rebalance",
         }
     }
 }
@@ -298,6 +324,8 @@ pub enum Note {
     Refused,
     /// It left a lost decode worker for another.
     Migrated,
+    /// It left a decode worker live, its KV handed on (not computed again).
+    Moved(MoveWhy),
     /// Its prompt is recomputed on its decode worker.
     Recomputed(Recompute),
     /// The line's oldest request took a hold on a decode worker.
@@ -370,6 +398,35 @@ pub enum Action {
         /// The request id that worker knows it by.
         request: RequestId,
     },
+    /// Ask decode worker `worker` to pause `request` for a live move (its stream then says
+    /// [`Input::Paused`]; or [`Input::NotPaused`]).
+    Pause {
+        /// The decode worker.
+        worker: WorkerId,
+        /// The request id it knows.
+        request: RequestId,
+    },
+    /// Keep the current decode stream (of `request`, paused) aside: it holds the paused KV
+    /// until the handoff, and its [`Action::Release`] drops it. A new stream opens beside it.
+    Park {
+        /// The paused request's id.
+        request: RequestId,
+    },
+    /// Have decode worker `from` send paused `request`'s KV to decode worker `decode`, which
+    /// reserved the request (under its current id and prompt) and holds its first `skip`
+    /// tokens; answered as a prefill is ([`Input::PrefillDone`], [`Input::PrefillFailed`]).
+    Handoff {
+        /// The decode worker it leaves.
+        from: WorkerId,
+        /// The id `from` knows it by.
+        request: RequestId,
+        /// The decode worker it goes to.
+        decode: WorkerId,
+        /// Tokens `decode` holds already.
+        skip: u32,
+        /// `decode`'s ticket for the transfer.
+        ticket: types::TransferTicket,
+    },
     /// Forget a worker: it is unreachable or its engine failed.
     Remove(WorkerId),
     /// A decode worker made no progress: route nothing to it until its steps move again.
@@ -415,6 +472,16 @@ pub enum Input {
     DecodeLost,
     /// No token from the decode worker within the stall timeout.
     Stalled,
+    /// The decode worker is leaving (draining) or sheds sequences: move off it live, if
+    /// another decode worker can take the request.
+    Leave(MoveWhy),
+    /// The decode worker paused the request after `generated` tokens of this stream.
+    Paused {
+        /// Tokens this stream carried.
+        generated: u32,
+    },
+    /// The decode worker could not pause it (no longer decoding there).
+    NotPaused,
     /// The admission deadline passed while waiting for room.
     AdmissionDeadline,
     /// The request's deadline (`request_timeout`) passed.

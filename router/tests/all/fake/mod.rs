@@ -431,6 +431,23 @@ impl Decode for Fake {
         });
         Ok(Response::new(ReceiverStream::new(rx)))
     }
+
+    /// The fake pauses nothing: its requests finish where they are.
+    async fn pause(
+        &self,
+        _: Request<grpc::PauseRequest>,
+    ) -> Result<Response<grpc::PauseReply>, Status> {
+        Ok(Response::new(grpc::PauseReply { paused: false }))
+    }
+
+    async fn handoff(
+        &self,
+        _: Request<grpc::HandoffRequest>,
+    ) -> Result<Response<PrefillReply>, Status> {
+        Err(Status::unimplemented(
+            "the fake decode worker pauses nothing",
+        ))
+    }
 }
 
 /// The stream of a [`DecodeScript::Count`] worker: with a remote prefill, its reservation
