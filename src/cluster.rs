@@ -409,6 +409,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
             stall: std::time::Duration::from_millis(*cfg.router.stall_timeout_ms.get_ref()),
         },
         migration_limit: cfg.router.migration_limit,
+        kv_rebalance: Some(*cfg.router.kv_rebalance.get_ref()).filter(|&r| r > 0.0),
         limits: limits(&cfg)?,
         request_timeout: Duration::from_millis(*cfg.router.request_timeout_ms.get_ref()),
         scaling: scaling(&cfg),

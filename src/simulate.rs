@@ -154,6 +154,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
     }
     let horizon = planned.last().map_or(Duration::ZERO, |p| p.at);
     let config = sim::SimConfig {
+        kv_rebalance: Some(*cfg.router.kv_rebalance.get_ref()).filter(|&r| r > 0.0),
         model: shape,
         prefill: cfg
             .prefill

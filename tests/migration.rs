@@ -327,6 +327,262 @@ fn a_worker_sent_sigterm_moves_its_stream_live_and_exits() {
     c.wait_all_free(Duration::from_secs(5));
 }
 
+/// Under load: eight streams (greedy and seeded, 200 tokens each) over four decode workers, two
+/// of which are sent `SIGTERM` at once. Every stream ends with exactly its undisturbed tokens;
+/// the sequences those two held all move live (one move each, by the router's count; none
+/// migrated, none recomputed, none failed) and both workers exit within 10 s.
+#[test]
+fn two_of_four_decode_workers_drained_under_load_move_every_stream_exactly() {
+    let mut c = Cluster::start(EXE.as_ref(), 1, 4);
+    let n = 200;
+    let messages = [
+        "Tell me a story about a lighthouse keeper.",
+        "Write a poem about the sea.",
+        "Explain how a bicycle works.",
+        "Describe a walk through a forest in autumn.",
+    ];
+    let cases: Vec<(&str, Value, SamplingParams)> = (0..8)
+        .map(|i| {
+            let message = messages[i % 4];
+            match i % 2 {
+                0 => (
+                    message,
+                    json!({"temperature": 0, "max_tokens": n, "ignore_eos": true}),
+                    SamplingParams {
+                        ignore_eos: true,
+                        ..SamplingParams::greedy(n)
+                    },
+                ),
+                _ => (
+                    message,
+                    json!({"temperature": 0.9, "seed": i, "max_tokens": n, "ignore_eos": true}),
+                    SamplingParams {
+                        max_tokens: Some(n),
+                        temperature: 0.9,
+                        seed: i as u64,
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                ),
+            }
+        })
+        .collect();
+    let mut streams: Vec<(Response, String)> = cases
+        .iter()
+        .map(|(m, p, _)| {
+            let mut r = open_stream(&c, m, p.clone());
+            let text = read_chunks(&mut r, 2);
+            (r, text)
+        })
+        .collect();
+    // Every stream has started; the two busiest decode workers go, with what they hold.
+    let running = |w: &Value| w["stats"]["running"].as_u64().unwrap_or(0);
+    let mut busy: Vec<Value> = c
+        .workers()
+        .into_iter()
+        .filter(|w| w["role"] == "decode")
+        .collect();
+    busy.sort_by_key(|w| std::cmp::Reverse(running(w)));
+    let drained: Vec<(String, u64)> = busy[..2]
+        .iter()
+        .map(|w| (w["name"].as_str().unwrap().to_string(), running(w)))
+        .collect();
+    let held: u64 = drained.iter().map(|(_, r)| r).sum();
+    assert!(held >= 2, "the two busiest hold streams: {drained:?}");
+    let signalled = Instant::now();
+    for (name, _) in &drained {
+        c.signal_worker(name, libc::SIGTERM);
+    }
+    let (texts, exits) = std::thread::scope(|s| {
+        let readers: Vec<_> = streams
+            .iter_mut()
+            .map(|(r, text)| {
+                s.spawn(move || {
+                    let (rest, gap) = read_timed(r);
+                    (format!("{text}{rest}"), gap)
+                })
+            })
+            .collect();
+        let exits: Vec<_> = drained
+            .iter()
+            .map(|(name, _)| {
+                let status = c.wait_exit(name, Duration::from_secs(10));
+                (status, signalled.elapsed())
+            })
+            .collect();
+        let texts: Vec<_> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        (texts, exits)
+    });
+    for ((text, gap), (message, _, params)) in texts.iter().zip(&cases) {
+        assert_eq!(
+            text,
+            &engine_text(message, params.clone()),
+            "{message} {params:?}"
+        );
+        eprintln!("longest gap {gap:?}");
+    }
+    for (status, after) in &exits {
+        assert!(status.success(), "{status:?}");
+        eprintln!("exited {after:?} after SIGTERM");
+    }
+    let count = |series: &str| metric_at(c.operator, series);
+    assert_eq!(
+        count("tandem_router_moves_total{why=\"draining\"}"),
+        held as f64,
+        "each stream the drained workers held moved once: {drained:?}"
+    );
+    assert_eq!(count("tandem_router_migrations_total"), 0.0);
+    assert_eq!(
+        count("tandem_kv_transfer_failures_total"),
+        0.0,
+        "nothing recomputed"
+    );
+    let took = metric_sum(c.operator, "tandem_router_move_transfer_seconds_sum");
+    let moved = metric_sum(c.operator, "tandem_router_moved_kv_bytes_total");
+    // The bound a moved stream's longest gap is held to: its transfer plus two decode steps
+    // (the receivers' mean step, as their metrics measured it).
+    let (mut sum, mut steps) = (0.0, 0.0);
+    for w in c.workers().iter().filter(|w| w["role"] == "decode") {
+        let at: std::net::SocketAddr = w["metrics_endpoint"].as_str().unwrap().parse().unwrap();
+        sum += metric_sum(at, "tandem_decode_step_seconds_sum");
+        steps += metric_sum(at, "tandem_decode_step_seconds_count");
+    }
+    let step = sum / steps.max(1.0);
+    let longest = texts.iter().map(|(_, g)| *g).max().unwrap();
+    eprintln!(
+        "{held} moves: {moved} KV bytes, {:.1} ms a transfer; a decode step {:.1} ms; \
+         longest gap {longest:?} (bound: a transfer plus two steps, {:.1} ms)",
+        took / held as f64 * 1e3,
+        step * 1e3,
+        (took / held as f64 + 2.0 * step) * 1e3
+    );
+    c.wait_all_free(Duration::from_secs(5));
+}
+
+/// A decode pool driven to a KV imbalance — six 600-token streams on one decode worker, then
+/// two empty ones join (max/mean 3) — with `[router] kv_rebalance = 1.3` brings it under 1.3
+/// within a minute by live moves (the router's rebalances and moves counted), every stream
+/// exact; without it, it stays uneven (nothing moves). Each arm's ITL p99, from the router's
+/// histogram, is printed side by side.
+#[test]
+fn an_uneven_decode_pool_is_rebalanced_by_live_moves() {
+    for rebalance in [false, true] {
+        let line = if rebalance { "kv_rebalance = 1.3" } else { "" };
+        let mut c = Cluster::of(1, 1).router(line).start(EXE.as_ref());
+        let n = 600;
+        let messages = [
+            "Tell me a story about a lighthouse keeper.",
+            "Write a poem about the sea.",
+        ];
+        let mut streams: Vec<(Response, String, SamplingParams, &str)> = (0..6)
+            .map(|i| {
+                let message = messages[i % 2];
+                let params =
+                    json!({"temperature": 0.7, "seed": i, "max_tokens": n, "ignore_eos": true});
+                let mut r = open_stream(&c, message, params);
+                let text = read_chunks(&mut r, 1);
+                let want = SamplingParams {
+                    max_tokens: Some(n),
+                    temperature: 0.7,
+                    seed: i as u64,
+                    ignore_eos: true,
+                    ..Default::default()
+                };
+                (r, text, want, message)
+            })
+            .collect();
+        let cfg = c.config(&Cluster::of(1, 1));
+        for k in 0..2 {
+            c.add_worker("decode", &format!("decode-new-{k}"), &cfg);
+        }
+        c.wait_for(1, 3);
+        let ratio = |c: &Cluster| {
+            let used: Vec<f64> = c
+                .workers()
+                .iter()
+                .filter(|w| w["role"] == "decode")
+                .map(|w| {
+                    let s = &w["stats"];
+                    let total = s["kv_blocks_total"].as_f64().unwrap_or(0.0);
+                    total - s["kv_blocks_free"].as_f64().unwrap_or(0.0)
+                })
+                .collect();
+            let mean = used.iter().sum::<f64>() / used.len() as f64;
+            used.iter().cloned().fold(0.0, f64::max) / mean.max(1e-9)
+        };
+        let uneven = ratio(&c);
+        assert!(uneven >= 2.0, "driven uneven: max/mean {uneven:.2}");
+        let t0 = Instant::now();
+        let texts = std::thread::scope(|s| {
+            let readers: Vec<_> = streams
+                .iter_mut()
+                .map(|(r, text, _, _)| s.spawn(move || format!("{text}{}", read_timed(r).0)))
+                .collect();
+            if rebalance {
+                tandem_tests::wait_until("max/mean under 1.3", Duration::from_secs(60), || {
+                    ratio(&c) < 1.3
+                });
+                eprintln!(
+                    "rebalanced from {uneven:.2} to under 1.3 in {:?}",
+                    t0.elapsed()
+                );
+            }
+            readers
+                .into_iter()
+                .map(|r| r.join().unwrap())
+                .collect::<Vec<_>>()
+        });
+        for (text, (_, _, want, message)) in texts.iter().zip(&streams) {
+            assert_eq!(
+                text,
+                &engine_text(message, want.clone()),
+                "{message} {want:?}"
+            );
+        }
+        let count = |series: &str| metric_at(c.operator, series);
+        let moves = count("tandem_router_moves_total{why=\"rebalance\"}");
+        let rebalances = count("tandem_router_rebalances_total");
+        match rebalance {
+            true => assert!(moves >= 2.0 && rebalances >= 1.0, "{moves} moves"),
+            false => assert_eq!(moves + rebalances, 0.0),
+        }
+        assert_eq!(count("tandem_router_migrations_total"), 0.0);
+        assert_eq!(
+            count("tandem_kv_transfer_failures_total"),
+            0.0,
+            "nothing recomputed"
+        );
+        eprintln!(
+            "kv_rebalance {}: {moves} moves; ITL p99 {:.1} ms",
+            if rebalance { "1.3" } else { "off" },
+            itl_p99(&c) * 1e3
+        );
+        c.wait_all_free(Duration::from_secs(5));
+    }
+}
+
+/// The router's ITL p99, from its histogram's buckets (the upper bound of the bucket it falls
+/// in).
+fn itl_p99(c: &Cluster) -> f64 {
+    let (_, text) = tandem_tests::cluster::get(c.operator, "/metrics").unwrap();
+    let buckets: Vec<(f64, f64)> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("tandem_router_itl_seconds_bucket{le=\"")?;
+            let (le, count) = rest.split_once("\"} ")?;
+            Some((
+                le.parse().unwrap_or(f64::INFINITY),
+                count.trim().parse().ok()?,
+            ))
+        })
+        .collect();
+    let total = buckets.last().map_or(0.0, |b| b.1);
+    buckets
+        .iter()
+        .find(|(_, n)| *n >= 0.99 * total)
+        .map_or(f64::NAN, |b| b.0)
+}
+
 /// A worker still holding a stream at its drain deadline (`drain_timeout_ms`) exits then: the
 /// stream goes on on the other decode worker and ends with exactly the undisturbed tokens —
 /// migrated when the worker left before the router could move it live (100 ms is less than a

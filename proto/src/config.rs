@@ -280,6 +280,11 @@ pub struct RouterSection {
     /// or stalls mid-stream (0: never; the client gets an error event).
     #[serde(default = "default_migration_limit")]
     pub migration_limit: u32,
+    /// Rebalance the decode pool's KV by live moves: when its fullest worker holds at least
+    /// this many times the pool's mean (KV blocks in use), it sheds sequences to the others
+    /// (0: off; otherwise above 1).
+    #[serde(default = "default_kv_rebalance")]
+    pub kv_rebalance: Spanned<f64>,
     /// A worker holding work whose engine runs no step for this long — or a stream that gets no
     /// token for this long — is stalled: its requests migrate, and it is not routed to until
     /// its engine moves again.
@@ -345,6 +350,10 @@ fn default_migration_limit() -> u32 {
     1
 }
 
+fn default_kv_rebalance() -> Spanned<f64> {
+    Spanned::new(0..0, 0.0)
+}
+
 fn default_stall_timeout_ms() -> Spanned<u64> {
     Spanned::new(0..0, 10_000)
 }
@@ -379,6 +388,7 @@ impl Default for RouterSection {
             prefill_slack_ms: default_prefill_slack_ms(),
             tier_weights: None,
             migration_limit: default_migration_limit(),
+            kv_rebalance: default_kv_rebalance(),
             stall_timeout_ms: default_stall_timeout_ms(),
             heartbeat_timeout_ms: default_heartbeat_timeout_ms(),
             request_timeout_ms: default_request_timeout_ms(),

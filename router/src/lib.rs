@@ -76,6 +76,9 @@ pub struct RouterConfig {
     pub liveness: registry::Liveness,
     /// How many times a request may move to another decode worker when its own is lost.
     pub migration_limit: u32,
+    /// Rebalance the decode pool's KV by live moves past this ratio of the fullest worker's to
+    /// the mean (`None`: off).
+    pub kv_rebalance: Option<f64>,
     /// The HTTP surface's limits (API keys, sizes, connections).
     pub limits: guard::Limits,
     /// How long a request may take from arrival to its last token.
@@ -419,6 +422,9 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), 
     if let Some(d) = &cfg.discovery {
         members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);
     }
+    if let Some(trigger) = cfg.kv_rebalance {
+        tokio::spawn(rebalance(state.clone(), trigger));
+    }
     if !cfg.scaling.is_empty() {
         // With etcd, one planner acts at a time: the others follow until the leader is gone.
         let leader = cfg.discovery.as_ref().map(|d| {
@@ -438,6 +444,20 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), 
         r = front::serve(http_l, app, cfg.limits.caps()) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = front::serve(op_l, ops, cfg.limits.caps()) => r.map_err(|e| RouterError::Serve(e.to_string())),
         r = control => r.map_err(|e| RouterError::Serve(e.to_string())),
+    }
+}
+
+/// Rebalances the decode pool's KV every second (see [`core::Rebalancer`]).
+async fn rebalance(state: Arc<State>, trigger: f64) {
+    let mut r = core::Rebalancer::new(trigger);
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        if let Some(shed) = state.registry.rebalance(&mut r, std::time::Instant::now()) {
+            metrics::counter!("tandem_router_rebalances_total").increment(1);
+            metrics::counter!("tandem_router_rebalance_shed_total")
+                .increment(shed.sequences as u64);
+        }
     }
 }
 
@@ -524,6 +544,8 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_needed_replicas", Gauge, "Replicas the demand needs: observed now (horizon=now) and predicted a start-up ahead on its trend (horizon=lead)."),
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
+    ("tandem_router_rebalances_total", Counter, "Times the decode pool's fullest worker was asked to shed sequences ([router] kv_rebalance: its KV in use past that ratio to the pool's mean)."),
+    ("tandem_router_rebalance_shed_total", Counter, "Sequences the rebalancer asked to move off the fullest decode worker."),
     ("tandem_router_moves_total", Counter, "Requests moved off a decode worker live (paused, their KV handed to another decode worker, nothing computed again), by why (draining, rebalance)."),
     ("tandem_router_moved_kv_bytes_total", Counter, "KV bytes live moves handed from one decode worker to another, by transport."),
     ("tandem_router_move_transfer_seconds", Histogram, "A live move's handoff: the old decode worker's KV transfer to the new one's ack, by transport."),

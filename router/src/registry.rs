@@ -17,7 +17,7 @@ use tonic::{Request, Response, Status};
 use types::WorkerId;
 
 pub use crate::core::{InFlight, Liveness, Picked, Route, Worker};
-use crate::core::{JoinRefused, Table};
+use crate::core::{JoinRefused, MoveWhy, Shed, Table};
 use crate::routing::{Policy, Routing};
 
 /// All joined workers.
@@ -173,18 +173,37 @@ impl Registry {
         self.drains.send_modify(|v| *v += 1);
     }
 
-    /// Resolves when worker `id` drains (never while it does not, nor once it has left the
-    /// table: [`Registry::lost`] says that). Wakes when any worker starts to drain; never polls.
-    pub async fn leaving(&self, id: WorkerId) {
+    /// Resolves when a request decoding on worker `id` is to move off it, and why: the worker
+    /// drains, or the rebalancer asked it to shed a sequence and this call took one up (never
+    /// while neither, nor once it has left the table: [`Registry::lost`] says that). Wakes
+    /// when any worker starts to drain or is asked to shed; never polls.
+    pub async fn leaving(&self, id: WorkerId) -> MoveWhy {
         let mut drains = self.drains.subscribe();
         loop {
-            if self.with(|t| t.get(id).is_some_and(|w| w.draining)) {
-                return;
+            let why = self.with(|t| {
+                if t.get(id).is_some_and(|w| w.draining) {
+                    Some(MoveWhy::Draining)
+                } else {
+                    t.claim_shed(id).then_some(MoveWhy::Rebalance)
+                }
+            });
+            if let Some(why) = why {
+                return why;
             }
             if drains.changed().await.is_err() {
                 return std::future::pending().await;
             }
         }
+    }
+
+    /// The rebalancer's decision at `now`, if any: the requests on the fullest decode worker
+    /// are woken to take it up.
+    pub fn rebalance(&self, r: &mut crate::core::Rebalancer, now: Instant) -> Option<Shed> {
+        let shed = self.with(|t| r.decide(t, now));
+        if shed.is_some() {
+            self.drains.send_modify(|v| *v += 1);
+        }
+        shed
     }
 
     /// Forgets a worker at once (e.g. its connection broke), and its cache.

@@ -209,16 +209,21 @@ impl Lost {
     }
 }
 
-/// The departure of the decode worker a request decodes on (it drains), told once a worker.
+/// A request's call to leave the decode worker it decodes on (it drains, or sheds load), told
+/// once a worker.
 #[derive(Default)]
 struct Leaving {
     told: Option<WorkerId>,
-    watch: Option<(WorkerId, Pin<Box<dyn Future<Output = ()> + Send>>)>,
+    watch: Option<(
+        WorkerId,
+        Pin<Box<dyn Future<Output = core::MoveWhy> + Send>>,
+    )>,
 }
 
 impl Leaving {
-    /// Resolves when `worker` starts to drain, once for each worker (never without one).
-    async fn watch(&mut self, worker: Option<WorkerId>, registry: &Arc<Registry>) {
+    /// Resolves when the request is to leave `worker`, and why: once for each worker (never
+    /// without one).
+    async fn watch(&mut self, worker: Option<WorkerId>, registry: &Arc<Registry>) -> core::MoveWhy {
         let Some(w) = worker.filter(|&w| self.told != Some(w)) else {
             self.watch = None;
             return std::future::pending().await;
@@ -228,9 +233,10 @@ impl Leaving {
             self.watch = Some((w, Box::pin(async move { registry.leaving(w).await })));
         }
         let (_, leaving) = self.watch.as_mut().expect("set above");
-        leaving.as_mut().await;
+        let why = leaving.as_mut().await;
         self.watch = None;
         self.told = Some(w);
+        why
     }
 }
 
@@ -567,7 +573,7 @@ impl Driver {
             _ = &mut self.deadline => Input::Timeout,
             _ = lost => Input::DecodeLost,
             _ = prefill_lost => Input::PrefillLost,
-            _ = leaving => Input::Leave(core::MoveWhy::Draining),
+            why = leaving => Input::Leave(why),
             _ = sleep_until(stall) => Input::Stalled,
             r = tokio::time::timeout_at(admit_by, changes.changed()), if reserving => match r {
                 Ok(_) => Input::Changed,

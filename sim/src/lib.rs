@@ -107,6 +107,9 @@ pub struct SimConfig {
     pub faults: Vec<Fault>,
     /// The cluster KV store the workers use (none: no store).
     pub store: Option<StoreSpec>,
+    /// Rebalance the decode pool's KV by live moves past this ratio (`[router] kv_rebalance`;
+    /// none: off): the router's own [`router::core::Rebalancer`], run on decode heartbeats.
+    pub kv_rebalance: Option<f64>,
 }
 
 /// The router's failure detection (`[router]` and `[kv_transfer]` of cluster.toml) and where
@@ -371,6 +374,8 @@ pub struct Sim {
     poking: Option<(usize, usize)>,
     /// Workers the planner let go that still hold requests.
     draining: Vec<usize>,
+    /// The decode pool's KV rebalancer (`kv_rebalance`).
+    rebalancer: Option<router::core::Rebalancer>,
     result: SimResult,
     /// The virtual clock's zero as an instant.
     base: Instant,
@@ -449,6 +454,7 @@ impl Sim {
             waiting: Vec::new(),
             poking: None,
             draining: Vec::new(),
+            rebalancer: cfg.kv_rebalance.map(router::core::Rebalancer::new),
             result: SimResult::default(),
             base: Instant::now(),
             tick_every: Duration::from_secs(1),

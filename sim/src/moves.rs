@@ -25,6 +25,30 @@ impl Sim {
         }
     }
 
+    /// The router's rebalancer, after a decode worker's heartbeat: the requests decoding on
+    /// the worker it asks to shed take it up, as many as it asked for.
+    pub(crate) fn rebalance(&mut self) {
+        let now = self.instant();
+        let Some(shed) = self
+            .rebalancer
+            .as_mut()
+            .and_then(|r| r.decide(&mut self.table, now))
+        else {
+            return;
+        };
+        for r in 0..self.reqs.len() {
+            let Some(core) = self.reqs[r].core.as_ref().filter(|c| !c.ended()) else {
+                continue;
+            };
+            let on =
+                matches!(core.phase(), Phase::Decoding { decode } if decode.worker == shed.worker);
+            if on && self.table.claim_shed(shed.worker) {
+                let rid = core.id();
+                self.input(r, rid, Input::Leave(MoveWhy::Rebalance), self.now);
+            }
+        }
+    }
+
     /// The router's pause of request `req`'s try `id` reaches decode worker `w`: taken between
     /// its steps.
     pub(crate) fn pause_at(&mut self, req: usize, id: RequestId, w: usize) {

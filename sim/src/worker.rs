@@ -126,6 +126,9 @@ impl Sim {
         if wk.pool == Pool::Decode && !wk.draining && !self.waiting.is_empty() {
             self.poke(Some(w));
         }
+        if self.workers[w].pool == Pool::Decode {
+            self.rebalance();
+        }
     }
 
     /// Sends worker `w`'s heartbeat (its cache's events since the last, or `kv`).

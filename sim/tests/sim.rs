@@ -32,6 +32,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         liveness: sim::Liveness::default(),
         faults: Vec::new(),
         store: None,
+        kv_rebalance: None,
     }
 }
 

@@ -132,6 +132,14 @@ impl Ctx<'_> {
         )?;
         self.at_least(&r.stall_timeout_ms, "router.stall_timeout_ms", 1000, beats)?;
         self.positive(&r.request_timeout_ms, "router.request_timeout_ms")?;
+        let rebalance = *r.kv_rebalance.get_ref();
+        if rebalance != 0.0 && !(rebalance > 1.0 && rebalance.is_finite()) {
+            return self.err(
+                r.kv_rebalance.span(),
+                "router.kv_rebalance",
+                format!("{rebalance}: 0 (off) or a ratio of the fullest worker's KV to the mean above 1"),
+            );
+        }
         if let Some(w) = &r.tier_weights {
             let n = w.get_ref().len();
             if !(2..=3).contains(&n) || !w.get_ref().iter().all(|x| (0.0..=1.0).contains(x)) {

@@ -14,8 +14,11 @@
 //!   stream, start a prefill, cancel, emit a token) — reserving, refusals, the local-prefill
 //!   rule, recomputation and migration, in one place; a live move off a decode worker
 //!   (paused there, its KV handed to another) in `request::moving`.
+//! - [`Rebalancer`]: when the decode pool's KV is uneven, the fullest worker sheds sequences,
+//!   which move live.
 
 mod line;
+mod rebalance;
 mod request;
 mod table;
 #[cfg(test)]
@@ -23,6 +26,7 @@ mod tests;
 mod vocab;
 
 pub use line::{Eligible, Line, HOLD_AFTER};
+pub use rebalance::{Rebalancer, Shed, SETTLE};
 pub use request::Request;
 pub use table::{
     Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker,

@@ -67,6 +67,10 @@ pub struct Worker {
     /// The KV blocks it said it has when it joined: the most the KV index holds for it.
     #[serde(skip)]
     pub kv_capacity: u64,
+    /// Decode: sequences the rebalancer asked to move off it that no request has taken up yet
+    /// ([`Table::claim_shed`]).
+    #[serde(skip)]
+    pub shed: u32,
 }
 
 fn offers<S: Serializer>(o: &[KvOffer], s: S) -> Result<S::Ok, S::Error> {
@@ -334,6 +338,25 @@ impl Table {
             tracing::warn!(worker = %id, "worker removed");
         }
         here
+    }
+
+    /// Asks `n` of the sequences decoding on worker `id` to move off it (the rebalancer).
+    pub fn shed(&mut self, id: WorkerId, n: u32) {
+        if let Some(w) = self.get_mut(id) {
+            w.shed = n;
+        }
+    }
+
+    /// Whether a request decoding on worker `id` is to move off it: one of those the
+    /// rebalancer asked for, taken up by this call.
+    pub fn claim_shed(&mut self, id: WorkerId) -> bool {
+        match self.get_mut(id) {
+            Some(w) if w.shed > 0 && w.usable() => {
+                w.shed -= 1;
+                true
+            }
+            _ => false,
+        }
     }
 
     /// Stops routing new requests to worker `id` (it is being drained).
@@ -616,6 +639,7 @@ fn joined(id: WorkerId, pool: Pool, j: JoinRequest, now: Instant) -> Worker {
             ..Default::default()
         },
         in_flight: Arc::new(AtomicUsize::new(0)),
+        shed: 0,
         queued_tokens: Arc::new(AtomicU64::new(0)),
         stalled: false,
         beats: 0,

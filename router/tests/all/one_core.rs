@@ -188,6 +188,7 @@ fn simulated() -> Vec<Trace> {
             Duration::ZERO,
         ),
         store: None,
+        kv_rebalance: None,
     };
     let req = |ms, prompt, output| sim::SimRequest {
         at: Duration::from_millis(ms),
