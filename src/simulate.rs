@@ -308,7 +308,8 @@ pub fn simulate(
     report["simulation"] = serde_json::json!({
         "wall_s": wall, "steps": r.steps, "kv_bytes": r.kv_bytes,
         "worker_seconds": r.worker_seconds, "prefill_decisions": r.decisions,
-        "migrations": r.migrations, "deaths": r.deaths, "stalls": r.stalls,
+        "migrations": r.migrations, "moves": r.moves, "moves_stayed": r.moves_stayed,
+        "deaths": r.deaths, "stalls": r.stalls,
         "admission_holds": r.admission_holds,
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "store_hits": r.store_hits,

@@ -59,9 +59,11 @@ enum Cmd {
         events: EventTx,
     },
     Kv(KvEvent),
-    /// Pause a decoding request for a live move; whether it was decoding here.
+    /// Pause a decoding request for a live move (whether it was decoding here), or resume a
+    /// paused one (whether it was paused).
     Pause {
         id: RequestId,
+        resume: bool,
         reply: oneshot::Sender<bool>,
     },
     /// A paused request's KV for a handoff: after the receiver's first `skip` tokens, for a
@@ -254,8 +256,12 @@ impl worker::Role for Decoder {
                 events,
             } => self.generate((req, *params), events, draining),
             Cmd::Kv(ev) => self.kv(ev),
-            Cmd::Pause { id, reply } => {
-                let _ = reply.send(self.pause(id));
+            Cmd::Pause { id, resume, reply } => {
+                let done = match resume {
+                    true => self.engine.resume(id),
+                    false => self.pause(id),
+                };
+                let _ = reply.send(done);
             }
             Cmd::Export {
                 id,
@@ -437,8 +443,9 @@ impl Decode for Service {
     }
 
     async fn pause(&self, req: Request<PauseRequest>) -> Result<Response<PauseReply>, Status> {
-        let id = RequestId(req.into_inner().request_id);
-        let paused = self.ask(|reply| Cmd::Pause { id, reply }).await?;
+        let req = req.into_inner();
+        let (id, resume) = (RequestId(req.request_id), req.resume);
+        let paused = self.ask(|reply| Cmd::Pause { id, resume, reply }).await?;
         Ok(Response::new(PauseReply { paused }))
     }
 

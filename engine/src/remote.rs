@@ -284,6 +284,17 @@ impl Engine {
         Some(generated)
     }
 
+    /// Resumes paused request `id` (its move found no room elsewhere): it steps again from where
+    /// it paused. Whether it was paused.
+    pub fn resume(&mut self, id: RequestId) -> bool {
+        let Some(i) = self.paused.iter().position(|s| s.id == id) else {
+            return false;
+        };
+        let seq = self.paused.remove(i);
+        self.running.push(seq);
+        true
+    }
+
     /// A paused request's KV for a receiver that reserved it with prompt = its `n_tokens`
     /// tokens and holds the first `skip` (one buffer per layer, the layout of
     /// [`crate::KvCache::read_range`]): the tokens after `skip` but the newest, whose KV the

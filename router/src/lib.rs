@@ -547,6 +547,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_router_rebalances_total", Counter, "Times the decode pool's fullest worker was asked to shed sequences ([router] kv_rebalance: its KV in use past that ratio to the pool's mean)."),
     ("tandem_router_rebalance_shed_total", Counter, "Sequences the rebalancer asked to move off the fullest decode worker."),
     ("tandem_router_moves_total", Counter, "Requests moved off a decode worker live (paused, their KV handed to another decode worker, nothing computed again), by why (draining, rebalance)."),
+    ("tandem_router_moves_stayed_total", Counter, "Live moves that found no decode worker with room in time: the request resumed where it was paused."),
     ("tandem_router_moved_kv_bytes_total", Counter, "KV bytes live moves handed from one decode worker to another, by transport."),
     ("tandem_router_move_transfer_seconds", Histogram, "A live move's handoff: the old decode worker's KV transfer to the new one's ack, by transport."),
     ("tandem_router_prefill_call_failures_total", Counter, "Prefill calls that ended in an error (the prompt recomputed, or its KV already arrived and only the reply was lost)."),

@@ -312,7 +312,16 @@ impl Driver {
                 self.cancel_on(worker, request);
                 None
             }
-            Action::Pause { worker, request } => self.pause(worker, request).await,
+            Action::Pause { worker, request } => self.pause(worker, request, false).await,
+            Action::Resume { worker, request } => {
+                if let Some((_, s)) = self.parked.take().filter(|(id, _)| *id == request) {
+                    self.stream = Some(s);
+                }
+                // A failed resume shows on the stream (it ends, or no token comes: the request
+                // migrates).
+                let _ = self.pause(worker, request, true).await;
+                None
+            }
             Action::Park { request } => {
                 self.parked = self.stream.take().map(|s| (request, s));
                 None
@@ -363,6 +372,7 @@ impl Driver {
             Note::Moved(why) => {
                 metrics::counter!("tandem_router_moves_total", "why" => why.label()).increment(1)
             }
+            Note::Stayed => metrics::counter!("tandem_router_moves_stayed_total").increment(1),
             Note::Recomputed(_) => {
                 metrics::counter!("tandem_kv_transfer_failures_total").increment(1)
             }
@@ -489,7 +499,8 @@ impl Driver {
 
     /// Asks decode worker `w` to pause `request` for a move: once paused, the stream says so
     /// after its last token ([`Input::Paused`]); else [`Input::NotPaused`] at once.
-    async fn pause(&mut self, w: WorkerId, request: RequestId) -> Option<Input> {
+    /// With `resume`, resumes it instead.
+    async fn pause(&mut self, w: WorkerId, request: RequestId, resume: bool) -> Option<Input> {
         let Some(channel) = self
             .known(w)
             .and_then(|k| self.state.channel(&k.endpoint).ok())
@@ -499,6 +510,7 @@ impl Driver {
         let mut client = DecodeClient::new(channel);
         let call = client.pause(grpc::PauseRequest {
             request_id: request.0,
+            resume,
         });
         match tokio::time::timeout(CANCEL_WAIT, call).await {
             Ok(Ok(r)) if r.get_ref().paused => None,

@@ -204,6 +204,8 @@ pub struct SimResult {
     pub migrations: u64,
     /// Requests moved off a decode worker live (paused, their KV handed to another).
     pub moves: u64,
+    /// Moves that found no room in time (the request resumed where it was).
+    pub moves_stayed: u64,
     /// Decode workers held for the oldest request waiting for room.
     pub admission_holds: u64,
     /// Workers that died, and that the router found stalled.

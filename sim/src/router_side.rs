@@ -131,6 +131,13 @@ impl Sim {
                 }
                 // The simulator's streams are the core's phases: nothing to keep aside.
                 Action::Park { .. } => {}
+                Action::Resume { worker, request } => {
+                    let w = widx(worker);
+                    if self.workers[w].stopped.is_none() {
+                        self.workers[w].engine.resume(request);
+                        self.kick(w);
+                    }
+                }
                 Action::Handoff {
                     from,
                     request,
@@ -224,6 +231,7 @@ impl Sim {
             }
             Note::Migrated => self.result.migrations += 1,
             Note::Moved(_) => self.result.moves += 1,
+            Note::Stayed => self.result.moves_stayed += 1,
             Note::Recomputed(why) => *self.result.decisions.entry(why.label()).or_default() += 1,
             Note::Held => self.result.admission_holds += 1,
             Note::Refused => self.reqs[r].refusals += 1,

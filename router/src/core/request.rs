@@ -223,6 +223,7 @@ impl Request {
 
     /// Reserving's inputs.
     fn reserving(&mut self, now: Instant, input: Input, cx: &mut Cx<'_>, out: &mut Vec<Action>) {
+        let handing = self.handing();
         let Phase::Reserving {
             asking, refused, ..
         } = &mut self.phase
@@ -231,6 +232,10 @@ impl Request {
         };
         match (input, asking.take()) {
             (Input::Changed, None) => self.reserve(now, cx, out),
+            (Input::AdmissionDeadline, None) if handing => {
+                self.leave_line(cx);
+                self.stay(out);
+            }
             (Input::AdmissionDeadline, None) => {
                 let e = no_room(cx);
                 self.leave_line(cx);

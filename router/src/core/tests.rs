@@ -191,6 +191,20 @@ fn a_request_told_to_leave_is_paused_reserved_elsewhere_and_handed_over() {
     let acts = r.handle(t0, Input::Leave(MoveWhy::Draining), &mut cx);
     assert!(acts.is_empty(), "nowhere to go: {acts:?}");
     let b = decode_worker(cx.table, "decode-b", t0);
+    let room = |free| Heartbeat {
+        worker_id: b.0,
+        load: Some(grpc::WorkerLoad {
+            kv_blocks_free: free,
+            kv_blocks_total: 64,
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    // Nor while the other has no room for it, by its last heartbeat.
+    cx.table.beat(room(0), t0).unwrap();
+    let acts = r.handle(t0, Input::Leave(MoveWhy::Draining), &mut cx);
+    assert!(acts.is_empty(), "no room elsewhere: {acts:?}");
+    cx.table.beat(room(64), t0).unwrap();
     let acts = r.handle(t0, Input::Leave(MoveWhy::Draining), &mut cx);
     assert!(
         matches!(acts[..], [Action::Pause { worker, request }] if worker == a && request == old),
@@ -287,4 +301,27 @@ fn a_request_told_to_leave_is_paused_reserved_elsewhere_and_handed_over() {
         "{acts:?}"
     );
     assert_eq!(cx.table.get(a).unwrap().in_flight(), 0);
+
+    // A move that finds no room in time resumes where it was, under its old id.
+    let mut r = start(&mut cx);
+    let old = r.id();
+    r.handle(t0, Input::Leave(MoveWhy::Rebalance), &mut cx);
+    r.handle(t0, Input::Paused { generated: 2 }, &mut cx);
+    let t = t0 + Duration::from_millis(1);
+    r.handle(t, Input::OpenFailed(Cause::Full, "full".into()), &mut cx);
+    assert!(matches!(r.phase(), Phase::Reserving { .. }));
+    let acts = r.handle(r.admit_by(), Input::AdmissionDeadline, &mut cx);
+    assert!(
+        acts.iter().any(
+            |x| matches!(x, Action::Resume { worker, request } if *worker == a && *request == old)
+        ),
+        "{acts:?}"
+    );
+    assert!(matches!(r.phase(), Phase::Decoding { decode } if decode.worker == a));
+    assert_eq!(r.id(), old);
+    assert_eq!(
+        cx.table.get(a).unwrap().in_flight(),
+        1,
+        "still held where it was"
+    );
 }

@@ -326,6 +326,8 @@ pub enum Note {
     Migrated,
     /// It left a decode worker live, its KV handed on (not computed again).
     Moved(MoveWhy),
+    /// A move found no room elsewhere in time: it resumed where it was paused.
+    Stayed,
     /// Its prompt is recomputed on its decode worker.
     Recomputed(Recompute),
     /// The line's oldest request took a hold on a decode worker.
@@ -426,6 +428,14 @@ pub enum Action {
         skip: u32,
         /// `decode`'s ticket for the transfer.
         ticket: types::TransferTicket,
+    },
+    /// Resume paused `request` on decode worker `worker` (a move that found no room): its
+    /// parked stream is the request's stream again, and the worker steps it again.
+    Resume {
+        /// The decode worker.
+        worker: WorkerId,
+        /// The id it knows the request by.
+        request: RequestId,
     },
     /// Forget a worker: it is unreachable or its engine failed.
     Remove(WorkerId),

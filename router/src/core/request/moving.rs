@@ -15,7 +15,7 @@
 //! sequence until the handoff is done (its parked stream holds it); a handoff that fails is
 //! computed on the new worker instead ([`Recompute::MoveFailed`]).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use proto::Pool;
 use types::RequestId;
@@ -27,6 +27,9 @@ use crate::openai::ApiError;
 /// Moves a request may make (beyond, it finishes where it is, or migrates when that worker
 /// goes away).
 pub const MOVE_LIMIT: u32 = 4;
+
+/// How long a move waits for room elsewhere before the request resumes where it was.
+pub const MOVE_WAIT: Duration = Duration::from_secs(2);
 
 /// Where a move stands.
 #[derive(Debug)]
@@ -50,10 +53,15 @@ impl Request {
             return;
         };
         let from = decode.worker;
-        let elsewhere = cx
-            .table
-            .pool(Pool::Decode)
-            .any(|w| w.id != from && w.usable() && !self.avoid.contains(&w.id));
+        // Room for all it will hold, by the last heartbeats.
+        let tokens = self.prompt_len + self.max_tokens.map_or(self.streamed.len(), |m| m as usize);
+        let pages = tokens.div_ceil(cx.table.block_size().max(1)) as u32;
+        let elsewhere = cx.table.pool(Pool::Decode).any(|w| {
+            w.id != from
+                && w.usable()
+                && !self.avoid.contains(&w.id)
+                && w.load.kv_blocks_free >= pages
+        });
         if self.moving.is_some() || self.moves >= MOVE_LIMIT || !elsewhere {
             return;
         }
@@ -95,8 +103,26 @@ impl Request {
         self.pin = None;
         self.moving = Some(Moving::From { held, id: self.id });
         self.restart(now, cx);
+        self.admit_by = now + MOVE_WAIT.min(cx.settings.admission_wait);
         self.go(reserving(), out);
         self.reserve(now, cx, out);
+    }
+
+    /// No decode worker had room for a move within [`MOVE_WAIT`]: the request resumes where it
+    /// was paused, on its parked stream.
+    pub(super) fn stay(&mut self, out: &mut Vec<Action>) {
+        let Some(Moving::From { held, id }) = self.moving.take() else {
+            unreachable!("handing off");
+        };
+        tracing::debug!(request = %id, "no room to move to: resuming where it was");
+        out.push(Action::Note(Note::Stayed));
+        out.push(Action::Resume {
+            worker: held.worker,
+            request: id,
+        });
+        self.avoid.retain(|&w| w != held.worker);
+        self.id = id;
+        self.go(Phase::Decoding { decode: held }, out);
     }
 
     /// Whether the request is reserving for a move's handoff (the new worker must take the
