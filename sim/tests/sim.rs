@@ -656,3 +656,39 @@ fn swap_beats_recompute_under_decode_pressure_on_the_h200_preset() {
         );
     }
 }
+
+/// The planner lets decode workers go while they decode long answers: their sequences move
+/// live to the worker it keeps (the router core's own moves: paused, reserved there, the KV
+/// over the link), none recomputed, migrated or failed, and each answer whole.
+#[test]
+fn the_planner_scaling_down_moves_live_sequences_off_the_workers_it_lets_go() {
+    let mut cfg = cluster(1, 3);
+    cfg.scaling = vec![router::planner::Scaling {
+        pool: proto::Pool::Decode,
+        target: Duration::from_millis(200),
+        min: 1,
+        max: 3,
+        initial: 3,
+        tick: Duration::from_millis(100),
+        cooldown: Duration::from_millis(500),
+        window: Duration::from_secs(1),
+    }];
+    let reqs: Vec<SimRequest> = (0..3)
+        .map(|i| request(10 * i, (0..40).map(|t| 2000 * i as u32 + t + 300).collect(), 3000))
+        .collect();
+    let r = Sim::new(cfg, reqs).unwrap().run();
+    for o in &r.outcomes {
+        assert_eq!(o.error, None);
+        assert_eq!(o.tokens, 3000);
+    }
+    assert!(r.moves >= 1, "moved: {}", r.moves);
+    assert_eq!(r.moves_stayed, 0);
+    assert_eq!(r.migrations, 0);
+    assert!(
+        !r.decisions.keys().any(|k| k.starts_with("recomputed")),
+        "{:?}",
+        r.decisions
+    );
+    let downs = r.series.iter().filter(|s| s.action == router::planner::Action::Down);
+    assert!(downs.count() >= 1);
+}

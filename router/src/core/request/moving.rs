@@ -47,7 +47,8 @@ pub enum Moving {
 
 impl Request {
     /// Decoding's [`Input::Leave`]: asks the decode worker to pause the request, unless it
-    /// moved too often or no other decode worker could take it (then it finishes there).
+    /// moved too often, no other decode worker has room for it, or requests wait for room
+    /// (then it finishes there: a draining worker's capacity serves until it is done).
     pub(super) fn leave(&mut self, why: MoveWhy, cx: &Cx<'_>, out: &mut Vec<Action>) {
         let Phase::Decoding { decode } = &self.phase else {
             return;
@@ -62,7 +63,9 @@ impl Request {
                 && !self.avoid.contains(&w.id)
                 && w.load.kv_blocks_free >= pages
         });
-        if self.moving.is_some() || self.moves >= MOVE_LIMIT || !elsewhere {
+        // Requests waiting for room come first: the pool has none to spare for a move.
+        let waiting = !cx.table.line.is_empty();
+        if self.moving.is_some() || self.moves >= MOVE_LIMIT || !elsewhere || waiting {
             return;
         }
         tracing::debug!(request = %self.id, why = why.label(), "asking to pause for a move");
