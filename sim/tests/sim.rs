@@ -674,7 +674,13 @@ fn the_planner_scaling_down_moves_live_sequences_off_the_workers_it_lets_go() {
         window: Duration::from_secs(1),
     }];
     let reqs: Vec<SimRequest> = (0..3)
-        .map(|i| request(10 * i, (0..40).map(|t| 2000 * i as u32 + t + 300).collect(), 3000))
+        .map(|i| {
+            request(
+                10 * i,
+                (0..40).map(|t| 2000 * i as u32 + t + 300).collect(),
+                3000,
+            )
+        })
         .collect();
     let r = Sim::new(cfg, reqs).unwrap().run();
     for o in &r.outcomes {
@@ -689,6 +695,9 @@ fn the_planner_scaling_down_moves_live_sequences_off_the_workers_it_lets_go() {
         "{:?}",
         r.decisions
     );
-    let downs = r.series.iter().filter(|s| s.action == router::planner::Action::Down);
+    let downs = r
+        .series
+        .iter()
+        .filter(|s| s.action == router::planner::Action::Down);
     assert!(downs.count() >= 1);
 }

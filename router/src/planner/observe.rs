@@ -254,7 +254,12 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
     let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
         live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
     };
-    let used = decode(|l| l.kv_blocks_total.saturating_sub(l.kv_blocks_free));
+    // The KV draining workers still hold is demand too: it moves to the live ones (or is
+    // served where it is until it ends).
+    let used = table
+        .pool(Pool::Decode)
+        .map(|w| w.load.kv_blocks_total.saturating_sub(w.load.kv_blocks_free) as u64)
+        .sum::<u64>();
     let (admitted, hit) = watch.engines.read(table.pool(Pool::Prefill));
     let hit_share = match (
         watch.admitted.observe(now, admitted),
