@@ -241,6 +241,7 @@ pub(crate) fn engine_config(cfg: &ClusterConfig, pool: &PoolSection) -> EngineCo
             None | Some(proto::config::Admission::Reserve) => engine::Admission::Reserve,
             Some(proto::config::Admission::Optimistic) => engine::Admission::Optimistic,
         },
+        speculation: *pool.speculation.get_ref() as usize,
     }
 }
 

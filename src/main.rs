@@ -6,6 +6,7 @@
 //! workers; `plan` finds the cheapest static fleets that meet latency targets, by simulation;
 //! `pki` makes the cluster's certificates for a deployment.
 
+mod bench_speculate;
 mod cluster;
 mod download;
 mod load;
@@ -161,6 +162,13 @@ struct BenchArgs {
     /// Repetitions (the best is reported).
     #[arg(long, default_value_t = 3)]
     reps: usize,
+    /// Measure prompt-lookup speculative decoding against plain decoding instead (copying and
+    /// chat prompts at batch 1, a mixed batch of 16; `--steps` tokens a prompt).
+    #[arg(long)]
+    speculate: bool,
+    /// With `--speculate`: most drafts a step verifies.
+    #[arg(long, default_value_t = 8)]
+    drafts: usize,
 }
 
 fn main() -> Result<()> {
@@ -296,6 +304,10 @@ fn generate(a: GenerateArgs) -> Result<()> {
 }
 
 fn bench(a: BenchArgs) -> Result<()> {
+    if a.speculate {
+        let (model, tok) = load(&a.model)?;
+        return bench_speculate::run_bench(model, tok, a.steps.max(128), a.drafts);
+    }
     let (model, _) = load(&a.model)?;
     let threads = kernels::threads();
     let vocab = model.config.vocab_size as u32;

@@ -109,6 +109,12 @@ pub trait Forward: Send + Sync {
     /// to the next step (real kernels spent it already).
     fn tier_traffic(&self, _t: &crate::TierTraffic) {}
 
+    /// The timing model's time of the last forward, left for [`Forward::take_modelled_time`]
+    /// (the engine's step costs read it); `None` for real kernels.
+    fn modelled_time(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// The timing model's time of the last forward, taken (so `None` again until the next
     /// one): the mock engine's; `None` for real kernels.
     fn take_modelled_time(&self) -> Option<std::time::Duration> {

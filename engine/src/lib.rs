@@ -46,6 +46,8 @@ pub mod remote;
 pub mod sampler;
 #[cfg(feature = "runtime")]
 pub mod scheduler;
+#[cfg(feature = "runtime")]
+pub mod speculate;
 mod spm;
 #[cfg(feature = "runtime")]
 pub mod store;
@@ -71,6 +73,8 @@ pub use remote::Reservation;
 pub use sampler::{FinishReason, Sampler, SamplingParams};
 #[cfg(feature = "runtime")]
 pub use scheduler::{Engine, EngineConfig, KvSink, Load, Release, TokenEvent};
+#[cfg(feature = "runtime")]
+pub use speculate::SpecStats;
 pub use tokenizer::{ChatMessage, Tokenizer};
 pub use types::{KvEvent, ModelIdentity, RequestId};
 

@@ -223,6 +223,13 @@ impl crate::forward::Forward for MockForward {
             .fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
     }
 
+    fn modelled_time(&self) -> Option<Duration> {
+        match self.modelled.load(std::sync::atomic::Ordering::Relaxed) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
+        }
+    }
+
     fn take_modelled_time(&self) -> Option<Duration> {
         match self.modelled.swap(0, std::sync::atomic::Ordering::Relaxed) {
             0 => None,
@@ -241,6 +248,9 @@ impl crate::forward::Forward for MockForward {
         for s in batch {
             match s.tokens.len() {
                 1 if s.start_pos > 0 => decode += 1,
+                // A verify chunk (a decoding sequence's newest token and its drafts, every
+                // row's logits): priced as that many decode tokens.
+                n if s.start_pos > 0 && s.logits == crate::Logits::All => decode += n,
                 n => prefill += n,
             }
             attended += s.start_pos + s.tokens.len();

@@ -297,6 +297,11 @@ impl Model {
         self.forward.take_modelled_time()
     }
 
+    /// The timing model's time of the last step, left to be taken (`None` for real kernels).
+    pub fn modelled_time(&self) -> Option<std::time::Duration> {
+        self.forward.modelled_time()
+    }
+
     /// KV moved between the pool and its tiers since the last step, for a timing model to
     /// charge (see [`Forward::tier_traffic`]).
     pub fn tier_traffic(&self, t: &crate::TierTraffic) {

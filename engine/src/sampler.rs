@@ -61,7 +61,14 @@ pub struct SamplingParams {
     /// under a root of their own ([`crate::block_hash::root`]), shared only with requests of
     /// the same salt.
     pub cache_salt: Option<String>,
+    /// Most drafts a step verifies for this request (prompt-lookup speculative decoding; `None`:
+    /// the worker's default; `Some(0)`: off; at most [`MAX_SPECULATION`]). Never changes a
+    /// token: it only lets a step check several.
+    pub speculation: Option<usize>,
 }
+
+/// Most drafts a request may ask a step to verify.
+pub const MAX_SPECULATION: usize = 16;
 
 /// A grammar the output must match (see `engine::grammar`): the sequence ends, with
 /// [`FinishReason::Stop`], when the grammar is complete.
@@ -159,6 +166,7 @@ impl Default for SamplingParams {
             prompt_logprobs: None,
             constraint: None,
             cache_salt: None,
+            speculation: None,
         }
     }
 }
@@ -215,6 +223,11 @@ impl SamplingParams {
         }
         if let Some(k) = self.prompt_logprobs.filter(|&k| k > 20) {
             return bad(format!("prompt_logprobs must be at most 20, got {k}"));
+        }
+        if let Some(k) = self.speculation.filter(|&k| k > MAX_SPECULATION) {
+            return bad(format!(
+                "speculation must be at most {MAX_SPECULATION}, got {k}"
+            ));
         }
         if !(0.0..=1.0).contains(&self.min_p) {
             return bad(format!("min_p must be between 0 and 1, got {}", self.min_p));

@@ -28,9 +28,12 @@ use crate::ledger::{Ledger, LedgerCounts};
 use crate::model::{Model, SeqChunk};
 use crate::preempt::{Admission, Preemptions};
 use crate::sampler::{Constraint, FinishReason, Sampler, SamplingParams, TokenLogprobs};
+use crate::speculate::{Acceptance, Drafter, SpecStats, StepCosts};
 
 mod chunk;
+mod draft;
 use chunk::{sample, Chunk};
+use draft::verify;
 
 /// Sizes of the scheduler and its cache.
 #[derive(Debug, Clone)]
@@ -55,6 +58,9 @@ pub struct EngineConfig {
     /// What a request's admission reserves, and whether running sequences can be preempted
     /// (see [`crate::preempt`]).
     pub admission: Admission,
+    /// Most drafts a decoding sequence's step verifies, for requests that do not say
+    /// (prompt-lookup speculation, see [`crate::speculate`]; 0: off).
+    pub speculation: usize,
 }
 
 impl Default for EngineConfig {
@@ -68,6 +74,7 @@ impl Default for EngineConfig {
             prefix_cache: true,
             tiers: Default::default(),
             admission: Admission::default(),
+            speculation: 0,
         }
     }
 }
@@ -122,6 +129,8 @@ pub(crate) struct Seq {
     pub(crate) resumed: bool,
     /// Its place in the order requests came to this engine: the latest is preempted first.
     pub(crate) arrival: u64,
+    /// Its prompt-lookup proposer, when it speculates.
+    pub(crate) drafter: Option<Drafter>,
 }
 
 impl Seq {
@@ -164,6 +173,12 @@ pub struct Engine {
     pub(crate) preemptions: Preemptions,
     /// Requests accepted so far: the next one's [`Seq::arrival`].
     arrivals: u64,
+    /// Measured step times by tokens, for speculation's choices.
+    pub(crate) costs: StepCosts,
+    /// What speculation proposed and had accepted, since start.
+    pub(crate) spec: SpecStats,
+    /// Drafts' acceptance over every sequence: a new one's prior.
+    pub(crate) accept: Acceptance,
     /// The vocabulary's grammar compiler (structured output), when the worker set one.
     pub(crate) grammars: Option<Arc<Grammars>>,
 }
@@ -202,6 +217,8 @@ pub struct Load {
     pub tiers: crate::tiers::TiersStats,
     /// Sequences preempted since start (optimistic admission), swapped or recomputed.
     pub preemptions: Preemptions,
+    /// Drafts proposed and accepted since start (speculative decoding).
+    pub speculation: SpecStats,
 }
 
 /// The tiers of `config` under the cache `kv` of `model`, whose blocks are named under
@@ -294,6 +311,9 @@ impl Engine {
             steps: 0,
             preemptions: Preemptions::default(),
             arrivals: 0,
+            costs: StepCosts::default(),
+            spec: SpecStats::default(),
+            accept: Acceptance::default(),
             grammars: None,
         })
     }
@@ -378,6 +398,7 @@ impl Engine {
             engine_steps: self.steps,
             tiers: self.kv.tier_stats().unwrap_or_default(),
             preemptions: self.preemptions,
+            speculation: self.spec,
         }
     }
 
@@ -470,6 +491,12 @@ impl Engine {
         let prompt_lp = params.prompt_logprobs.map(|k| (k, Vec::new()));
         let guide = self.guide(&params, &prompt)?;
         let root = crate::block_hash::root(params.cache_salt.as_deref());
+        // A grammar's state cannot step back past a rejected draft: guided output does not
+        // speculate.
+        let drafts = params.speculation.unwrap_or(self.config.speculation);
+        let drafter = (!prefill_only && guide.is_none())
+            .then(|| Drafter::new(drafts))
+            .flatten();
         self.arrivals += 1;
         Ok(Seq {
             id,
@@ -488,6 +515,7 @@ impl Engine {
             guide,
             resumed: false,
             arrival: self.arrivals,
+            drafter,
         })
     }
 
@@ -645,7 +673,10 @@ impl Engine {
         }
         self.steps += 1;
         let streamed = sink.is_some();
+        let t0 = std::time::Instant::now();
         let logits = self.run(&plan, sink)?;
+        let took = self.model.modelled_time().unwrap_or_else(|| t0.elapsed());
+        self.costs.observe(total, took.as_secs_f64());
         Ok(self.apply(&plan, logits, streamed))
     }
 
@@ -662,10 +693,12 @@ impl Engine {
                     seq,
                     start: s.computed,
                     len: 1,
+                    draft: 0,
                 });
                 budget -= 1;
             }
         }
+        budget = self.speculate(&mut plan, budget);
         // Prompts, and resumed sequences catching up with the tokens they had.
         for (seq, s) in self.running.iter().enumerate() {
             if !s.decoding() && s.computed < s.tokens.len() && budget > 0 {
@@ -679,12 +712,23 @@ impl Engine {
                     seq,
                     start: s.computed,
                     len,
+                    draft: 0,
                 });
                 budget -= len;
             }
         }
-        plan.retain(|c| {
+        plan.retain_mut(|c| {
             let s = &mut self.running[c.seq];
+            // Drafts past the pages to be had are dropped, not the sequence's step.
+            if c.draft > 0
+                && self
+                    .kv
+                    .ensure(&mut s.table, c.start, c.start + c.len)
+                    .is_err()
+            {
+                (c.len, c.draft) = (1, 0);
+                s.drafter.as_mut().expect("it drafted").chunk.clear();
+            }
             match self.kv.ensure(&mut s.table, c.start, c.start + c.len) {
                 Ok(()) => true,
                 Err(e) => {
@@ -750,7 +794,14 @@ impl Engine {
         let mut finished = Vec::new();
         for (c, l) in plan.iter().zip(logits) {
             let s = &mut self.running[c.seq];
-            s.computed += c.len;
+            let vocab = self.model.config.vocab_size;
+            let drawn = if c.draft > 0 {
+                let l = l.expect("a verify chunk has every row's logits");
+                verify(s, c, l, vocab, &mut self.spec, &mut self.accept)
+            } else {
+                s.computed += c.len;
+                l.and_then(|l| sample(s, c, l, vocab)).into_iter().collect()
+            };
             if let Some(seed) = self.prefix_seed {
                 self.kv
                     .register(seed, &s.table, &s.tokens, s.computed, &mut s.chain);
@@ -759,8 +810,7 @@ impl Engine {
             if s.prefill_only && s.computed == s.prompt_len {
                 finished.push(s.id);
             }
-            let vocab = self.model.config.vocab_size;
-            if let Some(ev) = l.and_then(|l| sample(s, c, l, vocab)) {
+            for ev in drawn {
                 if ev.finish.is_some() {
                     finished.push(ev.id);
                 }

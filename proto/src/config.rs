@@ -453,6 +453,11 @@ pub struct PoolSection {
     /// finish, admitting none, before it exits (under the pod's termination grace period).
     #[serde(default = "default_drain_timeout_ms")]
     pub drain_timeout_ms: Spanned<u64>,
+    /// Decode workers: most drafts a step verifies for a sequence (prompt-lookup speculative
+    /// decoding, adaptive: only where the measured step costs say it pays; 0: off; at most 16).
+    /// A request's `speculation` overrides it. Never changes a token.
+    #[serde(default = "default_speculation")]
+    pub speculation: Spanned<u32>,
 }
 
 /// `[<pool>.kv_tiers]`: where a worker's prefix cache keeps the blocks its pool evicts — host
@@ -556,6 +561,10 @@ fn default_true() -> bool {
 
 fn default_max_running() -> Spanned<u32> {
     Spanned::new(0..0, 64)
+}
+
+fn default_speculation() -> Spanned<u32> {
+    Spanned::new(0..0, 0)
 }
 
 fn default_drain_timeout_ms() -> Spanned<u64> {

@@ -168,7 +168,19 @@ fn sampling(
         prompt_logprobs: None,
         constraint: constraint(c)?,
         cache_salt: cache_salt(c)?,
+        speculation: speculation(c)?,
     })
+}
+
+/// `speculation`: 0..=[`engine::sampler::MAX_SPECULATION`] drafts a step.
+fn speculation(c: &Common) -> Result<Option<usize>, ApiError> {
+    let max = engine::sampler::MAX_SPECULATION as i64;
+    match c.speculation {
+        Some(k) if !(0..=max).contains(&k) => Err(ApiError::BadRequest(format!(
+            "speculation must be between 0 and {max} drafts, got {k}"
+        ))),
+        k => Ok(k.map(|k| k as usize)),
+    }
 }
 
 /// The longest `cache_salt` accepted, in bytes.

@@ -542,6 +542,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_predicted_seconds", Gauge, "Latency the queue predicts (prefill: pending prompt tokens over measured capacity; decode: admission wait while requests queue)."),
     ("tandem_planner_queued", Gauge, "Work queued in front of the pool (prefill: prompt tokens; decode: requests waiting for room)."),
     ("tandem_planner_needed_replicas", Gauge, "Replicas the demand needs: observed now (horizon=now) and predicted a start-up ahead on its trend (horizon=lead)."),
+    ("tandem_planner_start_up_seconds", Gauge, "The replicas' start-up the planner measured (asked for to serving; 0 until measured), by pool: how far ahead it sizes."),
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),
     ("tandem_planner_decisions_total", Counter, "Planner decisions by pool and action (up, down, hold)."),
     ("tandem_router_rebalances_total", Counter, "Times the decode pool's fullest worker was asked to shed sequences ([router] kv_rebalance: its KV in use past that ratio to the pool's mean)."),

@@ -268,6 +268,10 @@ pub struct Common {
     /// vLLM's `cache_salt`: the prompt's cached KV is shared only with requests of the same
     /// salt (one per tenant), in the workers' prefix caches and the router's KV index.
     pub cache_salt: Option<String>,
+    /// Extension: most drafts a decode step verifies for this request (prompt-lookup
+    /// speculative decoding, 0..=16; 0: off; unset: the decode pool's default). Never changes
+    /// a token.
+    pub speculation: Option<i64>,
 }
 
 /// `POST /v1/chat/completions`.

@@ -196,6 +196,8 @@ fn worker(w: &crate::registry::Worker, now: Instant) -> Value {
         "prompt_tokens": l.prompt_tokens, "prefix_hit_tokens": l.prefix_hit_tokens,
         "kv_tiers": tiers(l),
         "preempted": {"swapped": l.preempted_swapped, "recomputed": l.preempted_recomputed},
+        "speculation": {"proposed": l.spec_proposed, "accepted": l.spec_accepted,
+            "verifies": l.spec_verifies, "declined": l.spec_declined},
     })
 }
 

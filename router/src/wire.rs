@@ -31,6 +31,7 @@ pub fn sampling_params(p: &SamplingParams) -> grpc::SamplingParams {
             serde_json::to_string(c).expect("serialisable")
         }),
         cache_salt: p.cache_salt.clone().unwrap_or_default(),
+        speculation: p.speculation.map(|k| k as u32),
     }
 }
 

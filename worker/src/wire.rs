@@ -38,6 +38,7 @@ pub fn sampling_params(p: grpc::SamplingParams) -> SamplingParams {
                 .unwrap_or_else(|e| Constraint::Unreadable(e.to_string()))
         }),
         cache_salt: (!p.cache_salt.is_empty()).then(|| p.cache_salt.clone()),
+        speculation: p.speculation.map(|k| k as usize),
     }
 }
 
@@ -94,6 +95,10 @@ pub fn load(l: &engine::Load) -> grpc::WorkerLoad {
         preempted_recomputed: l.preemptions.recomputed,
         resumed_tokens: l.preemptions.resumed_tokens,
         resumed_hit_tokens: l.preemptions.resumed_hit_tokens,
+        spec_proposed: l.speculation.proposed,
+        spec_accepted: l.speculation.accepted,
+        spec_verifies: l.speculation.verifies,
+        spec_declined: l.speculation.declined,
         ..Default::default()
     }
 }

@@ -8,24 +8,38 @@ use crate::grammar::Guide;
 use crate::model::{Logits, SeqChunk};
 use crate::sampler::{FinishReason, Sampler, TokenLogprobs};
 
-/// One sequence's part of a step: its tokens `start..start + len`.
+/// One sequence's part of a step: its tokens `start..start + len`; for a verify chunk
+/// (`draft` > 0) its newest token and that many drafts after it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Chunk {
     /// The sequence's index in the running batch.
     pub(super) seq: usize,
     pub(super) start: usize,
     pub(super) len: usize,
+    pub(super) draft: usize,
 }
 
 impl Chunk {
     /// Whether this is a decoding sequence's newest token (not a prompt chunk).
     pub(super) fn decodes(&self, running: &[Seq]) -> bool {
-        self.len == 1 && self.start >= running[self.seq].prompt_len
+        self.len == 1 + self.draft && self.start >= running[self.seq].prompt_len
     }
 
     /// The forward's view of this chunk of `s`, and which rows' logits it needs.
     pub(super) fn forward<'a>(&self, s: &'a Seq) -> SeqChunk<'a> {
         let end = self.start + self.len;
+        if self.draft > 0 {
+            let d = s
+                .drafter
+                .as_ref()
+                .expect("a verify chunk's sequence drafts");
+            return SeqChunk {
+                tokens: &d.chunk,
+                start_pos: self.start,
+                block_table: &s.table,
+                logits: Logits::All,
+            };
+        }
         SeqChunk {
             tokens: &s.tokens[self.start..end],
             start_pos: self.start,

@@ -195,6 +195,15 @@ impl Ctx<'_> {
         self.positive(&pool.max_batch_tokens, &format!("{name}.max_batch_tokens"))?;
         self.positive(&pool.max_running, &format!("{name}.max_running"))?;
         self.positive(&pool.drain_timeout_ms, &format!("{name}.drain_timeout_ms"))?;
+        let k = *pool.speculation.get_ref();
+        let key = format!("{name}.speculation");
+        if k > 16 {
+            return self.err(pool.speculation.span(), &key, "at most 16 drafts a step");
+        }
+        if k > 0 && name == "prefill" {
+            let why = "speculation runs on decode workers (prefill workers sample nothing)";
+            return self.err(pool.speculation.span(), &key, why);
+        }
         let dev = pool.device.get_ref();
         let cuda_ok = dev
             .strip_prefix("cuda:")

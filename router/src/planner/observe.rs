@@ -384,6 +384,8 @@ pub async fn run(
             let inputs = observed.inputs(pool, live, on_way);
             let d = plan.decide(now, inputs);
             report(pool, &inputs, &d, tick);
+            metrics::gauge!("tandem_planner_start_up_seconds", "pool" => pool.name())
+                .set(plan.lead().map_or(0.0, |l| l.as_secs_f64()));
             state.board.decided(now, pool, &inputs, &d);
             starting.insert(pool, actuator.reconcile(pool, d.desired, &registry).await);
         }
