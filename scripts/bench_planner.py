@@ -134,9 +134,10 @@ def static_search(a):
         r["simulated"] = sims[f]["slo_attainment"]
         tried[f] = r
         if not queue and not any(t["slo_attainment"] >= TARGET for t in tried.values()):
-            # The next fleets by size that the simulator says do better than any tried.
-            bigger = sorted((g for g in fleets if sum(g) > sum(f) and g not in tried), key=lambda g: (sum(g), g))
-            queue += bigger[:2]
+            # None met it: the cheapest fleet the simulator rates above every one tried.
+            best = max(sims[g]["slo_attainment"] for g in tried)
+            better = [g for g in fleets if g not in tried and sims[g]["slo_attainment"] > best]
+            queue += sorted(better, key=lambda g: (sum(g), -sims[g]["slo_attainment"]))[:1]
     return [(f[0], f[1], r) for f, r in sorted(tried.items(), key=lambda x: (sum(x[0]), x[0]))]
 
 

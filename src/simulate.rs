@@ -313,6 +313,8 @@ pub fn simulate(
         "admission_holds": r.admission_holds,
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "store_hits": r.store_hits,
+        "speculation": {"proposed": r.speculation.proposed, "accepted": r.speculation.accepted,
+            "verifies": r.speculation.verifies, "declined": r.speculation.declined},
         "preempted": {"swapped": r.preemptions.swapped, "recomputed": r.preemptions.recomputed,
             "resumed_tokens": r.preemptions.resumed_tokens,
             "resumed_hit_tokens": r.preemptions.resumed_hit_tokens},

@@ -80,6 +80,13 @@ pub trait Forward: Send + Sync {
         self.kv_backed()
     }
 
+    /// Whether a row's logits are bitwise the same however many rows a step has — what
+    /// speculative decoding's contract needs (the CPU kernels and the mock: yes; cuBLAS picks
+    /// its GEMM kernel by the row count: no, so a GPU worker does not speculate).
+    fn batch_invariant(&self) -> bool {
+        true
+    }
+
     /// Whether the host cache holds every step's KV (a GPU keeps decode steps' on the device
     /// only): what a tier below the pool copies from and into.
     fn kv_on_host(&self) -> bool {

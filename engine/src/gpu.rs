@@ -92,6 +92,10 @@ pub struct GpuForward {
 }
 
 impl Forward for GpuForward {
+    fn batch_invariant(&self) -> bool {
+        false
+    }
+
     fn name(&self) -> String {
         format!("{:?}", self.gpu)
     }

@@ -291,6 +291,19 @@ impl KvCache {
     pub fn blocks_for(&self, tokens: usize) -> usize {
         tokens.div_ceil(self.block_size)
     }
+    /// Tokens `table`'s groups that keep every token can write without taking a page: what a
+    /// step's drafts may fill (under optimistic admission they never take pages).
+    pub fn held_tokens(&self, table: &BlockTable) -> usize {
+        (0..self.groups.len())
+            .filter(|&g| self.groups[g].window.is_none())
+            .map(|g| {
+                let t = table.groups.get(g).map_or(&[][..], |t| &t.blocks[..]);
+                t.iter().take_while(|&&b| b != GONE).count() * self.block_size
+            })
+            .min()
+            .unwrap_or(usize::MAX)
+    }
+
     /// Pages a sequence of `tokens` tokens holds at most, over all groups.
     pub fn pages_for(&self, tokens: usize) -> usize {
         (0..self.groups.len()).map(|g| self.quota(g, tokens)).sum()

@@ -248,9 +248,9 @@ impl crate::forward::Forward for MockForward {
         for s in batch {
             match s.tokens.len() {
                 1 if s.start_pos > 0 => decode += 1,
-                // A verify chunk (a decoding sequence's newest token and its drafts, every
-                // row's logits): priced as that many decode tokens.
-                n if s.start_pos > 0 && s.logits == crate::Logits::All => decode += n,
+                // A verify chunk (a decoding sequence's newest token and its drafts): priced
+                // as that many decode tokens.
+                n if s.logits == crate::Logits::Verify => decode += n,
                 n => prefill += n,
             }
             attended += s.start_pos + s.tokens.len();

@@ -212,6 +212,10 @@ pub enum Logits {
     Last,
     /// One row a token.
     All,
+    /// One row a token of a decoding sequence's verify chunk (its newest token and the drafts
+    /// after it, see [`crate::speculate`]): as [`Logits::All`], and a timing model prices the
+    /// tokens as decode tokens.
+    Verify,
 }
 
 impl Logits {
@@ -220,7 +224,7 @@ impl Logits {
         match self {
             Logits::None => n..n,
             Logits::Last => n.saturating_sub(1)..n,
-            Logits::All => 0..n,
+            Logits::All | Logits::Verify => 0..n,
         }
     }
 }
@@ -295,6 +299,12 @@ impl Model {
     /// kernels or when no step ran since the last call.
     pub fn take_modelled_time(&self) -> Option<std::time::Duration> {
         self.forward.take_modelled_time()
+    }
+
+    /// Whether a row's logits are the same bits however the step is batched (see
+    /// [`Forward::batch_invariant`]).
+    pub fn batch_invariant(&self) -> bool {
+        self.forward.batch_invariant()
     }
 
     /// The timing model's time of the last step, left to be taken (`None` for real kernels).

@@ -492,9 +492,10 @@ impl Engine {
         let guide = self.guide(&params, &prompt)?;
         let root = crate::block_hash::root(params.cache_salt.as_deref());
         // A grammar's state cannot step back past a rejected draft: guided output does not
-        // speculate.
+        // speculate; nor does a forward whose rows depend on the batch (it could change a
+        // token).
         let drafts = params.speculation.unwrap_or(self.config.speculation);
-        let drafter = (!prefill_only && guide.is_none())
+        let drafter = (!prefill_only && guide.is_none() && self.model.batch_invariant())
             .then(|| Drafter::new(drafts))
             .flatten();
         self.arrivals += 1;
@@ -667,7 +668,8 @@ impl Engine {
         let plan = self.plan();
         let decoding = plan.iter().filter(|c| c.decodes(&self.running)).count();
         let total: usize = plan.iter().map(|c| c.len).sum();
-        self.last_step = (total - decoding, decoding);
+        let drafts: usize = plan.iter().map(|c| c.draft).sum();
+        self.last_step = (total - decoding - drafts, decoding);
         if plan.is_empty() {
             return Ok(Vec::new());
         }
@@ -719,7 +721,8 @@ impl Engine {
         }
         plan.retain_mut(|c| {
             let s = &mut self.running[c.seq];
-            // Drafts past the pages to be had are dropped, not the sequence's step.
+            // Drafts past the pages to be had (a windowed group's promise short) are dropped,
+            // not the sequence's step.
             if c.draft > 0
                 && self
                     .kv

@@ -222,24 +222,26 @@ impl StepCosts {
         }
     }
 
-    /// A step of `tokens` tokens' time: measured, or between the nearest measured counts on
-    /// either side; past the largest measured, that one's (so an untried size is tried, and
-    /// then known). `None` with nothing measured at or below it.
+    /// A step of `tokens` tokens' time: measured, or on the line through the nearest measured
+    /// counts on either side; past the largest measured, on the line through the two largest
+    /// (with one measured, that one's: an untried size is tried, and then known). `None` with
+    /// nothing measured at or below it.
     fn estimate(&self, tokens: usize) -> Option<f64> {
         let tokens = tokens.min(COSTED_TOKENS);
-        let below = (1..=tokens)
-            .rev()
-            .find_map(|t| self.secs[t].map(|s| (t, s)))?;
+        let measured = |t: usize| self.secs[t].map(|s| (t, s));
+        let below = (1..=tokens).rev().find_map(measured)?;
         if below.0 == tokens {
             return Some(below.1);
         }
-        let above = (tokens + 1..=COSTED_TOKENS).find_map(|t| self.secs[t].map(|s| (t, s)));
-        Some(match above {
-            None => below.1,
-            Some((t, s)) => {
-                let f = (tokens - below.0) as f64 / (t - below.0) as f64;
-                below.1 + f * (s - below.1)
-            }
+        let line = |(t0, s0): (usize, f64), (t1, s1): (usize, f64)| {
+            s0 + (tokens as f64 - t0 as f64) * (s1 - s0) / (t1 - t0) as f64
+        };
+        Some(match (tokens + 1..=COSTED_TOKENS).find_map(measured) {
+            Some(above) => line(below, above),
+            None => match (1..below.0).rev().find_map(measured) {
+                Some(before) => line(before, below).max(below.1),
+                None => below.1,
+            },
         })
     }
 
@@ -334,5 +336,8 @@ mod tests {
         c.observe(20, 0.020);
         assert_eq!(c.choose(16, 16.0, 4, |k| k as f64 * 0.9), 0);
         assert!((c.estimate(18).unwrap() - 0.018).abs() < 1e-12);
+        // Past the largest measured: on the line through the two largest.
+        assert_eq!(c.choose(20, 20.0, 4, |k| k as f64 * 0.9), 0);
+        assert!((c.estimate(24).unwrap() - 0.024).abs() < 1e-12);
     }
 }

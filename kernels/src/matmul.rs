@@ -814,12 +814,15 @@ mod tests {
         let x = data(13 * k, 5);
         for dt in [DType::F16, DType::Q4_1, DType::Q8_0, DType::Q4_0] {
             let w = Matrix::from_f32(dt, n, k, &wv).unwrap();
-            let mut all = vec![0f32; 13 * n];
-            matmul(&w, &x, 13, &mut all).unwrap();
-            for i in 0..13 {
-                let mut one = vec![0f32; n];
-                matmul(&w, &x[i * k..(i + 1) * k], 1, &mut one).unwrap();
-                assert_eq!(one, all[i * n..(i + 1) * n], "{dt:?} row {i}");
+            // Tiles of every size: 2 and 3 rows alone, 4 + 2, 4 + 3, 3 x 4 + 1.
+            for m in [2, 3, 6, 7, 13] {
+                let mut all = vec![0f32; m * n];
+                matmul(&w, &x[..m * k], m, &mut all).unwrap();
+                for i in 0..m {
+                    let mut one = vec![0f32; n];
+                    matmul(&w, &x[i * k..(i + 1) * k], 1, &mut one).unwrap();
+                    assert_eq!(one, all[i * n..(i + 1) * n], "{dt:?} row {i} of {m}");
+                }
             }
         }
     }

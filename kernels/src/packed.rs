@@ -125,8 +125,9 @@ macro_rules! x86_kernels {
         use super::{group_block_bytes, GROUP};
         use crate::quant::DType;
 
-        /// Activation rows per tile.
+        /// Activation rows per tile (the tiles below are written out for 1 to 4).
         const MR: usize = 4;
+        const _: () = assert!(MR == 4);
 
         /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows.
         ///
@@ -163,23 +164,33 @@ macro_rules! x86_kernels {
                                 x.add(i * x_row),
                                 out.add(i * ldo + g * GROUP),
                             );
-                            if me - i >= MR {
-                                match dtype {
-                                    DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                    _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
-                                }
-                                i += MR;
-                            } else {
-                                match dtype {
-                                    DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                    _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
-                                }
-                                i += 1;
+                            // The rows left in tiles of MR, then one tile of the 1-3 left
+                            // (each row's arithmetic is the same in a tile of any size: the
+                            // group's weights are unpacked once for all its rows).
+                            macro_rules! tile {
+                                ($m:literal) => {
+                                    match dtype {
+                                        DType::Q4_1 => {
+                                            tile_q4::<$m, false>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        DType::Q4_K => {
+                                            tile_q4::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        DType::Q6_K => {
+                                            tile_q8::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        _ => tile_q8::<$m, false>(wg, nb, xi, x_row, o, ldo),
+                                    }
+                                };
                             }
+                            let rows = (me - i).min(MR);
+                            match rows {
+                                4 => tile!(4),
+                                3 => tile!(3),
+                                2 => tile!(2),
+                                _ => tile!(1),
+                            }
+                            i += rows;
                         }
                     }
                 }
@@ -396,7 +407,7 @@ mod tests {
     }
 
     /// The VNNI kernels give bitwise the AVX2 kernels' outputs, for every interleaved format,
-    /// for a batch of one (decode) and for tiles of four rows with one left over.
+    /// for a batch of one (decode) and for tiles of four rows with one, two or three left over.
     #[test]
     fn vnni_kernels_equal_the_avx2_ones_bitwise() {
         if !(crate::isa() == crate::Isa::Avx2
@@ -424,7 +435,7 @@ mod tests {
             let packed = pack(dt, &w, rows, cols);
             let with_sum = matches!(dt, DType::Q4_1 | DType::Q4_K);
             let x_row = cols / 32 * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
-            for m in [1, 5] {
+            for m in [1, 2, 3, 5, 6, 7] {
                 let xf: Vec<f32> = bytes(m * cols, m as u64 + 3)
                     .iter()
                     .map(|&b| b as f32 / 64.0 - 2.0)

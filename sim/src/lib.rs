@@ -187,6 +187,8 @@ pub struct SimResult {
     pub store_hits: u64,
     /// Sequences the engines preempted when their pools ran out, and what resuming cost.
     pub preemptions: engine::Preemptions,
+    /// Drafts the decode engines proposed and had accepted (speculative decoding).
+    pub speculation: engine::SpecStats,
     /// KV bytes moved from prefill to decode workers.
     pub kv_bytes: u64,
     /// Where each request was prefilled, and why prompts were recomputed, by the router's
@@ -620,6 +622,11 @@ impl Sim {
             p.recomputed += q.recomputed;
             p.resumed_tokens += q.resumed_tokens;
             p.resumed_hit_tokens += q.resumed_hit_tokens;
+            let (s, t) = (&mut self.result.speculation, load.speculation);
+            s.proposed += t.proposed;
+            s.accepted += t.accepted;
+            s.verifies += t.verifies;
+            s.declined += t.declined;
             let lived = w.stopped.unwrap_or(end).saturating_sub(w.started);
             *self.result.worker_seconds.entry(w.pool.name()).or_default() += lived as f64 / 1e9;
         }

@@ -105,12 +105,18 @@ type Outcome = (
 /// Every prompt through one engine, `batch` requests at a time, speculation capped at `k`
 /// drafts (0: off).
 fn run(model: &Arc<Model>, tok: &Tokenizer, k: usize, batch: usize) -> Outcome {
-    let mut e = Engine::new(
-        model.clone(),
-        EngineConfig::default(),
-        tok.stop_ids().to_vec(),
-    )
-    .unwrap();
+    run_with(model, tok, k, batch, EngineConfig::default()).0
+}
+
+/// [`run`] on an engine of `cfg`; also its preemptions.
+fn run_with(
+    model: &Arc<Model>,
+    tok: &Tokenizer,
+    k: usize,
+    batch: usize,
+    cfg: EngineConfig,
+) -> (Outcome, engine::Preemptions) {
+    let mut e = Engine::new(model.clone(), cfg, tok.stop_ids().to_vec()).unwrap();
     let free = e.free_blocks();
     let mut out = BTreeMap::new();
     let all: Vec<_> = prompts().iter().map(|p| tok.encode(p).unwrap()).collect();
@@ -134,7 +140,7 @@ fn run(model: &Arc<Model>, tok: &Tokenizer, k: usize, batch: usize) -> Outcome {
         free,
         "every block free or cached-and-unreferenced"
     );
-    (out, e.load().speculation, stored)
+    ((out, e.load().speculation, stored), e.load().preemptions)
 }
 
 fn same_tokens_with_and_without(model: Arc<Model>, tok: Tokenizer) {
@@ -163,6 +169,19 @@ fn same_tokens_with_and_without(model: Arc<Model>, tok: Tokenizer) {
         assert!(s.verifies > 0 && s.accepted > 0, "{s:?}");
         assert!(s.accepted < s.proposed, "{s:?}");
     }
+    // Optimistic admission in a pool too small for the batch: drafts take only pages to be
+    // had (never preempting for them), preempted speculating sequences resume exactly.
+    let small = EngineConfig {
+        num_blocks: 24,
+        admission: engine::Admission::Optimistic,
+        ..Default::default()
+    };
+    let ((spec, s, _), p) = run_with(&model, &tok, 4, 8, small);
+    for (id, want) in &plain {
+        assert_eq!(&spec[id], want, "request {id:?}, optimistic admission");
+    }
+    eprintln!("optimistic, 24 blocks: {s:?}, {p:?}");
+    assert!(s.accepted > 0 && p.recomputed > 0, "{s:?} {p:?}");
 }
 
 #[test]

@@ -37,7 +37,7 @@ impl Chunk {
                 tokens: &d.chunk,
                 start_pos: self.start,
                 block_table: &s.table,
-                logits: Logits::All,
+                logits: Logits::Verify,
             };
         }
         SeqChunk {

@@ -17,9 +17,12 @@ impl Engine {
             let Some(d) = s.drafter.as_mut() else {
                 continue;
             };
-            // A verify step draws one token more than it has drafts.
+            // A verify step draws one token more than it has drafts; its drafts write only
+            // pages the sequence holds (a windowed group's promised ones aside): they never take
+            // a page another sequence could have, nor cause a preemption.
             let left = s.max_tokens - (s.tokens.len() - s.prompt_len);
-            let cap = left.saturating_sub(1).min(budget);
+            let room = self.kv.held_tokens(&s.table).saturating_sub(s.tokens.len());
+            let cap = left.saturating_sub(1).min(budget).min(room);
             let Some((n, drafts)) = d.propose(&s.tokens, cap) else {
                 continue;
             };

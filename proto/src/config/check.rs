@@ -204,6 +204,11 @@ impl Ctx<'_> {
             let why = "speculation runs on decode workers (prefill workers sample nothing)";
             return self.err(pool.speculation.span(), &key, why);
         }
+        if k > 0 && pool.device.get_ref().starts_with("cuda") {
+            let why = "speculation needs batch-invariant kernels; the CUDA forward's GEMMs pick \
+                       their kernel by the row count, so it could change a token (CPU only)";
+            return self.err(pool.speculation.span(), &key, why);
+        }
         let dev = pool.device.get_ref();
         let cuda_ok = dev
             .strip_prefix("cuda:")

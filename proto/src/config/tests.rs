@@ -191,6 +191,33 @@ fn defaults_and_errors_name_file_line_and_key() {
 }
 
 #[test]
+fn speculation_is_checked_with_file_line_and_key() {
+    let c = parse("[decode]\nspeculation = 8\n").unwrap();
+    assert_eq!(*c.decode.speculation.get_ref(), 8);
+    assert_eq!(
+        *parse("[decode]\n").unwrap().decode.speculation.get_ref(),
+        0
+    );
+    let e = parse("[decode]\nspeculation = 17\n")
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        e,
+        "cluster.toml:2: decode.speculation: at most 16 drafts a step"
+    );
+    let e = parse("[prefill]\nspeculation = 4\n[decode]\n")
+        .unwrap_err()
+        .to_string();
+    let want = "cluster.toml:2: prefill.speculation: speculation runs on decode workers";
+    assert!(e.starts_with(want), "{e}");
+    let e = parse("[decode]\ndevice = \"cuda:0\"\nspeculation = 4\n")
+        .unwrap_err()
+        .to_string();
+    let want = "cluster.toml:3: decode.speculation: speculation needs batch-invariant kernels";
+    assert!(e.starts_with(want), "{e}");
+}
+
+#[test]
 fn an_api_open_to_other_machines_needs_keys_or_says_so() {
     let e = parse("[router]\nlisten = \"0.0.0.0:8000\"\n[decode]\n")
         .unwrap_err()
