@@ -108,13 +108,14 @@ def soak(a):
             if r["errors"]:
                 raise SystemExit(f"soak: {r['errors']} errors")
         m = settled(http)
-    total, free = worker(m, "kv_blocks_total"), worker(m, "kv_blocks_free")
+    # (WorkerLoad.kv_blocks_total is exported as tandem_worker_kv_blocks_capacity.)
+    total, free = worker(m, "kv_blocks_capacity"), worker(m, "kv_blocks_free")
     ledger = {f: worker(m, f"kv_blocks_{f}") for f in ("reserved", "in_flight", "committed")}
     spec = {f: worker(m, f"spec_{f}") for f in ("proposed", "accepted", "declined", "verifies")}
     print(f"soak {time.time() - t0:.0f} s: decode pool {free:.0f} of {total:.0f} blocks free or cached-and-unreferenced, "
           f"ledger {ledger}; drafts {spec}")
-    ok = free == total and not any(ledger.values())
-    print("balanced" if ok else "NOT BALANCED")
+    ok = total > 0 and free == total and not any(ledger.values())
+    print("balanced" if ok and total > 0 else "NOT BALANCED")
     if not ok:
         raise SystemExit(1)
 
@@ -126,13 +127,13 @@ operator = "127.0.0.1:0"
 [prefill]
 replicas = 2
 engine = "mock"
-kv_blocks = 2048
+kv_blocks = 8192
 [prefill.mock]
 preset = "h200-llama8b"
 [decode]
 replicas = 2
 engine = "mock"
-kv_blocks = 2048
+kv_blocks = 8192
 speculation = {k}
 [decode.mock]
 preset = "h200-llama8b"
@@ -149,7 +150,7 @@ def trace(a):
         cfg, rep = os.path.join(d, "cluster.toml"), os.path.join(d, "sim.json")
         open(cfg, "w").write(MOCK.format(k=k))
         subprocess.run([EXE, "simulate", "--config", cfg, "--trace", path, "--requests", str(a.trace),
-                        "--time-scale", "0.1", "--length-scale", "0.25", "--json", rep],
+                        "--time-scale", "0.5", "--length-scale", "0.25", "--json", rep],
                        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         r = json.load(open(rep))
         out[k] = r
