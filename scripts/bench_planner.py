@@ -101,6 +101,9 @@ def real(a, text, name):
     r["moves"] = total(grew, "tandem_router_moves_total")
     r["migrations"] = total(grew, "tandem_router_migrations_total")
     r["recomputed"] = total(grew, "tandem_kv_transfer_failures_total")
+    # Why prompts were computed again on their decode workers (the prefill decisions' labels).
+    r["recomputed_why"] = {k.split('"')[1]: v for k, v in grew.items()
+                           if k.startswith("tandem_router_prefill_decisions_total{") and "recomputed" in k and v}
     return r
 
 
@@ -169,7 +172,7 @@ def main():
     for p, d, r in statics:
         print(row(f"static {p} + {d}, real (simulated {100 * r['simulated']:.1f}%)", r))
     print(f"planner: moves {planner['moves']:.0f}, migrations {planner['migrations']:.0f}, "
-          f"recomputed {planner['recomputed']:.0f}; start-up measured {planner['start_up_s']}")
+          f"recomputed {planner['recomputed']:.0f} {planner['recomputed_why']}; start-up measured {planner['start_up_s']}")
     if cheapest:
         ratio = planner["worker_seconds"] / cheapest[2]["worker_seconds"]
         print(f"planner / cheapest static ({cheapest[0]} + {cheapest[1]}): {ratio:.2f}x worker-seconds "

@@ -814,7 +814,7 @@ mod tests {
         let x = data(13 * k, 5);
         for dt in [DType::F16, DType::Q4_1, DType::Q8_0, DType::Q4_0] {
             let w = Matrix::from_f32(dt, n, k, &wv).unwrap();
-            // Tiles of every size: 2 and 3 rows alone, 4 + 2, 4 + 3, 3 x 4 + 1.
+            // Batches of 2 and 3 rows, 4 + 2, 4 + 3, 3 x 4 + 1.
             for m in [2, 3, 6, 7, 13] {
                 let mut all = vec![0f32; m * n];
                 matmul(&w, &x[..m * k], m, &mut all).unwrap();

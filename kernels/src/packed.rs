@@ -125,9 +125,8 @@ macro_rules! x86_kernels {
         use super::{group_block_bytes, GROUP};
         use crate::quant::DType;
 
-        /// Activation rows per tile (the tiles below are written out for 1 to 4).
+        /// Activation rows per tile.
         const MR: usize = 4;
-        const _: () = assert!(MR == 4);
 
         /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows.
         ///
@@ -164,33 +163,23 @@ macro_rules! x86_kernels {
                                 x.add(i * x_row),
                                 out.add(i * ldo + g * GROUP),
                             );
-                            // The rows left in tiles of MR, then one tile of the 1-3 left
-                            // (each row's arithmetic is the same in a tile of any size: the
-                            // group's weights are unpacked once for all its rows).
-                            macro_rules! tile {
-                                ($m:literal) => {
-                                    match dtype {
-                                        DType::Q4_1 => {
-                                            tile_q4::<$m, false>(wg, nb, xi, x_row, o, ldo)
-                                        }
-                                        DType::Q4_K => {
-                                            tile_q4::<$m, true>(wg, nb, xi, x_row, o, ldo)
-                                        }
-                                        DType::Q6_K => {
-                                            tile_q8::<$m, true>(wg, nb, xi, x_row, o, ldo)
-                                        }
-                                        _ => tile_q8::<$m, false>(wg, nb, xi, x_row, o, ldo),
-                                    }
-                                };
+                            if me - i >= MR {
+                                match dtype {
+                                    DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
+                                    _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
+                                }
+                                i += MR;
+                            } else {
+                                match dtype {
+                                    DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                    DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
+                                    _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
+                                }
+                                i += 1;
                             }
-                            let rows = (me - i).min(MR);
-                            match rows {
-                                4 => tile!(4),
-                                3 => tile!(3),
-                                2 => tile!(2),
-                                _ => tile!(1),
-                            }
-                            i += rows;
                         }
                     }
                 }
@@ -407,7 +396,7 @@ mod tests {
     }
 
     /// The VNNI kernels give bitwise the AVX2 kernels' outputs, for every interleaved format,
-    /// for a batch of one (decode) and for tiles of four rows with one, two or three left over.
+    /// for a batch of one (decode) and for tiles of four rows with one to three left over.
     #[test]
     fn vnni_kernels_equal_the_avx2_ones_bitwise() {
         if !(crate::isa() == crate::Isa::Avx2
