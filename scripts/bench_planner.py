@@ -29,9 +29,8 @@ import re
 import subprocess
 import tempfile
 import time
-import urllib.request
 
-from tandem_cluster import EXE, cluster
+from tandem_cluster import EXE, cluster, metrics
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TRACE = os.path.join(ROOT, "..", "shared", "traces", "mooncake_conversation_trace.jsonl")
@@ -59,17 +58,6 @@ def config(planner, prefill=1, decode=1):
         if planner:
             c += AUTOSCALE.format(name=name, max=MAX[name])
     return c
-
-
-def metrics(http):
-    """The router's /metrics as {series: value}."""
-    text = urllib.request.urlopen(f"http://{http.operator}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def total(m, prefix):

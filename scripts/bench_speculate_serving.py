@@ -26,9 +26,8 @@ import json
 import os
 import subprocess
 import time
-import urllib.request
 
-from tandem_cluster import EXE, cluster
+from tandem_cluster import EXE, cluster, metrics
 
 CONFIG = """[router]
 listen = "127.0.0.1:0"
@@ -42,16 +41,6 @@ kv_blocks = 1024
 max_batch_tokens = 256
 speculation = {k}
 """
-
-
-def metrics(http):
-    text = urllib.request.urlopen(f"http://{http.operator}/metrics", timeout=5).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
-    return out
 
 
 def worker(m, field):

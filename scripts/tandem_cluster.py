@@ -70,6 +70,23 @@ def get_json(addr, path):
         c.close()
 
 
+def metrics(addr):
+    """The router's `/metrics` as {series: value} (`addr`: a Router, or its operator address)."""
+    host, port = operator(addr).rsplit(":", 1)
+    c = http.client.HTTPConnection(host, int(port), timeout=5)
+    try:
+        c.request("GET", "/metrics")
+        text = c.getresponse().read().decode()
+    finally:
+        c.close()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
 def worker_stats(addr):
     """Every worker's (name, role, live stats) from `/debug/workers`, by name."""
     ws = get_json(addr, "/debug/workers")["workers"]

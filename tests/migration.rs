@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use engine::{Engine, EngineConfig, SamplingParams};
 use serde_json::{json, Value};
-use tandem_tests::cluster::{metric_at, metric_sum, request, Cluster, Response};
+use tandem_tests::cluster::{metric_at, metric_sum, Cluster, Response};
 use tandem_tests::load_model;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
@@ -17,41 +17,6 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 /// What the engine alone generates for a chat message (the unfailed run), as text.
 fn engine_text(message: &str, params: SamplingParams) -> String {
     tandem_tests::engine_chat(message, params).0
-}
-
-/// Opens a streamed chat completion of `message` with `params` (as JSON fields).
-fn open_stream(c: &Cluster, message: &str, params: Value) -> Response {
-    let mut body = json!({"model": MODEL, "stream": true,
-                          "messages": [{"role": "user", "content": message}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(params.as_object().unwrap().clone());
-    let r = request(
-        c.http,
-        "POST",
-        "/v1/chat/completions",
-        "application/json",
-        &body.to_string(),
-    );
-    let r = r.unwrap();
-    assert_eq!(r.status, 200);
-    r
-}
-
-/// The text of the next `n` content chunks (fewer if the stream ends).
-fn read_chunks(r: &mut Response, n: usize) -> String {
-    let mut text = String::new();
-    for _ in 0..n {
-        match r.next_event() {
-            Some((name, data)) if data != "[DONE]" => {
-                assert_eq!(name, "message", "{data}");
-                let v: Value = serde_json::from_str(&data).unwrap();
-                text += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
-            }
-            _ => break,
-        }
-    }
-    text
 }
 
 /// The rest of a stream: its text, and the error event's message if it ended with one.
@@ -85,21 +50,6 @@ fn read_timed(r: &mut Response) -> (String, Duration) {
         text += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
     }
     panic!("the stream ended without [DONE]");
-}
-
-/// The decode worker running the cluster's one stream, once it runs.
-fn serving(c: &Cluster) -> String {
-    let t0 = Instant::now();
-    loop {
-        if let [one] = c.decoding().as_slice() {
-            return one.clone();
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "a decode worker runs the stream"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]
@@ -148,14 +98,19 @@ fn a_decode_worker_killed_mid_stream_is_invisible_to_the_client_greedy_seeded_pe
     );
     let cases = [greedy, seeded, penalised, structured];
     for (k, (message, params, engine_params)) in cases.into_iter().enumerate() {
-        let mut r = open_stream(&c, message, params);
-        let mut text = read_chunks(&mut r, 6);
-        c.kill_worker(&serving(&c));
+        let mut r = c.open_chat(MODEL, message, params);
+        let mut text = r.read_chunks(6);
+        c.kill_worker(&c.serving());
         let (rest, error) = read_rest(&mut r);
         assert_eq!(error, None);
         text += &rest;
         let structured = engine_params.constraint.is_some();
-        assert_eq!(text, engine_text(message, engine_params), "stream {k}");
+        assert_eq!(
+            text,
+            engine_text(message, engine_params),
+            "stream {k}; {}",
+            c.paths()
+        );
         if structured {
             let v: Value = serde_json::from_str(&text).unwrap();
             assert!(tandem_tests::structured::valid(&v), "{v}");
@@ -175,9 +130,13 @@ fn past_the_migration_limit_a_killed_decode_worker_ends_the_stream_with_an_error
     let mut c = Cluster::of(1, 2)
         .router("migration_limit = 0")
         .start(EXE.as_ref());
-    let mut r = open_stream(&c, "Tell me a very long story.", json!({"max_tokens": 400}));
-    read_chunks(&mut r, 5);
-    c.kill_worker(&serving(&c));
+    let mut r = c.open_chat(
+        MODEL,
+        "Tell me a very long story.",
+        json!({"max_tokens": 400}),
+    );
+    r.read_chunks(5);
+    c.kill_worker(&c.serving());
     let t0 = Instant::now();
     let (_, error) = read_rest(&mut r);
     let error = error.expect("an error event, never silence");
@@ -193,9 +152,9 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
     // Long enough answers (200 tokens) to still be running once a second worker has joined.
     let params = json!({"temperature": 0, "max_tokens": 200, "ignore_eos": true});
     let mut streams: Vec<Response> = (0..8)
-        .map(|_| open_stream(&c, message, params.clone()))
+        .map(|_| c.open_chat(MODEL, message, params.clone()))
         .collect();
-    let texts: Vec<String> = streams.iter_mut().map(|r| read_chunks(r, 3)).collect();
+    let texts: Vec<String> = streams.iter_mut().map(|r| r.read_chunks(3)).collect();
     let cfg = c.config(&Cluster::of(1, 1));
     c.add_worker("decode", "decode-1", &cfg);
     c.wait_for(1, 2);
@@ -223,7 +182,7 @@ fn a_frozen_decode_worker_hands_its_eight_streams_over_and_rejoins_when_thawed()
     let mut gaps = Vec::new();
     for (i, (t, prefix)) in readers.into_iter().zip(texts).enumerate() {
         let (rest, gap) = t.join().unwrap();
-        assert_eq!(prefix + &rest, want, "stream {i}");
+        assert_eq!(prefix + &rest, want, "stream {i}; {}", c.paths());
         gaps.push(gap);
     }
     let longest = gaps.iter().max().unwrap();
@@ -285,9 +244,9 @@ fn a_worker_sent_sigterm_moves_its_stream_live_and_exits() {
     ];
     let count = |c: &Cluster, series: &str| metric_at(c.operator, series);
     for (k, (message, params, engine_params)) in cases.into_iter().enumerate() {
-        let mut r = open_stream(&c, message, params);
-        let mut text = read_chunks(&mut r, 4);
-        let drained = serving(&c);
+        let mut r = c.open_chat(MODEL, message, params);
+        let mut text = r.read_chunks(4);
+        let drained = c.serving();
         c.signal_worker(&drained, libc::SIGTERM);
         let signalled = Instant::now();
         // The stream is read meanwhile: the worker's exit waits on nothing of the client's.
@@ -297,7 +256,12 @@ fn a_worker_sent_sigterm_moves_its_stream_live_and_exits() {
             (reader.join().unwrap(), (status, signalled.elapsed()))
         });
         text += &rest;
-        assert_eq!(text, engine_text(message, engine_params), "stream {k}");
+        assert_eq!(
+            text,
+            engine_text(message, engine_params),
+            "stream {k}; {}",
+            c.paths()
+        );
         assert!(status.success(), "{status:?}");
         let moved = metric_sum(c.operator, "tandem_router_moved_kv_bytes_total");
         let took = metric_sum(c.operator, "tandem_router_move_transfer_seconds_sum");
@@ -319,7 +283,7 @@ fn a_worker_sent_sigterm_moves_its_stream_live_and_exits() {
         c.wait_for(1, 2);
     }
     // A new request after it all is served; the prefill worker, idle, drains at once.
-    let mut r = open_stream(&c, "Hi", json!({"temperature": 0, "max_tokens": 8}));
+    let mut r = c.open_chat(MODEL, "Hi", json!({"temperature": 0, "max_tokens": 8}));
     let (_, error) = read_rest(&mut r);
     assert_eq!(error, None);
     c.signal_worker("prefill-0", libc::SIGTERM);
@@ -370,8 +334,8 @@ fn two_of_four_decode_workers_drained_under_load_move_every_stream_exactly() {
     let mut streams: Vec<(Response, String)> = cases
         .iter()
         .map(|(m, p, _)| {
-            let mut r = open_stream(&c, m, p.clone());
-            let text = read_chunks(&mut r, 2);
+            let mut r = c.open_chat(MODEL, m, p.clone());
+            let text = r.read_chunks(2);
             (r, text)
         })
         .collect();
@@ -417,7 +381,8 @@ fn two_of_four_decode_workers_drained_under_load_move_every_stream_exactly() {
         assert_eq!(
             text,
             &engine_text(message, params.clone()),
-            "{message} {params:?}"
+            "{message} {params:?}; {}",
+            c.paths()
         );
         eprintln!("longest gap {gap:?}");
     }
@@ -479,8 +444,8 @@ fn an_uneven_decode_pool_is_rebalanced_by_live_moves() {
                 let message = messages[i % 2];
                 let params =
                     json!({"temperature": 0.7, "seed": i, "max_tokens": n, "ignore_eos": true});
-                let mut r = open_stream(&c, message, params);
-                let text = read_chunks(&mut r, 1);
+                let mut r = c.open_chat(MODEL, message, params);
+                let text = r.read_chunks(1);
                 let want = SamplingParams {
                     max_tokens: Some(n),
                     temperature: 0.7,
@@ -536,7 +501,8 @@ fn an_uneven_decode_pool_is_rebalanced_by_live_moves() {
             assert_eq!(
                 text,
                 &engine_text(message, want.clone()),
-                "{message} {want:?}"
+                "{message} {want:?}; {}",
+                c.paths()
             );
         }
         let count = |series: &str| metric_at(c.operator, series);
@@ -595,9 +561,9 @@ fn past_its_drain_deadline_a_worker_exits_and_its_stream_moves() {
     let message = "Write a poem about the sea.";
     // 400 tokens: far more than 100 ms of decoding.
     let params = json!({"temperature": 0, "max_tokens": 400, "ignore_eos": true});
-    let mut r = open_stream(&c, message, params);
-    let mut text = read_chunks(&mut r, 4);
-    let drained = serving(&c);
+    let mut r = c.open_chat(MODEL, message, params);
+    let mut text = r.read_chunks(4);
+    let drained = c.serving();
     c.signal_worker(&drained, libc::SIGTERM);
     assert!(c.wait_exit(&drained, Duration::from_secs(10)).success());
     let (rest, error) = read_rest(&mut r);
@@ -607,7 +573,7 @@ fn past_its_drain_deadline_a_worker_exits_and_its_stream_moves() {
         ignore_eos: true,
         ..SamplingParams::greedy(400)
     };
-    assert_eq!(text, engine_text(message, want));
+    assert_eq!(text, engine_text(message, want), "{}", c.paths());
     let migrations = metric_at(c.operator, "tandem_router_migrations_total");
     let moves = metric_at(c.operator, "tandem_router_moves_total{why=\"draining\"}");
     assert_eq!(migrations + moves, 1.0, "left its worker once");

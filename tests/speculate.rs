@@ -5,65 +5,16 @@
 //! the middle of it. The path is asserted from the workers' counters: drafts were proposed and
 //! accepted before and after the move, the KV moved, nothing was computed again.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use engine::SamplingParams;
-use serde_json::{json, Value};
-use tandem_tests::cluster::{metric_at, metric_sum, request, Cluster, Response};
+use serde_json::json;
+use tandem_tests::cluster::{metric_at, metric_sum, request, Cluster};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tandem");
 const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
 const PASSAGE: &str = "The committee will meet on the third Thursday of every month in room 204, starting at ten o'clock. Members who cannot attend should send their apologies to the secretary by the Tuesday before.";
-
-fn open(c: &Cluster, message: &str, params: &Value) -> Response {
-    let mut body = json!({"model": MODEL, "stream": true,
-                          "messages": [{"role": "user", "content": message}]});
-    body.as_object_mut()
-        .unwrap()
-        .extend(params.as_object().unwrap().clone());
-    let r = request(
-        c.http,
-        "POST",
-        "/v1/chat/completions",
-        "application/json",
-        &body.to_string(),
-    );
-    let r = r.unwrap();
-    assert_eq!(r.status, 200);
-    r
-}
-
-/// The text of the stream's next `n` chunks, or the rest of it (`n` = `usize::MAX`).
-fn read(r: &mut Response, n: usize) -> String {
-    let mut text = String::new();
-    for _ in 0..n {
-        match r.next_event() {
-            Some((name, data)) if data != "[DONE]" => {
-                assert_eq!(name, "message", "{data}");
-                let v: Value = serde_json::from_str(&data).unwrap();
-                text += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
-            }
-            _ => break,
-        }
-    }
-    text
-}
-
-/// The decode worker running the cluster's one stream.
-fn serving(c: &Cluster) -> String {
-    let t0 = Instant::now();
-    loop {
-        if let [one] = c.decoding().as_slice() {
-            return one.clone();
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "a decode worker runs the stream"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 #[test]
 fn speculating_streams_are_exact_through_the_cluster_and_across_a_live_move() {
@@ -100,7 +51,7 @@ fn speculating_streams_are_exact_through_the_cluster_and_across_a_live_move() {
         .collect();
     // Straight through: exact, and the decode worker speculated.
     for (k, (params, _)) in cases.iter().enumerate() {
-        let text = read(&mut open(&c, &message, params), usize::MAX);
+        let text = c.open_chat(MODEL, &message, params).read_chunks(usize::MAX);
         assert_eq!(text, want[k], "stream {k} unmoved");
     }
     let accepted = metric_sum(c.operator, "tandem_worker_spec_accepted");
@@ -113,7 +64,10 @@ fn speculating_streams_are_exact_through_the_cluster_and_across_a_live_move() {
     // A request may turn it off (the engine's own test shows it then drafts nothing); a value
     // past the cap is refused with an OpenAI error.
     let off = json!({"temperature": 0, "max_tokens": 16, "speculation": 0});
-    assert!(!read(&mut open(&c, &message, &off), usize::MAX).is_empty());
+    assert!(!c
+        .open_chat(MODEL, &message, &off)
+        .read_chunks(usize::MAX)
+        .is_empty());
     let bad =
         json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "speculation": 17});
     let r = request(
@@ -132,15 +86,15 @@ fn speculating_streams_are_exact_through_the_cluster_and_across_a_live_move() {
     );
     // Moved mid-speculation: the serving worker is sent SIGTERM after a few chunks.
     for (k, (params, _)) in cases.iter().enumerate() {
-        let mut r = open(&c, &message, params);
-        let mut text = read(&mut r, 24);
-        let drained = serving(&c);
+        let mut r = c.open_chat(MODEL, &message, params);
+        let mut text = r.read_chunks(24);
+        let drained = c.serving();
         let there = metric_at(
             c.operator,
             &format!("tandem_worker_spec_accepted{{worker=\"{drained}\",role=\"decode\"}}"),
         );
         c.signal_worker(&drained, libc::SIGTERM);
-        text += &read(&mut r, usize::MAX);
+        text += &r.read_chunks(usize::MAX);
         assert_eq!(text, want[k], "stream {k} moved");
         assert!(c.wait_exit(&drained, Duration::from_secs(10)).success());
         let moves = metric_at(c.operator, "tandem_router_moves_total{why=\"draining\"}");

@@ -61,9 +61,10 @@ pub struct SpecStats {
 pub(crate) struct Drafter {
     /// Most drafts a step (the request's or the engine's cap).
     max: usize,
-    /// (n, hash of n tokens) → the index of the last token of their latest occurrence whose
-    /// next token is known.
-    index: HashMap<(usize, u64), usize>,
+    /// The hash of n tokens (n mixed in) → the index of the last token of their latest
+    /// occurrence whose next token is known. Bounded by the sequence: [`NGRAM_MAX`] entries
+    /// (~150 bytes) a token, under 1% of the token's KV in the models served.
+    index: HashMap<u64, u32>,
     /// Tokens whose n-grams ending there are indexed.
     indexed: usize,
     /// Per match length n (index n - 1): drafts accepted and tried, decayed.
@@ -76,11 +77,13 @@ pub(crate) struct Drafter {
     n: usize,
 }
 
-/// The hash of an n-gram (FNV-1a over the ids).
+/// The hash of an n-gram (FNV-1a over its length and ids; a collision is harmless, a match is
+/// checked).
 fn hash(tokens: &[u32]) -> u64 {
-    tokens.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &t| {
-        (h ^ t as u64).wrapping_mul(0x0100_0000_01b3)
-    })
+    let seed = (0xcbf2_9ce4_8422_2325u64 ^ tokens.len() as u64).wrapping_mul(0x0100_0000_01b3);
+    tokens
+        .iter()
+        .fold(seed, |h, &t| (h ^ t as u64).wrapping_mul(0x0100_0000_01b3))
 }
 
 impl Drafter {
@@ -102,7 +105,7 @@ impl Drafter {
         let end = tokens.len().saturating_sub(1);
         for i in self.indexed..end {
             for n in 1..=NGRAM_MAX.min(i + 1) {
-                self.index.insert((n, hash(&tokens[i + 1 - n..=i])), i);
+                self.index.insert(hash(&tokens[i + 1 - n..=i]), i as u32);
             }
         }
         self.indexed = self.indexed.max(end);
@@ -124,9 +127,9 @@ impl Drafter {
         self.catch_up(tokens);
         let len = tokens.len();
         (1..=NGRAM_MAX.min(len)).rev().find_map(|n| {
-            let &e = self.index.get(&(n, hash(&tokens[len - n..])))?;
-            // A hash can collide: the match is checked.
-            (tokens[e + 1 - n..=e] == tokens[len - n..]).then(|| {
+            let e = *self.index.get(&hash(&tokens[len - n..]))? as usize;
+            // A hash can collide (with another length's too): the match is checked.
+            (e + 1 >= n && tokens[e + 1 - n..=e] == tokens[len - n..]).then(|| {
                 let end = (e + 1 + cap).min(len);
                 (n, tokens[e + 1..end].to_vec())
             })
@@ -204,12 +207,16 @@ impl Acceptance {
 #[derive(Debug)]
 pub(crate) struct StepCosts {
     secs: Vec<Option<f64>>,
+    /// The token counts measured, ascending (an estimate is two binary searches, not a scan:
+    /// it runs for every draft count of every speculating sequence, every step).
+    known: Vec<usize>,
 }
 
 impl Default for StepCosts {
     fn default() -> Self {
         StepCosts {
             secs: vec![None; COSTED_TOKENS + 1],
+            known: Vec::new(),
         }
     }
 }
@@ -217,9 +224,14 @@ impl Default for StepCosts {
 impl StepCosts {
     /// A step of `tokens` tokens took `secs`.
     pub(crate) fn observe(&mut self, tokens: usize, secs: f64) {
-        if let Some(slot) = self.secs.get_mut(tokens) {
-            *slot = Some(slot.map_or(secs, |s| s + COST_EMA * (secs - s)));
+        let Some(slot) = self.secs.get_mut(tokens) else {
+            return;
+        };
+        if slot.is_none() {
+            let at = self.known.partition_point(|&t| t < tokens);
+            self.known.insert(at, tokens);
         }
+        *slot = Some(slot.map_or(secs, |s| s + COST_EMA * (secs - s)));
     }
 
     /// A step of `tokens` tokens' time: measured, or on the line through the nearest measured
@@ -228,20 +240,24 @@ impl StepCosts {
     /// nothing measured at or below it.
     fn estimate(&self, tokens: usize) -> Option<f64> {
         let tokens = tokens.min(COSTED_TOKENS);
-        let measured = |t: usize| self.secs[t].map(|s| (t, s));
-        let below = (1..=tokens).rev().find_map(measured)?;
+        let point = |i: usize| {
+            let t = self.known[i];
+            (t, self.secs[t].expect("a known count is measured"))
+        };
+        let at = self.known.partition_point(|&t| t <= tokens);
+        let below = point(at.checked_sub(1)?);
         if below.0 == tokens {
             return Some(below.1);
         }
         let line = |(t0, s0): (usize, f64), (t1, s1): (usize, f64)| {
             s0 + (tokens as f64 - t0 as f64) * (s1 - s0) / (t1 - t0) as f64
         };
-        Some(match (tokens + 1..=COSTED_TOKENS).find_map(measured) {
-            Some(above) => line(below, above),
-            None => match (1..below.0).rev().find_map(measured) {
-                Some(before) => line(before, below).max(below.1),
-                None => below.1,
-            },
+        Some(if at < self.known.len() {
+            line(below, point(at))
+        } else if at >= 2 {
+            line(point(at - 2), below).max(below.1)
+        } else {
+            below.1
         })
     }
 
@@ -339,5 +355,21 @@ mod tests {
         // Past the largest measured: on the line through the two largest.
         assert_eq!(c.choose(20, 20.0, 4, |k| k as f64 * 0.9), 0);
         assert!((c.estimate(24).unwrap() - 0.024).abs() < 1e-12);
+        // Measured out of order: between two, on their line; below all, nothing; one alone, its
+        // own time above it.
+        let mut c = StepCosts::default();
+        c.observe(30, 0.030);
+        c.observe(10, 0.010);
+        c.observe(30, 0.030);
+        assert_eq!(c.known, [10, 30]);
+        assert!((c.estimate(20).unwrap() - 0.020).abs() < 1e-12);
+        assert_eq!(c.estimate(9), None);
+        assert!(
+            (c.estimate(1000).unwrap() - 0.256).abs() < 1e-12,
+            "capped at 256 tokens"
+        );
+        let mut c = StepCosts::default();
+        c.observe(4, 0.004);
+        assert_eq!(c.estimate(8), Some(0.004));
     }
 }

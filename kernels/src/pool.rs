@@ -164,19 +164,7 @@ impl Pool {
 impl Shared {
     /// Runs one region (the caller holds `Pool::region`).
     fn run(&self, n: usize, f: &(dyn Fn(usize) + Sync)) {
-        // SAFETY: the lifetime is erased only for the duration of this call: `run` returns after
-        // every item claimed in this epoch has finished, and later claims fail on the epoch.
-        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
-        // SAFETY: no item of an earlier epoch is running (see above), so nobody reads `job`.
-        unsafe { *self.job.get() = Some(job) };
-        self.items.store(n, Relaxed);
-        self.done.store(0, Relaxed);
-        let epoch = ((self.state.load(Relaxed) >> 32) + 1) & 0xffff_ffff;
-        self.state.store(epoch << 32, SeqCst);
-        if self.sleepers.load(SeqCst) > 0 {
-            let _g = self.sleep.lock().unwrap_or_else(|e| e.into_inner());
-            self.wake.notify_all();
-        }
+        let epoch = self.open(n, f);
         self.take(epoch);
         let mut spins = 0u32;
         while self.done.load(Acquire) < n {
@@ -192,28 +180,79 @@ impl Shared {
         }
     }
 
+    /// Starts a region of `n` items of `f` (the caller holds `Pool::region`, and waits for
+    /// every item before `f` goes): closes the last epoch, sets the region up, publishes its
+    /// epoch and wakes sleeping workers. Returns the epoch.
+    fn open(&self, n: usize, f: &(dyn Fn(usize) + Sync)) -> u64 {
+        let last = self.state.load(Relaxed) >> 32;
+        self.close(last);
+        // SAFETY: the lifetime is erased only for the duration of the region: `run` returns after
+        // every item claimed in this epoch has finished, and later claims fail on the epoch.
+        let job: Job = unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f) };
+        self.prepare(n, job);
+        let epoch = (last + 1) & 0xffff_ffff;
+        self.publish(epoch);
+        epoch
+    }
+
+    /// Lets the prepared region's items be claimed, waking the workers asleep.
+    fn publish(&self, epoch: u64) {
+        self.state.store(epoch << 32, SeqCst);
+        if self.sleepers.load(SeqCst) > 0 {
+            let _g = self.sleep.lock().unwrap_or_else(|e| e.into_inner());
+            self.wake.notify_all();
+        }
+    }
+
+    /// Closes `epoch` before the next region's count is written: a worker that read the last
+    /// region's state just before it ended sees the next region's larger `items` beside its
+    /// stale state — without this its claim would succeed on that state, and run the next job's
+    /// item before the epoch is published, counted twice in `done` (a region returning with an
+    /// item still running). Its claim now fails: the state it compares with is gone.
+    fn close(&self, epoch: u64) {
+        self.state.store(epoch << 32 | 0xffff_ffff, SeqCst);
+    }
+
+    /// Writes the next region's job and counts (between [`Shared::close`] and its publication).
+    fn prepare(&self, n: usize, job: Job) {
+        // SAFETY: no item of an earlier epoch is running (every one finished before its `run`
+        // returned) and the last epoch is closed, so nobody reads `job`.
+        unsafe { *self.job.get() = Some(job) };
+        self.items.store(n, Relaxed);
+        self.done.store(0, Relaxed);
+    }
+
     /// Claims and runs items of `epoch` until none is left.
     fn take(&self, epoch: u64) {
         let mut s = self.state.load(Acquire);
-        loop {
-            let i = (s & 0xffff_ffff) as usize;
-            if s >> 32 != epoch || i >= self.items.load(Relaxed) {
-                return;
+        while let Some(i) = self.claim(&mut s, epoch) {
+            // SAFETY: an item of `epoch` is claimed, so its region is still running and `job` is
+            // its job.
+            let job = unsafe { (*self.job.get()).expect("a running region has a job") };
+            // SAFETY: as above, `job` points to the region's closure, alive until `done` counts
+            // this item.
+            if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(i) })).is_err() {
+                self.panicked.store(true, Relaxed);
             }
-            match self.state.compare_exchange_weak(s, s + 1, Acquire, Acquire) {
-                Ok(_) => {
-                    // SAFETY: an item of `epoch` is claimed, so its region is still running and
-                    // `job` is its job.
-                    let job = unsafe { (*self.job.get()).expect("a running region has a job") };
-                    // SAFETY: as above, `job` points to the region's closure, alive until
-                    // `done` counts this item.
-                    if catch_unwind(AssertUnwindSafe(|| unsafe { (*job)(i) })).is_err() {
-                        self.panicked.store(true, Relaxed);
-                    }
-                    self.done.fetch_add(1, Release);
-                    s = self.state.load(Acquire);
-                }
-                Err(now) => s = now,
+            self.done.fetch_add(1, Release);
+            s = self.state.load(Acquire);
+        }
+    }
+
+    /// Claims the next item of `epoch`, starting from the state `s` last read; `None` when the
+    /// epoch has none left (or is over).
+    fn claim(&self, s: &mut u64, epoch: u64) -> Option<usize> {
+        loop {
+            let i = (*s & 0xffff_ffff) as usize;
+            if *s >> 32 != epoch || i >= self.items.load(Relaxed) {
+                return None;
+            }
+            match self
+                .state
+                .compare_exchange_weak(*s, *s + 1, Acquire, Acquire)
+            {
+                Ok(_) => return Some(i),
+                Err(now) => *s = now,
             }
         }
     }
@@ -328,6 +367,44 @@ mod tests {
             }
         });
         assert_eq!(total.load(Relaxed), 4 * 200 * 21);
+    }
+
+    /// The interleaving a preempted worker can hit: it read the state as the last region's
+    /// last item finished, and checks it against `items` after the caller wrote the next
+    /// region's larger count but before it published the epoch. Its claim must fail (it used to
+    /// succeed and run the next region's item uncounted by the epoch: the region then returned
+    /// with an item still running). Stepped by hand on one thread, so it never depends on timing.
+    #[test]
+    fn a_worker_late_from_the_last_region_claims_nothing_of_the_next() {
+        let p = Pool::start(1);
+        let sh = &p.shared;
+        let first = AtomicUsize::new(0);
+        sh.run(2, &|_| {
+            first.fetch_add(1, Relaxed);
+        });
+        assert_eq!(first.load(Relaxed), 2);
+        let mut stale = sh.state.load(Acquire);
+        let last = stale >> 32;
+        // The caller starts the next region of 4 items, up to just before publishing it.
+        let hits: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+        let f = |i: usize| {
+            hits[i].fetch_add(1, Relaxed);
+        };
+        let f: &(dyn Fn(usize) + Sync) = &f;
+        sh.close(last);
+        // SAFETY: as in `open`: the region is run to its end below, while `f` lives.
+        sh.prepare(4, unsafe {
+            std::mem::transmute::<&(dyn Fn(usize) + Sync), Job>(f)
+        });
+        assert_eq!(
+            sh.claim(&mut stale, last),
+            None,
+            "the late worker claims nothing"
+        );
+        sh.publish(last + 1);
+        sh.take(last + 1);
+        assert!(hits.iter().all(|h| h.load(Relaxed) == 1));
+        assert_eq!(sh.done.load(Relaxed), 4);
     }
 
     #[test]

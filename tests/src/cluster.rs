@@ -314,6 +314,63 @@ impl Cluster {
             .collect()
     }
 
+    /// Which ways the router's streams left their workers so far (for an assertion's message:
+    /// a moved stream whose text differs says which path it took).
+    pub fn paths(&self) -> String {
+        let n = |name: &str| metric_sum(self.operator, name);
+        format!(
+            "paths so far: {} live moves ({} stayed), {} migrations, {} KV transfer failures",
+            n("tandem_router_moves_total"),
+            n("tandem_router_moves_stayed_total"),
+            n("tandem_router_migrations_total"),
+            n("tandem_kv_transfer_failures_total")
+        )
+    }
+
+    /// The decode worker running the cluster's one stream, once it runs (within 10 s).
+    pub fn serving(&self) -> String {
+        let mut one = None;
+        wait_until(
+            "a decode worker runs the stream",
+            Duration::from_secs(10),
+            || {
+                one = match self.decoding().as_slice() {
+                    [w] => Some(w.clone()),
+                    _ => None,
+                };
+                one.is_some()
+            },
+        );
+        one.expect("found")
+    }
+
+    /// Opens a streamed chat completion of `message` to `model` with `params` (more JSON
+    /// fields); asserts it is accepted.
+    pub fn open_chat(
+        &self,
+        model: &str,
+        message: &str,
+        params: impl std::borrow::Borrow<Value>,
+    ) -> Response {
+        let mut body = serde_json::json!({"model": model, "stream": true,
+                                          "messages": [{"role": "user", "content": message}]});
+        let fields = params
+            .borrow()
+            .as_object()
+            .expect("params are a JSON object");
+        body.as_object_mut().unwrap().extend(fields.clone());
+        let r = request(
+            self.http,
+            "POST",
+            "/v1/chat/completions",
+            "application/json",
+            &body.to_string(),
+        );
+        let r = r.unwrap();
+        assert_eq!(r.status, 200);
+        r
+    }
+
     /// Waits until exactly this many workers are joined.
     pub fn wait_for(&self, prefill: usize, decode: usize) {
         let what = format!("{prefill} + {decode} workers joined");
@@ -411,6 +468,23 @@ impl Response {
         let mut s = String::new();
         self.reader.read_to_string(&mut s).unwrap();
         s
+    }
+
+    /// The text of a chat stream's next `n` content chunks (fewer if it ends; `usize::MAX`:
+    /// the rest of it).
+    pub fn read_chunks(&mut self, n: usize) -> String {
+        let mut text = String::new();
+        for _ in 0..n {
+            match self.next_event() {
+                Some((name, data)) if data != "[DONE]" => {
+                    assert_eq!(name, "message", "{data}");
+                    let v: Value = serde_json::from_str(&data).unwrap();
+                    text += v["choices"][0]["delta"]["content"].as_str().unwrap_or("");
+                }
+                _ => break,
+            }
+        }
+        text
     }
 
     /// The next server-sent event's `(event name, data)`, or `None` at the end of the stream.

@@ -60,20 +60,21 @@ impl Chunk {
 /// The token `s` draws from chunk `c`'s logits `l` (its prompt's log-probabilities collected
 /// first, when it asked for them), appended to it, with why it finished if it did; `None` while
 /// a prompt-log-probability prompt is still being computed.
-pub(super) fn sample(s: &mut Seq, c: &Chunk, mut l: Vec<f32>, vocab: usize) -> Option<TokenEvent> {
+pub(super) fn sample(s: &mut Seq, c: &Chunk, l: &mut [f32], vocab: usize) -> Option<TokenEvent> {
     if let (Some((k, lps)), true) = (&mut s.prompt_lp, c.start < s.prompt_len) {
-        prompt_logprobs(&l, vocab, &s.tokens[..s.prompt_len], c.start, *k, lps);
+        prompt_logprobs(l, vocab, &s.tokens[..s.prompt_len], c.start, *k, lps);
         if c.start + c.len < s.prompt_len {
             return None;
         }
-        l.drain(..l.len() - vocab);
     }
+    let last = l.len() - vocab;
+    let l = &mut l[last..];
     let (tok, logprobs, complete) = match &mut s.guide {
         None => {
-            let (tok, lp) = s.sampler.sample_with_logprobs(&l, &s.tokens);
+            let (tok, lp) = s.sampler.sample_with_logprobs(l, &s.tokens);
             (tok, lp, false)
         }
-        Some(g) => guided(g, &s.sampler, &mut l, &s.tokens, &s.stop_ids, s.id),
+        Some(g) => guided(g, &s.sampler, l, &s.tokens, &s.stop_ids, s.id),
     };
     s.tokens.push(tok);
     let generated = s.tokens.len() - s.prompt_len;

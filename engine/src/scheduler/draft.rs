@@ -50,7 +50,7 @@ impl Engine {
 pub(super) fn verify(
     s: &mut Seq,
     c: &Chunk,
-    l: Vec<f32>,
+    mut l: Vec<f32>,
     vocab: usize,
     stats: &mut SpecStats,
     all: &mut Acceptance,
@@ -65,8 +65,8 @@ pub(super) fn verify(
     s.computed += 1;
     let mut drawn = Vec::new();
     let mut accepted = 0;
-    for (j, row) in l.chunks_exact(vocab).enumerate() {
-        let ev = sample(s, c, row.to_vec(), vocab).expect("a decoding row draws a token");
+    for (j, row) in l.chunks_exact_mut(vocab).enumerate() {
+        let ev = sample(s, c, row, vocab).expect("a decoding row draws a token");
         let (tok, done) = (ev.token, ev.finish.is_some());
         drawn.push(ev);
         if drafts.get(j + 1) != Some(&tok) {
