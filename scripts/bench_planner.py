@@ -89,9 +89,9 @@ def real(a, text, name):
     r["moves"] = total(grew, "tandem_router_moves_total")
     r["migrations"] = total(grew, "tandem_router_migrations_total")
     r["recomputed"] = total(grew, "tandem_kv_transfer_failures_total")
-    # Why prompts were computed again on their decode workers (the prefill decisions' labels).
+    # Why prompts were computed again on their decode workers.
     r["recomputed_why"] = {k.split('"')[1]: v for k, v in grew.items()
-                           if k.startswith("tandem_router_prefill_decisions_total{") and "recomputed" in k and v}
+                           if k.startswith("tandem_router_recomputes_total{") and v}
     return r
 
 

@@ -222,6 +222,7 @@ fn worker_settings(
         store_fetch_timeout: Duration::from_millis(*cfg.store.fetch_timeout_ms.get_ref()),
         store_replicas: *cfg.store.replicas.get_ref() as usize,
         drain_timeout: Duration::from_millis(*pool.drain_timeout_ms.get_ref()),
+        peer_fetch: *cfg.kv_transfer.peer_fetch.get_ref(),
     })
 }
 

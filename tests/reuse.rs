@@ -16,8 +16,50 @@ const MODEL: &str = "SmolLM2-135M-Instruct.Q4_1";
 
 #[test]
 fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
-    let (model, tok) = load_model();
     let c = Cluster::start(EXE.as_ref(), 1, 1);
+    converse(&c, false);
+    assert_eq!(peer_figure(&c, "prefill", "kv_peer_hits"), 0);
+    let computed = peer_figure(&c, "prefill", "prompt_tokens")
+        - peer_figure(&c, "prefill", "prefix_hit_tokens");
+    eprintln!("without peer fetch the prefill computed {computed} prompt tokens");
+}
+
+/// Peer fetch (`[kv_transfer] peer_fetch`): each turn's prompt starts with what the decode
+/// worker holds from the turn before (the prompt and its answer); the prefill worker fetches
+/// those blocks from it instead of computing them — it computes only what neither holds.
+#[test]
+fn with_peer_fetch_the_prefill_worker_fetches_the_blocks_the_decode_worker_holds() {
+    let c = Cluster::of(1, 1)
+        .pools(["[prefill.kv_tiers]\nhost_bytes = 100_000_000\n", ""])
+        .kv("peer_fetch = true")
+        .start(EXE.as_ref());
+    let fetched = converse(&c, true);
+    let computed = peer_figure(&c, "prefill", "prompt_tokens")
+        - peer_figure(&c, "prefill", "prefix_hit_tokens");
+    eprintln!("{fetched} blocks fetched from the decode worker; the prefill computed {computed} prompt tokens");
+    assert!(fetched > 0);
+    assert_eq!(peer_figure(&c, "prefill", "kv_peer_hits"), fetched);
+    assert_eq!(peer_figure(&c, "decode", "kv_peer_served"), fetched);
+    assert_eq!(peer_figure(&c, "prefill", "kv_peer_fetch_failures"), 0);
+    assert_eq!(peer_figure(&c, "prefill", "kv_tier_corrupt"), 0);
+}
+
+/// A worker's live figure `name`, summed over the `role` pool.
+fn peer_figure(c: &Cluster, role: &str, name: &str) -> u64 {
+    c.workers()
+        .iter()
+        .filter(|w| w["role"] == role)
+        .map(|w| w["stats"][name].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// Two 6-turn conversations (greedy, seeded) through `c`, each turn's text asserted against
+/// the cold engine's and its path from counters: only the blocks the decode worker lacks are
+/// sent; the prefill worker computes only what it lacks — with `peer`, only what neither it
+/// nor the decode worker holds, the rest fetched. Returns the blocks fetched from the decode
+/// worker.
+fn converse(c: &Cluster, peer: bool) -> u64 {
+    let (model, tok) = load_model();
     let per_token = (model.config.n_layers * 4 * model.config.kv_width()) as f64;
     let bs = 16;
     let greedy = SamplingParams::greedy(8);
@@ -27,7 +69,7 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
         seed: 11,
         ..SamplingParams::greedy(8)
     };
-    let mut transfers = 0;
+    let (mut transfers, mut fetched_before) = (0, 0);
     for (conv, params) in [greedy, seeded].into_iter().enumerate() {
         let user = |k: usize| -> Vec<u32> {
             (0..20 + 3 * k as u32)
@@ -56,7 +98,7 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
                 c.operator,
                 "tandem_kv_transfer_bytes_total{transport=\"tcp\"}",
             );
-            let hits0 = prefill_hits(&c);
+            let hits0 = prefill_hits(c);
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
                               "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
             let (status, v) = post_json(c.http, "/v1/completions", &body);
@@ -78,12 +120,20 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
                 sent, want_sent,
                 "conv {conv} turn {k}: only the blocks the decode worker lacks"
             );
-            let hit = prefill_hits(&c) - hits0;
-            assert_eq!(
-                hit,
-                prefill_held.min((prompt.len() - 2) / bs * bs) as u64,
-                "conv {conv} turn {k}: the prefill computed only what it lacked"
-            );
+            let hit = prefill_hits(c) - hits0;
+            let findable = |held: usize| held.min((prompt.len() - 2) / bs * bs);
+            let fetched = (findable(decode_held.max(prefill_held)) - findable(prefill_held)) / bs;
+            let now_fetched = peer_figure(c, "prefill", "kv_peer_hits");
+            let why = format!("conv {conv} turn {k}: the prefill computed only what it lacked");
+            match peer {
+                false => assert_eq!(hit, findable(prefill_held) as u64, "{why}"),
+                true => {
+                    let held = findable(decode_held.max(prefill_held)) as u64;
+                    assert_eq!(hit, held, "{why}, or fetched");
+                    assert_eq!(now_fetched - fetched_before, fetched as u64, "{why}");
+                }
+            }
+            fetched_before = now_fetched;
             // What each worker holds for the next turn, in whole blocks: the decode worker the
             // prompt and the answer but its last token; the prefill worker the prompt less its
             // last token.
@@ -99,6 +149,7 @@ fn a_conversation_moves_only_new_blocks_and_matches_the_cold_engine_bitwise() {
         ) >= 12.0
     );
     c.wait_all_free(Duration::from_secs(5));
+    fetched_before
 }
 
 /// The prefill worker's prefix-cache hits (prompt tokens not computed), asked live.

@@ -351,6 +351,10 @@ impl worker::Role for Decoder {
         self.engine.stage_store(&blocks);
     }
 
+    fn export(&mut self, hashes: &[types::BlockHash]) -> Vec<engine::StoreBlock> {
+        self.engine.export_blocks(hashes)
+    }
+
     fn tiers_busy(&self) -> bool {
         self.engine.tier_writes_pending()
     }
@@ -427,7 +431,7 @@ impl Decode for Service {
         // Prompt log-probabilities need every position computed: nothing is reused for them.
         if let (Some(link), None) = (&self.store, params.prompt_logprobs) {
             let salt = params.cache_salt.as_deref();
-            worker::store::prefetch(link, &self.engine, &req.prompt, salt).await?;
+            worker::store::prefetch(link, &self.engine, &req.prompt, salt, 0).await?;
         }
         let (tx, rx) = mpsc::unbounded_channel();
         let events = tx;
@@ -508,6 +512,15 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
     let regions = engine.kv_regions().map_err(|e| e.to_string());
     let tickets = kv_transfer::Tickets::default();
     let (store, out) = worker::store::link(s, &mut engine)?.unzip();
+    // Peer fetch: its cached blocks served to prefill workers, on a listener of its own.
+    let peer = match (s.peer_fetch, engine.can_export(), engine.store_names()) {
+        (true, true, Some((_, model))) => Some((worker::bind(&s.host, "peer fetch").await?, model)),
+        (true, ..) => {
+            tracing::warn!("peer fetch is on, but this engine cannot serve its blocks (no prefix cache, windowed layer groups or a GPU pool): not served");
+            None
+        }
+        _ => None,
+    };
     let decoder = Decoder {
         engine,
         streams: HashMap::new(),
@@ -529,6 +542,18 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         let counters = link.counters.clone();
         handle = handle.with_live(move |l| worker::store::fill(&counters, l));
     }
+    let mut peer_endpoint = String::new();
+    if let Some((listener, model)) = peer {
+        let at = listener
+            .local_addr()
+            .map_err(|e| WorkerError::Bind("peer fetch".into(), e))?;
+        peer_endpoint = at.to_string();
+        let counters = std::sync::Arc::new(worker::peer::PeerCounters::default());
+        let c = counters.clone();
+        handle = handle.with_live(move |l| worker::peer::fill(&c, l));
+        let security = s.security.clone();
+        worker::peer::serve(listener, security, handle.clone(), model, counters);
+    }
     let (offers, detail) = kv_endpoints(&cfg, &loaded, (regions, tickets), &handle).await?;
     let store_model = store.as_ref().map_or(0, |l| l.model());
     let service = Service {
@@ -545,6 +570,7 @@ pub async fn run(cfg: DecodeConfig) -> Result<(), WorkerError> {
         detail,
         metrics: METRICS,
         store_model,
+        peer_endpoint,
     };
     worker::serve(s, &loaded, &handle, routes, announce).await
 }

@@ -257,6 +257,13 @@ impl BlockPool {
         out
     }
 
+    /// Group `group`'s cached block of the prefix hashed `hash`, and its tokens.
+    pub fn cached(&self, group: u32, hash: u64) -> Option<(u32, &[u32])> {
+        let &b = self.by_hash.get(&(group, hash))?;
+        let c = self.meta[b as usize].as_ref()?;
+        Some((b, &c.tokens))
+    }
+
     /// Group `group`'s cached block of the prefix hashed `hash` whose last block is `tokens`.
     pub fn find(&self, group: u32, hash: u64, tokens: &[u32]) -> Option<u32> {
         let &b = self.by_hash.get(&(group, hash))?;

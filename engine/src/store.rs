@@ -40,6 +40,21 @@ impl Engine {
         self.kv.missing_blocks((seed, root), known)
     }
 
+    /// Whether it can serve its cached blocks to other workers ([`Engine::export_blocks`]): a
+    /// prefix cache, one table, pages in host memory.
+    pub fn can_export(&self) -> bool {
+        self.prefix_seed.is_some() && self.kv.exports()
+    }
+
+    /// The cached blocks of `hashes` in this engine's pool, in order up to the first it lacks,
+    /// as the store keeps them: what it serves a worker fetching them (peer fetch).
+    pub fn export_blocks(&self, hashes: &[types::BlockHash]) -> Vec<StoreBlock> {
+        match self.prefix_seed {
+            Some(_) => self.kv.export(hashes, self.model.tier_values()),
+            None => Vec::new(),
+        }
+    }
+
     /// Puts blocks fetched from the store in G2, where the next prefix lookup finds them;
     /// blocks that fail their checksum are dropped (computed instead), counted.
     pub fn stage_store(&mut self, blocks: &[StoreBlock]) -> Staged {

@@ -191,6 +191,8 @@ struct Service {
     engine: EngineHandle<Cmd>,
     /// The cluster KV store, when the cluster has one this engine can use.
     store: Option<worker::store::StoreLink>,
+    /// Fetches from the decode worker the blocks it holds and this worker lacks (peer fetch).
+    peers: Option<worker::peer::PeerLink>,
     /// Where the KV goes: connections to decode workers, the transport chosen per peer.
     senders: Senders,
     width: u32,
@@ -254,8 +256,17 @@ impl Prefill for Service {
         };
         let cache_salt = (!req.cache_salt.is_empty()).then_some(req.cache_salt);
         let tokens = req.tokens;
+        let salt = cache_salt.as_deref();
+        // The decode worker's blocks first (it holds them for this very request), then the
+        // store's past them.
+        let mut staged = 0;
+        if let (Some(link), false) = (&self.peers, req.peer_endpoint.is_empty()) {
+            let held_there = (&tokens[..], send_from);
+            let peer = &req.peer_endpoint;
+            staged = worker::peer::prefetch(link, &self.engine, peer, held_there, salt).await?;
+        }
         if let Some(link) = &self.store {
-            worker::store::prefetch(link, &self.engine, &tokens, cache_salt.as_deref()).await?;
+            worker::store::prefetch(link, &self.engine, &tokens, salt, staged).await?;
         }
         self.engine.send(Cmd {
             id,
@@ -295,6 +306,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
     let model = loaded.model.clone();
     let mut engine = Engine::new(model.clone(), cfg.worker.engine.clone(), Vec::new())?;
     let (store, out) = worker::store::link(&cfg.worker, &mut engine)?.unzip();
+    let peers = worker::peer::PeerLink::new(&cfg.worker, engine.store_names());
     let role = Prefiller {
         engine,
         outs: HashMap::new(),
@@ -317,10 +329,15 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         let counters = link.counters.clone();
         handle = handle.with_live(move |l| worker::store::fill(&counters, l));
     }
+    if let Some(link) = &peers {
+        let counters = link.counters.clone();
+        handle = handle.with_live(move |l| worker::peer::fill(&counters, l));
+    }
     let store_model = store.as_ref().map_or(0, |l| l.model());
     let service = Service {
         engine: handle.clone(),
         store,
+        peers,
         senders,
         width: model.config.kv_width() as u32,
         n_layers: model.config.n_layers as u32,
@@ -333,6 +350,7 @@ pub async fn run(cfg: PrefillConfig) -> Result<(), WorkerError> {
         detail: String::new(),
         metrics: METRICS,
         store_model,
+        peer_endpoint: String::new(),
     };
     worker::serve(&cfg.worker, &loaded, &handle, routes, announce).await
 }

@@ -618,6 +618,15 @@ pub struct KvTransferSection {
     /// or frozen prefill worker's reservations are free this soon.
     #[serde(default = "default_lease_ms")]
     pub lease_ms: Spanned<u64>,
+    /// Peer fetch: decode workers serve the KV blocks they hold to prefill workers, which
+    /// fetch the prompt's blocks the decode worker holds and they lack instead of computing
+    /// them (needs a host tier in `[prefill.kv_tiers]` to stage them in).
+    #[serde(default = "default_off")]
+    pub peer_fetch: Spanned<bool>,
+}
+
+fn default_off() -> Spanned<bool> {
+    Spanned::new(0..0, false)
 }
 
 fn default_lease_ms() -> Spanned<u64> {
@@ -649,7 +658,15 @@ impl Default for KvTransferSection {
             connect_timeout_ms: default_connect_ms(),
             transfer_timeout_ms: default_transfer_ms(),
             lease_ms: default_lease_ms(),
+            peer_fetch: default_off(),
         }
+    }
+}
+
+impl PoolSection {
+    /// Whether its workers have a host tier (G2): where fetched blocks are staged.
+    pub fn has_host_tier(&self) -> bool {
+        self.kv_tiers.as_ref().is_some_and(|t| t.host_bytes > 0)
     }
 }
 
@@ -682,8 +699,7 @@ impl ClusterConfig {
                 ("prefill", cfg.prefill.as_ref()),
                 ("decode", Some(&cfg.decode)),
             ] {
-                let staged = pool.and_then(|p| p.kv_tiers.as_ref()).map(|t| t.host_bytes);
-                if pool.is_some() && staged.unwrap_or(0) == 0 {
+                if pool.is_some_and(|p| !p.has_host_tier()) {
                     let m = format!(
                         "the {name} workers stage blocks fetched from the store in host memory: \
                          set [{name}.kv_tiers] host_bytes"
@@ -691,6 +707,12 @@ impl ClusterConfig {
                     return ctx.err(span.clone(), key, m);
                 }
             }
+        }
+        let peer = &cfg.kv_transfer.peer_fetch;
+        if *peer.get_ref() && cfg.prefill.as_ref().is_some_and(|p| !p.has_host_tier()) {
+            let m = "the prefill workers stage blocks fetched from decode workers in host memory: \
+                     set [prefill.kv_tiers] host_bytes";
+            return ctx.err(peer.span(), "kv_transfer.peer_fetch", m);
         }
         if let Some(d) = &cfg.discovery {
             ctx.discovery(d)?;
@@ -701,11 +723,10 @@ impl ClusterConfig {
     /// Whether `tandem up` starts a store node of its own (see [`StoreSection::embedded`]):
     /// no node set, embedding not turned off, and every pool has a host tier.
     pub fn embedded_store(&self) -> bool {
-        let staged = |p: &PoolSection| p.kv_tiers.as_ref().is_some_and(|t| t.host_bytes > 0);
         self.store.nodes_span().is_none()
             && self.store.embedded
-            && staged(&self.decode)
-            && self.prefill.as_ref().is_none_or(staged)
+            && self.decode.has_host_tier()
+            && self.prefill.as_ref().is_none_or(PoolSection::has_host_tier)
     }
 
     /// Whether requests go through a separate prefill pool.

@@ -517,6 +517,11 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "Prefills or KV transfers that failed (the prompt was recomputed on the decode worker).",
     ),
     (
+        "tandem_router_recomputes_total",
+        Counter,
+        "Prompts recomputed on their decode worker, by why: the transfer failed, the prefill worker was lost, no prefill worker, a live move failed.",
+    ),
+    (
         "tandem_kv_transport_chosen_total",
         Counter,
         "Transfers by the transport negotiated and why it was chosen.",

@@ -157,6 +157,8 @@ struct Known {
     name: String,
     endpoint: String,
     offers: Vec<grpc::KvOffer>,
+    /// Where it serves the KV it holds to prefill workers (empty: it does not).
+    peer: String,
 }
 
 struct Driver {
@@ -373,8 +375,10 @@ impl Driver {
                 metrics::counter!("tandem_router_moves_total", "why" => why.label()).increment(1)
             }
             Note::Stayed => metrics::counter!("tandem_router_moves_stayed_total").increment(1),
-            Note::Recomputed(_) => {
-                metrics::counter!("tandem_kv_transfer_failures_total").increment(1)
+            Note::Recomputed(why) => {
+                metrics::counter!("tandem_kv_transfer_failures_total").increment(1);
+                metrics::counter!("tandem_router_recomputes_total", "why" => why.label())
+                    .increment(1)
             }
             Note::Held => metrics::counter!("tandem_router_admission_holds_total").increment(1),
             Note::Refused => {}
@@ -399,6 +403,7 @@ impl Driver {
                 name: x.name.clone(),
                 endpoint: x.endpoint.clone(),
                 offers: x.offers.clone(),
+                peer: x.peer_endpoint.clone(),
             })
         });
         if let Some(k) = &here {
@@ -476,6 +481,9 @@ impl Driver {
             skip_tokens: skip,
             cache_salt: self.wire.cache_salt.clone(),
             transfer_ticket: ticket.0.to_vec(),
+            // The decode worker holds the first `skip` tokens' KV: where it serves them, the
+            // prefill worker fetches what of them it lacks instead of computing it.
+            peer_endpoint: if skip > 0 { dw.peer } else { String::new() },
         };
         let registry = self.state.registry.clone();
         let task = tokio::spawn(async move {

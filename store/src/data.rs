@@ -94,9 +94,46 @@ fn buffered<S: Io + 'static>(s: S) -> Stream {
 /// Serves data connections on `listener` for as long as the process lives: the cluster's
 /// workers only (mutual TLS under `security`), at most [`MAX_CONNECTIONS`] at once.
 pub async fn serve(listener: TcpListener, security: &Security, node: Node) -> Result<(), String> {
+    accept(listener, security, "store_data", move |s, owner| {
+        connection(node.clone(), s, owner)
+    })
+    .await
+}
+
+/// Where a worker serves the KV blocks it holds to other workers (peer fetch): the protocol's
+/// gets, answered by `export` (the objects of the keys it is given, in order up to the first
+/// it lacks); puts are refused. The cluster's workers only, as [`serve`].
+pub async fn serve_gets<F, Fut>(
+    listener: TcpListener,
+    security: &Security,
+    export: F,
+) -> Result<(), String>
+where
+    F: Fn(Vec<ObjectKey>) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Vec<Fetched>> + Send + 'static,
+{
+    accept(listener, security, "peer_data", move |s, _| {
+        gets_only(export.clone(), s)
+    })
+    .await
+}
+
+/// Accepts connections on `listener` (mutual TLS with workers' certificates under
+/// `security`; `label` names the listener in refusal metrics), at most [`MAX_CONNECTIONS`] at
+/// once, each handed to `handle` with its peer's certificate fingerprint.
+async fn accept<H, Fut>(
+    listener: TcpListener,
+    security: &Security,
+    label: &'static str,
+    handle: H,
+) -> Result<(), String>
+where
+    H: Fn(Stream, Owner) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let refuse = || {
-        metrics::counter!("tandem_auth_refused_total", "listener" => "store_data", "reason" => "too_many_connections")
+        metrics::counter!("tandem_auth_refused_total", "listener" => label, "reason" => "too_many_connections")
             .increment(1);
     };
     match security {
@@ -110,32 +147,81 @@ pub async fn serve(listener: TcpListener, security: &Security, node: Node) -> Re
                 continue;
             };
             let _ = tcp.set_nodelay(true);
-            let node = node.clone();
+            let served = handle(buffered(tcp), None);
             tokio::spawn(async move {
                 let _slot = slot;
-                connection(node, buffered(tcp), None).await
+                served.await
             });
         },
         Security::Mutual(creds) => {
             let workers = [Role::Prefill, Role::Decode];
-            let acceptor =
-                pki::accept::Acceptor::new(creds, pki::ALPN_STORE, &workers, "store_data")
-                    .map_err(|e| e.to_string())?;
+            let acceptor = pki::accept::Acceptor::new(creds, pki::ALPN_STORE, &workers, label)
+                .map_err(|e| e.to_string())?;
             let mut incoming = acceptor.incoming(listener);
             while let Some((tls, peer)) = incoming.recv().await {
                 let Ok(slot) = slots.clone().try_acquire_owned() else {
                     refuse();
                     continue;
                 };
-                let node = node.clone();
+                let served = handle(buffered(tls), Some(peer.fingerprint));
                 tokio::spawn(async move {
                     let _slot = slot;
-                    connection(node, buffered(tls), Some(peer.fingerprint)).await
+                    served.await
                 });
             }
             Ok(())
         }
     }
+}
+
+/// A peer-fetch connection: gets after gets, each answered by `export`, until it closes,
+/// idles or breaks (anything else is refused and ends it).
+async fn gets_only<F, Fut>(export: F, mut s: Stream)
+where
+    F: Fn(Vec<ObjectKey>) -> Fut,
+    Fut: std::future::Future<Output = Vec<Fetched>>,
+{
+    let mut magic = [0u8; 4];
+    let by = tokio::time::Instant::now() + FRAME_DEADLINE;
+    if !matches!(timeout_at(by, s.read_exact(&mut magic)).await, Ok(Ok(_))) || magic != MAGIC {
+        return;
+    }
+    loop {
+        let idle = tokio::time::Instant::now() + IDLE;
+        let Ok(Ok(kind)) = timeout_at(idle, s.read_u8()).await else {
+            return;
+        };
+        let by = tokio::time::Instant::now() + FRAME_DEADLINE;
+        let why = match kind {
+            GET => match timeout_at(by, get_keys(&mut s)).await {
+                Ok(Ok(keys)) => {
+                    let objects = export(keys).await;
+                    match timeout_at(by, send_objects(&mut s, &objects)).await {
+                        Ok(Ok(())) => continue,
+                        _ => return,
+                    }
+                }
+                Ok(Err(Serve::Refuse(why))) => why,
+                Ok(Err(Serve::Broken)) => return,
+                Err(_) => "a get's keys did not come within the deadline".into(),
+            },
+            other => format!("a request {other:#04x} where only gets are served"),
+        };
+        let _ = timeout_at(by, refused(&mut s, &why)).await;
+        return;
+    }
+}
+
+/// Objects, each as an OBJ frame, then END.
+async fn send_objects(w: &mut Stream, objects: &[Fetched]) -> std::io::Result<()> {
+    for o in objects {
+        w.write_u8(OBJECT).await?;
+        w.write_u64_le(o.data.len() as u64).await?;
+        w.write_u64_le(o.sum).await?;
+        w.write_all(&o.data).await?;
+    }
+    w.write_u8(END).await?;
+    w.flush().await
 }
 
 /// One connection from `owner`, request after request until it closes, idles or breaks.
@@ -370,13 +456,24 @@ impl Client {
         security: &Security,
         deadline: tokio::time::Instant,
     ) -> Result<Client, DataError> {
+        Client::connect_to(addr, security, Role::Store, deadline).await
+    }
+
+    /// [`Client::connect`] to a server of `role` (a decode worker serving its blocks: peer
+    /// fetch).
+    pub async fn connect_to(
+        addr: &str,
+        security: &Security,
+        role: Role,
+        deadline: tokio::time::Instant,
+    ) -> Result<Client, DataError> {
         let dial = async {
             let tcp = tokio::net::TcpStream::connect(addr).await?;
             tcp.set_nodelay(true)?;
             let mut s = match security {
                 Security::Insecure => buffered(tcp),
                 Security::Mutual(c) => {
-                    buffered(pki::accept::connect(c, pki::ALPN_STORE, Role::Store, tcp).await?)
+                    buffered(pki::accept::connect(c, pki::ALPN_STORE, role, tcp).await?)
                 }
             };
             s.write_all(&MAGIC).await?;

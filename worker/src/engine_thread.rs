@@ -59,6 +59,11 @@ pub trait Role: Send + 'static {
     }
     /// Blocks fetched from the cluster store, for the prefix lookups of the commands after.
     fn stage(&mut self, _blocks: Vec<StoreBlock>) {}
+    /// The cached blocks of `hashes` it holds, in order up to the first it lacks (served to
+    /// a worker fetching them: peer fetch).
+    fn export(&mut self, _hashes: &[types::BlockHash]) -> Vec<StoreBlock> {
+        Vec::new()
+    }
 }
 
 /// Most commands of new work waiting for the engine thread at once.
@@ -76,6 +81,8 @@ enum Command<C> {
     Drain,
     /// Blocks fetched from the cluster store for the command that follows.
     Stage(Vec<StoreBlock>),
+    /// Copies of cached blocks, for a worker fetching them.
+    Export(Vec<types::BlockHash>, oneshot::Sender<Vec<StoreBlock>>),
 }
 
 /// Figures a worker keeps outside its engine thread, filled into each load it reports.
@@ -145,6 +152,16 @@ impl<C: Send + 'static> EngineHandle<C> {
     /// (never refused: a fetch is bounded by the request it is for).
     pub fn stage(&self, blocks: Vec<StoreBlock>) -> Result<(), Status> {
         self.tx.send(Command::Stage(blocks)).map_err(|_| stopped())
+    }
+
+    /// Copies of the cached blocks of `hashes` the engine holds, in order up to the first it
+    /// lacks, taken between two steps (a peer fetch's: the caller bounds how many).
+    pub async fn export(&self, hashes: Vec<types::BlockHash>) -> Result<Vec<StoreBlock>, Status> {
+        let (tx, rx) = oneshot::channel();
+        self.tx
+            .send(Command::Export(hashes, tx))
+            .map_err(|_| stopped())?;
+        rx.await.map_err(|_| stopped())
     }
 
     /// Admits nothing new from now on.
@@ -284,6 +301,9 @@ fn run<R: Role>(
                 }
                 Command::Drain => draining = true,
                 Command::Stage(blocks) => role.stage(blocks),
+                Command::Export(hashes, tx) => {
+                    let _ = tx.send(role.export(&hashes));
+                }
             }
         }
         role.expire(Instant::now());

@@ -19,6 +19,7 @@ pub mod engine_thread;
 pub mod grammar;
 pub mod kv_log;
 pub mod kv_send;
+pub mod peer;
 pub mod service;
 pub mod store;
 pub mod wire;
@@ -73,6 +74,9 @@ pub struct Settings {
     pub store_fetch_timeout: std::time::Duration,
     /// Sent `SIGTERM`, how long the worker lets what it holds finish before it exits.
     pub drain_timeout: std::time::Duration,
+    /// Peer fetch (`[kv_transfer] peer_fetch`): a decode worker serves its cached blocks to
+    /// prefill workers, a prefill worker fetches from it the blocks it holds ([`peer`]).
+    pub peer_fetch: bool,
 }
 
 /// Why a worker stopped.
@@ -178,6 +182,9 @@ pub struct Announce<'a> {
     pub metrics: &'a [(&'static str, proto::metrics::Kind, &'static str)],
     /// The cluster store's key for its blocks, when it uses a store (0: none).
     pub store_model: u64,
+    /// Where it serves its cached blocks to prefill workers (decode, with peer fetch; empty:
+    /// nowhere).
+    pub peer_endpoint: String,
 }
 
 /// Serves `routes` (the pool's own gRPC service) beside the `Worker` service, starts the
@@ -223,6 +230,7 @@ pub async fn serve<C: Send + 'static>(
         device: loaded.model.device_name(),
         kv_tier_blocks: loaded.model.kv_tier_blocks(&s.engine),
         store_model: announce.store_model,
+        peer_endpoint: announce.peer_endpoint,
     };
     let period = proto::membership::HEARTBEAT_PERIOD;
     match &s.discovery {

@@ -385,16 +385,18 @@ impl StoreLink {
     }
 }
 
-/// Fetches the blocks of `prompt` the engine behind `engine` lacks and the store holds, and
-/// stages them there ahead of the command that follows; returns how many were staged.
+/// Fetches the blocks of `prompt` the engine behind `engine` lacks (past its first `staged`,
+/// held or just staged by a peer fetch) and the store holds, and stages them there ahead of
+/// the command that follows; returns how many were staged.
 pub async fn prefetch<C: Send + 'static>(
     link: &StoreLink,
     engine: &crate::EngineHandle<C>,
     prompt: &[u32],
     salt: Option<&str>,
+    staged: usize,
 ) -> Result<usize, tonic::Status> {
     let blocks = link.prompt_blocks(prompt, salt);
-    let held = engine.held_run(&blocks);
+    let held = engine.held_run(&blocks).max(staged).min(blocks.len());
     let fetched = link.fetch(&blocks[held..]).await;
     let n = fetched.len();
     if n > 0 {

@@ -51,7 +51,7 @@ impl KvCache {
     /// tokens only: a mock's, whose values no step reads). `false` where this cache cannot:
     /// windowed layer groups, or pages on a device.
     pub fn set_store_out(&mut self, cap: usize, values: bool) -> bool {
-        if !self.one_table() || self.device.is_some() {
+        if !self.exports() {
             return false;
         }
         self.store_out = Some(StoreOut {
@@ -81,7 +81,23 @@ impl KvCache {
             out.dropped += 1;
             return;
         }
-        let data = match out.values {
+        let values = out.values;
+        let block = self.block(b, BlockHash(hash), tokens, values);
+        if let Some(out) = self.store_out.as_mut() {
+            out.queue.push(block);
+        }
+    }
+
+    /// Whether its blocks can be copied out whole: one table (no windowed layer groups), pages
+    /// in host memory.
+    pub fn exports(&self) -> bool {
+        self.one_table() && self.device.is_none()
+    }
+
+    /// Page `b` (block `hash`, holding `tokens`) as the store keeps a block: its tokens, then
+    /// its page's segments where `values`.
+    fn block(&self, b: u32, hash: BlockHash, tokens: &[u32], values: bool) -> StoreBlock {
+        let data = match values {
             true => segments(&self.layers, self.block_size * self.width, b),
             false => Vec::new(),
         };
@@ -92,8 +108,25 @@ impl KvCache {
             bytes.extend_from_slice(s);
         }
         let sum = sum(&bytes);
-        let hash = BlockHash(hash);
-        out.queue.push(StoreBlock { hash, bytes, sum });
+        StoreBlock { hash, bytes, sum }
+    }
+
+    /// The pool's cached blocks of `hashes`, in order up to the first it does not hold, as the
+    /// store keeps them (with their pages' bytes where `values`): what this worker serves
+    /// another that lacks them (peer fetch). Nothing where the cache cannot (windowed layer
+    /// groups, pages on a device).
+    pub fn export(&self, hashes: &[BlockHash], values: bool) -> Vec<StoreBlock> {
+        if !self.exports() {
+            return Vec::new();
+        }
+        let values = values && self.page_bytes() > 0;
+        hashes
+            .iter()
+            .map_while(|&h| {
+                let (b, tokens) = self.pool.cached(0, h.0)?;
+                Some(self.block(b, h, tokens, values))
+            })
+            .collect()
     }
 
     /// Puts `blocks` (fetched from the store) in G2, whatever its write policy, for the next

@@ -34,6 +34,9 @@ pub struct Worker {
     /// Where prefill workers may send it KV (decode workers).
     #[serde(rename = "kv_offers", serialize_with = "offers")]
     pub offers: Vec<KvOffer>,
+    /// Where it serves prefill workers the KV it holds (decode workers with peer fetch on;
+    /// empty: it does not).
+    pub peer_endpoint: String,
     /// KV transfers this worker made, by transport (prefill workers).
     pub kv_transfers: BTreeMap<String, u64>,
     /// The last prefill's queue + compute time and exposed KV wait, µs (prefill workers).
@@ -628,6 +631,7 @@ fn joined(id: WorkerId, pool: Pool, j: JoinRequest, now: Instant) -> Worker {
         name: j.name,
         endpoint: j.endpoint,
         offers: j.kv_offers,
+        peer_endpoint: j.peer_endpoint,
         kv_transfers: BTreeMap::new(),
         last_prefill_us: (0, 0),
         metrics_endpoint: j.metrics_endpoint,

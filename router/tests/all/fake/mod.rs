@@ -157,6 +157,7 @@ pub fn join_at(state: &State, pool: Pool, endpoint: &str) -> WorkerId {
         device: "mock".into(),
         kv_tier_blocks: 0,
         store_model: 0,
+        peer_endpoint: String::new(),
     };
     state.registry.join(req).expect("joins")
 }
