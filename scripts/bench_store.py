@@ -37,10 +37,10 @@ from bench_kv_tiers import PAGE_BYTES, TRACE, ideal_floor, row, simulate
 from tandem_cluster import EXE, cluster
 
 
-def config(model, pools, blocks, store, router="", tiers=True):
+def config(model, pools, blocks, store, router="", tiers=True, peer=False):
     """`pools`: {name: replicas}; every pool's workers `blocks` blocks and (with `tiers`) a
     host tier twice that; the store `tandem up` embeds (the simulator keeps one) when `store`;
-    `router`: more lines of its section."""
+    `router`: more lines of its section; `peer`: peer fetch on."""
     text = f'[model]\npath = "{model}"\n[router]\npolicy = "kv"\n{router}'
     for name, n in pools.items():
         text += (f'[{name}]\nreplicas = {n}\nengine = "mock"\nkv_blocks = {blocks}\nmax_batch_tokens = 8192\n'
@@ -51,6 +51,8 @@ def config(model, pools, blocks, store, router="", tiers=True):
     # (its KV has no values): a node of this size never fills on the slice, as a store sized
     # for the working set would not.
     text += f'[store]\nembedded = {"true" if store else "false"}\ncapacity_bytes = 8_000_000_000\n'
+    if peer:
+        text += "[kv_transfer]\npeer_fetch = true\n"
     return text
 
 
@@ -74,6 +76,8 @@ def main():
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--length-scale", type=float, default=0.05)
     ap.add_argument("--real", action="store_true", help="acceptance 6's and 7's store arms on real mock clusters too")
+    ap.add_argument("--peer", action="store_true",
+                    help="only peer fetch, on real mock clusters: 2P+2D with and without it (no store) and 4 colocated")
     ap.add_argument("--json")
     a = ap.parse_args()
     model = subprocess.run([EXE, "model", "path"], check=True, capture_output=True, text=True).stdout.strip()
@@ -96,8 +100,10 @@ def main():
         "2p2d-bare": config(model, {"prefill": 2, "decode": 2}, four, False, tiers=False),
         "colo-bare": config(model, {"decode": 4}, four, False, tiers=False),
     }
-    runs = {name: simulate(d, name, text, trace) for name, text in arms.items()}
     f = floor["floor_computed_ratio"]
+    if a.peer:
+        return peer_fetch(a, model, trace, d, four, f)
+    runs = {name: simulate(d, name, text, trace) for name, text in arms.items()}
     print(f"trace: {a.requests} requests, lengths x {a.length_scale}, time x {a.time_scale}; working set {ws} "
           f"blocks; pools {six} blocks a worker (6 workers) or {four} (4 workers), host tiers twice that; "
           f"floor: {f:.1%} of the prompt tokens computed")
@@ -125,6 +131,25 @@ def main():
     if a.json:
         with open(a.json, "w") as out:
             json.dump({"floor": floor, "runs": runs}, out, indent=2)
+
+
+def peer_fetch(a, model, trace, d, four, f):
+    """Peer fetch on real mock clusters (the simulator does not model it yet): 2P+2D with
+    per-worker tiers and no store, with and without peer fetch, beside 4 colocated workers of
+    the same KV."""
+    two = {"prefill": 2, "decode": 2}
+    arms = {"2p2d": config(model, two, four, False, LOOPBACK),
+            "2p2d-peer": config(model, two, four, False, LOOPBACK, peer=True),
+            "colocated": config(model, {"decode": 4}, four, False, LOOPBACK)}
+    print("| arm, real mock cluster | prefix-hit ratio | computed / sent | over the floor | host hits | disk hits "
+          "| TTFT p50 ms | TTFT p90 ms | goodput req/s | errors |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    runs = {}
+    for name, text in arms.items():
+        runs[name] = real(text, trace, d, name)
+        print(row(name, runs[name], f) + " |")
+    c = lambda n: runs[n]["computed_prompt_ratio"]
+    print(f"2P+2D over 4 colocated, computed tokens: without peer fetch {c('2p2d') / c('colocated'):.3f}x, "
+          f"with it {c('2p2d-peer') / c('colocated'):.3f}x (target <= 1.15)")
 
 
 if __name__ == "__main__":

@@ -375,13 +375,17 @@ impl<R: AsyncRead + Unpin, W: AsyncWrite + Unpin> Conn<R, W> {
                 }
                 Ok(())
             };
-            let deadline = self.core.poll_timeout();
+            // Bounded by the transfer's deadline, not by its next renewal: a write cut short
+            // loses the stream's framing, and a receiver behind for a renewal period (its
+            // engine busy) only slows the transfer. (Cut at the renewal, such transfers failed
+            // a second in.) A renewal due meanwhile goes out when the next layer is waited for.
+            let deadline = self.core.poll_deadline();
             let written = match deadline {
                 Some(d) => tokio::time::timeout_at(d.into(), write)
                     .await
                     .unwrap_or_else(|_| {
                         Err(TransferError::Timeout(format!(
-                            "writing the KV of request {request_id} for {timeout:?}"
+                            "writing the KV of request {request_id}: not done within the transfer's {timeout:?}"
                         )))
                     }),
                 None => write.await,

@@ -235,3 +235,61 @@ async fn only_holders_of_the_cluster_secret_may_write_kv() {
     // Nothing from the refused peers ever reached the receiver.
     assert!(rx.try_recv().is_err());
 }
+
+/// A receiver that stops reading for longer than a renewal period (its engine busy: here its
+/// events go untaken) slows the sender's writes; they wait, up to the transfer's deadline,
+/// instead of being cut at the next renewal — which failed transfers that were only slowed,
+/// reported as "writing the KV … for 10s" a second after they began.
+#[tokio::test]
+async fn a_receiver_behind_for_longer_than_a_renewal_slows_the_write_without_failing_it() {
+    // One event buffered: the first transfer's `Arriving` fills it, the second connection
+    // stops reading at its `Begin` until the events are taken.
+    let (tx, mut events) = mpsc::channel(1);
+    let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let offer = Offer {
+        transport: Transport::Tcp,
+        endpoint: tcp.local_addr().unwrap().to_string(),
+        cert_der: vec![],
+    };
+    tokio::spawn(kv_transfer::tcp::serve(
+        tcp,
+        local(16, None),
+        tx,
+        Timeouts::default(),
+    ));
+    // 16 MiB a layer: far more than the sockets buffer.
+    let (width, n) = (16u32, 1u32 << 18);
+    let layer: Vec<u8> = (0..4 * n as usize * width as usize)
+        .map(|i| i as u8)
+        .collect();
+    let kv: Arc<Vec<Layer>> = Arc::new((0..3).map(|_| Layer::new(layer.clone())).collect());
+    let send = |id: u64| {
+        let (offer, kv) = (offer.clone(), kv.clone());
+        tokio::spawn(async move {
+            let t = Duration::from_secs(10);
+            let mut s = KvSender::connect(&offer, &local(16, None), t).await?;
+            let ticket = kv_transfer::TransferTicket::default();
+            let ready = kv_transfer::Layers::Ready(&kv);
+            s.send((RequestId(id), ticket), n, width, ready, t).await
+        })
+    };
+    let (a, b) = (send(2), send(4));
+    // The renewal period is 1 s: the receiver stays behind for 2.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut complete = 0;
+    while complete < 2 {
+        match events.recv().await.expect("the receiver runs") {
+            KvEvent::Complete(kv) => {
+                assert_eq!(kv.layers[2].len(), layer.len());
+                kv.answer(Ok(()));
+                complete += 1;
+            }
+            KvEvent::Abandoned { error, .. } => panic!("a transfer was abandoned: {error}"),
+            _ => {}
+        }
+    }
+    for sent in [a, b] {
+        let stats = sent.await.unwrap().expect("slowed, not failed");
+        assert_eq!(stats.bytes, 3 * layer.len() as u64);
+    }
+}

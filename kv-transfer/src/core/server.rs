@@ -90,6 +90,8 @@ struct Incoming {
     granted: bool,
     complete: bool,
     deadline: Instant,
+    /// When its owner was last told it lives (`Begun` or `Renewed`).
+    renewed: Instant,
 }
 
 impl Incoming {
@@ -244,7 +246,7 @@ impl Server {
                     layer,
                     data,
                 },
-            ) => self.layer(request_id, layer, Ok(data)),
+            ) => self.layer(now, request_id, layer, Ok(data)),
             (
                 State::Open,
                 Frame::Written {
@@ -252,12 +254,13 @@ impl Server {
                     layer,
                     crc,
                 },
-            ) => self.layer(request_id, layer, Err(crc)),
+            ) => self.layer(now, request_id, layer, Err(crc)),
             (State::Open, Frame::Renew { request_id }) => {
                 // A live sender's transfer may take as long as it keeps renewing it.
                 let until = now + self.timeouts.transfer;
                 if let Some(t) = self.transfers.get_mut(&request_id).filter(|t| !t.complete) {
                     t.deadline = t.deadline.max(until);
+                    t.renewed = now;
                     self.events.push_back(ServerEvent::Renewed { request_id });
                 }
             }
@@ -323,6 +326,7 @@ impl Server {
                 granted: false,
                 complete: false,
                 deadline: now + self.timeouts.transfer,
+                renewed: now,
             },
         );
         self.events.push_back(ServerEvent::Begun {
@@ -337,9 +341,10 @@ impl Server {
         }
     }
 
-    /// A layer's bytes (inline) or its CRC (in place).
-    fn layer(&mut self, request_id: u64, layer: u32, kv: Result<Vec<u8>, u32>) {
+    /// A layer's bytes (inline) or its CRC (in place), at `now`.
+    fn layer(&mut self, now: Instant, request_id: u64, layer: u32, kv: Result<Vec<u8>, u32>) {
         let in_place = self.in_place;
+        let renew = self.timeouts.renew;
         let Some(t) = self.transfers.get_mut(&request_id) else {
             return self.close(TransferError::Protocol(format!(
                 "layer {layer} of request {request_id}, which did not begin"
@@ -365,7 +370,16 @@ impl Server {
             Ok(data) => t.layers.push(data),
             Err(crc) => t.crcs.push(crc),
         }
-        if t.arrived() == t.n_layers as usize {
+        // A layer arriving says the sender lives, as a `Renew` does: a sender slowed by this
+        // receiver (whose reads fall behind) cannot renew between the frames of a layer it is
+        // still writing. At most once a renewal period.
+        let last = t.arrived() == t.n_layers as usize;
+        if !last && now >= t.renewed + renew {
+            t.deadline = t.deadline.max(now + self.timeouts.transfer);
+            t.renewed = now;
+            self.events.push_back(ServerEvent::Renewed { request_id });
+        }
+        if last {
             t.complete = true;
             let kv = if in_place {
                 Received::InPlace(std::mem::take(&mut t.crcs))

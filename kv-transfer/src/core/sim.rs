@@ -479,6 +479,53 @@ fn a_waiting_sender_keeps_the_reservation_and_a_frozen_one_lets_it_lapse() {
     );
 }
 
+/// A sender slowed by the receiver writes no `Renew` while a layer is on its way: each layer
+/// that arrives renews the transfer (at most once a renewal period), so one slower than the
+/// transfer's timeout from its `Begin`, but moving, keeps its deadline and its reservation.
+#[test]
+fn layers_that_keep_arriving_renew_the_transfer_as_renewals_do() {
+    let l = Local::open(identity());
+    let t = Timeouts {
+        handshake: 100 * MS,
+        transfer: Duration::from_secs(10),
+        // The sender renews never (its writes blocked); the receiver's renewal period 100 ms.
+        renew: Duration::from_secs(3600),
+    };
+    let mut s = Sim::with_timeouts(&l, &l, false, MS, t);
+    let server = Timeouts {
+        transfer: 500 * MS,
+        renew: 100 * MS,
+        ..t
+    };
+    s.server = Server::new(&l, server, false, [7; 16], s.now);
+    s.run_for(20 * MS);
+    assert!(s.client.is_open() && s.server.is_open());
+    let t0 = s.now;
+    s.begin(1, 20);
+    s.ledger.renew(RequestId(1), s.now + LEASE);
+    // A layer every 200 ms: 800 ms in all, past the receiver's 500 ms transfer timeout and its
+    // 250 ms lease.
+    for l in 0..4 {
+        s.send_layer(1, l, 20);
+        s.run_for(200 * MS);
+    }
+    assert!(s.now - t0 >= 800 * MS);
+    assert_eq!(s.delivered(), vec![1], "{:?}", s.failures());
+    let renewals = s
+        .server_events
+        .iter()
+        .filter(|e| matches!(e, ServerEvent::Renewed { request_id: 1 }))
+        .count();
+    assert_eq!(
+        renewals, 2,
+        "layers 1 and 2 renewed it (layer 3 completes it)"
+    );
+    assert!(
+        s.ledger.expired(t0 + 790 * MS).is_empty(),
+        "the lease was kept"
+    );
+}
+
 #[test]
 fn a_corrupted_layer_is_caught_before_admission_and_fails_the_transfer() {
     let mut s = Sim::open(MS);
