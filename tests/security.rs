@@ -504,3 +504,49 @@ fn a_store_node_serves_the_clusters_workers_and_no_one_else() {
     );
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Peer fetch's listener (a decode worker serving its cached KV blocks) takes the cluster's
+/// workers only: a stranger, a certificate of another CA, and a store node's genuine one are
+/// refused (counted by reason); a prefill worker's certificate gets the blocks.
+#[test]
+fn a_decode_workers_peer_fetch_listener_serves_the_clusters_workers_only() {
+    let c = Cluster::of(1, 1)
+        .pools(["[prefill.kv_tiers]\nhost_bytes = 100_000_000\n", ""])
+        .kv("peer_fetch = true")
+        .start(EXE.as_ref());
+    let decode = c
+        .workers()
+        .into_iter()
+        .find(|w| w["role"] == "decode")
+        .unwrap();
+    let peer = decode["peer_endpoint"].as_str().unwrap().to_string();
+    assert!(!peer.is_empty(), "{decode}");
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let soon = || tokio::time::Instant::now() + Duration::from_secs(5);
+    let get = |security: Security| {
+        let peer = peer.clone();
+        rt.block_on(async move {
+            let mut s = store::data::Client::connect_to(&peer, &security, Role::Decode, soon())
+                .await
+                .map_err(|e| e.to_string())?;
+            s.get(&[(1, 2)], soon()).await.map_err(|e| e.to_string())
+        })
+    };
+    let mut rogues = impostors(c.dir());
+    rogues.push((
+        "a store node's certificate",
+        cluster_cert(c.dir(), Role::Store),
+    ));
+    for (who, security) in rogues {
+        assert!(get(security).is_err(), "{who} got a peer connection");
+    }
+    // A worker of the cluster asks, and is answered (nothing held under that key).
+    let got = get(cluster_cert(c.dir(), Role::Prefill)).unwrap();
+    assert!(got.is_empty());
+    for reason in ["not_tls", "untrusted_certificate", "wrong_role"] {
+        assert!(
+            refused(metrics(&decode), "peer_data", reason) >= 1.0,
+            "peer_data {reason}"
+        );
+    }
+}

@@ -239,6 +239,27 @@ fn an_api_open_to_other_machines_needs_keys_or_says_so() {
 }
 
 #[test]
+fn peer_fetch_needs_a_host_tier_on_the_prefill_side() {
+    let on = "[kv_transfer]\npeer_fetch = true\n";
+    let e = parse(&format!("[prefill]\n[decode]\n{on}"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("cluster.toml:4: kv_transfer.peer_fetch: the prefill workers stage"),
+        "{e}"
+    );
+    let staged = format!("[prefill]\n[prefill.kv_tiers]\nhost_bytes = 1000000\n[decode]\n{on}");
+    assert!(*parse(&staged).unwrap().kv_transfer.peer_fetch.get_ref());
+    // Off by default; colocated (no prefill pool) nothing to stage.
+    assert!(!*parse("[decode]\n")
+        .unwrap()
+        .kv_transfer
+        .peer_fetch
+        .get_ref());
+    assert!(parse(&format!("[decode]\n{on}")).is_ok());
+}
+
+#[test]
 fn kv_tiers_and_tier_weights_are_checked_with_their_line() {
     let c = parse(
         "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\ndisk_path = \"g3\"\ndisk_bytes = 9000000\nwrite_policy = \"hit-twice\"\n",
