@@ -134,9 +134,8 @@ def main():
 
 
 def peer_fetch(a, model, trace, d, four, f):
-    """Peer fetch on real mock clusters (the simulator does not model it yet): 2P+2D with
-    per-worker tiers and no store, with and without peer fetch, beside 4 colocated workers of
-    the same KV."""
+    """Peer fetch on real mock clusters: 2P+2D with per-worker tiers and no store, with and
+    without peer fetch, beside 4 colocated workers of the same KV."""
     two = {"prefill": 2, "decode": 2}
     arms = {"2p2d": config(model, two, four, False, LOOPBACK),
             "2p2d-peer": config(model, two, four, False, LOOPBACK, peer=True),

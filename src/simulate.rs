@@ -193,6 +193,7 @@ pub fn build(a: &SimulateArgs) -> Result<(sim::SimConfig, Vec<load::Planned>)> {
         store: (cfg.store.nodes_span().is_some() || cfg.embedded_store()).then(|| sim::StoreSpec {
             capacity_bytes: *cfg.store.capacity_bytes.get_ref(),
         }),
+        peer_fetch: *cfg.kv_transfer.peer_fetch.get_ref(),
     };
     Ok((config, planned))
 }
@@ -313,6 +314,7 @@ pub fn simulate(
         "admission_holds": r.admission_holds,
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "store_hits": r.store_hits,
+        "peer_hits": r.peer_hits,
         "speculation": {"proposed": r.speculation.proposed, "accepted": r.speculation.accepted,
             "verifies": r.speculation.verifies, "declined": r.speculation.declined},
         "preempted": {"swapped": r.preemptions.swapped, "recomputed": r.preemptions.recomputed,

@@ -107,6 +107,9 @@ pub struct SimConfig {
     pub faults: Vec<Fault>,
     /// The cluster KV store the workers use (none: no store).
     pub store: Option<StoreSpec>,
+    /// Peer fetch (`[kv_transfer] peer_fetch`): a prefill worker takes the prompt blocks the
+    /// request's decode worker holds and it lacks from that worker (priced as a store fetch).
+    pub peer_fetch: bool,
     /// Rebalance the decode pool's KV by live moves past this ratio (`[router] kv_rebalance`;
     /// none: off): the router's own [`router::core::Rebalancer`], run on decode heartbeats.
     pub kv_rebalance: Option<f64>,
@@ -185,6 +188,8 @@ pub struct SimResult {
     pub tier_hits: [u64; 2],
     /// Blocks fetched from the cluster store (staged in a worker's host tier).
     pub store_hits: u64,
+    /// Blocks prefill workers fetched from decode workers (peer fetch).
+    pub peer_hits: u64,
     /// Sequences the engines preempted when their pools ran out, and what resuming cost.
     pub preemptions: engine::Preemptions,
     /// Drafts the decode engines proposed and had accepted (speculative decoding).
@@ -245,7 +250,8 @@ enum Event {
         req: usize,
         id: RequestId,
         worker: usize,
-        skip: u32,
+        /// The decode worker its KV goes to, and the tokens that one holds.
+        to: (usize, u32),
     },
     /// A worker's step ends.
     StepDone(usize),
@@ -558,8 +564,8 @@ impl Sim {
                 req,
                 id,
                 worker,
-                skip,
-            } => self.prefill_at(req, id, worker, skip),
+                to,
+            } => self.prefill_at(req, id, worker, to),
             Event::StepDone(w) => self.step_done(w),
             Event::KvArrived { req, id, decode } => self.kv_arrived(req, id, decode),
             Event::Pause { req, id, worker } => self.pause_at(req, id, worker),

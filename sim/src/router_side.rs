@@ -92,6 +92,7 @@ impl Sim {
                 } => self.open(r, widx(worker), remote, local_max, at + hop),
                 Action::Prefill {
                     worker,
+                    decode,
                     skip,
                     guard,
                     pending,
@@ -107,7 +108,7 @@ impl Sim {
                         req: r,
                         id,
                         worker,
-                        skip,
+                        to: (widx(decode), skip),
                     };
                     self.schedule(at + hop, ev);
                 }

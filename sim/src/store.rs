@@ -126,6 +126,24 @@ impl Sim {
         }
     }
 
+    /// Peer fetch: before prefill worker `w` computes `prompt`, the blocks of its first `held`
+    /// tokens that decode worker `d` holds and `w` lacks, copied out of `d`'s pool into `w`'s
+    /// host tier — the real workers' engine calls (`export_blocks`, `stage_store`), priced on
+    /// `w`'s next step as a store fetch.
+    pub(crate) fn peer_fetch(&mut self, w: usize, d: usize, prompt: &[u32], held: usize) {
+        if !self.cfg.peer_fetch || held == 0 || w == d {
+            return;
+        }
+        // The held tokens and one more: a lookup never counts a prompt's last token.
+        let known = &prompt[..(held + 1).min(prompt.len())];
+        let wanted = self.workers[w].engine.store_wanted(known, None);
+        let got = self.workers[d].engine.export_blocks(&wanted);
+        if !got.is_empty() {
+            self.workers[w].engine.stage_store(&got);
+            self.result.peer_hits += got.len() as u64;
+        }
+    }
+
     /// The objects' changes since the last call, into the router's KV index.
     fn store_watch(&mut self) {
         let Some(s) = self.store.as_mut() else {

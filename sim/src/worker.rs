@@ -297,7 +297,8 @@ impl Sim {
     }
 
     /// The router's prefill call for request `req` (try `id`) reaches prefill worker `w`.
-    pub(crate) fn prefill_at(&mut self, req: usize, id: RequestId, w: usize, skip: u32) {
+    pub(crate) fn prefill_at(&mut self, req: usize, id: RequestId, w: usize, to: (usize, u32)) {
+        let (decode, skip) = to;
         let Some(core) = self.reqs[req].core.as_ref().filter(|c| c.id() == id) else {
             return;
         };
@@ -307,6 +308,7 @@ impl Sim {
             return self.input_at(req, id, input, back);
         }
         let prompt = core.prompt().to_vec();
+        self.peer_fetch(w, decode, &prompt, skip as usize);
         self.store_fetch(w, &prompt);
         let tokens = prompt[..prompt.len() - 1].to_vec();
         match self.workers[w]

@@ -32,6 +32,7 @@ fn cluster(prefill: usize, decode: usize) -> SimConfig {
         liveness: sim::Liveness::default(),
         faults: Vec::new(),
         store: None,
+        peer_fetch: false,
         kv_rebalance: None,
     }
 }
@@ -572,6 +573,40 @@ fn a_prefix_another_worker_computed_comes_from_the_store_at_its_price() {
     let want = 1150.0 + 4.0 * 1030.0 + 2.0 * host + (900.0 + bytes / 2e9 * 1e6);
     let got = r.outcomes[1].ttft.unwrap().as_secs_f64() * 1e6;
     assert!((got - want).abs() < 1.0, "TTFT {got} µs, by hand {want} µs");
+}
+
+/// Peer fetch: a prompt prefilled on its decode worker (a short uncached rest), then a longer
+/// one starting with it prefilled remotely — the prefill worker holds none of it; with peer
+/// fetch it takes the 6 whole blocks the decode worker holds from that worker (staged in its
+/// host tier, loaded from there) and computes only the rest; without it, all of it.
+#[test]
+fn with_peer_fetch_a_prefill_worker_takes_what_the_decode_worker_holds() {
+    let first: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let second: Vec<u32> = (0..400).map(|i| 300 + i).collect();
+    let run = |peer: bool| {
+        let mut c = cluster(1, 1);
+        c.prefill.as_mut().unwrap().engine.tiers.host_bytes = 64 * 16 * KV_BYTES;
+        c.router.local_prefill_max_tokens = 120;
+        c.peer_fetch = peer;
+        let reqs = vec![
+            request(0, first.clone(), 1),
+            request(1000, second.clone(), 1),
+        ];
+        Sim::new(c, reqs).unwrap().run()
+    };
+    let (on, off) = (run(true), run(false));
+    for r in [&on, &off] {
+        assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    }
+    assert_eq!((on.peer_hits, off.peer_hits), (6, 0));
+    assert_eq!(
+        on.tier_hits,
+        [6, 0],
+        "loaded from the prefill worker's host tier"
+    );
+    // Prefix hits: the decode worker's 96 tokens on the second's reservation in both runs, and
+    // with peer fetch the prefill worker's 96 as well.
+    assert_eq!(on.prefix_hit_tokens - off.prefix_hit_tokens, 96);
 }
 
 /// Decode memory pressure on the mock H200 preset (issue 34, acceptance 5, where a recompute

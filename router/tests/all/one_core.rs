@@ -188,6 +188,7 @@ fn simulated() -> Vec<Trace> {
             Duration::ZERO,
         ),
         store: None,
+        peer_fetch: false,
         kv_rebalance: None,
     };
     let req = |ms, prompt, output| sim::SimRequest {
