@@ -135,7 +135,8 @@ def main():
 
 def peer_fetch(a, model, trace, d, four, f):
     """Peer fetch on real mock clusters: 2P+2D with per-worker tiers and no store, with and
-    without peer fetch, beside 4 colocated workers of the same KV."""
+    without peer fetch, beside 4 colocated workers of the same KV; then the same arms in the
+    simulator."""
     two = {"prefill": 2, "decode": 2}
     arms = {"2p2d": config(model, two, four, False, LOOPBACK),
             "2p2d-peer": config(model, two, four, False, LOOPBACK, peer=True),
@@ -146,6 +147,9 @@ def peer_fetch(a, model, trace, d, four, f):
     for name, text in arms.items():
         runs[name] = real(text, trace, d, name)
         print(row(name, runs[name], f) + " |")
+    for name, text in arms.items():
+        r = simulate(d, name, text, trace)
+        print(row(f"{name}, simulated", r, f) + f" peer hits {r['simulation'].get('peer_hits', 0)} |")
     c = lambda n: runs[n]["computed_prompt_ratio"]
     print(f"2P+2D over 4 colocated, computed tokens: without peer fetch {c('2p2d') / c('colocated'):.3f}x, "
           f"with it {c('2p2d-peer') / c('colocated'):.3f}x (target <= 1.15)")
