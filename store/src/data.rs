@@ -42,6 +42,10 @@ use crate::{ObjectKey, PutId};
 pub const MAGIC: [u8; 4] = *b"TSD1";
 /// Data connections one node holds at once; more are refused.
 pub const MAX_CONNECTIONS: usize = 256;
+/// Peer-fetch connections one worker serves at once ([`serve_gets`]): each get holds up to the
+/// blocks its `export` copies out (64 of them, ~23 MB of SmolLM2's KV), so a peer can make the
+/// worker hold at most this many of those.
+pub const MAX_PEER_CONNECTIONS: usize = 16;
 /// How long a node keeps a connection that sends nothing (a client drops its idle ones
 /// sooner).
 pub const IDLE: Duration = Duration::from_secs(60);
@@ -94,15 +98,19 @@ fn buffered<S: Io + 'static>(s: S) -> Stream {
 /// Serves data connections on `listener` for as long as the process lives: the cluster's
 /// workers only (mutual TLS under `security`), at most [`MAX_CONNECTIONS`] at once.
 pub async fn serve(listener: TcpListener, security: &Security, node: Node) -> Result<(), String> {
-    accept(listener, security, "store_data", move |s, owner| {
-        connection(node.clone(), s, owner)
-    })
+    accept(
+        (listener, MAX_CONNECTIONS),
+        security,
+        "store_data",
+        move |s, owner| connection(node.clone(), s, owner),
+    )
     .await
 }
 
 /// Where a worker serves the KV blocks it holds to other workers (peer fetch): the protocol's
 /// gets, answered by `export` (the objects of the keys it is given, in order up to the first
-/// it lacks); puts are refused. The cluster's workers only, as [`serve`].
+/// it lacks); puts are refused. The cluster's workers only, as [`serve`], at most
+/// [`MAX_PEER_CONNECTIONS`] at once.
 pub async fn serve_gets<F, Fut>(
     listener: TcpListener,
     security: &Security,
@@ -112,17 +120,20 @@ where
     F: Fn(Vec<ObjectKey>) -> Fut + Clone + Send + Sync + 'static,
     Fut: std::future::Future<Output = Vec<Fetched>> + Send + 'static,
 {
-    accept(listener, security, "peer_data", move |s, _| {
-        gets_only(export.clone(), s)
-    })
+    accept(
+        (listener, MAX_PEER_CONNECTIONS),
+        security,
+        "peer_data",
+        move |s, _| gets_only(export.clone(), s),
+    )
     .await
 }
 
 /// Accepts connections on `listener` (mutual TLS with workers' certificates under
-/// `security`; `label` names the listener in refusal metrics), at most [`MAX_CONNECTIONS`] at
-/// once, each handed to `handle` with its peer's certificate fingerprint.
+/// `security`; `label` names the listener in refusal metrics), at most `max` at once, each
+/// handed to `handle` with its peer's certificate fingerprint.
 async fn accept<H, Fut>(
-    listener: TcpListener,
+    (listener, max): (TcpListener, usize),
     security: &Security,
     label: &'static str,
     handle: H,
@@ -131,7 +142,7 @@ where
     H: Fn(Stream, Owner) -> Fut,
     Fut: std::future::Future<Output = ()> + Send + 'static,
 {
-    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let slots = Arc::new(Semaphore::new(max));
     let refuse = || {
         metrics::counter!("tandem_auth_refused_total", "listener" => label, "reason" => "too_many_connections")
             .increment(1);

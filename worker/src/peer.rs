@@ -5,7 +5,8 @@
 //! A decode worker with `[kv_transfer] peer_fetch` serves its cached blocks on a listener of
 //! its own, speaking the cluster store's data protocol (gets only; mutual TLS, workers'
 //! certificates only, as the store's data connections): each get's blocks are copied out of
-//! its pool by the engine thread between two steps, at most [`MAX_BLOCKS`] a get. The router
+//! its pool by the engine thread between two steps, at most [`MAX_BLOCKS`] a get, on at most
+//! [`store::data::MAX_PEER_CONNECTIONS`] connections at once. The router
 //! names that endpoint in the prefill request beside the tokens the decode worker holds; the
 //! prefill worker asks for the blocks of those tokens past the run it holds itself, stages
 //! what comes in G2 (checksums checked there), and its prefix lookup loads them like its own.
