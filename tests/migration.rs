@@ -339,8 +339,21 @@ fn two_of_four_decode_workers_drained_under_load_move_every_stream_exactly() {
             (r, text)
         })
         .collect();
-    // Every stream has started; the two busiest decode workers go, with what they hold.
+    // Every stream has started; the two busiest decode workers go, with what they hold — read
+    // once the workers' heartbeats count every stream (a stream begun since a worker's last
+    // heartbeat is not in its stats yet).
     let running = |w: &Value| w["stats"]["running"].as_u64().unwrap_or(0);
+    let decoding = || -> u64 {
+        let ws = c.workers();
+        ws.iter()
+            .filter(|w| w["role"] == "decode")
+            .map(running)
+            .sum()
+    };
+    let all = streams.len() as u64;
+    tandem_tests::wait_until("every stream counted", Duration::from_secs(10), || {
+        decoding() == all
+    });
     let mut busy: Vec<Value> = c
         .workers()
         .into_iter()
