@@ -147,18 +147,21 @@ fn batch_one(
         set.len()
     );
     let s = e.load().speculation;
-    let (proposed, accepted, verifies) = (
+    let (proposed, accepted, verifies, declined) = (
         s.proposed - before.proposed,
         s.accepted - before.accepted,
         s.verifies - before.verifies,
+        s.declined - before.declined,
     );
+    let tokens: usize = on.iter().map(|r| r.tokens.len()).sum();
     let (a, b) = (rate(&off), rate(&on));
     println!(
-        "{name}, batch 1, {} prompts: {a:.1} tokens/s without, {b:.1} with speculation: {:.2}x; drafts accepted {accepted} of {proposed} ({:.0}%), {:.2} a verify step; outputs identical {same} of {same}",
+        "{name}, batch 1, {} prompts: {a:.1} tokens/s without, {b:.1} with speculation: {:.2}x; drafts accepted {accepted} of {proposed} ({:.0}%), {:.2} a verify step; {tokens} tokens: {verifies} verify steps, {} plain, {declined} proposals declined; outputs identical {same} of {same}",
         set.len(),
         b / a,
         100.0 * accepted as f64 / proposed.max(1) as f64,
         accepted as f64 / verifies.max(1) as f64,
+        tokens as u64 - accepted - verifies,
     );
     Ok(())
 }

@@ -67,7 +67,11 @@ pub struct CpuBackend;
 
 impl Backend for CpuBackend {
     fn name(&self) -> String {
-        let vnni = if crate::vnni() { "+vnni" } else { "" };
+        let vnni = match (crate::vnni(), crate::avx512()) {
+            (true, true) => "+avx512vnni",
+            (true, false) => "+vnni",
+            _ => "",
+        };
         format!("cpu-{:?}{vnni}", crate::isa()).to_lowercase()
     }
     fn matmul(&self, w: &Matrix, x: &[f32], m: usize, out: &mut [f32]) -> Result<(), KernelError> {

@@ -75,4 +75,4 @@ pub enum KernelError {
 #[cfg(feature = "compute")]
 mod pool;
 #[cfg(feature = "compute")]
-pub use pool::{for_each, for_each_chunk_mut, isa, set_threads, threads, vnni, Isa};
+pub use pool::{avx512, for_each, for_each_chunk_mut, isa, set_threads, threads, vnni, Isa};

@@ -271,7 +271,9 @@ pub fn matmul_many(
     // equal items per thread.
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     let threads = crate::pool::threads();
-    let g = crate::packed::GROUP;
+    // Items are whole pairs of interleaved groups where a matrix allows (the 512-bit kernels
+    // take two groups a vector; an odd one left runs at 256 bits).
+    let g = 2 * crate::packed::GROUP;
     let mut work = Vec::new();
     if m * total * k < 1 << 16 || threads == 1 {
         for (i, (w, _)) in outs.iter().enumerate() {
@@ -326,9 +328,12 @@ pub fn matmul_many(
         #[cfg(target_arch = "x86_64")]
         if packed != 0 {
             // SAFETY: as below; the packed copy exists only on AVX2 machines (the VNNI kernels
-            // run only where `vnni()` found AVX-512 VNNI and VL), its rows are a multiple of 8
+            // run only where `vnni()` found AVX-512 VNNI and VL, the 512-bit ones where
+            // `avx512()` found F and BW too), its rows are a multiple of 8
             // and so are n0 and n1 (chunks are whole groups).
-            let chunk = if crate::vnni() {
+            let chunk = if crate::avx512() {
+                crate::packed::avx512::chunk
+            } else if crate::vnni() {
                 crate::packed::vnni::chunk
             } else {
                 crate::packed::avx2::chunk
@@ -814,7 +819,7 @@ mod tests {
         let x = data(13 * k, 5);
         for dt in [DType::F16, DType::Q4_1, DType::Q8_0, DType::Q4_0] {
             let w = Matrix::from_f32(dt, n, k, &wv).unwrap();
-            // Batches of 2 and 3 rows, 4 + 2, 4 + 3, 3 x 4 + 1.
+            // Tiles of every size: 2 and 3 rows alone, 4 + 2, 4 + 3, 3 x 4 + 1.
             for m in [2, 3, 6, 7, 13] {
                 let mut all = vec![0f32; m * n];
                 matmul(&w, &x[..m * k], m, &mut all).unwrap();

@@ -125,8 +125,9 @@ macro_rules! x86_kernels {
         use super::{group_block_bytes, GROUP};
         use crate::quant::DType;
 
-        /// Activation rows per tile.
+        /// Activation rows per tile (the tiles below are written out for 1 to 4).
         const MR: usize = 4;
+        const _: () = assert!(MR == 4);
 
         /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows.
         ///
@@ -163,23 +164,33 @@ macro_rules! x86_kernels {
                                 x.add(i * x_row),
                                 out.add(i * ldo + g * GROUP),
                             );
-                            if me - i >= MR {
-                                match dtype {
-                                    DType::Q4_1 => tile_q4::<MR, false>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q4_K => tile_q4::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q6_K => tile_q8::<MR, true>(wg, nb, xi, x_row, o, ldo),
-                                    _ => tile_q8::<MR, false>(wg, nb, xi, x_row, o, ldo),
-                                }
-                                i += MR;
-                            } else {
-                                match dtype {
-                                    DType::Q4_1 => tile_q4::<1, false>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q4_K => tile_q4::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                    DType::Q6_K => tile_q8::<1, true>(wg, nb, xi, x_row, o, ldo),
-                                    _ => tile_q8::<1, false>(wg, nb, xi, x_row, o, ldo),
-                                }
-                                i += 1;
+                            // The rows left in tiles of MR, then one tile of the 1-3 left
+                            // (each row's arithmetic is the same in a tile of any size: the
+                            // group's weights are unpacked once for all its rows).
+                            macro_rules! tile {
+                                ($m:literal) => {
+                                    match dtype {
+                                        DType::Q4_1 => {
+                                            tile_q4::<$m, false>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        DType::Q4_K => {
+                                            tile_q4::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        DType::Q6_K => {
+                                            tile_q8::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                        }
+                                        _ => tile_q8::<$m, false>(wg, nb, xi, x_row, o, ldo),
+                                    }
+                                };
                             }
+                            let rows = (me - i).min(MR);
+                            match rows {
+                                4 => tile!(4),
+                                3 => tile!(3),
+                                2 => tile!(2),
+                                _ => tile!(1),
+                            }
+                            i += rows;
                         }
                     }
                 }
@@ -377,9 +388,12 @@ pub(crate) mod vnni {
     x86_kernels!("avx2,fma,f16c,avx512vnni,avx512vl", true);
 }
 
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod avx512;
+
 #[cfg(all(test, target_arch = "x86_64"))]
 mod tests {
-    use super::{avx2, pack, vnni};
+    use super::{avx2, avx512, pack, vnni};
     use crate::quant::{quantize_row_q8, quantize_row_q8_k, DType, Q8_0_BYTES, Q8_1_BYTES};
 
     /// `n` random bytes from a xorshift64* stream.
@@ -395,8 +409,10 @@ mod tests {
             .collect()
     }
 
-    /// The VNNI kernels give bitwise the AVX2 kernels' outputs, for every interleaved format,
-    /// for a batch of one (decode) and for tiles of four rows with one to three left over.
+    /// The VNNI kernels, at 256 and at 512 bits, give bitwise the AVX2 kernels' outputs, for
+    /// every interleaved format, for a batch of one (decode) and for tiles of four (256 bits) or
+    /// eight (512 bits) rows with some left over; the 512-bit ones over ranges of an even and an
+    /// odd number of groups (the last of an odd one runs at 256 bits).
     #[test]
     fn vnni_kernels_equal_the_avx2_ones_bitwise() {
         if !(crate::isa() == crate::Isa::Avx2
@@ -424,7 +440,7 @@ mod tests {
             let packed = pack(dt, &w, rows, cols);
             let with_sum = matches!(dt, DType::Q4_1 | DType::Q4_K);
             let x_row = cols / 32 * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
-            for m in [1, 2, 3, 5, 6, 7] {
+            for m in [1, 2, 3, 5, 6, 7, 8, 9, 13] {
                 let xf: Vec<f32> = bytes(m * cols, m as u64 + 3)
                     .iter()
                     .map(|&b| b as f32 / 64.0 - 2.0)
@@ -436,21 +452,28 @@ mod tests {
                         _ => quantize_row_q8(xr, qr, with_sum),
                     }
                 }
-                let run = |vnni_kernel: bool| {
+                let run = |kernel: usize, (n0, n1): (usize, usize)| {
                     let mut out = vec![0f32; m * rows];
-                    let f = if vnni_kernel {
-                        vnni::chunk
-                    } else {
-                        avx2::chunk
-                    };
+                    let f = [avx2::chunk, vnni::chunk, avx512::chunk][kernel];
                     // SAFETY: the CPU has AVX2/FMA/F16C (isa) and AVX-512 VNNI/VL (checked
-                    // above); the buffers hold `rows` packed rows, `m` activation rows and
-                    // `m * rows` outputs.
+                    // above), and F/BW where the 512-bit kernel runs; the buffers hold `rows`
+                    // packed rows, `m` activation rows and `m * rows` outputs.
                     let (wp, xp, op) = (packed.as_ptr(), x.as_ptr(), out.as_mut_ptr());
-                    unsafe { f(dt, wp, cols / 32, xp, x_row, m, 0, rows, op, rows) };
+                    unsafe { f(dt, wp, cols / 32, xp, x_row, m, n0, n1, op, rows) };
                     out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 };
-                assert_eq!(run(true), run(false), "{dt:?}, {m} activation rows");
+                assert_eq!(
+                    run(1, (0, rows)),
+                    run(0, (0, rows)),
+                    "{dt:?}, {m} activation rows"
+                );
+                if !crate::avx512() {
+                    continue;
+                }
+                for range in [(0, rows), (8, rows), (0, 16)] {
+                    let at = format!("{dt:?}, {m} activation rows, outputs {range:?}");
+                    assert_eq!(run(2, range), run(0, range), "512 bits, {at}");
+                }
             }
         }
     }

@@ -302,7 +302,8 @@ pub enum Isa {
 
 /// The instruction set chosen for this process: the best the CPU has, unless the environment
 /// variable `TANDEM_ISA=scalar` asks for the portable kernels (`TANDEM_ISA=avx2`: AVX2 without
-/// the VNNI matmul kernels, see [`vnni`]).
+/// the VNNI matmul kernels, see [`vnni`]; `TANDEM_ISA=vnni`: without the 512-bit ones, see
+/// [`avx512`]).
 pub fn isa() -> Isa {
     static ISA: OnceLock<Isa> = OnceLock::new();
     *ISA.get_or_init(|| {
@@ -331,6 +332,22 @@ pub fn vnni() -> bool {
         }
         #[cfg(target_arch = "x86_64")]
         return is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    })
+}
+
+/// Whether the quantised matmul kernels run at 512 bits (two interleaved groups a vector, with
+/// AVX-512 F, BW, VL and VNNI): where [`vnni`] holds and the CPU has them, unless
+/// `TANDEM_ISA=vnni` asks for the 256-bit VNNI kernels. Outputs are bitwise the same either way.
+pub fn avx512() -> bool {
+    static WIDE: OnceLock<bool> = OnceLock::new();
+    *WIDE.get_or_init(|| {
+        if !vnni() || std::env::var("TANDEM_ISA").is_ok_and(|v| v == "vnni") {
+            return false;
+        }
+        #[cfg(target_arch = "x86_64")]
+        return is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw");
         #[cfg(not(target_arch = "x86_64"))]
         false
     })

@@ -1,0 +1,270 @@
+//! The interleaved kernels at 512 bits: two groups (16 output rows) a vector, their 256-bit
+//! halves side by side, with AVX-512 VNNI's dot product. Each lane does the operations it does
+//! in the 256-bit kernels, in the same order — the same exact integer sum of a block, then the
+//! same float multiplies and fused adds — so the outputs are bitwise theirs, whatever the
+//! number of activation rows. Where a range has an odd number of groups, the last one runs the
+//! 256-bit VNNI kernel.
+//!
+//! Two changes of form, not of value:
+//! - 8-bit weights: `vpdpbusd` multiplies unsigned by signed bytes, so where the 256-bit kernels
+//!   move the weights' signs onto the activations (`|w| x sign(x, w)`, a sign instruction per
+//!   chunk and row) these take the activations offset by 128 (`x + 128`, unsigned) against the
+//!   signed weights and start each sum at `-128 x sum(w)`. Both are the exact sum of `x w` for
+//!   activations in -127..=127, the only ones the Q8 quantisers make.
+//! - A group's scales and quants are read from each of the two groups and joined.
+
+use std::arch::x86_64::*;
+
+use super::{group_block_bytes, GROUP};
+use crate::quant::DType;
+
+/// Activation rows per tile (the tiles below are written out for 1 to 8: a tile's
+/// accumulators and a block's unpacked weights fit the 32 vector registers).
+const MR: usize = 8;
+const _: () = assert!(MR == 8);
+
+/// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows, bitwise as
+/// [`super::vnni::chunk`] does.
+///
+/// # Safety
+/// As [`super::vnni::chunk`], and the CPU has AVX-512 F, BW, VL and VNNI.
+#[allow(clippy::too_many_arguments)]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub unsafe fn chunk(
+    dtype: DType,
+    w: *const u8,
+    nb: usize,
+    x: *const u8,
+    x_row: usize,
+    m: usize,
+    n0: usize,
+    n1: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let gb = group_block_bytes(dtype) * nb;
+    let (g0, g1) = (n0 / GROUP, n1 / GROUP);
+    let pairs_end = g0 + (g1 - g0) / 2 * 2;
+    // 8-bit weights take their activations offset by 128 (see the module doc).
+    let offset: Vec<u8>;
+    let xw = if matches!(dtype, DType::Q8_0 | DType::Q6_K) && pairs_end > g0 {
+        // SAFETY: `x` holds `m` rows of `x_row` bytes (caller contract).
+        offset = offset_quants(unsafe { std::slice::from_raw_parts(x, m * x_row) });
+        offset.as_ptr()
+    } else {
+        x
+    };
+    let mut mb = 0;
+    while mb < m {
+        let me = (mb + 64).min(m);
+        for g in (g0..pairs_end).step_by(2) {
+            let mut i = mb;
+            while i < me {
+                let rows = (me - i).min(MR);
+                // SAFETY: groups g and g + 1 and rows i..i + rows are inside the buffers.
+                unsafe {
+                    let (wg, xi, o) = (
+                        w.add(g * gb),
+                        xw.add(i * x_row),
+                        out.add(i * ldo + g * GROUP),
+                    );
+                    macro_rules! tile {
+                        ($m:literal) => {
+                            match dtype {
+                                DType::Q4_1 => tile_q4::<$m, false>(wg, gb, nb, xi, x_row, o, ldo),
+                                DType::Q4_K => tile_q4::<$m, true>(wg, gb, nb, xi, x_row, o, ldo),
+                                DType::Q6_K => tile_q8::<$m, true>(wg, gb, nb, xi, x_row, o, ldo),
+                                _ => tile_q8::<$m, false>(wg, gb, nb, xi, x_row, o, ldo),
+                            }
+                        };
+                    }
+                    match rows {
+                        8 => tile!(8),
+                        7 => tile!(7),
+                        6 => tile!(6),
+                        5 => tile!(5),
+                        4 => tile!(4),
+                        3 => tile!(3),
+                        2 => tile!(2),
+                        _ => tile!(1),
+                    }
+                }
+                i += rows;
+            }
+        }
+        mb = me;
+    }
+    if pairs_end < g1 {
+        // SAFETY: the caller's contract, for the last group (with the caller's activations).
+        let n = pairs_end * GROUP;
+        unsafe { super::vnni::chunk(dtype, w, nb, x, x_row, m, n, n1, out, ldo) };
+    }
+}
+
+/// A copy of Q8_0 activation rows (blocks of an f16 scale and 32 quants) whose quants are
+/// offset by 128: `x + 128` as an unsigned byte.
+fn offset_quants(x: &[u8]) -> Vec<u8> {
+    let mut v = x.to_vec();
+    for b in v.chunks_exact_mut(34) {
+        for q in &mut b[2..] {
+            *q ^= 0x80;
+        }
+    }
+    v
+}
+
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn h(p: *const u8) -> f32 {
+    // SAFETY: caller passes two readable bytes.
+    let bits = unsafe { (p as *const u16).read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// The 4-byte chunk `c` of an activation block's quants, in every 32-bit lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn xchunk(q: *const u8, c: usize) -> __m512i {
+    // SAFETY: caller passes a block's 32 quants.
+    _mm512_set1_epi32(unsafe { (q.add(4 * c) as *const i32).read_unaligned() })
+}
+
+/// 32 bytes at `p` (the first group) and at `p + apart` (the second), joined.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn join(p: *const u8, apart: usize) -> __m512i {
+    // SAFETY: caller passes 32 readable bytes at both.
+    unsafe {
+        let lo = _mm256_loadu_si256(p as *const __m256i);
+        let hi = _mm256_loadu_si256(p.add(apart) as *const __m256i);
+        _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi)
+    }
+}
+
+/// The two groups' 8 scales each at `p` and `p + apart`: f32 (`F32S`) or f16.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn scales<const F32S: bool>(p: *const u8, apart: usize) -> __m512 {
+    // SAFETY: caller passes 32 (f32) or 16 (f16) readable bytes at both.
+    unsafe {
+        if F32S {
+            _mm512_castsi512_ps(join(p, apart))
+        } else {
+            let lo = _mm_loadu_si128(p as *const __m128i);
+            let hi = _mm_loadu_si128(p.add(apart) as *const __m128i);
+            _mm512_cvtph_ps(_mm256_inserti128_si256::<1>(_mm256_castsi128_si256(lo), hi))
+        }
+    }
+}
+
+/// 4-bit affine weights, as the 256-bit `tile_q4` (Q4_1 against Q8_1; Q4_K sub-blocks, `F32S`,
+/// against Q8_K-style blocks with integer sums), for groups at `w` and `w + apart`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_q4<const M: usize, const F32S: bool>(
+    w: *const u8,
+    apart: usize,
+    nb: usize,
+    x: *const u8,
+    x_row: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut acc = [_mm512_setzero_ps(); M];
+    let low = _mm512_set1_epi8(0x0f);
+    let (sb, gb) = if F32S { (32, 192) } else { (16, 160) };
+    // SAFETY: (whole body) block b of both groups and of each activation row is in bounds.
+    unsafe {
+        for b in 0..nb {
+            let p = w.add(b * gb);
+            let d = scales::<F32S>(p, apart);
+            let mn = scales::<F32S>(p.add(sb), apart);
+            let mut v = [_mm512_setzero_si512(); 8];
+            for c in 0..4 {
+                let l = join(p.add(2 * sb + 32 * c), apart);
+                v[c] = _mm512_and_si512(l, low);
+                v[c + 4] = _mm512_and_si512(_mm512_srli_epi16::<4>(l), low);
+            }
+            for (i, a) in acc.iter_mut().enumerate() {
+                let xb = x.add(i * x_row + b * 36);
+                let q = xb.add(4);
+                let mut s32 = _mm512_setzero_si512();
+                for (c, vc) in v.iter().enumerate() {
+                    s32 = _mm512_dpbusd_epi32(s32, *vc, xchunk(q, c));
+                }
+                let f = _mm512_cvtepi32_ps(s32);
+                *a = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(h(xb))), f, *a);
+                let sum = if F32S {
+                    h(xb) * (xb.add(2) as *const i16).read_unaligned() as f32
+                } else {
+                    h(xb.add(2))
+                };
+                *a = _mm512_fmadd_ps(mn, _mm512_set1_ps(sum), *a);
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(i * ldo), *a);
+        }
+    }
+}
+
+/// 8-bit symmetric weights, as the 256-bit `tile_q8` (Q8_0; Q6_K sub-blocks with a scale for
+/// each half, `SPLIT`), for groups at `w` and `w + apart`, against activations offset by 128.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
+    w: *const u8,
+    apart: usize,
+    nb: usize,
+    x: *const u8,
+    x_row: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    let mut acc = [_mm512_setzero_ps(); M];
+    let ones = _mm512_set1_epi8(1);
+    let (qs, gb) = if SPLIT { (64, 320) } else { (16, 272) };
+    // SAFETY: (whole body) block b of both groups and of each activation row is in bounds.
+    unsafe {
+        for b in 0..nb {
+            let p = w.add(b * gb);
+            let (d, d_hi) = if SPLIT {
+                (scales::<true>(p, apart), scales::<true>(p.add(32), apart))
+            } else {
+                let d = scales::<false>(p, apart);
+                (d, d)
+            };
+            let mut v = [_mm512_setzero_si512(); 8];
+            // -128 x the sum of each lane's weights over chunks 0..4 and 4..8.
+            let mut base = [_mm512_setzero_si512(); 2];
+            for c in 0..8 {
+                v[c] = join(p.add(qs + 32 * c), apart);
+                base[c / 4] = _mm512_dpbusd_epi32(base[c / 4], ones, v[c]);
+            }
+            let base =
+                base.map(|s| _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(s)));
+            for (i, a) in acc.iter_mut().enumerate() {
+                let xb = x.add(i * x_row + b * 34);
+                let q = xb.add(2);
+                // Chunks 0..4 hold values 0..16, chunks 4..8 values 16..32.
+                let (mut lo, mut hi) = (base[0], base[1]);
+                for c in 0..4 {
+                    lo = _mm512_dpbusd_epi32(lo, xchunk(q, c), v[c]);
+                    hi = _mm512_dpbusd_epi32(hi, xchunk(q, c + 4), v[c + 4]);
+                }
+                let dx = _mm512_set1_ps(h(xb));
+                if SPLIT {
+                    let (lo, hi) = (_mm512_cvtepi32_ps(lo), _mm512_cvtepi32_ps(hi));
+                    *a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), lo, *a);
+                    *a = _mm512_fmadd_ps(_mm512_mul_ps(d_hi, dx), hi, *a);
+                } else {
+                    let f = _mm512_cvtepi32_ps(_mm512_add_epi32(lo, hi));
+                    *a = _mm512_fmadd_ps(_mm512_mul_ps(d, dx), f, *a);
+                }
+            }
+        }
+        for (i, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(out.add(i * ldo), *a);
+        }
+    }
+}
