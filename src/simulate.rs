@@ -315,6 +315,7 @@ pub fn simulate(
         "refusals": r.outcomes.iter().map(|o| o.refusals as u64).sum::<u64>(),
         "store_hits": r.store_hits,
         "peer_hits": r.peer_hits,
+        "peer_fetch": r.peer_fetch,
         "speculation": {"proposed": r.speculation.proposed, "accepted": r.speculation.accepted,
             "verifies": r.speculation.verifies, "declined": r.speculation.declined},
         "preempted": {"swapped": r.preemptions.swapped, "recomputed": r.preemptions.recomputed,

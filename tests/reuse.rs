@@ -36,12 +36,24 @@ fn with_peer_fetch_the_prefill_worker_fetches_the_blocks_the_decode_worker_holds
     let fetched = converse(&c, true);
     let computed = peer_figure(&c, "prefill", "prompt_tokens")
         - peer_figure(&c, "prefill", "prefix_hit_tokens");
-    eprintln!("{fetched} blocks fetched from the decode worker; the prefill computed {computed} prompt tokens");
-    assert!(fetched > 0);
+    let told = fetch_decisions(&c);
+    eprintln!("{fetched} blocks fetched from the decode worker on {told} decisions to fetch; the prefill computed {computed} prompt tokens");
+    assert!(fetched > 0 && told >= 1.0);
     assert_eq!(peer_figure(&c, "prefill", "kv_peer_hits"), fetched);
     assert_eq!(peer_figure(&c, "decode", "kv_peer_served"), fetched);
     assert_eq!(peer_figure(&c, "prefill", "kv_peer_fetch_failures"), 0);
     assert_eq!(peer_figure(&c, "prefill", "kv_tier_corrupt"), 0);
+}
+
+/// The router's decisions to have a prefill worker fetch from the decode worker (and probes).
+fn fetch_decisions(c: &Cluster) -> f64 {
+    let n = |d: &str| {
+        metric_at(
+            c.operator,
+            &format!("tandem_router_peer_fetch_total{{decision=\"{d}\"}}"),
+        )
+    };
+    n("fetch") + n("probe")
 }
 
 /// A worker's live figure `name`, summed over the `role` pool.
@@ -99,6 +111,7 @@ fn converse(c: &Cluster, peer: bool) -> u64 {
                 "tandem_kv_transfer_bytes_total{transport=\"tcp\"}",
             );
             let hits0 = prefill_hits(c);
+            let fetches0 = fetch_decisions(c);
             let body = json!({"model": MODEL, "prompt": prompt, "max_tokens": 8, "ignore_eos": true,
                               "temperature": params.temperature, "top_k": params.top_k, "seed": params.seed});
             let (status, v) = post_json(c.http, "/v1/completions", &body);
@@ -125,8 +138,18 @@ fn converse(c: &Cluster, peer: bool) -> u64 {
             let fetched = (findable(decode_held.max(prefill_held)) - findable(prefill_held)) / bs;
             let now_fetched = peer_figure(c, "prefill", "kv_peer_hits");
             let why = format!("conv {conv} turn {k}: the prefill computed only what it lacked");
-            match peer {
-                false => assert_eq!(hit, findable(prefill_held) as u64, "{why}"),
+            // The router has the prefill worker fetch while fetching measures cheaper than
+            // computing (always, so far, on loopback): the path follows its decision.
+            let told = fetch_decisions(c) - fetches0;
+            assert!(
+                told <= 1.0 && (peer || told == 0.0),
+                "{why}: {told} decisions"
+            );
+            match peer && told == 1.0 {
+                false => {
+                    assert_eq!(hit, findable(prefill_held) as u64, "{why}");
+                    assert_eq!(now_fetched, fetched_before, "{why}: nothing fetched");
+                }
                 true => {
                     let held = findable(decode_held.max(prefill_held)) as u64;
                     assert_eq!(hit, held, "{why}, or fetched");

@@ -522,6 +522,11 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
         "Prompts recomputed on their decode worker, by why: the transfer failed, the prefill worker was lost, no prefill worker, a live move failed.",
     ),
     (
+        "tandem_router_peer_fetch_total",
+        Counter,
+        "Prefills whose decode worker holds part of the prompt and serves it (peer fetch), by the router's decision: fetch, compute (fetching measured dearer than computing), probe (fetched to measure again), nothing (the prefill worker holds it all).",
+    ),
+    (
         "tandem_kv_transport_chosen_total",
         Counter,
         "Transfers by the transport negotiated and why it was chosen.",

@@ -291,10 +291,14 @@ impl Driver {
                 worker,
                 decode,
                 skip,
+                fetch,
                 ticket,
                 guard,
                 pending,
-            } => self.start_prefill(worker, decode, (skip, ticket), (guard, pending)),
+            } => {
+                let to = (decode, skip, fetch);
+                self.start_prefill(worker, to, ticket, (guard, pending))
+            }
             Action::Release {
                 pool,
                 worker,
@@ -381,6 +385,10 @@ impl Driver {
                     .increment(1)
             }
             Note::Held => metrics::counter!("tandem_router_admission_holds_total").increment(1),
+            Note::PeerFetch(p) => {
+                metrics::counter!("tandem_router_peer_fetch_total", "decision" => p.label())
+                    .increment(1)
+            }
             Note::Refused => {}
             Note::Ttft(t) => {
                 let phase = |name: &'static str, d: Duration| {
@@ -454,13 +462,14 @@ impl Driver {
     }
 
     /// Sends the prompt (less its last token) to prefill worker `w`, whose KV goes straight to
-    /// decode worker `decode` — all but the first `skip` tokens, which it holds. The call runs
-    /// on its own task, counted by `guards` until it ends.
+    /// decode worker `decode` — all but the first `skip` tokens, which it holds and, with
+    /// `fetch`, serves the prefill worker. The call runs on its own task, counted by `guards`
+    /// until it ends.
     fn start_prefill(
         &mut self,
         w: WorkerId,
-        decode: WorkerId,
-        (skip, ticket): (u32, types::TransferTicket),
+        (decode, skip, fetch): (WorkerId, u32, bool),
+        ticket: types::TransferTicket,
         guards: (InFlight, PendingPrefill),
     ) -> Option<Input> {
         let (Some(pw), Some(dw)) = (self.known(w), self.known(decode)) else {
@@ -481,9 +490,10 @@ impl Driver {
             skip_tokens: skip,
             cache_salt: self.wire.cache_salt.clone(),
             transfer_ticket: ticket.0.to_vec(),
-            // The decode worker holds the first `skip` tokens' KV: where it serves them, the
-            // prefill worker fetches what of them it lacks instead of computing it.
-            peer_endpoint: if skip > 0 { dw.peer } else { String::new() },
+            // The decode worker holds the first `skip` tokens' KV: where it serves them and the
+            // router found fetching cheaper, the prefill worker fetches what of them it lacks
+            // instead of computing it.
+            peer_endpoint: if fetch { dw.peer } else { String::new() },
         };
         let registry = self.state.registry.clone();
         let task = tokio::spawn(async move {

@@ -51,6 +51,10 @@ pub const UNMEASURED_TIER_WEIGHTS: [f64; 2] = [0.9, 0.7];
 /// fetch: a network read, dearer than a local tier's.
 pub const UNMEASURED_STORE_WEIGHT: f64 = 0.5;
 
+/// What a block fetched from a decode worker (peer fetch) counts for before the prefill worker
+/// has measured a fetch: a network read, as the store's.
+pub const UNMEASURED_PEER_WEIGHT: f64 = UNMEASURED_STORE_WEIGHT;
+
 /// What a block loaded from a tier counts for against one in the pool (1) and one computed
 /// (0): the share of the block's compute time (`block_tokens` at `rate` tokens/s) that loading
 /// it (`load_s`) saves.

@@ -190,6 +190,8 @@ pub struct SimResult {
     pub store_hits: u64,
     /// Blocks prefill workers fetched from decode workers (peer fetch).
     pub peer_hits: u64,
+    /// The router's peer-fetch decisions, by label (fetch, compute, probe, nothing).
+    pub peer_fetch: BTreeMap<&'static str, u64>,
     /// Sequences the engines preempted when their pools ran out, and what resuming cost.
     pub preemptions: engine::Preemptions,
     /// Drafts the decode engines proposed and had accepted (speculative decoding).
@@ -250,8 +252,9 @@ enum Event {
         req: usize,
         id: RequestId,
         worker: usize,
-        /// The decode worker its KV goes to, and the tokens that one holds.
-        to: (usize, u32),
+        /// The decode worker its KV goes to, the tokens that one holds, and whether the prefill
+        /// worker fetches them from it (peer fetch).
+        to: (usize, u32, bool),
     },
     /// A worker's step ends.
     StepDone(usize),

@@ -94,6 +94,7 @@ impl Sim {
                     worker,
                     decode,
                     skip,
+                    fetch,
                     guard,
                     pending,
                     ..
@@ -108,7 +109,7 @@ impl Sim {
                         req: r,
                         id,
                         worker,
-                        to: (widx(decode), skip),
+                        to: (widx(decode), skip, fetch),
                     };
                     self.schedule(at + hop, ev);
                 }
@@ -235,6 +236,7 @@ impl Sim {
             Note::Stayed => self.result.moves_stayed += 1,
             Note::Recomputed(why) => *self.result.decisions.entry(why.label()).or_default() += 1,
             Note::Held => self.result.admission_holds += 1,
+            Note::PeerFetch(p) => *self.result.peer_fetch.entry(p.label()).or_default() += 1,
             Note::Refused => self.reqs[r].refusals += 1,
             Note::Ttft(t) => {
                 let ph = &mut self.result.ttft_phases;

@@ -139,8 +139,17 @@ impl Sim {
         let wanted = self.workers[w].engine.store_wanted(known, None);
         let got = self.workers[d].engine.export_blocks(&wanted);
         if !got.is_empty() {
-            self.workers[w].engine.stage_store(&got);
+            let wk = &mut self.workers[w];
+            wk.engine.stage_store(&got);
             self.result.peer_hits += got.len() as u64;
+            // What the fetch costs, as the step that loads it is charged (a store fetch).
+            let traffic = engine::TierTraffic {
+                block_tokens: self.cfg.decode.engine.block_size,
+                fetched: got.len() as u64,
+                ..Default::default()
+            };
+            wk.peer.0 += got.len() as u64;
+            wk.peer.1 += wk.timing.tier_time(&traffic).as_secs_f64();
         }
     }
 

@@ -38,6 +38,11 @@ pub(crate) struct Worker {
     pending: Vec<engine::TokenEvent>,
     /// Prefill: prompt tokens per second of engine time, as a real prefill worker measures it.
     rate: PromptRate,
+    /// Its timing model (what a peer fetch costs it).
+    pub(crate) timing: engine::MockTiming,
+    /// Prefill: blocks fetched from decode workers and the seconds that took, as a real
+    /// prefill worker's heartbeat reports them.
+    pub(crate) peer: (u64, f64),
     /// The next KV event number (what its heartbeats carry).
     kv_next: u64,
     /// Let go by the planner: takes no new requests.
@@ -76,6 +81,11 @@ impl Sim {
             worker_id: wid(w).0,
             device: "mock".into(),
             store_model,
+            // A simulated decode worker serves its blocks to peers where peer fetch is on.
+            peer_endpoint: match self.cfg.peer_fetch && pool == Pool::Decode {
+                true => format!("{pool}-{w}"),
+                false => String::new(),
+            },
             ..Default::default()
         };
         let now = self.instant();
@@ -99,6 +109,8 @@ impl Sim {
             pausing: Vec::new(),
             pending: Vec::new(),
             rate: PromptRate::default(),
+            timing: spec.timing,
+            peer: (0, 0.0),
             kv_next: 0,
             draining: false,
             started: self.now,
@@ -149,6 +161,8 @@ impl Sim {
         });
         let load = grpc::WorkerLoad {
             prompt_tokens_per_s: wk.rate.per_s() as f32,
+            kv_peer_hits: wk.peer.0,
+            kv_peer_load_seconds: wk.peer.1,
             ..worker::wire::load(&wk.engine.load())
         };
         let hb = Heartbeat {
@@ -297,8 +311,14 @@ impl Sim {
     }
 
     /// The router's prefill call for request `req` (try `id`) reaches prefill worker `w`.
-    pub(crate) fn prefill_at(&mut self, req: usize, id: RequestId, w: usize, to: (usize, u32)) {
-        let (decode, skip) = to;
+    pub(crate) fn prefill_at(
+        &mut self,
+        req: usize,
+        id: RequestId,
+        w: usize,
+        to: (usize, u32, bool),
+    ) {
+        let (decode, skip, fetch) = to;
         let Some(core) = self.reqs[req].core.as_ref().filter(|c| c.id() == id) else {
             return;
         };
@@ -308,7 +328,9 @@ impl Sim {
             return self.input_at(req, id, input, back);
         }
         let prompt = core.prompt().to_vec();
-        self.peer_fetch(w, decode, &prompt, skip as usize);
+        if fetch {
+            self.peer_fetch(w, decode, &prompt, skip as usize);
+        }
         self.store_fetch(w, &prompt);
         let tokens = prompt[..prompt.len() - 1].to_vec();
         match self.workers[w]

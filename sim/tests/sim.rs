@@ -578,35 +578,47 @@ fn a_prefix_another_worker_computed_comes_from_the_store_at_its_price() {
 /// Peer fetch: a prompt prefilled on its decode worker (a short uncached rest), then a longer
 /// one starting with it prefilled remotely — the prefill worker holds none of it; with peer
 /// fetch it takes the 6 whole blocks the decode worker holds from that worker (staged in its
-/// host tier, loaded from there) and computes only the rest; without it, all of it.
+/// host tier, loaded from there) and computes only the rest; without it, all of it. A second
+/// conversation alike, seconds later, once heartbeats carry what the first fetch cost: over a
+/// link where a block takes longer to fetch than to compute (1 MB/s), the router has the
+/// prefill worker compute it instead (`compute`), where the link is fast it fetches again.
 #[test]
-fn with_peer_fetch_a_prefill_worker_takes_what_the_decode_worker_holds() {
-    let first: Vec<u32> = (0..100).map(|i| 300 + i).collect();
-    let second: Vec<u32> = (0..400).map(|i| 300 + i).collect();
-    let run = |peer: bool| {
+fn with_peer_fetch_a_prefill_worker_takes_what_the_decode_worker_holds_when_it_is_cheaper() {
+    let conversation = |at: u64, base: u32| {
+        let first: Vec<u32> = (0..100).map(|i| base + i).collect();
+        let second: Vec<u32> = (0..400).map(|i| base + i).collect();
+        [request(at, first, 1), request(at + 1000, second, 1)]
+    };
+    let run = |peer: bool, link_bytes_per_s: f64| {
         let mut c = cluster(1, 1);
-        c.prefill.as_mut().unwrap().engine.tiers.host_bytes = 64 * 16 * KV_BYTES;
+        let prefill = c.prefill.as_mut().unwrap();
+        prefill.engine.tiers.host_bytes = 64 * 16 * KV_BYTES;
+        prefill.timing.store_link.read_bytes_per_s = link_bytes_per_s;
         c.router.local_prefill_max_tokens = 120;
         c.peer_fetch = peer;
-        let reqs = vec![
-            request(0, first.clone(), 1),
-            request(1000, second.clone(), 1),
-        ];
+        let mut reqs = conversation(0, 300).to_vec();
+        reqs.extend(conversation(10_000, 3000));
         Sim::new(c, reqs).unwrap().run()
     };
-    let (on, off) = (run(true), run(false));
-    for r in [&on, &off] {
+    let fast = MockTiming::CPU_SMOLLM2.store_link.read_bytes_per_s;
+    let (on, off, slow) = (run(true, fast), run(false, fast), run(true, 1e6));
+    for r in [&on, &off, &slow] {
         assert!(r.outcomes.iter().all(|o| o.error.is_none()));
     }
-    assert_eq!((on.peer_hits, off.peer_hits), (6, 0));
+    assert_eq!((on.peer_hits, off.peer_hits, slow.peer_hits), (12, 0, 6));
+    let decisions = |r: &sim::SimResult| r.peer_fetch.clone().into_iter().collect::<Vec<_>>();
+    assert_eq!(decisions(&on), [("fetch", 2)]);
+    assert_eq!(decisions(&off), []);
+    assert_eq!(decisions(&slow), [("compute", 1), ("fetch", 1)]);
     assert_eq!(
         on.tier_hits,
-        [6, 0],
+        [12, 0],
         "loaded from the prefill worker's host tier"
     );
-    // Prefix hits: the decode worker's 96 tokens on the second's reservation in both runs, and
-    // with peer fetch the prefill worker's 96 as well.
-    assert_eq!(on.prefix_hit_tokens - off.prefix_hit_tokens, 96);
+    // Prefix hits: the decode worker's 96 tokens on each second prompt's reservation in every
+    // run, and the prefill worker's 96 as well for each it fetched.
+    assert_eq!(on.prefix_hit_tokens - off.prefix_hit_tokens, 2 * 96);
+    assert_eq!(slow.prefix_hit_tokens - off.prefix_hit_tokens, 96);
 }
 
 /// Decode memory pressure on the mock H200 preset (issue 34, acceptance 5, where a recompute

@@ -95,8 +95,8 @@ pub unsafe fn chunk(
         mb = me;
     }
     if pairs_end < g1 {
-        // SAFETY: the caller's contract, for the last group (with the caller's activations).
         let n = pairs_end * GROUP;
+        // SAFETY: the caller's contract, for the last group (with the caller's activations).
         unsafe { super::vnni::chunk(dtype, w, nb, x, x_row, m, n, n1, out, ldo) };
     }
 }

@@ -32,6 +32,6 @@ pub use table::{
     Beaten, InFlight, JoinRefused, Liveness, Picked, Route, Table, UnknownWorker, Worker,
 };
 pub use vocab::{
-    Action, Cx, Held, Input, MoveWhy, Note, Params, Phase, PhaseName, PrefillDecision, Recompute,
-    Reservation, Settings, Trace, TtftPhases,
+    Action, Cx, Held, Input, MoveWhy, Note, Params, PeerFetch, Phase, PhaseName, PrefillDecision,
+    Recompute, Reservation, Settings, Trace, TtftPhases,
 };

@@ -424,16 +424,24 @@ impl Request {
         cx: &mut Cx<'_>,
         out: &mut Vec<Action>,
     ) {
-        let Some(p) = cx.table.pick(Pool::Prefill, |_| true, &self.route) else {
+        let skip = r.cached_tokens as usize;
+        self.route.peer_blocks = cx.table.peer_blocks(decode.worker, skip);
+        let picked = cx.table.pick(Pool::Prefill, |_| true, &self.route);
+        self.route.peer_blocks = 0;
+        let Some(p) = picked else {
             let why = ApiError::Unavailable("no prefill worker has joined the cluster".into());
             return self.recompute(decode, why, Recompute::NoPrefillWorker, cx, out);
         };
+        if p.peer != PeerFetch::Nothing {
+            out.push(Action::Note(Note::PeerFetch(p.peer)));
+        }
         let tokens = (self.prompt.len() - 1) as u64;
         self.prefill_call = Some(p.worker);
         out.push(Action::Prefill {
             worker: p.worker,
             decode: decode.worker,
             skip: r.cached_tokens,
+            fetch: p.peer.fetches(),
             ticket: r.ticket,
             guard: p.guard,
             pending: cx.signals.prefill_started(tokens),
@@ -849,5 +857,6 @@ fn route(cx: &Cx<'_>, prompt: &[u32], root: u64) -> Route {
     Route {
         blocks,
         prompt_tokens: known.len(),
+        peer_blocks: 0,
     }
 }

@@ -121,6 +121,14 @@ impl Worker {
 /// the worker claims: what a joined peer can make the router allocate is bounded.
 pub const MAX_TIER_BLOCKS: u64 = 1 << 24;
 
+/// A worker's measured prompt tokens per second, or the pool's `rate` before it has one.
+fn own_rate(w: &Worker, rate: f64) -> f64 {
+    match w.load.prompt_tokens_per_s as f64 {
+        r if r > 0.0 => r,
+        _ => rate,
+    }
+}
+
 /// When the router gives up on a worker.
 #[derive(Debug, Clone, Copy)]
 pub struct Liveness {
@@ -163,7 +171,46 @@ pub struct Route {
     pub blocks: Vec<BlockHash>,
     /// Prompt tokens a prefill worker would compute without its cache.
     pub prompt_tokens: usize,
+    /// Prefill: leading blocks the request's decode worker holds and serves to prefill workers
+    /// (peer fetch); 0 where it serves none.
+    pub peer_blocks: usize,
 }
+
+/// Whether the prefill worker fetches the blocks the request's decode worker holds of the
+/// prompt (peer fetch) instead of computing them, and why: a fetched block is worth what its
+/// measured fetch time saves against computing it ([`routing::tier_weight`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PeerFetch {
+    /// The decode worker serves no peers, or holds nothing the prefill worker lacks.
+    Nothing,
+    /// Fetching is worth something (before a measurement: [`routing::UNMEASURED_PEER_WEIGHT`]).
+    Cheaper,
+    /// Fetching a block took this prefill worker as long as computing it: it computes.
+    Dearer,
+    /// Measured dearer, fetched anyway to measure again (one such decision in
+    /// [`PEER_PROBE_EVERY`]): the network or the load may have changed.
+    Probe,
+}
+
+impl PeerFetch {
+    /// Whether the prefill worker is told where to fetch.
+    pub fn fetches(self) -> bool {
+        matches!(self, PeerFetch::Cheaper | PeerFetch::Probe)
+    }
+
+    /// Its label in `tandem_router_peer_fetch_total{decision}`.
+    pub fn label(self) -> &'static str {
+        match self {
+            PeerFetch::Nothing => "nothing",
+            PeerFetch::Cheaper => "fetch",
+            PeerFetch::Dearer => "compute",
+            PeerFetch::Probe => "probe",
+        }
+    }
+}
+
+/// One decision in this many that finds peer fetch dearer than computing fetches anyway.
+pub const PEER_PROBE_EVERY: u64 = 32;
 
 /// A worker chosen for a request.
 #[derive(Debug)]
@@ -174,6 +221,8 @@ pub struct Picked {
     pub guard: InFlight,
     /// Prompt tokens it holds in its cache, by the index.
     pub cached_tokens: usize,
+    /// Prefill: whether it fetches what the decode worker holds ([`Route::peer_blocks`]).
+    pub peer: PeerFetch,
 }
 
 /// Why a worker may not join.
@@ -231,6 +280,8 @@ pub struct Table {
     routing: Routing,
     /// Round-robin counters: prefill, decode.
     turns: [usize; 2],
+    /// Peer-fetch decisions that found fetching dearer (every [`PEER_PROBE_EVERY`]-th probes).
+    peer_dearer: u64,
     /// When a worker is given up on.
     pub liveness: Liveness,
     /// The requests waiting for a decode worker with room.
@@ -251,6 +302,7 @@ impl Table {
             index: KvIndex::default(),
             routing,
             turns: [0; 2],
+            peer_dearer: 0,
             liveness,
             line: Line::default(),
             store_model: None,
@@ -424,7 +476,10 @@ impl Table {
             .map(|w| {
                 let o = overlap.get(&w.id).copied().unwrap_or(fetched);
                 let weights = self.tier_weights(w, rate);
-                w.candidate((o.weighed(&weights) * bs as f64).round() as usize)
+                // What the decode worker holds past them, fetched at its measured cost.
+                let peer = route.peer_blocks.saturating_sub(o.blocks()) as f64;
+                let peer = peer * self.peer_weight(w, rate);
+                w.candidate(((o.weighed(&weights) + peer) * bs as f64).round() as usize)
             })
             .collect();
         (ids, c)
@@ -447,10 +502,7 @@ impl Table {
     /// 1 first): the configured weights, else each tier's measured load time a block against
     /// computing it at `rate` (the worker's own rate where it measured one).
     fn tier_weights(&self, w: &Worker, rate: f64) -> [f64; 4] {
-        let rate = match w.load.prompt_tokens_per_s as f64 {
-            r if r > 0.0 => r,
-            _ => rate,
-        };
+        let rate = own_rate(w, rate);
         let bs = self.block_size();
         let l = &w.load;
         let measured = |seconds: f64, blocks: u64, unmeasured: f64| match blocks {
@@ -474,6 +526,50 @@ impl Table {
         ]
     }
 
+    /// What a block prefill worker `w` fetches from a decode worker counts for: its measured
+    /// fetch time a block (failed fetches' time included) against computing the block at
+    /// `rate` (its own where measured); [`routing::UNMEASURED_PEER_WEIGHT`] before it fetched.
+    fn peer_weight(&self, w: &Worker, rate: f64) -> f64 {
+        let l = &w.load;
+        match (l.kv_peer_hits, l.kv_peer_fetch_failures) {
+            (0, 0) => routing::UNMEASURED_PEER_WEIGHT,
+            (0, _) => 0.0,
+            (n, _) => {
+                let per_block = l.kv_peer_load_seconds / n as f64;
+                routing::tier_weight(per_block, self.block_size(), own_rate(w, rate))
+            }
+        }
+    }
+
+    /// Leading blocks of a prompt whose first `tokens` decode worker `decode` holds that it
+    /// serves to prefill workers: 0 where it serves none.
+    pub fn peer_blocks(&self, decode: WorkerId, tokens: usize) -> usize {
+        match self.get(decode) {
+            Some(w) if !w.peer_endpoint.is_empty() => tokens / self.block_size(),
+            _ => 0,
+        }
+    }
+
+    /// Whether prefill worker `w` fetches `route`'s peer blocks it lacks.
+    fn peer_fetch(&mut self, w: WorkerId, route: &Route) -> PeerFetch {
+        let Some(worker) = self.get(w).filter(|_| route.peer_blocks > 0) else {
+            return PeerFetch::Nothing;
+        };
+        let peer = &route.blocks[..route.peer_blocks.min(route.blocks.len())];
+        let own = self.index.overlap_in(peer, |x| x == w);
+        if own.get(&w).map_or(0, |o| o.tiers.iter().sum()) >= peer.len() {
+            return PeerFetch::Nothing;
+        }
+        if self.peer_weight(worker, self.prefill_rate()) > 0.0 {
+            return PeerFetch::Cheaper;
+        }
+        self.peer_dearer += 1;
+        match self.peer_dearer % PEER_PROBE_EVERY {
+            0 => PeerFetch::Probe,
+            _ => PeerFetch::Dearer,
+        }
+    }
+
     /// The worker of `pool` that the policy chooses for `route` among those `keep` keeps,
     /// counted against it (in flight, and for a prefill its queued tokens) until the guard is
     /// dropped.
@@ -491,6 +587,10 @@ impl Table {
             Pool::Decode => routing::decode(self.routing.policy, &c, turn),
             Pool::Prefill => routing::prefill(&self.routing, &c, route.prompt_tokens, turn),
         }?;
+        let peer = match pool {
+            Pool::Prefill => self.peer_fetch(ids[i], route),
+            Pool::Decode => PeerFetch::Nothing,
+        };
         let w = &self.workers[k][&ids[i]];
         let queued = match pool {
             Pool::Prefill => route.prompt_tokens.saturating_sub(c[i].cached) as u64,
@@ -507,6 +607,7 @@ impl Table {
             worker: w.id,
             guard,
             cached_tokens: c[i].cached,
+            peer,
         })
     }
 

@@ -125,6 +125,7 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
     let route = Route {
         blocks,
         prompt_tokens: 4 * 16 + 1,
+        ..Route::default()
     };
     let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
     let w = crate::routing::UNMEASURED_STORE_WEIGHT;
@@ -133,6 +134,103 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
     table.index_mut().clear_store(0);
     let p = table.pick(proto::Pool::Prefill, |_| true, &route).unwrap();
     assert_eq!(p.cached_tokens, 0);
+}
+
+/// Peer fetch as the router weighs it: a prefill pick for a prompt whose first 3 blocks the
+/// decode worker holds (and serves) counts them as cached at the fetch's weight and tells the
+/// prefill worker to fetch — before any measurement at
+/// [`crate::routing::UNMEASURED_PEER_WEIGHT`]; once the worker's heartbeats say a block took
+/// longer to fetch than to compute, it computes, except every
+/// [`super::table::PEER_PROBE_EVERY`]-th decision (fetched to measure again); all failed
+/// fetches weigh nothing; a decode worker that serves no peers, or a prefill worker holding
+/// the blocks already, is no decision at all.
+#[test]
+fn a_prefill_fetches_what_the_decode_worker_holds_while_fetching_is_measured_cheaper() {
+    let t0 = Instant::now();
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let worker = |role: grpc::Role, name: &str, peer: &str| JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: role as i32,
+        name: name.into(),
+        identity: Some(identity().into()),
+        kv_blocks_total: 64,
+        peer_endpoint: peer.into(),
+        ..Default::default()
+    };
+    let p = table
+        .join(worker(grpc::Role::Prefill, "prefill-0", ""), t0)
+        .unwrap();
+    let serving = table.join(worker(grpc::Role::Decode, "decode-0", "127.0.0.1:1"), t0);
+    let (serving, plain) = (serving.unwrap(), decode_worker(&mut table, "decode-1", t0));
+    assert_eq!(table.peer_blocks(plain, 3 * 16 + 5), 0);
+    let mut route = Route {
+        blocks: (1..=4).map(types::BlockHash).collect(),
+        prompt_tokens: 4 * 16 + 1,
+        peer_blocks: table.peer_blocks(serving, 3 * 16 + 5),
+    };
+    assert_eq!(route.peer_blocks, 3);
+    let pick = |table: &mut Table, route: &Route| {
+        let picked = table.pick(proto::Pool::Prefill, |_| true, route).unwrap();
+        (picked.peer, picked.cached_tokens)
+    };
+    let w = crate::routing::UNMEASURED_PEER_WEIGHT;
+    let unmeasured = (3.0 * 16.0 * w).round() as usize;
+    assert_eq!(pick(&mut table, &route), (PeerFetch::Cheaper, unmeasured));
+    // Measured: 16 tokens compute in 16 ms at 1,000 tokens/s.
+    let beat = |table: &mut Table, hits: u64, failures: u64, seconds: f64| {
+        let load = grpc::WorkerLoad {
+            prompt_tokens_per_s: 1000.0,
+            kv_peer_hits: hits,
+            kv_peer_fetch_failures: failures,
+            kv_peer_load_seconds: seconds,
+            ..Default::default()
+        };
+        let hb = Heartbeat {
+            worker_id: p.0,
+            load: Some(load),
+            ..Default::default()
+        };
+        table.beat(hb, t0).unwrap();
+    };
+    beat(&mut table, 10, 0, 0.04);
+    let cheap = (3.0 * 16.0 * crate::routing::tier_weight(0.004, 16, 1000.0)).round() as usize;
+    assert_eq!(pick(&mut table, &route), (PeerFetch::Cheaper, cheap));
+    beat(&mut table, 10, 0, 0.2);
+    let decisions: Vec<PeerFetch> = (0..2 * super::table::PEER_PROBE_EVERY)
+        .map(|_| pick(&mut table, &route))
+        .map(|(d, cached)| {
+            assert_eq!(
+                cached, 0,
+                "a fetch dearer than computing counts for nothing"
+            );
+            d
+        })
+        .collect();
+    let probes = decisions.iter().filter(|&&d| d == PeerFetch::Probe).count();
+    let dearer = decisions
+        .iter()
+        .filter(|&&d| d == PeerFetch::Dearer)
+        .count();
+    assert_eq!((probes, dearer), (2, decisions.len() - 2));
+    beat(&mut table, 0, 3, 30.0);
+    assert_eq!(pick(&mut table, &route).0, PeerFetch::Dearer);
+    // The prefill worker holds the 3 blocks itself: nothing to fetch.
+    let stored = grpc::KvEvents {
+        hashes: vec![1, 2, 3],
+        stored: vec![true; 3],
+        snapshot: true,
+        next: 3,
+        ..Default::default()
+    };
+    let hb = Heartbeat {
+        worker_id: p.0,
+        kv: Some(stored),
+        ..Default::default()
+    };
+    table.beat(hb, t0).unwrap();
+    assert_eq!(pick(&mut table, &route), (PeerFetch::Nothing, 3 * 16));
+    route.peer_blocks = 0;
+    assert_eq!(pick(&mut table, &route).0, PeerFetch::Nothing);
 }
 
 /// A decode worker of the test table.

@@ -9,6 +9,7 @@ use engine::FinishReason;
 use proto::{Cause, Pool};
 use types::{RequestId, WorkerId};
 
+pub use super::table::PeerFetch;
 use super::table::{InFlight, Table};
 use crate::openai::ApiError;
 use crate::planner::{PendingPrefill, Signals};
@@ -332,6 +333,8 @@ pub enum Note {
     Recomputed(Recompute),
     /// The line's oldest request took a hold on a decode worker.
     Held,
+    /// Whether its prefill worker fetches what its decode worker holds.
+    PeerFetch(PeerFetch),
     /// A first try's first token came, and where its time went.
     Ttft(TtftPhases),
 }
@@ -384,6 +387,9 @@ pub enum Action {
         decode: WorkerId,
         /// Tokens the decode worker holds already.
         skip: u32,
+        /// The prefill worker fetches those of them it lacks from the decode worker (peer
+        /// fetch) instead of computing them.
+        fetch: bool,
         /// The decode worker's ticket for the transfer.
         ticket: types::TransferTicket,
         /// Counts the call against the prefill worker.

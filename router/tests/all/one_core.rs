@@ -94,8 +94,8 @@ async fn busy_prefill_pool() -> Trace {
     join(&st, Pool::Prefill, &p).await;
     join(&st, Pool::Decode, &d).await;
     let queued = Route {
-        blocks: Vec::new(),
         prompt_tokens: 900,
+        ..Route::default()
     };
     let _held = st.registry.pick(Pool::Prefill, &[], &queued).unwrap();
     trace(&st, prompt(3000, 40), 4).await

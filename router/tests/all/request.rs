@@ -85,8 +85,8 @@ async fn a_busy_prefill_pool_leaves_the_prompt_to_its_decode_worker() {
     // 400 tokens queued on the only prefill worker (no measured rate yet: 1,000 tokens/s), i.e.
     // 0.4 s before it could start: the decode worker may compute up to 400 tokens itself.
     let queued = Route {
-        blocks: Vec::new(),
         prompt_tokens: 400,
+        ..Route::default()
     };
     let held = st.registry.pick(Pool::Prefill, &[], &queued).unwrap();
     let (out, end, phases) = run(&st).await;
