@@ -257,11 +257,15 @@ impl Prefill for Service {
         let cache_salt = (!req.cache_salt.is_empty()).then_some(req.cache_salt);
         let tokens = req.tokens;
         let salt = cache_salt.as_deref();
-        // The decode worker's blocks first (it holds them for this very request), then the
-        // store's past them.
+        // The blocks a decode worker holds first (the request's: it holds them for this very
+        // request; or another the router found holding more), then the store's past them.
         let mut staged = 0;
         if let (Some(link), false) = (&self.peers, req.peer_endpoint.is_empty()) {
-            let held_there = (&tokens[..], send_from);
+            let held = match req.peer_tokens {
+                0 => send_from,
+                n => n as usize,
+            };
+            let held_there = (&tokens[..], held);
             let peer = &req.peer_endpoint;
             staged = worker::peer::prefetch(link, &self.engine, peer, held_there, salt).await?;
         }

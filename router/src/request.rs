@@ -462,16 +462,17 @@ impl Driver {
     }
 
     /// Sends the prompt (less its last token) to prefill worker `w`, whose KV goes straight to
-    /// decode worker `decode` — all but the first `skip` tokens, which it holds and, with
-    /// `fetch`, serves the prefill worker. The call runs on its own task, counted by `guards`
-    /// until it ends.
+    /// decode worker `decode` — all but the first `skip` tokens, which it holds. With `fetch`,
+    /// the prefill worker fetches the first blocks it lacks from that decode worker, which
+    /// holds that many tokens. The call runs on its own task, counted by `guards` until it ends.
     fn start_prefill(
         &mut self,
         w: WorkerId,
-        (decode, skip, fetch): (WorkerId, u32, bool),
+        (decode, skip, fetch): (WorkerId, u32, Option<(WorkerId, u32)>),
         ticket: types::TransferTicket,
         guards: (InFlight, PendingPrefill),
     ) -> Option<Input> {
+        let peer = fetch.and_then(|(p, tokens)| Some((self.known(p)?.peer, tokens)));
         let (Some(pw), Some(dw)) = (self.known(w), self.known(decode)) else {
             return Some(Input::PrefillFailed(
                 Cause::Unreachable,
@@ -490,10 +491,14 @@ impl Driver {
             skip_tokens: skip,
             cache_salt: self.wire.cache_salt.clone(),
             transfer_ticket: ticket.0.to_vec(),
-            // The decode worker holds the first `skip` tokens' KV: where it serves them and the
-            // router found fetching cheaper, the prefill worker fetches what of them it lacks
-            // instead of computing it.
-            peer_endpoint: if fetch { dw.peer } else { String::new() },
+            // Where the router found fetching cheaper, the prefill worker fetches what it lacks
+            // of the first tokens a decode worker holds instead of computing it: the request's
+            // (`skip` tokens) or another's.
+            peer_tokens: match &peer {
+                Some((_, tokens)) if fetch.is_some_and(|(p, _)| p != decode) => *tokens,
+                _ => 0,
+            },
+            peer_endpoint: peer.map(|(endpoint, _)| endpoint).unwrap_or_default(),
         };
         let registry = self.state.registry.clone();
         let task = tokio::spawn(async move {

@@ -252,9 +252,9 @@ enum Event {
         req: usize,
         id: RequestId,
         worker: usize,
-        /// The decode worker its KV goes to, the tokens that one holds, and whether the prefill
-        /// worker fetches them from it (peer fetch).
-        to: (usize, u32, bool),
+        /// The decode worker its KV goes to and the tokens that one holds; the decode worker the
+        /// prefill worker fetches the first blocks from (peer fetch) and the tokens it holds.
+        to: (usize, u32, Option<(usize, u32)>),
     },
     /// A worker's step ends.
     StepDone(usize),

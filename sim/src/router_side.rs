@@ -109,7 +109,7 @@ impl Sim {
                         req: r,
                         id,
                         worker,
-                        to: (widx(decode), skip, fetch),
+                        to: (widx(decode), skip, fetch.map(|(p, n)| (widx(p), n))),
                     };
                     self.schedule(at + hop, ev);
                 }

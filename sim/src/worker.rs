@@ -316,9 +316,9 @@ impl Sim {
         req: usize,
         id: RequestId,
         w: usize,
-        to: (usize, u32, bool),
+        to: (usize, u32, Option<(usize, u32)>),
     ) {
-        let (decode, skip, fetch) = to;
+        let (_, skip, fetch) = to;
         let Some(core) = self.reqs[req].core.as_ref().filter(|c| c.id() == id) else {
             return;
         };
@@ -328,8 +328,8 @@ impl Sim {
             return self.input_at(req, id, input, back);
         }
         let prompt = core.prompt().to_vec();
-        if fetch {
-            self.peer_fetch(w, decode, &prompt, skip as usize);
+        if let Some((from, tokens)) = fetch {
+            self.peer_fetch(w, from, &prompt, tokens as usize);
         }
         self.store_fetch(w, &prompt);
         let tokens = prompt[..prompt.len() - 1].to_vec();

@@ -621,6 +621,44 @@ fn with_peer_fetch_a_prefill_worker_takes_what_the_decode_worker_holds_when_it_i
     assert_eq!(slow.prefix_hit_tokens - off.prefix_hit_tokens, 96);
 }
 
+/// Peer fetch from another decode worker than the request's: a conversation's first turn is
+/// computed on one decode worker, three long requests sharing its prefix follow it there; its
+/// second turn goes to the other decode worker (the first carries more than the busy slack
+/// over it), which holds none of it — the router names the first as the source, and the
+/// prefill worker fetches its 6 blocks from there.
+#[test]
+fn a_prefill_worker_fetches_from_a_decode_worker_holding_the_prefix_not_the_requests() {
+    let first: Vec<u32> = (0..100).map(|i| 300 + i).collect();
+    let second: Vec<u32> = (0..400).map(|i| 300 + i).collect();
+    let long = |k: u32| -> Vec<u32> {
+        first
+            .iter()
+            .copied()
+            .chain((0..50).map(|i| 5000 + 100 * k + i))
+            .collect()
+    };
+    let mut c = cluster(1, 2);
+    c.prefill.as_mut().unwrap().engine.tiers.host_bytes = 64 * 16 * KV_BYTES;
+    c.router.local_prefill_max_tokens = 120;
+    c.peer_fetch = true;
+    let mut reqs = vec![request(0, first.clone(), 1)];
+    reqs.extend((0..3).map(|k| request(3000 + k as u64, long(k), 2000)));
+    reqs.push(request(3500, second.clone(), 1));
+    let r = Sim::new(c, reqs).unwrap().run();
+    assert!(r.outcomes.iter().all(|o| o.error.is_none()));
+    assert_eq!(
+        r.peer_hits, 6,
+        "the first turn's 6 blocks, from the other decode worker"
+    );
+    let decisions: Vec<_> = r.peer_fetch.clone().into_iter().collect();
+    assert_eq!(decisions, [("fetch", 1)]);
+    assert_eq!(
+        r.tier_hits,
+        [6, 0],
+        "loaded from the prefill worker's host tier"
+    );
+}
+
 /// Decode memory pressure on the mock H200 preset (issue 34, acceptance 5, where a recompute
 /// costs what it costs a GPU): streams queued at once whose KV outgrows a pool a quarter of
 /// what they grow to, the engine stepped on the virtual clock. Preempted streams swapped to G2

@@ -424,8 +424,10 @@ impl Request {
         cx: &mut Cx<'_>,
         out: &mut Vec<Action>,
     ) {
-        let skip = r.cached_tokens as usize;
-        self.route.peer_blocks = cx.table.peer_blocks(decode.worker, skip);
+        let source = cx
+            .table
+            .peer_source(decode.worker, r.cached_tokens as usize, &self.route);
+        self.route.peer_blocks = source.map_or(0, |(_, tokens)| tokens / cx.table.block_size());
         let picked = cx.table.pick(Pool::Prefill, |_| true, &self.route);
         self.route.peer_blocks = 0;
         let Some(p) = picked else {
@@ -441,7 +443,9 @@ impl Request {
             worker: p.worker,
             decode: decode.worker,
             skip: r.cached_tokens,
-            fetch: p.peer.fetches(),
+            fetch: source
+                .filter(|_| p.peer.fetches())
+                .map(|(w, tokens)| (w, tokens as u32)),
             ticket: r.ticket,
             guard: p.guard,
             pending: cx.signals.prefill_started(tokens),

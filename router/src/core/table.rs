@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use proto::grpc::{self, Heartbeat, JoinRequest, KvOffer, WorkerLoad};
 use proto::{ModelIdentity, Pool};
 use serde::{Serialize, Serializer};
-use types::{BlockHash, WorkerId};
+use types::{BlockHash, Tier, WorkerId};
 
 use super::line::Line;
 use crate::kv_index::{KvIndex, Overlap};
@@ -541,13 +541,37 @@ impl Table {
         }
     }
 
-    /// Leading blocks of a prompt whose first `tokens` decode worker `decode` holds that it
-    /// serves to prefill workers: 0 where it serves none.
-    pub fn peer_blocks(&self, decode: WorkerId, tokens: usize) -> usize {
-        match self.get(decode) {
-            Some(w) if !w.peer_endpoint.is_empty() => tokens / self.block_size(),
-            _ => 0,
+    /// The decode worker a prefill worker may fetch `route`'s first blocks from (peer fetch),
+    /// and the tokens it holds in whole blocks: the request's decode worker `decode`, which
+    /// holds the first `skip` for it, unless another decode worker serving peers holds a
+    /// longer run in its pool by the KV index; `None` where none serves or holds any.
+    pub fn peer_source(
+        &self,
+        decode: WorkerId,
+        skip: usize,
+        route: &Route,
+    ) -> Option<(WorkerId, usize)> {
+        let bs = self.block_size();
+        let serves = |id: WorkerId| {
+            self.get(id).is_some_and(|w| {
+                w.pool == Pool::Decode && !w.stalled && !w.peer_endpoint.is_empty()
+            })
+        };
+        let own = serves(decode).then_some((decode, skip / bs * bs));
+        let other = match self.routing.policy {
+            Policy::Kv => self
+                .index
+                .overlap_in(&route.blocks, |w| w != decode && serves(w))
+                .into_iter()
+                .map(|(w, o)| (w, o.of(Tier::Pool) * bs))
+                .max_by_key(|&(w, tokens)| (tokens, std::cmp::Reverse(w))),
+            _ => None,
+        };
+        match (own, other) {
+            (Some(own), Some(other)) if other.1 > own.1 => Some(other),
+            (own, other) => own.or(other),
         }
+        .filter(|&(_, tokens)| tokens > 0)
     }
 
     /// Whether prefill worker `w` fetches `route`'s peer blocks it lacks.

@@ -148,27 +148,26 @@ fn a_pick_counts_the_stores_blocks_as_cached_at_its_weight() {
 fn a_prefill_fetches_what_the_decode_worker_holds_while_fetching_is_measured_cheaper() {
     let t0 = Instant::now();
     let mut table = Table::new(identity(), Liveness::default(), Routing::default());
-    let worker = |role: grpc::Role, name: &str, peer: &str| JoinRequest {
-        protocol_version: proto::PROTOCOL_VERSION,
-        role: role as i32,
-        name: name.into(),
-        identity: Some(identity().into()),
-        kv_blocks_total: 64,
-        peer_endpoint: peer.into(),
-        ..Default::default()
-    };
-    let p = table
-        .join(worker(grpc::Role::Prefill, "prefill-0", ""), t0)
-        .unwrap();
-    let serving = table.join(worker(grpc::Role::Decode, "decode-0", "127.0.0.1:1"), t0);
-    let (serving, plain) = (serving.unwrap(), decode_worker(&mut table, "decode-1", t0));
-    assert_eq!(table.peer_blocks(plain, 3 * 16 + 5), 0);
+    let p = peer_worker(&mut table, grpc::Role::Prefill, "prefill-0", "", t0);
+    let serving = peer_worker(
+        &mut table,
+        grpc::Role::Decode,
+        "decode-0",
+        "127.0.0.1:1",
+        t0,
+    );
+    let plain = decode_worker(&mut table, "decode-1", t0);
     let mut route = Route {
         blocks: (1..=4).map(types::BlockHash).collect(),
         prompt_tokens: 4 * 16 + 1,
-        peer_blocks: table.peer_blocks(serving, 3 * 16 + 5),
+        peer_blocks: 0,
     };
-    assert_eq!(route.peer_blocks, 3);
+    assert_eq!(table.peer_source(plain, 3 * 16 + 5, &route), None);
+    assert_eq!(
+        table.peer_source(serving, 3 * 16 + 5, &route),
+        Some((serving, 3 * 16))
+    );
+    route.peer_blocks = 3;
     let pick = |table: &mut Table, route: &Route| {
         let picked = table.pick(proto::Pool::Prefill, |_| true, route).unwrap();
         (picked.peer, picked.cached_tokens)
@@ -215,22 +214,71 @@ fn a_prefill_fetches_what_the_decode_worker_holds_while_fetching_is_measured_che
     beat(&mut table, 0, 3, 30.0);
     assert_eq!(pick(&mut table, &route).0, PeerFetch::Dearer);
     // The prefill worker holds the 3 blocks itself: nothing to fetch.
-    let stored = grpc::KvEvents {
-        hashes: vec![1, 2, 3],
-        stored: vec![true; 3],
-        snapshot: true,
-        next: 3,
-        ..Default::default()
-    };
-    let hb = Heartbeat {
-        worker_id: p.0,
-        kv: Some(stored),
-        ..Default::default()
-    };
-    table.beat(hb, t0).unwrap();
+    holds(&mut table, p, 3, t0);
     assert_eq!(pick(&mut table, &route), (PeerFetch::Nothing, 3 * 16));
     route.peer_blocks = 0;
     assert_eq!(pick(&mut table, &route).0, PeerFetch::Nothing);
+}
+
+/// Where a prefill worker fetches from: the request's decode worker, which holds the prompt's
+/// first blocks for it, unless another decode worker serving peers holds a longer run in its
+/// pool (by the KV index); a decode worker that serves none is never named.
+#[test]
+fn a_prefill_fetches_from_the_decode_worker_holding_the_longest_run() {
+    let t0 = Instant::now();
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let decode = grpc::Role::Decode;
+    let request = peer_worker(&mut table, decode, "decode-0", "127.0.0.1:1", t0);
+    let more = peer_worker(&mut table, decode, "decode-1", "127.0.0.1:2", t0);
+    let silent = peer_worker(&mut table, decode, "decode-2", "", t0);
+    let route = Route {
+        blocks: (1..=6).map(types::BlockHash).collect(),
+        prompt_tokens: 6 * 16 + 1,
+        peer_blocks: 0,
+    };
+    holds(&mut table, silent, 6, t0);
+    assert_eq!(table.peer_source(request, 33, &route), Some((request, 32)));
+    holds(&mut table, more, 4, t0);
+    assert_eq!(table.peer_source(request, 33, &route), Some((more, 64)));
+    assert_eq!(table.peer_source(request, 64, &route), Some((request, 64)));
+    assert_eq!(table.peer_source(silent, 0, &route), Some((more, 64)));
+}
+
+/// A worker of `role` of the test table, serving peers at `peer` (empty: not).
+fn peer_worker(
+    table: &mut Table,
+    role: grpc::Role,
+    name: &str,
+    peer: &str,
+    t0: Instant,
+) -> WorkerId {
+    let join = JoinRequest {
+        protocol_version: proto::PROTOCOL_VERSION,
+        role: role as i32,
+        name: name.into(),
+        identity: Some(identity().into()),
+        kv_blocks_total: 64,
+        peer_endpoint: peer.into(),
+        ..Default::default()
+    };
+    table.join(join, t0).unwrap()
+}
+
+/// Worker `w`'s heartbeat saying its pool holds blocks 1..=`blocks` (and nothing else).
+fn holds(table: &mut Table, w: WorkerId, blocks: u64, t0: Instant) {
+    let kv = grpc::KvEvents {
+        hashes: (1..=blocks).collect(),
+        stored: vec![true; blocks as usize],
+        snapshot: true,
+        next: blocks,
+        ..Default::default()
+    };
+    let hb = Heartbeat {
+        worker_id: w.0,
+        kv: Some(kv),
+        ..Default::default()
+    };
+    table.beat(hb, t0).unwrap();
 }
 
 /// A decode worker of the test table.

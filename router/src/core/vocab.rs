@@ -387,9 +387,10 @@ pub enum Action {
         decode: WorkerId,
         /// Tokens the decode worker holds already.
         skip: u32,
-        /// The prefill worker fetches those of them it lacks from the decode worker (peer
-        /// fetch) instead of computing them.
-        fetch: bool,
+        /// The decode worker the prefill worker fetches the prompt's first blocks it lacks from
+        /// (peer fetch: the request's, or another holding more) instead of computing them, and
+        /// the tokens that worker holds.
+        fetch: Option<(WorkerId, u32)>,
         /// The decode worker's ticket for the transfer.
         ticket: types::TransferTicket,
         /// Counts the call against the prefill worker.
