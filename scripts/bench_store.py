@@ -34,7 +34,7 @@ import subprocess
 import tempfile
 
 from bench_kv_tiers import PAGE_BYTES, TRACE, ideal_floor, row, simulate
-from tandem_cluster import EXE, cluster
+from tandem_cluster import EXE, cluster, metrics
 
 
 def config(model, pools, blocks, store, router="", tiers=True, peer=False):
@@ -66,7 +66,12 @@ def real(text, trace, d, name):
         subprocess.run([EXE, "bench", "load", "--addr", http, "--operator", http.operator, *trace,
                         "--ttft-slo-ms", "200", "--itl-slo-ms", "50", "--json", out],
                        check=True, stdout=subprocess.DEVNULL)
-    return json.load(open(out))
+        m = metrics(http)
+    r = json.load(open(out))
+    # The router's peer-fetch decisions, by label.
+    prefix = 'tandem_router_peer_fetch_total{decision="'
+    r["peer_fetch"] = {k[len(prefix):-2]: int(v) for k, v in m.items() if k.startswith(prefix)}
+    return r
 
 
 def main():
@@ -146,10 +151,12 @@ def peer_fetch(a, model, trace, d, four, f):
     runs = {}
     for name, text in arms.items():
         runs[name] = real(text, trace, d, name)
-        print(row(name, runs[name], f) + " |")
+        print(row(name, runs[name], f) + f" peer-fetch decisions {runs[name]['peer_fetch']} |")
     for name, text in arms.items():
         r = simulate(d, name, text, trace)
-        print(row(f"{name}, simulated", r, f) + f" peer hits {r['simulation'].get('peer_hits', 0)} |")
+        sim = r["simulation"]
+        print(row(f"{name}, simulated", r, f)
+              + f" peer hits {sim.get('peer_hits', 0)}, decisions {sim.get('peer_fetch', {})} |")
     c = lambda n: runs[n]["computed_prompt_ratio"]
     print(f"2P+2D over 4 colocated, computed tokens: without peer fetch {c('2p2d') / c('colocated'):.3f}x, "
           f"with it {c('2p2d-peer') / c('colocated'):.3f}x (target <= 1.15)")
