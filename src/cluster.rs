@@ -335,9 +335,17 @@ pub(crate) fn scaling(cfg: &ClusterConfig) -> Vec<router::planner::Scaling> {
                 Pool::Prefill => s.slo.ttft_p90_ms,
                 Pool::Decode => s.slo.itl_p90_ms,
             }?;
+            // The decode pool's wait for room: its own, else a quarter of the TTFT target.
+            let ttft = cfg.prefill.as_ref().and_then(|p| p.slo.ttft_p90_ms);
+            let own = s.slo.admission_p90_ms.as_ref().map(|w| *w.get_ref());
+            let wait_target = match pool {
+                Pool::Prefill => None,
+                Pool::Decode => own.or(ttft.map(|t| t / 4)),
+            };
             Some(Scaling {
                 pool,
                 target: Duration::from_millis(target),
+                wait_target: wait_target.map(Duration::from_millis),
                 min: *a.min.get_ref(),
                 max: *a.max.get_ref(),
                 initial: *s.replicas.get_ref(),

@@ -263,6 +263,21 @@ pub fn matmul_many(
         });
         acts[f] = q;
     }
+    // The 512-bit kernels take 8-bit weights' activations offset by 128: one copy a matmul.
+    #[cfg(target_arch = "x86_64")]
+    let offset: [Vec<u8>; 5] = std::array::from_fn(|f| {
+        let wanted = crate::avx512()
+            && outs.iter().any(|(w, _)| {
+                w.packed.is_some()
+                    && act_format(w.dtype) == f
+                    && crate::packed::avx512::offset_weights(w.dtype)
+            });
+        if wanted {
+            crate::packed::avx512::offset_quants(&acts[f])
+        } else {
+            Vec::new()
+        }
+    });
     // Work items: (matrix, first row, end row), each a whole number of NR-row tiles. A single
     // activation row (a batch-1 decode step, which streams the weights once) takes one item
     // per thread: each thread reads one contiguous run of rows, which the prefetchers follow
@@ -295,7 +310,7 @@ pub fn matmul_many(
         DType,
         usize,
         usize,
-        usize,
+        (usize, usize),
         usize,
         crate::pool::SendPtr<f32>,
         usize,
@@ -311,11 +326,18 @@ pub fn matmul_many(
             } else {
                 (acts[f].as_ptr() as usize, acts[f].len() / m)
             };
+            #[cfg(target_arch = "x86_64")]
+            let xo = match offset[f].is_empty() {
+                true => xp,
+                false => offset[f].as_ptr() as usize,
+            };
+            #[cfg(not(target_arch = "x86_64"))]
+            let xo = xp;
             (
                 w.dtype,
                 w.bytes().as_ptr() as usize,
                 w.row_bytes(),
-                xp,
+                (xp, xo),
                 x_row,
                 crate::pool::SendPtr(out.as_mut_ptr()),
                 w.rows,
@@ -324,37 +346,28 @@ pub fn matmul_many(
         })
         .collect();
     let run = |&(i, n0, n1): &(usize, usize, usize)| {
-        let (dtype, wp, w_row, xp, x_row, o, ldo, packed) = jobs[i];
+        let (dtype, wp, w_row, (xp, xo), x_row, o, ldo, packed) = jobs[i];
         #[cfg(target_arch = "x86_64")]
         if packed != 0 {
+            let (w, x, o, nb) = (packed as *const u8, xp as *const u8, o.0, k / QK);
             // SAFETY: as below; the packed copy exists only on AVX2 machines (the VNNI kernels
             // run only where `vnni()` found AVX-512 VNNI and VL, the 512-bit ones where
-            // `avx512()` found F and BW too), its rows are a multiple of 8
-            // and so are n0 and n1 (chunks are whole groups).
-            let chunk = if crate::avx512() {
-                crate::packed::avx512::chunk
-            } else if crate::vnni() {
-                crate::packed::vnni::chunk
-            } else {
-                crate::packed::avx2::chunk
-            };
+            // `avx512()` found F and BW too, with `xo` the offset copy of `x` made above for
+            // 8-bit weights), its rows are a multiple of 8 and so are n0 and n1 (chunks are
+            // whole groups).
             unsafe {
-                chunk(
-                    dtype,
-                    packed as *const u8,
-                    k / QK,
-                    xp as *const u8,
-                    x_row,
-                    m,
-                    n0,
-                    n1,
-                    o.0,
-                    ldo,
-                )
+                use crate::packed::{avx2, avx512, vnni};
+                if crate::avx512() {
+                    avx512::chunk(dtype, w, nb, x, xo as *const u8, x_row, m, n0, n1, o, ldo)
+                } else if crate::vnni() {
+                    vnni::chunk(dtype, w, nb, x, x_row, m, n0, n1, o, ldo)
+                } else {
+                    avx2::chunk(dtype, w, nb, x, x_row, m, n0, n1, o, ldo)
+                }
             };
             return;
         }
-        let _ = packed;
+        let _ = (packed, xo);
         // SAFETY: item (i, n0..n1) writes only columns n0..n1 of output i, which no other item
         // touches; weights, activations and outputs were size-checked above.
         unsafe {

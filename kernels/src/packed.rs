@@ -198,9 +198,10 @@ macro_rules! x86_kernels {
             }
         }
 
+        /// The f16 at `p` as f32.
         #[inline]
         #[target_feature(enable = $features)]
-        unsafe fn h(p: *const u8) -> f32 {
+        pub(crate) unsafe fn h(p: *const u8) -> f32 {
             // SAFETY: caller passes two readable bytes.
             let bits = unsafe { (p as *const u16).read_unaligned() };
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
@@ -452,14 +453,34 @@ mod tests {
                         _ => quantize_row_q8(xr, qr, with_sum),
                     }
                 }
+                let xo = avx512::offset_quants(&x);
                 let run = |kernel: usize, (n0, n1): (usize, usize)| {
                     let mut out = vec![0f32; m * rows];
-                    let f = [avx2::chunk, vnni::chunk, avx512::chunk][kernel];
                     // SAFETY: the CPU has AVX2/FMA/F16C (isa) and AVX-512 VNNI/VL (checked
                     // above), and F/BW where the 512-bit kernel runs; the buffers hold `rows`
-                    // packed rows, `m` activation rows and `m * rows` outputs.
+                    // packed rows, `m` activation rows (and their offset copy) and `m * rows`
+                    // outputs.
                     let (wp, xp, op) = (packed.as_ptr(), x.as_ptr(), out.as_mut_ptr());
-                    unsafe { f(dt, wp, cols / 32, xp, x_row, m, n0, n1, op, rows) };
+                    let nb = cols / 32;
+                    unsafe {
+                        match kernel {
+                            0 => avx2::chunk(dt, wp, nb, xp, x_row, m, n0, n1, op, rows),
+                            1 => vnni::chunk(dt, wp, nb, xp, x_row, m, n0, n1, op, rows),
+                            _ => avx512::chunk(
+                                dt,
+                                wp,
+                                nb,
+                                xp,
+                                xo.as_ptr(),
+                                x_row,
+                                m,
+                                n0,
+                                n1,
+                                op,
+                                rows,
+                            ),
+                        }
+                    };
                     out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
                 };
                 assert_eq!(

@@ -586,6 +586,10 @@ pub struct SloSection {
     pub ttft_p90_ms: Option<u64>,
     /// Target p90 inter-token latency (decode pool).
     pub itl_p90_ms: Option<u64>,
+    /// The p90 wait for room a decode pool's autoscaling allows a request (decode pool; part
+    /// of its time to first token). Default: a quarter of `[prefill.slo] ttft_p90_ms`, or the
+    /// ITL target without one.
+    pub admission_p90_ms: Option<Spanned<u64>>,
 }
 
 /// `[kv_transfer]`.

@@ -176,6 +176,7 @@ fn a_prompt_stays_queued_on_its_prefill_worker_until_the_call_returns() {
     cfg.link.latency = Duration::from_millis(5);
     cfg.scaling = vec![router::planner::Scaling {
         pool: proto::Pool::Prefill,
+        wait_target: None,
         target: Duration::from_secs(10),
         min: 1,
         max: 1,
@@ -377,6 +378,7 @@ fn the_planner_scales_the_decode_pool_up_under_a_queue() {
     cfg.decode.engine.num_blocks = 64;
     cfg.scaling = vec![router::planner::Scaling {
         pool: proto::Pool::Decode,
+        wait_target: None,
         target: Duration::from_millis(20),
         min: 1,
         max: 3,
@@ -750,6 +752,7 @@ fn the_planner_scaling_down_moves_live_sequences_off_the_workers_it_lets_go() {
     let mut cfg = cluster(1, 3);
     cfg.scaling = vec![router::planner::Scaling {
         pool: proto::Pool::Decode,
+        wait_target: None,
         target: Duration::from_millis(200),
         min: 1,
         max: 3,

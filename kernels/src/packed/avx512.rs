@@ -15,6 +15,7 @@
 
 use std::arch::x86_64::*;
 
+use super::vnni::h;
 use super::{group_block_bytes, GROUP};
 use crate::quant::DType;
 
@@ -24,10 +25,11 @@ const MR: usize = 8;
 const _: () = assert!(MR == 8);
 
 /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows, bitwise as
-/// [`super::vnni::chunk`] does.
+/// [`super::vnni::chunk`] does. `xo` is `x` through [`offset_quants`] for 8-bit weights (Q8_0,
+/// Q6_K; made once a matmul, not once a work item), `x` itself for the others.
 ///
 /// # Safety
-/// As [`super::vnni::chunk`], and the CPU has AVX-512 F, BW, VL and VNNI.
+/// As [`super::vnni::chunk`], `xo` as `x`, and the CPU has AVX-512 F, BW, VL and VNNI.
 #[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 pub unsafe fn chunk(
@@ -35,6 +37,7 @@ pub unsafe fn chunk(
     w: *const u8,
     nb: usize,
     x: *const u8,
+    xo: *const u8,
     x_row: usize,
     m: usize,
     n0: usize,
@@ -46,14 +49,7 @@ pub unsafe fn chunk(
     let (g0, g1) = (n0 / GROUP, n1 / GROUP);
     let pairs_end = g0 + (g1 - g0) / 2 * 2;
     // 8-bit weights take their activations offset by 128 (see the module doc).
-    let offset: Vec<u8>;
-    let xw = if matches!(dtype, DType::Q8_0 | DType::Q6_K) && pairs_end > g0 {
-        // SAFETY: `x` holds `m` rows of `x_row` bytes (caller contract).
-        offset = offset_quants(unsafe { std::slice::from_raw_parts(x, m * x_row) });
-        offset.as_ptr()
-    } else {
-        x
-    };
+    let xw = if offset_weights(dtype) { xo } else { x };
     let mut mb = 0;
     while mb < m {
         let me = (mb + 64).min(m);
@@ -101,9 +97,14 @@ pub unsafe fn chunk(
     }
 }
 
+/// Whether the kernels take `dtype`'s activations offset by 128 (its weights are 8-bit).
+pub fn offset_weights(dtype: DType) -> bool {
+    matches!(dtype, DType::Q8_0 | DType::Q6_K)
+}
+
 /// A copy of Q8_0 activation rows (blocks of an f16 scale and 32 quants) whose quants are
 /// offset by 128: `x + 128` as an unsigned byte.
-fn offset_quants(x: &[u8]) -> Vec<u8> {
+pub fn offset_quants(x: &[u8]) -> Vec<u8> {
     let mut v = x.to_vec();
     for b in v.chunks_exact_mut(34) {
         for q in &mut b[2..] {
@@ -111,14 +112,6 @@ fn offset_quants(x: &[u8]) -> Vec<u8> {
         }
     }
     v
-}
-
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn h(p: *const u8) -> f32 {
-    // SAFETY: caller passes two readable bytes.
-    let bits = unsafe { (p as *const u16).read_unaligned() };
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
 
 /// The 4-byte chunk `c` of an activation block's quants, in every 32-bit lane.

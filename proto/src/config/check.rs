@@ -223,6 +223,15 @@ impl Ctx<'_> {
         if let Some(t) = &pool.kv_tiers {
             self.tiers(name, pool, t)?;
         }
+        if let Some(w) = pool
+            .slo
+            .admission_p90_ms
+            .as_ref()
+            .filter(|_| name == "prefill")
+        {
+            let m = "a decode pool's target: the prefill pool has no wait for room";
+            return self.err(w.span(), "prefill.slo.admission_p90_ms", m);
+        }
         match &pool.autoscale {
             Some(a) => self.autoscale(name, pool, a),
             None => Ok(()),

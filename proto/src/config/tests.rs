@@ -188,6 +188,13 @@ fn defaults_and_errors_name_file_line_and_key() {
     )
     .unwrap();
     assert_eq!(*c.decode.autoscale.unwrap().max.get_ref(), 4);
+    let e = parse("[decode]\n[prefill]\n[prefill.slo]\nadmission_p90_ms = 500\n")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("cluster.toml:4: prefill.slo.admission_p90_ms: a decode pool's target"),
+        "{e}"
+    );
 }
 
 #[test]

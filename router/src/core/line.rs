@@ -72,6 +72,13 @@ impl Line {
         self.waiting.len()
     }
 
+    /// How long each waiting request has waited at `now`.
+    pub fn ages(&self, now: Instant) -> impl Iterator<Item = Duration> + '_ {
+        self.order
+            .iter()
+            .map(move |&(t, _)| now.saturating_duration_since(t))
+    }
+
     /// Whether none waits.
     pub fn is_empty(&self) -> bool {
         self.waiting.is_empty()

@@ -477,8 +477,10 @@ impl Table {
                 let o = overlap.get(&w.id).copied().unwrap_or(fetched);
                 let weights = self.tier_weights(w, rate);
                 // What the decode worker holds past them, fetched at its measured cost.
-                let peer = route.peer_blocks.saturating_sub(o.blocks()) as f64;
-                let peer = peer * self.peer_weight(w, rate);
+                let peer = match route.peer_blocks.saturating_sub(o.blocks()) {
+                    0 => 0.0,
+                    n => n as f64 * self.peer_weight(w, rate),
+                };
                 w.candidate(((o.weighed(&weights) + peer) * bs as f64).round() as usize)
             })
             .collect();

@@ -38,6 +38,11 @@ pub struct Scaling {
     pub pool: Pool,
     /// The p90 target (TTFT for prefill, ITL for decode).
     pub target: Duration,
+    /// What the queue's prediction ([`Inputs::predicted`]) is held to, where not `target`:
+    /// the decode pool's wait for room, a part of the TTFT (held to the ITL target, a pool
+    /// kept requests' waits for room under 100 ms inside a 3-s TTFT, and never shed a replica
+    /// while any waited).
+    pub wait_target: Option<Duration>,
     /// Fewest replicas.
     pub min: u32,
     /// Most replicas.
@@ -232,24 +237,27 @@ impl PoolPlan {
     fn read(&self, now: Instant, inp: &Inputs) -> Reading {
         let s = &self.scaling;
         let target = s.target.as_secs_f64();
-        let p90 = inp.p90.map_or(0.0, |d| d.as_secs_f64());
-        let predicted = inp.predicted.map_or(0.0, |d| d.as_secs_f64());
+        let p90 = inp.p90.map_or(0.0, |d| d.as_secs_f64()) / target;
+        let wait = s.wait_target.unwrap_or(s.target).as_secs_f64();
+        let predicted = inp.predicted.map_or(0.0, |d| d.as_secs_f64()) / wait;
         let stale = self
             .last_up
             .is_some_and(|t| now.duration_since(t) < s.window);
         let seen = format!(
-            "p90 {} predicted {} target {} queued {} live {} starting {}",
+            "p90 {} predicted {} target {}{} queued {} live {} starting {}",
             ms(inp.p90),
             ms(inp.predicted),
             ms(Some(s.target)),
+            s.wait_target
+                .map_or(String::new(), |w| format!(" wait target {}", ms(Some(w)))),
             inp.queued,
             inp.live,
             inp.starting
         );
         Reading {
-            pressure: if stale { predicted } else { p90.max(predicted) } / target,
-            load: p90.max(predicted) / target,
-            p90_within: p90 <= target,
+            pressure: if stale { predicted } else { p90.max(predicted) },
+            load: p90.max(predicted),
+            p90_within: p90 <= 1.0,
             cooled: self
                 .last_change
                 .is_none_or(|t| now.duration_since(t) >= s.cooldown),
@@ -363,10 +371,11 @@ impl PoolPlan {
         })
     }
 
-    /// Calm (under half the target, nothing queued) for the cooldown: down one replica.
+    /// Calm (under half the target, nothing queued — or, with a wait target, waiting under
+    /// half of it) for the cooldown: down one replica.
     fn calm_down(&mut self, now: Instant, inp: &Inputs, r: Reading) -> Decision {
         let s = &self.scaling;
-        if r.load >= 0.5 || inp.queued > 0 {
+        if r.load >= 0.5 || (inp.queued > 0 && s.wait_target.is_none()) {
             self.calm_since = None;
             return self.hold(format!("within target: {}", r.seen));
         }

@@ -29,7 +29,8 @@ pub struct Observed {
     pub prefill_ttft_p90: Option<Duration>,
     /// p90 of the inter-token latency window.
     pub itl_p90: Option<Duration>,
-    /// p90 of the admission wait window.
+    /// p90 of the admission wait window, the waits so far of the requests waiting now
+    /// counted in.
     pub admission_p90: Option<Duration>,
     /// Requests waiting right now for a decode worker with room.
     pub decode_waiting: u64,
@@ -281,7 +282,11 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
             .count() as u32,
         prefill_ttft_p90: p90(&signals.prefill_ttft),
         itl_p90: p90(&signals.itl),
-        admission_p90: p90(&signals.admission),
+        // The waits that ended over the window and those of the requests waiting now, so far.
+        admission_p90: {
+            let mut w = signals.admission.lock().expect("window lock");
+            w.quantiles_with(now, [0.9], table.line.ages(now)).0[0]
+        },
         decode_waiting: table.line.len() as u64,
         decode_blocks_used: used,
         decode_blocks_peak: watch.peak.observe(now, used),

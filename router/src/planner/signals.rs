@@ -69,10 +69,24 @@ impl Window {
         now: Instant,
         qs: [f64; N],
     ) -> ([Option<Duration>; N], u64) {
+        self.quantiles_with(now, qs, std::iter::empty())
+    }
+
+    /// As [`Window::quantiles`], with `more` samples beside the window's (the waits of those
+    /// still waiting, so far: a window of the waits that ended does not see a line growing).
+    pub fn quantiles_with<const N: usize>(
+        &mut self,
+        now: Instant,
+        qs: [f64; N],
+        more: impl Iterator<Item = Duration>,
+    ) -> ([Option<Duration>; N], u64) {
         self.expire(now);
         let mut all = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 2).expect("valid bounds");
         for (_, h) in &self.slices {
             let _ = all.add(h);
+        }
+        for v in more {
+            let _ = all.record((v.as_micros() as u64).clamp(1, 3_600_000_000));
         }
         let n = all.len();
         let at = |q: f64| (n > 0).then(|| Duration::from_micros(all.value_at_quantile(q)));

@@ -5,6 +5,7 @@ use super::*;
 fn plan(pool: Pool) -> PoolPlan {
     PoolPlan::new(Scaling {
         pool,
+        wait_target: None,
         target: Duration::from_millis(500),
         min: 1,
         max: 4,
@@ -19,6 +20,7 @@ fn plan(pool: Pool) -> PoolPlan {
 fn decode_plan() -> PoolPlan {
     PoolPlan::new(Scaling {
         pool: Pool::Decode,
+        wait_target: None,
         target: Duration::from_millis(100),
         min: 10,
         max: 512,
@@ -432,4 +434,58 @@ fn over_target_while_replicas_start_only_the_demand_asks_for_more() {
     let d = p.decide(t0 + Duration::from_secs(2), over(9.2));
     assert_eq!((d.desired, d.action), (10, Action::Up), "{}", d.why);
     assert!(d.why.contains("the demand needs 10"), "{}", d.why);
+}
+
+/// A decode pool's wait for room is held to its wait target, not to the ITL target: a line
+/// whose p90 wait is 200 ms, under half a 750-ms target, lets a pool calm down a replica a
+/// cooldown (held to the 100-ms ITL target it would scale up); at 1.5 s it grows by the
+/// room its requests need.
+#[test]
+fn a_decode_pools_line_is_held_to_its_wait_target() {
+    let t0 = Instant::now();
+    let s = Duration::from_secs;
+    let with_wait = || {
+        let mut p = decode_plan();
+        p.scaling.wait_target = Some(Duration::from_millis(750));
+        PoolPlan::new(p.scaling)
+    };
+    let mut seen = Observed {
+        itl_p90: Some(Duration::from_millis(7)),
+        admission_p90: Some(Duration::from_millis(200)),
+        decode_waiting: 5,
+        decode_blocks_used: 47_500,
+        decode_blocks_total: 50_000,
+        decode_holding: 500,
+        ..Default::default()
+    };
+    let mut p = with_wait();
+    let d = p.decide(t0, seen.inputs(Pool::Decode, 50, 0));
+    assert_eq!(d.action, Action::Hold, "{}", d.why);
+    let d = p.decide(t0 + s(10), seen.inputs(Pool::Decode, 50, 0));
+    assert_eq!((d.desired, d.action), (49, Action::Down), "{}", d.why);
+    let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 0));
+    assert_eq!(d.action, Action::Up, "held to the ITL target: {}", d.why);
+    seen.admission_p90 = Some(Duration::from_millis(1500));
+    let d = with_wait().decide(t0, seen.inputs(Pool::Decode, 50, 0));
+    // (47,500 + 5 x 95) / 850 → 57.
+    assert_eq!((d.desired, d.action), (57, Action::Up), "{}", d.why);
+}
+
+/// The admission wait's p90 counts the requests still waiting at what they have waited so
+/// far: a window of 9 waits of 10 ms and a line of two waiting 2 s reads 2 s, not 10 ms.
+#[test]
+fn the_waits_of_a_line_still_waiting_count() {
+    let t0 = Instant::now();
+    let mut w = Window::new(Duration::from_secs(10));
+    for i in 0..9 {
+        w.record(t0 + Duration::from_millis(i), Duration::from_millis(10));
+    }
+    let now = t0 + Duration::from_secs(1);
+    let (ended, n) = w.quantile(now, 0.9);
+    assert_eq!(n, 9);
+    assert!(ended.unwrap() < Duration::from_millis(11), "{ended:?}");
+    let line = [Duration::from_secs(2); 2];
+    let ([all], n) = w.quantiles_with(now, [0.9], line.into_iter());
+    assert_eq!(n, 11);
+    assert!(all.unwrap() >= Duration::from_millis(1990), "{all:?}");
 }
