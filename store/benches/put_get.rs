@@ -5,7 +5,11 @@
 //!
 //! The node runs twice: plain (`insecure = true`) against a raw TCP socket, and under mutual
 //! TLS 1.3 with the cluster's certificates (the default) against the raw TCP socket and a raw
-//! TLS stream. Offers go by gRPC, the bytes on the node's data connections.
+//! TLS stream. Offers go by gRPC, the bytes on the node's data connections. The plain node is
+//! also held against a raw TCP socket whose reader keeps what it reads ("TCP kept": each
+//! object into its own buffer, all touched before — as a node's recycled ones are), the limit
+//! of a reader that stores: the plain raw reader reads every object into one buffer, which
+//! stays in the CPU's cache.
 //! `TANDEM_BENCH_OBJECTS=N` moves N objects a run (default 256, 256 MiB).
 
 use std::sync::Arc;
@@ -30,8 +34,9 @@ fn gbps(bytes: usize, t: Duration) -> f64 {
 
 /// A raw stream over loopback (TCP, or TLS with `tls` = (server, client) certificates): `n`
 /// objects' bytes streamed, the reader acknowledging once it has them all (no framing, no
-/// copies but the kernel's and TLS's own: the link's limit).
-async fn raw(n: usize, tls: Option<(Security, Security)>) -> Duration {
+/// copies but the kernel's and TLS's own: the link's limit); with `kept`, the reader puts each
+/// object in its own buffer of [`KEPT`].
+async fn raw(n: usize, tls: Option<(Security, Security)>, kept: bool) -> Duration {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let at = l.local_addr().unwrap();
     let (server, client) = match tls {
@@ -42,11 +47,11 @@ async fn raw(n: usize, tls: Option<(Security, Security)>) -> Duration {
         let (s, _) = l.accept().await.unwrap();
         s.set_nodelay(true).unwrap();
         match server {
-            None => sink(s, n).await,
+            None => sink(s, n, kept).await,
             Some(c) => {
                 let workers = [Role::Decode];
                 let a = pki::accept::Acceptor::new(&c, pki::ALPN_STORE, &workers, "bench").unwrap();
-                sink(a.accept(s, None).await.unwrap().0, n).await
+                sink(a.accept(s, None).await.unwrap().0, n, kept).await
             }
         }
     });
@@ -61,11 +66,20 @@ async fn raw(n: usize, tls: Option<(Security, Security)>) -> Duration {
     }
 }
 
-async fn sink<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, n: usize) {
-    let mut buf = vec![0u8; OBJECT];
-    for _ in 0..n {
-        s.read_exact(&mut buf).await.unwrap();
+/// Buffers a "kept" raw reader fills, one an object, touched when made.
+static KEPT: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
+
+async fn sink<S: AsyncRead + AsyncWrite + Unpin>(mut s: S, n: usize, kept: bool) {
+    let mut one = vec![0u8; OBJECT];
+    let mut all = std::mem::take(&mut *KEPT.lock().unwrap());
+    if kept {
+        all.resize_with(n, || vec![1u8; OBJECT]);
     }
+    for i in 0..n {
+        let buf = if kept { &mut all[i] } else { &mut one };
+        s.read_exact(buf).await.unwrap();
+    }
+    *KEPT.lock().unwrap() = all;
     s.write_all(&[1]).await.unwrap();
     s.flush().await.unwrap();
 }
@@ -164,12 +178,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// the full node (evicting as it goes: a cache's steady state) and gets of what it holds
 /// (`BATCH` objects a request), each figure against the raw streams of its round, the median
 /// round's shown; and one object's get latency p50 and p99.
-async fn arm(
-    name: &str,
-    (server, client): (Security, Security),
-    n: usize,
-    raws: &[(&str, Option<(Security, Security)>)],
-) {
+async fn arm(name: &str, (server, client): (Security, Security), n: usize, raws: &[Raw]) {
     let (mut c, mut d) = node(server, client, n).await;
     let data: Vec<u8> = (0..OBJECT).map(|i| (i * 31 + i / 4099) as u8).collect();
     let bytes = n * OBJECT;
@@ -235,11 +244,14 @@ async fn arm(
     );
 }
 
+/// A raw stream's name, TLS certificates (or none) and whether its reader keeps each object.
+type Raw = (&'static str, Option<(Security, Security)>, bool);
+
 /// Each raw stream of `raws` once, in turn.
-async fn futures_raw(n: usize, raws: &[(&str, Option<(Security, Security)>)]) -> Vec<Duration> {
+async fn futures_raw(n: usize, raws: &[Raw]) -> Vec<Duration> {
     let mut out = Vec::new();
-    for (_, tls) in raws {
-        out.push(raw(n, tls.clone()).await);
+    for (_, tls, kept) in raws {
+        out.push(raw(n, tls.clone(), *kept).await);
     }
     out
 }
@@ -264,11 +276,14 @@ fn main() {
     println!("{n} objects of 1 MiB a round over loopback; the median of {ROUNDS} rounds, each against the raw streams of its round");
     println!("| node | put, full node (x raw) | get (x raw) | put, empty node (x raw) | raw streams | get 1 MiB p50 / p99 |");
     println!("|---|---:|---:|---:|---|---:|");
+    // The kept reader's buffers, made and touched before any stream is timed.
+    KEPT.lock().unwrap().resize_with(n, || vec![1u8; OBJECT]);
     rt.block_on(async {
         let plain = (Security::Insecure, Security::Insecure);
-        arm("plain", plain, n, &[("TCP", None)]).await;
+        let raws = [("TCP", None, false), ("TCP kept", None, true)];
+        arm("plain", plain, n, &raws).await;
         let mutual = (mutual(Role::Store), mutual(Role::Decode));
-        let raws = [("TCP", None), ("TLS", Some(mutual.clone()))];
+        let raws = [("TCP", None, false), ("TLS", Some(mutual.clone()), false)];
         arm("mutual TLS", mutual, n, &raws).await;
     });
     let _ = std::fs::remove_dir_all(&dir);

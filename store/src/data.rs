@@ -304,7 +304,8 @@ async fn put(node: &Node, r: &mut Stream, owner: Owner, batch: &mut Batch) -> Re
         )));
     }
     let buffer = node.with(|n| n.objects.buffer(len as usize));
-    let data = match read_into(r, buffer, len as usize).await {
+    let mut summer = types::sum::Summer::default();
+    let data = match read_summed(r, buffer, len as usize, &mut summer).await {
         Ok(d) => d,
         Err(e) => {
             node.with(|n| n.abandon(id));
@@ -313,7 +314,7 @@ async fn put(node: &Node, r: &mut Stream, owner: Owner, batch: &mut Batch) -> Re
     };
     let published = node.with(|n| {
         n.owners.remove(&id);
-        let out = n.objects.put_whole(id, data);
+        let out = n.objects.put_whole_summed(id, data, summer.finish());
         if out.is_err() {
             n.objects.put_abort(id);
         }
@@ -346,12 +347,33 @@ async fn read_bytes(r: &mut Stream, len: usize) -> std::io::Result<Vec<u8>> {
 }
 
 /// [`read_bytes`] into `data` (empty, with room for `len`).
-async fn read_into(r: &mut Stream, mut data: Vec<u8>, len: usize) -> std::io::Result<Vec<u8>> {
+async fn read_into(r: &mut Stream, data: Vec<u8>, len: usize) -> std::io::Result<Vec<u8>> {
+    read_pieces(r, data, len, |_| {}).await
+}
+
+/// [`read_into`], summing each piece read into `summer` while it is in the CPU's cache.
+async fn read_summed(
+    r: &mut Stream,
+    data: Vec<u8>,
+    len: usize,
+    summer: &mut types::sum::Summer,
+) -> std::io::Result<Vec<u8>> {
+    read_pieces(r, data, len, |piece| summer.sum(piece)).await
+}
+
+/// [`read_into`], handing each piece to `seen` as it arrives.
+async fn read_pieces(
+    r: &mut Stream,
+    mut data: Vec<u8>,
+    len: usize,
+    mut seen: impl FnMut(&[u8]),
+) -> std::io::Result<Vec<u8>> {
     while data.len() < len {
-        let left = (len - data.len()) as u64;
+        let (from, left) = (data.len(), (len - data.len()) as u64);
         if (&mut *r).take(left).read_buf(&mut data).await? == 0 {
             return Err(std::io::ErrorKind::UnexpectedEof.into());
         }
+        seen(&data[from..]);
     }
     Ok(data)
 }
