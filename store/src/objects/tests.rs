@@ -264,3 +264,31 @@ fn hard_pins_hold_at_most_their_share() {
     assert_eq!(o.stats().hard_pins, 5);
     assert_eq!(o.pin(key(99), Pin::Soft), Err(StoreError::NotHeld(key(99))));
 }
+
+/// A whole put whose checksum its reader summed piece by piece (as the node's data connection
+/// does) publishes; one whose bytes changed after they were summed, or were summed wrong, is
+/// dropped and counted.
+#[test]
+fn a_whole_put_summed_as_it_arrived_is_checked_against_its_checksum() {
+    let (mut o, t) = (small(), Instant::now());
+    for (i, corrupt) in [(3, false), (4, true)] {
+        let b = bytes(i, 100);
+        let PutStart::Write(id) = o.put_start(key(i), 100, sum(&b), t).unwrap() else {
+            panic!()
+        };
+        let mut s = types::sum::Summer::default();
+        for piece in b.chunks(37) {
+            s.sum(piece);
+        }
+        let mut data = b.clone();
+        if corrupt {
+            data[99] ^= 1;
+            s = types::sum::Summer::default();
+            s.sum(&data);
+        }
+        let out = o.put_whole_summed(id, data, s.finish());
+        assert_eq!(out.is_ok(), !corrupt, "{out:?}");
+        assert_eq!(o.holds(key(i)), !corrupt);
+    }
+    assert_eq!(o.stats().puts_corrupt, 1);
+}
