@@ -144,7 +144,8 @@ fn preempted_streams_resume_exactly_gemma3() {
 /// Decode memory pressure on SmolLM2: 32 streams of 128 prompt tokens and 512 generated, 24 of
 /// 512 and 512, then 16 of 1,024 and 512 (long contexts, where a recompute costs most), the pool
 /// a quarter of what they grow to (as the tier benchmarks size it); `TANDEM_PREEMPT_SHAPES`
-/// picks some (`0,2`). Preempted streams swapped to G2 against the same engine
+/// picks some (`0,2`; shape 3, 32 of 512 and 1,024 — long generations, preempted late — only
+/// when asked: it alone takes ~10 minutes). Preempted streams swapped to G2 against the same engine
 /// recomputing them, the same pool reserving each stream's whole length up front (the default:
 /// no preemption, fewer streams at once), and an engine with room for all (the limit), tokens
 /// checked equal.
@@ -154,7 +155,12 @@ fn preempted_streams_resume_exactly_gemma3() {
 fn swap_against_recompute() {
     let (model, tok) = load_model();
     let stops = tok.stop_ids().to_vec();
-    let shapes = [(32, (128, 512)), (24, (512, 512)), (16, (1024, 512))];
+    let shapes = [
+        (32, (128, 512)),
+        (24, (512, 512)),
+        (16, (1024, 512)),
+        (32, (512, 1024)),
+    ];
     let picked = std::env::var("TANDEM_PREEMPT_SHAPES").unwrap_or_else(|_| "0,1,2".into());
     for i in picked
         .split(',')

@@ -39,9 +39,8 @@ pub struct Scaling {
     /// The p90 target (TTFT for prefill, ITL for decode).
     pub target: Duration,
     /// What the queue's prediction ([`Inputs::predicted`]) is held to, where not `target`:
-    /// the decode pool's wait for room, a part of the TTFT (held to the ITL target, a pool
-    /// kept requests' waits for room under 100 ms inside a 3-s TTFT, and never shed a replica
-    /// while any waited).
+    /// the decode pool's wait for room, a part of the TTFT and not of the ITL. With one, a
+    /// line waiting under half of it does not keep the pool from calming down.
     pub wait_target: Option<Duration>,
     /// Fewest replicas.
     pub min: u32,
