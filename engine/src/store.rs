@@ -46,9 +46,10 @@ impl Engine {
         self.prefix_seed.is_some() && self.kv.exports()
     }
 
-    /// The cached blocks of `hashes` in this engine's pool, in order up to the first it lacks,
-    /// as the store keeps them: what it serves a worker fetching them (peer fetch).
-    pub fn export_blocks(&self, hashes: &[types::BlockHash]) -> Vec<StoreBlock> {
+    /// The cached blocks of `hashes` in this engine's pool or its host tier, in order up to the
+    /// first it lacks, as the store keeps them: what it serves a worker fetching them (peer
+    /// fetch).
+    pub fn export_blocks(&mut self, hashes: &[types::BlockHash]) -> Vec<StoreBlock> {
         match self.prefix_seed {
             Some(_) => self.kv.export(hashes, self.model.tier_values()),
             None => Vec::new(),

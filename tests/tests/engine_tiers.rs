@@ -248,6 +248,55 @@ fn through_the_store(from: &mut Engine) -> Vec<engine::StoreBlock> {
     blocks.iter().map(got).collect()
 }
 
+/// A decode worker serves a peer its host tier too: a prefix computed on one engine, then
+/// evicted from its pool to G2, is copied out of G2 (counted as exported, none of the engine's
+/// own hits) bitwise as it was copied out of the pool; staged in another engine it gives the
+/// cold engine's tokens, the prefix loaded, not computed.
+#[test]
+fn smollm2_prefix_evicted_to_host_is_served_to_a_peer_exactly() {
+    let (model, tok) = load_model();
+    let stops = tok.stop_ids().to_vec();
+    let bs = EngineConfig::default().block_size;
+    let prompt = text(4, 5 * bs + 7);
+    let params = SamplingParams::greedy(12);
+    let mut held = Engine::new(model.clone(), config(64, None, &model), stops.clone()).unwrap();
+    let want = generate(&mut held, 1, &prompt, &params);
+    let mut other = Engine::new(model.clone(), config(64, None, &model), stops.clone()).unwrap();
+    let names = other.store_wanted(&prompt, None);
+    assert_eq!(names.len(), 5, "the prompt's whole blocks");
+    let from_pool = held.export_blocks(&names);
+    assert_eq!(from_pool.len(), 5);
+    // Two fillers: every block of the prompt leaves the pool.
+    fill(&mut held, 1);
+    fill(&mut held, 2);
+    let before = held.load().tiers.host;
+    let from_host = held.export_blocks(&names);
+    let after = held.load().tiers.host;
+    assert_eq!(
+        (after.exported - before.exported, after.hits - before.hits),
+        (5, 0),
+        "all five from G2, none of them a hit of its own"
+    );
+    let bytes = |b: &[engine::StoreBlock]| {
+        b.iter()
+            .map(|b| (b.bytes.clone(), b.sum))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(
+        bytes(&from_host),
+        bytes(&from_pool),
+        "G2's copy is the pool's"
+    );
+    let staged = other.stage_store(&from_host);
+    assert_eq!((staged.staged, staged.corrupt), (5, 0));
+    let t = turn(&mut other, 2, &prompt, &params);
+    assert_eq!(
+        t.tokens, want,
+        "served from a peer's G2: the cold engine's tokens"
+    );
+    assert_eq!((t.hit, t.host), (5 * bs as u64, 5), "the prefix was loaded");
+}
+
 /// A prefix computed by one engine, put in a store node and staged in another engine's G2,
 /// gives that engine bitwise the cold engine's tokens (greedy and seeded), computing only the
 /// rest; a block damaged on the way is dropped, counted and computed again, and the tokens are

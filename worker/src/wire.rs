@@ -91,6 +91,7 @@ pub fn load(l: &engine::Load) -> grpc::WorkerLoad {
         kv_disk_load_seconds: l.tiers.disk.load_seconds,
         kv_disk_writes_skipped: l.tiers.disk.writes_skipped,
         kv_tier_corrupt: l.tiers.host.corrupt + l.tiers.disk.corrupt,
+        kv_peer_served_host: l.tiers.host.exported,
         preempted_swapped: l.preemptions.swapped,
         preempted_recomputed: l.preemptions.recomputed,
         resumed_tokens: l.preemptions.resumed_tokens,

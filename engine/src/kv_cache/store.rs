@@ -111,22 +111,54 @@ impl KvCache {
         StoreBlock { hash, bytes, sum }
     }
 
-    /// The pool's cached blocks of `hashes`, in order up to the first it does not hold, as the
-    /// store keeps them (with their pages' bytes where `values`): what this worker serves
-    /// another that lacks them (peer fetch). Nothing where the cache cannot (windowed layer
-    /// groups, pages on a device).
-    pub fn export(&self, hashes: &[BlockHash], values: bool) -> Vec<StoreBlock> {
+    /// The cached blocks of `hashes` in the pool or, past it, in G2, in order up to the first
+    /// neither holds, as the store keeps them (with their pages' bytes where `values`): what
+    /// this worker serves another that lacks them (peer fetch). Nothing where the cache cannot
+    /// (windowed layer groups, pages on a device).
+    pub fn export(&mut self, hashes: &[BlockHash], values: bool) -> Vec<StoreBlock> {
         if !self.exports() {
             return Vec::new();
         }
         let values = values && self.page_bytes() > 0;
-        hashes
-            .iter()
-            .map_while(|&h| {
-                let (b, tokens) = self.pool.cached(0, h.0)?;
-                Some(self.block(b, h, tokens, values))
-            })
-            .collect()
+        let mut out = Vec::new();
+        for &h in hashes {
+            if let Some((b, tokens)) = self.pool.cached(0, h.0) {
+                out.push(self.block(b, h, tokens, values));
+                continue;
+            }
+            match self.host_block(h, values) {
+                Some(block) => out.push(block),
+                None => break,
+            }
+        }
+        out
+    }
+
+    /// Block `hash` as the store keeps it, copied out of G2 (its checksum checked there), if G2
+    /// holds it with the bytes `values` asks for.
+    fn host_block(&mut self, hash: BlockHash, values: bool) -> Option<StoreBlock> {
+        let seg = self.block_bytes();
+        let mut page = vec![
+            0u8;
+            if values {
+                self.layers.len() * 2 * seg
+            } else {
+                0
+            }
+        ];
+        let tiers = self.tiers.as_mut().filter(|t| t.values() == values)?;
+        let tokens = {
+            let mut segs: Vec<&mut [u8]> = match page.is_empty() {
+                true => Vec::new(),
+                false => page.chunks_exact_mut(seg).collect(),
+            };
+            tiers.export_host((0, hash.0), &mut segs)?
+        };
+        let mut bytes = Vec::with_capacity(tokens.len() * 4 + page.len());
+        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
+        bytes.extend_from_slice(&page);
+        let sum = sum(&bytes);
+        Some(StoreBlock { hash, bytes, sum })
     }
 
     /// Puts `blocks` (fetched from the store) in G2, whatever its write policy, for the next

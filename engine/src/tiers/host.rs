@@ -114,6 +114,11 @@ impl Host {
         self.map.get(&key).is_some_and(|e| *e.tokens == *tokens)
     }
 
+    /// Block `key`'s tokens and its bytes' length, if held.
+    pub(super) fn stored(&self, key: Key) -> Option<(&[u32], usize)> {
+        self.map.get(&key).map(|e| (&*e.tokens, e.len))
+    }
+
     /// Times block `key` was shared from a cache before.
     pub(super) fn hits(&self, key: Key) -> u32 {
         self.map.get(&key).map_or(0, |e| e.hits)

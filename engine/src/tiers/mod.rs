@@ -96,6 +96,8 @@ pub struct TierStats {
     pub writes_skipped: u64,
     /// Blocks whose checksum failed on load (dropped; the caller computes them again).
     pub corrupt: u64,
+    /// Blocks copied out for other workers fetching them (peer fetch; G2 only).
+    pub exported: u64,
 }
 
 /// Both tiers' counters.
@@ -288,6 +290,25 @@ impl Tiers {
     pub(crate) fn holds(&self, key: Key, tokens: &[u32]) -> bool {
         self.host.as_ref().is_some_and(|h| h.has(key, tokens))
             || self.disk.as_ref().is_some_and(|d| d.has(key, tokens))
+    }
+
+    /// Copies block `key` from G2 into `out` (a page's segments, in order) for a peer fetching
+    /// it, its checksum checked (a corrupt copy is dropped and counted); returns its tokens.
+    /// Not one of this worker's hits (`exported` counts it). G3's blocks are not served: a
+    /// disk read would hold the engine's step.
+    pub(crate) fn export_host(&mut self, key: Key, out: &mut [&mut [u8]]) -> Option<Vec<u32>> {
+        let h = self.host.as_mut()?;
+        let (tokens, len) = h.stored(key)?;
+        if out.iter().map(|o| o.len()).sum::<usize>() != len {
+            return None;
+        }
+        let tokens = tokens.to_vec();
+        if !h.load(key, out) {
+            self.corrupt(key, Tier::Host);
+            return None;
+        }
+        self.stats.host.exported += 1;
+        Some(tokens)
     }
 
     /// `n` blocks fetched from the cluster store were staged (the timing model prices them).

@@ -546,7 +546,7 @@ impl Table {
     /// The decode worker a prefill worker may fetch `route`'s first blocks from (peer fetch),
     /// and the tokens it holds in whole blocks: the request's decode worker `decode`, which
     /// holds the first `skip` for it, unless another decode worker serving peers holds a
-    /// longer run in its pool by the KV index; `None` where none serves or holds any.
+    /// longer run in its pool and host tier by the KV index; `None` where none serves or holds any.
     pub fn peer_source(
         &self,
         decode: WorkerId,
@@ -565,7 +565,8 @@ impl Table {
                 .index
                 .overlap_in(&route.blocks, |w| w != decode && serves(w))
                 .into_iter()
-                .map(|(w, o)| (w, o.of(Tier::Pool) * bs))
+                // What a decode worker serves peers: its pool's blocks and its host tier's.
+                .map(|(w, o)| (w, (o.of(Tier::Pool) + o.of(Tier::Host)) * bs))
                 .max_by_key(|&(w, tokens)| (tokens, std::cmp::Reverse(w))),
             _ => None,
         };

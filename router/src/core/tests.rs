@@ -242,6 +242,26 @@ fn a_prefill_fetches_from_the_decode_worker_holding_the_longest_run() {
     assert_eq!(table.peer_source(request, 33, &route), Some((more, 64)));
     assert_eq!(table.peer_source(request, 64, &route), Some((request, 64)));
     assert_eq!(table.peer_source(silent, 0, &route), Some((more, 64)));
+    // A decode worker serves its host tier's blocks too (G2, not G3): blocks 1..=5, the last
+    // two in host memory, are a run of 5 (80 tokens, past the other's 64); on disk, of 3.
+    let tiered = peer_worker(&mut table, decode, "decode-3", "127.0.0.1:3", t0);
+    for (tier, want) in [(1, Some((tiered, 80))), (2, Some((more, 64)))] {
+        let kv = grpc::KvEvents {
+            hashes: (1..=5).collect(),
+            stored: vec![true; 5],
+            tiers: vec![0, 0, 0, tier, tier],
+            snapshot: true,
+            next: 5,
+            ..Default::default()
+        };
+        let hb = Heartbeat {
+            worker_id: tiered.0,
+            kv: Some(kv),
+            ..Default::default()
+        };
+        table.beat(hb, t0).unwrap();
+        assert_eq!(table.peer_source(silent, 0, &route), want, "tier {tier}");
+    }
 }
 
 /// A worker of `role` of the test table, serving peers at `peer` (empty: not).
