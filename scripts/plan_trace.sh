@@ -6,7 +6,8 @@
 # 100 ms for 90% of requests, time x 0.04.
 #   cargo build --release && scripts/plan_trace.sh [--planner-only] OUT.json [--rate-profile day]
 # --planner-only: only the planner's run (`tandem simulate` on the same file), no static search.
-# START_UP_MS: the replicas' start-up instead of 20000.
+# START_UP_MS: the replicas' start-up instead of 20000. ADMISSION_MS: the decode pool's
+# admission_p90_ms (default: a quarter of the TTFT target, 750 ms).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 only=
@@ -20,9 +21,10 @@ autoscale() {
   printf '[%s.slo]\n%s\n[%s.autoscale]\nmin = 10\nmax = %s\ntick_ms = 1000\n' "$1" "$2" "$1" "$3"
   printf 'cooldown_ms = 10000\nwindow_ms = 10000\nactuator = "command"\ncommand = "true"\n'
 }
+nl=$'\n'
 # The pools' sections end the file in order: append each one's SLO and autoscaling after it.
 python3 - "$dir/cluster.toml" "$(autoscale prefill 'ttft_p90_ms = 3000' 512)" \
-  "$(autoscale decode 'itl_p90_ms = 100' 128)" <<'PY'
+  "$(autoscale decode "itl_p90_ms = 100${ADMISSION_MS:+${nl}admission_p90_ms = $ADMISSION_MS}" 128)" <<'PY'
 import sys
 path, prefill, decode = sys.argv[1:]
 text = open(path).read().replace("[decode]\n", prefill + "\n[decode]\n", 1) + decode + "\n"
