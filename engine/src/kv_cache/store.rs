@@ -134,29 +134,30 @@ impl KvCache {
         out
     }
 
-    /// Block `hash` as the store keeps it, copied out of G2 (its checksum checked there), if G2
-    /// holds it with the bytes `values` asks for.
+    /// Block `hash` as the store keeps it, copied out of G2 (its checksum checked there) straight
+    /// into the block's bytes after its tokens, if G2 holds it with the bytes `values` asks for.
     fn host_block(&mut self, hash: BlockHash, values: bool) -> Option<StoreBlock> {
-        let seg = self.block_bytes();
-        let mut page = vec![
-            0u8;
-            if values {
-                self.layers.len() * 2 * seg
-            } else {
-                0
-            }
-        ];
-        let tiers = self.tiers.as_mut().filter(|t| t.values() == values)?;
-        let tokens = {
-            let mut segs: Vec<&mut [u8]> = match page.is_empty() {
-                true => Vec::new(),
-                false => page.chunks_exact_mut(seg).collect(),
-            };
-            tiers.export_host((0, hash.0), &mut segs)?
+        let (seg, head) = (self.block_bytes(), self.block_size * 4);
+        let page = if values {
+            self.layers.len() * 2 * seg
+        } else {
+            0
         };
-        let mut bytes = Vec::with_capacity(tokens.len() * 4 + page.len());
-        bytes.extend(tokens.iter().flat_map(|t| t.to_le_bytes()));
-        bytes.extend_from_slice(&page);
+        let tiers = self.tiers.as_mut().filter(|t| t.values() == values)?;
+        let mut bytes = vec![0u8; head + page];
+        let (top, body) = bytes.split_at_mut(head);
+        let mut segs: Vec<&mut [u8]> = match page {
+            0 => Vec::new(),
+            _ => body.chunks_exact_mut(seg).collect(),
+        };
+        let tokens = tiers.export_host((0, hash.0), &mut segs)?;
+        // G2 keeps whole blocks only (as `stage` takes them).
+        if tokens.len() * 4 != head {
+            return None;
+        }
+        for (t, b) in tokens.iter().zip(top.chunks_exact_mut(4)) {
+            b.copy_from_slice(&t.to_le_bytes());
+        }
         let sum = sum(&bytes);
         Some(StoreBlock { hash, bytes, sum })
     }
