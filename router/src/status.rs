@@ -56,7 +56,7 @@ impl Serialize for DecisionRecord {
             "at_s": self.at_s, "pool": self.pool,
             "action": d.action.label(), "desired": d.desired, "why": d.why,
             "live": i.live, "starting": i.starting, "queued": i.queued,
-            "p90_ms": ms(i.p90), "predicted_ms": ms(i.predicted), "needed": i.needed, "room_needed": i.room_needed,
+            "p90_ms": ms(i.p90), "predicted_ms": ms(i.predicted), "needed": i.needed, "needed_censored": i.censored, "room_needed": i.room_needed,
             "growth_per_s": i.growth, "needed_ahead": d.needed_ahead,
         })
         .serialize(s)

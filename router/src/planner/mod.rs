@@ -75,10 +75,15 @@ pub struct Inputs {
     /// measured rate: the margin is the demand's own spread, not a chosen utilisation (read
     /// instead as the larger of the window's rate and a span's burst served within the span and
     /// the target, a simulated day met its targets for 52–65% of requests, not 83%); decode: the most KV blocks its requests held over a whole window, at
-    /// [`DECODE_UTILISATION`] of a replica's, while none waits for room — the current blocks
-    /// of a pool filling up from idle looked ten times too few and cut a simulated pool to
-    /// its minimum).
+    /// [`DECODE_UTILISATION`] of a replica's — the current blocks of a pool filling up from
+    /// idle looked ten times too few and cut a simulated pool to its minimum).
     pub needed: Option<f64>,
+    /// Some of the demand waits (decode: requests waiting for room), so `needed` is what was
+    /// served, a floor of the demand: the pool is sized down by it (only within target, as
+    /// ever), never up or ahead. Read as no measure at all while any request waited, a pool
+    /// started large on a flat trace shed one replica a cooldown: 1.28x the cheapest static
+    /// fleet's worker-seconds, against 1.18x sized down by it.
+    pub censored: bool,
     /// How fast `needed` is moving, replicas a second (the least-squares slope of the demand
     /// read each tick over the window): the planner asks a replica's start-up ahead of it.
     pub growth: f64,
@@ -190,6 +195,11 @@ impl PoolPlan {
         inp.needed.map(|n| (n + ahead).ceil().max(0.0) as u32)
     }
 
+    /// [`PoolPlan::needed_ahead`], where it may size the pool up (not while censored).
+    fn needed_up(&self, inp: &Inputs) -> Option<u32> {
+        self.needed_ahead(inp).filter(|_| !inp.censored)
+    }
+
     /// Notes replicas joining: once all those asked for serve, how long they took (averaged
     /// with what was measured before).
     fn note_joins(&mut self, now: Instant, inp: &Inputs) {
@@ -280,7 +290,7 @@ impl PoolPlan {
     fn up(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Decision {
         let s = &self.scaling;
         if inp.starting > 0 {
-            let want = self.needed_ahead(inp).map(|n| n.clamp(s.min, s.max));
+            let want = self.needed_up(inp).map(|n| n.clamp(s.min, s.max));
             return match want {
                 Some(want) if want > self.desired => {
                     self.asked_for(now, want);
@@ -324,7 +334,7 @@ impl PoolPlan {
     /// starting by the time a new one would serve (a start-up measured): up to that, now.
     fn ahead(&mut self, now: Instant, inp: &Inputs, r: &Reading) -> Option<Decision> {
         let s = &self.scaling;
-        let want = self.needed_ahead(inp)?.clamp(s.min, s.max);
+        let want = self.needed_up(inp)?.clamp(s.min, s.max);
         let rising = inp.growth > 0.0 && self.lead.is_some();
         if !rising || want <= self.desired.max(inp.live + inp.starting) {
             return None;

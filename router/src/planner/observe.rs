@@ -78,6 +78,7 @@ impl Observed {
                     predicted,
                     queued: pending,
                     needed,
+                    censored: false,
                     growth,
                     room_needed: None,
                 }
@@ -90,16 +91,18 @@ impl Observed {
                 predicted: self.admission_p90.filter(|_| self.decode_waiting > 0),
                 queued: self.decode_waiting,
                 needed: self.decode_needed(live),
+                censored: self.decode_waiting > 0,
                 growth: self.decode_growth(live),
                 room_needed: self.room_needed(live),
             },
         }
     }
 
-    /// Decode replicas for the most KV held over the window, while none waits for room.
+    /// Decode replicas for the most KV held over the window (while requests wait for room, a
+    /// floor of the demand: see [`Inputs::censored`]).
     fn decode_needed(&self, live: u32) -> Option<f64> {
         let peak = self.decode_blocks_peak? as f64;
-        if self.decode_waiting > 0 || self.decode_blocks_total == 0 || live == 0 {
+        if self.decode_blocks_total == 0 || live == 0 {
             return None;
         }
         let per_replica = self.decode_blocks_total as f64 / live as f64;

@@ -39,6 +39,7 @@ fn inp(live: u32, p90_ms: Option<u64>, predicted_ms: Option<u64>, queued: u64) -
         predicted: predicted_ms.map(Duration::from_millis),
         queued,
         needed: None,
+        censored: false,
         growth: 0.0,
         room_needed: None,
     }
@@ -243,7 +244,8 @@ fn peaks_are_taken_over_a_whole_window() {
 
 /// With none waiting for room, a decode pool is sized down to the most KV its requests
 /// held over a whole window: 50 replicas of 1,000 blocks, a peak of 17,000 blocks in use,
-/// at 85% → 20. Not while requests wait for room, nor before a whole window.
+/// at 85% → 20 (while requests wait for room too, but only down). Not before a whole
+/// window.
 #[test]
 fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
     let t0 = Instant::now();
@@ -260,9 +262,22 @@ fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
     assert_eq!(inputs.needed.map(f64::ceil), Some(20.0));
     let d = p.decide(t0, inputs);
     assert_eq!((d.desired, d.action), (20, Action::Down), "{}", d.why);
+    // While requests wait for room, what was held is a floor of the demand: it still sizes
+    // the pool down (within target)…
     seen.decode_waiting = 1;
-    assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
+    let inputs = seen.inputs(Pool::Decode, 50, 0);
+    assert!(inputs.censored);
+    let d = decode_plan().decide(t0, inputs);
+    assert_eq!((d.desired, d.action), (20, Action::Down), "{}", d.why);
+    // … but never up by it: over target with replicas starting, a need of 60 (51,000 / 850)
+    // asks for more only when none waits.
+    seen.decode_blocks_peak = Some(51_000);
+    seen.itl_p90 = Some(Duration::from_millis(150));
+    let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 5));
+    assert_eq!((d.desired, d.action), (50, Action::Hold), "{}", d.why);
     seen.decode_waiting = 0;
+    let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 5));
+    assert_eq!((d.desired, d.action), (60, Action::Up), "{}", d.why);
     seen.decode_blocks_peak = None;
     assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
 }
