@@ -10,7 +10,8 @@
 //! object into its own buffer, all touched before — as a node's recycled ones are), the limit
 //! of a reader that stores: the plain raw reader reads every object into one buffer, which
 //! stays in the CPU's cache.
-//! `TANDEM_BENCH_OBJECTS=N` moves N objects a run (default 256, 256 MiB).
+//! `TANDEM_BENCH_OBJECTS=N` moves N objects a run (default 256, 256 MiB);
+//! `TANDEM_BENCH_PLAIN_ONLY=1` runs the plain node alone (to profile it).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -282,6 +283,9 @@ fn main() {
         let plain = (Security::Insecure, Security::Insecure);
         let raws = [("TCP", None, false), ("TCP kept", None, true)];
         arm("plain", plain, n, &raws).await;
+        if std::env::var("TANDEM_BENCH_PLAIN_ONLY").is_ok() {
+            return;
+        }
         let mutual = (mutual(Role::Store), mutual(Role::Decode));
         let raws = [("TCP", None, false), ("TLS", Some(mutual.clone()), false)];
         arm("mutual TLS", mutual, n, &raws).await;
