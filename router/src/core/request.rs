@@ -117,6 +117,9 @@ impl Request {
             last_token: None,
             phase: Phase::Done,
         };
+        if disaggregated {
+            cx.signals.prefill_arrived((r.prompt_len - 1) as u64);
+        }
         let mut out = Vec::new();
         r.go(reserving(), &mut out);
         r.reserve(now, cx, &mut out);

@@ -1,5 +1,6 @@
 //! The request core driven by hand: no driver, no I/O, time passed in.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,6 +94,45 @@ fn a_request_refused_again_and_again_keeps_one_entry_for_the_worker() {
         panic!("still reserving: {:?}", r.phase());
     };
     assert_eq!(refused, &vec![(w, 49)]);
+}
+
+/// The prefill pool's demand is counted as requests arrive, not as they are sent: a request
+/// refused for room on its decode worker counts its prompt (less the last token, which decode
+/// computes) while nothing is sent to the prefill pool; a colocated cluster counts nothing.
+#[test]
+fn the_prefill_demand_counts_a_request_on_arrival_while_it_waits_for_room() {
+    let t0 = Instant::now();
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let w = decode_worker(&mut table, "decode-0", t0);
+    peer_worker(&mut table, grpc::Role::Prefill, "prefill-0", "", t0);
+    let mut core = Core::new(Settings::default());
+    let mut cx = core.cx(&mut table);
+    let (mut r, a) = Request::start(vec![7; 40], Params::default(), None, t0, &mut cx);
+    assert_eq!(opens(&a), Some(w));
+    r.handle(t0, Input::OpenFailed(Cause::Full, "full".into()), &mut cx);
+    assert!(
+        matches!(r.phase(), Phase::Reserving { .. }),
+        "{:?}",
+        r.phase()
+    );
+    let s = &core.signals;
+    assert_eq!(s.prefill_arrived_tokens.load(Ordering::SeqCst), 39);
+    assert_eq!(s.prefill_pending_tokens.load(Ordering::SeqCst), 0);
+
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    decode_worker(&mut table, "decode-0", t0);
+    let mut core = Core::new(Settings::default());
+    Request::start(
+        vec![7; 40],
+        Params::default(),
+        None,
+        t0,
+        &mut core.cx(&mut table),
+    );
+    assert_eq!(
+        core.signals.prefill_arrived_tokens.load(Ordering::SeqCst),
+        0
+    );
 }
 
 /// The cluster store in the table: the first worker announcing a store key sets it; a prefill

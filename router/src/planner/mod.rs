@@ -126,7 +126,7 @@ pub struct Decision {
     /// The reason, with the numbers.
     pub why: String,
     /// Replicas the demand will need a start-up from now, on its trend (what the planner
-    /// predicts; `Inputs::needed` is what it observes).
+    /// predicts; `Inputs::needed` is what it observes — a floor while `Inputs::censored`).
     pub needed_ahead: Option<u32>,
 }
 

@@ -18,7 +18,7 @@ pub struct Observed {
     pub prefill_capacity: f64,
     /// How many of the live prefill replicas have measured a rate.
     pub prefill_measured: u32,
-    /// Prompt tokens per second sent to the prefill pool, read each tick over spans of the
+    /// Prompt tokens per second arriving for the prefill pool, read each tick over spans of the
     /// pool's TTFT target (a burst shorter than that the queue absorbs within the target):
     /// their p90 and their trend over the window.
     pub prefill_demand: Option<Outlook>,
@@ -65,7 +65,7 @@ impl Observed {
                 let predicted = (capacity > 0.0 && pending > 0)
                     .then(|| Duration::from_secs_f64(pending as f64 / capacity));
                 // Replicas sized to the demand in the tokens they will compute (a replica's
-                // rate is of tokens computed): what is sent, less the share the engines find
+                // rate is of tokens computed): what arrives, less the share the engines find
                 // cached; and how fast that is moving, in replicas a second.
                 let computed = 1.0 - self.prefill_hit_share.unwrap_or(0.0).clamp(0.0, 1.0);
                 let demand = self.prefill_demand.filter(|_| per_replica > 0.0);
@@ -138,18 +138,18 @@ impl Observed {
 /// rate over spans of its target, read each tick into a trend) and the decode pool's peak KV
 /// and its trend, over the window.
 pub struct Watch {
-    /// The prompt tokens sent per second over a span of the TTFT target (a burst shorter than
+    /// The prompt tokens arriving per second over a span of the TTFT target (a burst shorter than
     /// that the queue absorbs within the target), and over the window (whether it saw any).
     demand: Rate,
     recent: Rate,
     /// The demand's readings' p90, over the window.
     demand_trend: Trend,
-    /// The slope, fitted to what each tick alone saw sent (a rate over a window read each tick
+    /// The slope, fitted to what each tick alone saw arrive (a rate over a window read each tick
     /// overlaps its neighbours: fitted to those, noise passed for a trend) since the window
     /// last saw none (a load starting from idle is a step, not a rise to extrapolate), over
     /// the window or as far back as the planner looks ahead, the longer.
     tick_trend: Trend,
-    last_sent: Option<(Instant, u64)>,
+    last_arrived: Option<(Instant, u64)>,
     peak: Peak,
     used_trend: Trend,
     window: Duration,
@@ -203,7 +203,7 @@ impl Watch {
             recent: Rate::new(window),
             demand_trend: Trend::new(window),
             tick_trend: Trend::new(window),
-            last_sent: None,
+            last_arrived: None,
             peak: Peak::new(window),
             used_trend: Trend::new(window),
             window,
@@ -213,19 +213,22 @@ impl Watch {
         }
     }
 
-    /// Notes the prompt tokens `sent` in all at `now`; the demand's outlook over the window.
-    pub fn demand(&mut self, now: Instant, sent: u64) -> Option<Outlook> {
-        let tick = self.last_sent.replace((now, sent)).and_then(|(t, n)| {
-            let dt = now.duration_since(t).as_secs_f64();
-            (dt > 0.0).then(|| sent.saturating_sub(n) as f64 / dt)
-        });
-        if self.recent.observe(now, sent) == Some(0.0) {
+    /// Notes the prompt tokens `arrived` in all at `now`; the demand's outlook over the window.
+    pub fn demand(&mut self, now: Instant, arrived: u64) -> Option<Outlook> {
+        let tick = self
+            .last_arrived
+            .replace((now, arrived))
+            .and_then(|(t, n)| {
+                let dt = now.duration_since(t).as_secs_f64();
+                (dt > 0.0).then(|| arrived.saturating_sub(n) as f64 / dt)
+            });
+        if self.recent.observe(now, arrived) == Some(0.0) {
             self.tick_trend = Trend::new(self.tick_trend.window());
         }
         let slope = tick
             .and_then(|r| self.tick_trend.observe(now, r))
             .map_or(0.0, |o| o.slope);
-        let reading = self.demand.observe(now, sent)?;
+        let reading = self.demand.observe(now, arrived)?;
         let high = self.demand_trend.observe(now, reading)?.high;
         Some(Outlook { high, slope })
     }
@@ -253,7 +256,7 @@ impl Watch {
 /// waiting for room) say at `now` — the router's planner and the simulator's read the same.
 pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant) -> Observed {
     let p90 = |w: &Mutex<Window>| w.lock().expect("window lock").quantile(now, 0.9).0;
-    let sent = signals.prefill_sent_tokens.load(Ordering::SeqCst);
+    let arrived = signals.prefill_arrived_tokens.load(Ordering::SeqCst);
     let live = |pool: Pool| table.pool(pool).filter(|w| !w.draining);
     let decode = |f: fn(&proto::grpc::WorkerLoad) -> u32| -> u64 {
         live(Pool::Decode).map(|w| f(&w.load) as u64).sum()
@@ -274,7 +277,7 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
     };
     let used_trend = watch.used_trend.observe(now, used as f64);
     Observed {
-        prefill_demand: watch.demand(now, sent),
+        prefill_demand: watch.demand(now, arrived),
         prefill_hit_share: hit_share,
         prefill_pending_tokens: signals.prefill_pending_tokens.load(Ordering::SeqCst),
         prefill_capacity: live(Pool::Prefill)

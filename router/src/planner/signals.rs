@@ -277,10 +277,13 @@ pub struct Signals {
     pub admission: Mutex<Window>,
     /// Prompt tokens sent to the prefill pool and not yet done.
     pub prefill_pending_tokens: AtomicU64,
-    /// Prompt tokens sent to the prefill pool, ever (its demand, as a rate; the planner takes
-    /// off the share the engines themselves report cached — not the index's view of the
-    /// caches, which said a mock pool needed one replica where it needed two).
-    pub prefill_sent_tokens: AtomicU64,
+    /// Prompt tokens of the requests that arrived to be prefilled by the pool, ever (its
+    /// demand, as a rate; the planner takes off the share the engines themselves report cached
+    /// — not the index's view of the caches, which said a mock pool needed one replica where it
+    /// needed two). Counted on arrival, not when sent: a line waiting for decode room holds the
+    /// sending back, and in a simulated day's ramp the pool saw its demand only once the decode
+    /// pool let it through.
+    pub prefill_arrived_tokens: AtomicU64,
 }
 
 impl Signals {
@@ -292,15 +295,20 @@ impl Signals {
             itl: Mutex::new(Window::new(window)),
             admission: Mutex::new(Window::new(window)),
             prefill_pending_tokens: AtomicU64::new(0),
-            prefill_sent_tokens: AtomicU64::new(0),
+            prefill_arrived_tokens: AtomicU64::new(0),
         }
+    }
+
+    /// A request arrived whose prompt of `tokens` the prefill pool is to compute.
+    pub fn prefill_arrived(&self, tokens: u64) {
+        self.prefill_arrived_tokens
+            .fetch_add(tokens, Ordering::SeqCst);
     }
 
     /// A prompt of `tokens` went to the prefill pool; the guard marks it done when dropped.
     pub fn prefill_started(self: &Arc<Self>, tokens: u64) -> PendingPrefill {
         self.prefill_pending_tokens
             .fetch_add(tokens, Ordering::SeqCst);
-        self.prefill_sent_tokens.fetch_add(tokens, Ordering::SeqCst);
         PendingPrefill(self.clone(), tokens)
     }
 }

@@ -353,6 +353,12 @@ fn rising_demand_is_met_a_start_up_ahead() {
         ..rising(5, 0, 0.01)
     };
     assert_eq!(p.decide(t0, slight).action, Action::Hold);
+    // A floor of the demand (some of it waiting: censored) is no reason to look ahead.
+    let floor = Inputs {
+        censored: true,
+        ..rising(5, 0, 0.5)
+    };
+    assert_eq!(p.decide(t0, floor).action, Action::Hold);
     let d = p.decide(t0, rising(5, 0, 0.5));
     assert_eq!((d.desired, d.action), (7, Action::Up), "{}", d.why);
     assert!(d.why.contains("rising"), "{}", d.why);

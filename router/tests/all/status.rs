@@ -80,6 +80,7 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
         p90: Some(Duration::from_millis(90)),
         queued: 3,
         needed: Some(2.4),
+        censored: true,
         growth: 0.1,
         ..Default::default()
     };
@@ -119,6 +120,8 @@ async fn status_json_shows_every_worker_its_targets_and_the_planners_decisions()
         (d["needed"].as_f64(), d["needed_ahead"].as_u64()),
         (Some(2.4), Some(3))
     );
+    // Some of the demand waited: the need is a floor (the page shows "≥").
+    assert_eq!(d["needed_censored"], true);
     assert_eq!(d["growth_per_s"], 0.1);
     let h = s["history"].as_array().unwrap();
     assert_eq!(h.len(), 1);
