@@ -81,8 +81,8 @@ pub struct Inputs {
     /// Some of the demand waits (decode: requests waiting for room), so `needed` is what was
     /// served, a floor of the demand: the pool is sized down by it (only within target, as
     /// ever), never up or ahead. Read as no measure at all while any request waited, a pool
-    /// started large on a flat trace shed one replica a cooldown: 1.28x the cheapest static
-    /// fleet's worker-seconds, against 1.18x sized down by it.
+    /// started large on a flat trace shed only one replica a cooldown (BENCHMARKS, the
+    /// planner's 2026-12-07 runs).
     pub censored: bool,
     /// How fast `needed` is moving, replicas a second (the least-squares slope of the demand
     /// read each tick over the window): the planner asks a replica's start-up ahead of it.

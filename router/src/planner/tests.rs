@@ -242,10 +242,9 @@ fn peaks_are_taken_over_a_whole_window() {
     assert_eq!(p.observe(t0 + s(17), 40), Some(40));
 }
 
-/// With none waiting for room, a decode pool is sized down to the most KV its requests
-/// held over a whole window: 50 replicas of 1,000 blocks, a peak of 17,000 blocks in use,
-/// at 85% → 20 (while requests wait for room too, but only down). Not before a whole
-/// window.
+/// A decode pool is sized down to the most KV its requests held over a whole window: 50
+/// replicas of 1,000 blocks, a peak of 17,000 blocks in use, at 85% → 20 — while requests
+/// wait for room too, but then never up by it. Not before a whole window.
 #[test]
 fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
     let t0 = Instant::now();
