@@ -27,13 +27,9 @@ import os
 import subprocess
 import time
 
-from tandem_cluster import EXE, cluster, metrics
+from tandem_cluster import EXE, ROUTER, cluster, decode_stat, settled
 
-CONFIG = """[router]
-listen = "127.0.0.1:0"
-control = "127.0.0.1:0"
-operator = "127.0.0.1:0"
-[prefill]
+CONFIG = ROUTER + """[prefill]
 threads = 1
 [decode]
 threads = 1
@@ -41,11 +37,6 @@ kv_blocks = 1024
 max_batch_tokens = 256
 speculation = {k}
 """
-
-
-def worker(m, field):
-    """A decode worker's load figure (the router's tandem_worker_<field> gauge)."""
-    return sum(v for k, v in m.items() if k.startswith(f"tandem_worker_{field}{{") and 'role="decode"' in k)
 
 
 def load(http, d, a, requests):
@@ -57,16 +48,6 @@ def load(http, d, a, requests):
     return json.load(open(out))
 
 
-def settled(http):
-    """The decode worker's figures once it holds nothing (heartbeats carry them)."""
-    deadline = time.time() + 20
-    while True:
-        m = metrics(http)
-        if worker(m, "running") == 0 and worker(m, "kv_blocks_committed") == 0 or time.time() > deadline:
-            return m
-        time.sleep(0.5)
-
-
 def arms(a):
     rows = []
     for rnd in range(2):
@@ -76,7 +57,7 @@ def arms(a):
                 before = settled(http)
                 r = load(http, d, a, a.requests)
                 after = settled(http)
-            spec = {f: worker(after, f"spec_{f}") - worker(before, f"spec_{f}")
+            spec = {f: decode_stat(after, f"spec_{f}") - decode_stat(before, f"spec_{f}")
                     for f in ("proposed", "accepted", "declined")}
             rows.append((rnd, k, r, spec))
             print(f"round {rnd + 1}, speculation {k}: {r['output_tokens_per_s']:.1f} output tokens/s, "
@@ -98,9 +79,9 @@ def soak(a):
                 raise SystemExit(f"soak: {r['errors']} errors")
         m = settled(http)
     # (WorkerLoad.kv_blocks_total is exported as tandem_worker_kv_blocks_capacity.)
-    total, free = worker(m, "kv_blocks_capacity"), worker(m, "kv_blocks_free")
-    ledger = {f: worker(m, f"kv_blocks_{f}") for f in ("reserved", "in_flight", "committed")}
-    spec = {f: worker(m, f"spec_{f}") for f in ("proposed", "accepted", "declined", "verifies")}
+    total, free = decode_stat(m, "kv_blocks_capacity"), decode_stat(m, "kv_blocks_free")
+    ledger = {f: decode_stat(m, f"kv_blocks_{f}") for f in ("reserved", "in_flight", "committed")}
+    spec = {f: decode_stat(m, f"spec_{f}") for f in ("proposed", "accepted", "declined", "verifies")}
     print(f"soak {time.time() - t0:.0f} s: decode pool {free:.0f} of {total:.0f} blocks free or cached-and-unreferenced, "
           f"ledger {ledger}; drafts {spec}")
     ok = total > 0 and free == total and not any(ledger.values())

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import tempfile
+import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 # The binary under test (`TANDEM_EXE` names another build, e.g. to compare before and after).
@@ -93,11 +94,31 @@ def worker_stats(addr):
     return sorted((w["name"], w["role"], w["stats"]) for w in ws)
 
 
+# The [router] section of a cluster on loopback ports the OS picks.
+ROUTER = '[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
+
+
+def decode_stat(m, field):
+    """The decode workers' load figure `field` summed, from `/metrics` as `metrics` reads it
+    (the router's tandem_worker_<field> gauges)."""
+    return sum(v for k, v in m.items() if k.startswith(f"tandem_worker_{field}{{") and 'role="decode"' in k)
+
+
+def settled(addr, limit=30):
+    """`/metrics` once the decode workers hold nothing (heartbeats carry their figures), or
+    after `limit` seconds."""
+    deadline = time.time() + limit
+    while True:
+        m = metrics(addr)
+        if decode_stat(m, "running") == 0 and decode_stat(m, "kv_blocks_committed") == 0 or time.time() > deadline:
+            return m
+        time.sleep(0.5)
+
+
 def colocated(decode_lines):
     """A cluster.toml of one colocated decode worker on loopback ports the OS picks, with
     `decode_lines` added to its [decode] section."""
-    return ('[router]\nlisten = "127.0.0.1:0"\ncontrol = "127.0.0.1:0"\noperator = "127.0.0.1:0"\n'
-            "[decode]\nreplicas = 1\nthreads = 1\n" + decode_lines)
+    return (ROUTER + "[decode]\nreplicas = 1\nthreads = 1\n" + decode_lines)
 
 
 def pct(xs, p):

@@ -103,6 +103,55 @@ fn a_prefix_on_disk_outlives_kill_9_and_serves_hits_after_the_restart() {
     assert_eq!(stat(&c, worker, "kv_tier_corrupt"), 0);
 }
 
+/// Decode memory pressure through a real cluster: streams whose KV outgrows the decode
+/// worker's pool (`admission = "optimistic"`) are preempted and wait there for room for longer
+/// than the router's stall timeout. The worker tells the router each preemption, so the router
+/// neither takes the worker for wedged nor moves a request off it (before, it did both, and
+/// with no other decode worker the moved requests failed after the admission wait). Every
+/// stream ends with the tokens it has alone — its KV swapped to the host tier and loaded back,
+/// or, in a pool without one, computed again.
+#[test]
+fn preempted_streams_wait_for_room_without_being_taken_for_stalled() {
+    let host = "[decode.kv_tiers]\nhost_bytes = 100_000_000\n";
+    for (tiers, kind) in [(host, "preempted_swapped"), ("", "preempted_recomputed")] {
+        let decode = format!("admission = \"optimistic\"\n{tiers}");
+        let c = Cluster::of(1, 1)
+            .decode_blocks(24)
+            .pools(["", &decode])
+            .router("stall_timeout_ms = 1500")
+            .start(EXE.as_ref());
+        // Each grows to 19 pages (33 + 256 tokens); the pool holds 24: one runs, the others
+        // wait there (seconds, on this model) once preempted.
+        let prompts: Vec<Vec<u32>> = (1..=3).map(|seed| prompt(seed, 2)).collect();
+        let generate = |p: &Vec<u32>| {
+            let body = json!({"model": MODEL, "prompt": p, "max_tokens": 256,
+                              "ignore_eos": true, "temperature": 0});
+            let (status, v): (u16, Value) = post_json(c.http, "/v1/completions", &body);
+            assert_eq!(status, 200, "{v}");
+            v["choices"][0]["text"].as_str().unwrap().to_string()
+        };
+        let alone: Vec<String> = prompts.iter().map(generate).collect();
+        assert_eq!(
+            stat(&c, "decode-0", kind),
+            0,
+            "one at a time: room for each"
+        );
+        let together: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = prompts.iter().map(|p| s.spawn(|| generate(p))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(together, alone, "{kind}: every stream's tokens as alone");
+        wait_until("the preemptions reported", Duration::from_secs(10), || {
+            stat(&c, "decode-0", kind) > 0
+        });
+        let migrations = metric_at(c.operator, "tandem_router_migrations_total");
+        assert_eq!(
+            migrations, 0.0,
+            "{kind}: nothing moved off a worker that was stepping"
+        );
+    }
+}
+
 /// Store nodes (started first, on a CA they share with the cluster) and a cluster of
 /// `prefill` + `decode` workers using them, each with the host tier that fetched blocks are
 /// staged in; the scratch directory is removed when dropped.

@@ -165,6 +165,24 @@ impl Decoder {
         }
     }
 
+    /// Tells the callers of the requests the step preempted that they wait for room (their
+    /// next token may be long in coming; the router must not take this worker for stalled).
+    fn preempted(&mut self) {
+        for id in self.engine.take_preempted() {
+            let ev = GenerateEvent {
+                event: Some(generate_event::Event::Preempted(proto::grpc::Preempted {})),
+                ..Default::default()
+            };
+            let sent = self
+                .streams
+                .get(&id)
+                .is_some_and(|tx| tx.send(Ok(ev)).is_ok());
+            if !sent {
+                self.end(id, Release::Cancelled, None);
+            }
+        }
+    }
+
     /// Pauses decoding request `id` for a live move: its stream says so after its last token.
     fn pause(&mut self, id: RequestId) -> bool {
         let Some(generated) = self.engine.pause(id) else {
@@ -308,6 +326,7 @@ impl worker::Role for Decoder {
                 return;
             }
         };
+        self.preempted();
         metrics::counter!("tandem_decode_tokens_total").increment(events.len() as u64);
         for ev in events {
             let sent = self

@@ -20,6 +20,7 @@
 //! is bitwise what it would have been.
 
 use crate::scheduler::Engine;
+use crate::RequestId;
 
 /// When a request is admitted, and whether running sequences can be preempted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -95,6 +96,12 @@ impl Engine {
         }
     }
 
+    /// The requests the last step preempted, in order (none once taken): a worker tells each
+    /// one's caller that it waits for room, not for a wedged engine.
+    pub fn take_preempted(&mut self) -> Vec<RequestId> {
+        std::mem::take(&mut self.preempted_now)
+    }
+
     /// Takes running sequence `i` out of the batch to the front of the queue: its KV swapped
     /// to G2 where there is one, its pages given back.
     fn preempt(&mut self, i: usize) {
@@ -119,6 +126,7 @@ impl Engine {
             true => self.preemptions.swapped += 1,
             false => self.preemptions.recomputed += 1,
         }
+        self.preempted_now.push(s.id);
         self.waiting.push_front(s);
     }
 }

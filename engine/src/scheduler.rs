@@ -135,6 +135,8 @@ pub struct Engine {
     pub(crate) steps: u64,
     /// Sequences preempted, and what resuming them cost, since start.
     pub(crate) preemptions: Preemptions,
+    /// Requests the last step preempted, until [`Engine::take_preempted`] takes them.
+    pub(crate) preempted_now: Vec<RequestId>,
     /// Requests accepted so far: the next one's [`Seq::arrival`].
     arrivals: u64,
     /// Measured step times by tokens, for speculation's choices.
@@ -274,6 +276,7 @@ impl Engine {
             refusals: 0,
             steps: 0,
             preemptions: Preemptions::default(),
+            preempted_now: Vec::new(),
             arrivals: 0,
             costs: StepCosts::default(),
             spec: SpecStats::default(),
@@ -521,6 +524,7 @@ impl Engine {
     fn step_inner(&mut self, sink: Option<KvSink<'_>>) -> Result<Vec<TokenEvent>> {
         // The batch's next pages first (preempting under optimistic admission), then waiting
         // requests, in order, while their reservation fits.
+        self.preempted_now.clear();
         self.grow();
         while self.running.len() < self.config.max_running {
             if !self.admit_front() {

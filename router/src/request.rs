@@ -716,6 +716,10 @@ async fn message(
         })) => Input::Paused {
             generated: p.generated,
         },
+        Ok(Some(GenerateEvent {
+            event: Some(generate_event::Event::Preempted(_)),
+            ..
+        })) => Input::Preempted,
         Ok(Some(other)) => Input::Unexpected(format!("{other:?}")),
         Ok(None) => Input::StreamEnded,
         Err(s) => Input::DecodeFailed(Cause::of(&s), s.message().into()),

@@ -337,6 +337,16 @@ impl Sim {
         self.input(r, ev.id, input, at);
     }
 
+    /// A decode worker's step preempted request `id`: its stream says so a hop later, after
+    /// the tokens before it.
+    pub(crate) fn preempted(&mut self, id: RequestId) {
+        let Some(&r) = self.by_id.get(&id) else {
+            return;
+        };
+        let at = (self.now + ns(self.cfg.hop)).max(self.reqs[r].last);
+        self.input(r, id, Input::Preempted, at);
+    }
+
     /// The router loses worker `w`: each request on it as a decode worker gets `decode`, each
     /// prefilling on it gets `prefill`.
     pub(crate) fn lose(&mut self, w: usize, decode: Input, prefill: Input) {

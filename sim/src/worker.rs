@@ -222,6 +222,9 @@ impl Sim {
         for ev in std::mem::take(&mut self.workers[w].pending) {
             self.token(ev);
         }
+        for id in self.workers[w].engine.take_preempted() {
+            self.preempted(id);
+        }
         for id in self.workers[w].engine.take_prefilled() {
             let Some(sent) = self.workers[w].engine.discard_prefilled(id) else {
                 continue;

@@ -74,6 +74,8 @@ pub struct Request {
     /// The prefill call in progress, if any (it can outlive Prefilling: a token may come first).
     prefill_call: Option<WorkerId>,
     last_token: Option<Instant>,
+    /// The decode worker preempted it and it has sent no token since: it waits there for room.
+    preempted: bool,
     phase: Phase,
 }
 
@@ -115,6 +117,7 @@ impl Request {
             prefilled: None,
             prefill_call: None,
             last_token: None,
+            preempted: false,
             phase: Phase::Done,
         };
         if disaggregated {
@@ -171,7 +174,7 @@ impl Request {
     /// one): it is stalled past that plus the stall timeout.
     pub fn owes_token_since(&self) -> Option<Instant> {
         self.last_token
-            .filter(|_| self.streamed.len() > self.stream_from)
+            .filter(|_| self.streamed.len() > self.stream_from && !self.preempted)
     }
 
     /// The prefill call in progress, if any.
@@ -404,6 +407,7 @@ impl Request {
             .expect("window lock")
             .record(now, waited);
         self.stream_from = self.streamed.len();
+        self.preempted = false;
         let decision = match r {
             Some(r) => self.decision(r, cx),
             None if !cx.settings.disaggregated => return self.go(Phase::Decoding { decode }, out),
@@ -509,6 +513,7 @@ impl Request {
                 self.recompute(decode, e, why, cx, out);
             }
             Input::Token { id, finish } => out.extend(self.token(now, id, finish, cx.signals)),
+            Input::Preempted => self.preempted = true,
             input => self.stream_trouble(now, input, cx, out),
         }
     }
@@ -527,6 +532,7 @@ impl Request {
             Input::Leave(why) => self.leave(why, cx, out),
             Input::Paused { generated } => self.paused(now, generated, cx, out),
             Input::NotPaused => self.moving = None,
+            Input::Preempted => self.preempted = true,
             input => self.stream_trouble(now, input, cx, out),
         }
     }
@@ -657,6 +663,7 @@ impl Request {
                 .record(now, now.saturating_duration_since(prev)),
         }
         self.last_token = Some(now);
+        self.preempted = false;
         self.streamed.push(id);
         out.push(Action::Emit);
         if finish.is_some() {
@@ -722,6 +729,7 @@ impl Request {
         match input {
             Input::Opened(_) => {
                 self.stream_from = self.streamed.len();
+                self.preempted = false;
                 let decode = self.take_decode();
                 self.go(Phase::Decoding { decode }, out);
             }
@@ -789,6 +797,7 @@ impl Request {
         self.admit_by = now + cx.settings.admission_wait;
         // No token is owed until the new stream opens.
         self.stream_from = self.streamed.len();
+        self.preempted = false;
     }
 
     /// The decode worker held, out of the phase (which the caller replaces).

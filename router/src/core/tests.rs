@@ -354,6 +354,22 @@ fn decode_worker(table: &mut Table, name: &str, t0: Instant) -> WorkerId {
     table.join(join, t0).unwrap()
 }
 
+/// A table with one decode worker (`decode-a`), a core that colocates (no remote prefill),
+/// and a request's parameters (8 tokens).
+fn colocated(t0: Instant) -> (Table, WorkerId, Core, Params) {
+    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
+    let a = decode_worker(&mut table, "decode-a", t0);
+    let core = Core::new(Settings {
+        disaggregated: false,
+        ..Settings::default()
+    });
+    let params = Params {
+        max_tokens: Some(8),
+        ..Default::default()
+    };
+    (table, a, core, params)
+}
+
 /// A live move, step by step: told to leave, the request asks its decode worker to pause it;
 /// paused after the tokens its stream carried, it parks that stream, reserves on the other
 /// worker with the prompt plus those tokens (a remote prefill, nothing computed there), has the
@@ -363,17 +379,8 @@ fn decode_worker(table: &mut Table, name: &str, t0: Instant) -> WorkerId {
 #[test]
 fn a_request_told_to_leave_is_paused_reserved_elsewhere_and_handed_over() {
     let t0 = Instant::now();
-    let mut table = Table::new(identity(), Liveness::default(), Routing::default());
-    let a = decode_worker(&mut table, "decode-a", t0);
-    let mut core = Core::new(Settings {
-        disaggregated: false,
-        ..Settings::default()
-    });
+    let (mut table, a, mut core, params) = colocated(t0);
     let mut cx = core.cx(&mut table);
-    let params = Params {
-        max_tokens: Some(8),
-        ..Default::default()
-    };
     let start = |cx: &mut Cx<'_>| {
         let (mut r, acts) = Request::start(vec![1, 2, 3], params, None, t0, cx);
         assert_eq!(opens(&acts), Some(a));
@@ -529,5 +536,38 @@ fn a_request_told_to_leave_is_paused_reserved_elsewhere_and_handed_over() {
         cx.table.get(a).unwrap().in_flight(),
         1,
         "still held where it was"
+    );
+}
+
+/// A preempted request waits in its decode worker's queue for room: while it does, it owes no
+/// token (so the driver's stall timer does not take the worker for wedged and move every
+/// request off it); its next token starts the clock again.
+#[test]
+fn a_preempted_request_owes_no_token_until_it_sends_one_again() {
+    let t0 = Instant::now();
+    let (mut table, a, mut core, params) = colocated(t0);
+    let mut cx = core.cx(&mut table);
+    let (mut r, acts) = Request::start(vec![1, 2, 3], params, None, t0, &mut cx);
+    assert_eq!(opens(&acts), Some(a));
+    r.handle(t0, Input::Opened(None), &mut cx);
+    assert_eq!(
+        r.owes_token_since(),
+        None,
+        "nothing owed before the first token"
+    );
+    let token = |id| Input::Token { id, finish: None };
+    let t1 = t0 + Duration::from_millis(5);
+    r.handle(t1, token(7), &mut cx);
+    assert_eq!(r.owes_token_since(), Some(t1));
+    let acts = r.handle(t1, Input::Preempted, &mut cx);
+    assert!(acts.is_empty(), "it stays where it is: {acts:?}");
+    assert_eq!(r.owes_token_since(), None, "waiting for room, not stalled");
+    let t2 = t1 + Duration::from_secs(30);
+    let acts = r.handle(t2, token(8), &mut cx);
+    assert!(matches!(acts[..], [Action::Emit]), "{acts:?}");
+    assert_eq!(
+        r.owes_token_since(),
+        Some(t2),
+        "resumed: the clock runs again"
     );
 }

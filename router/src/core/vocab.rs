@@ -489,6 +489,10 @@ pub enum Input {
     DecodeLost,
     /// No token from the decode worker within the stall timeout.
     Stalled,
+    /// The decode worker's pool ran out and preempted the request: it waits there for room and
+    /// resumes on its own, so no token coming is no stall until it sends one again (a wedged
+    /// engine still shows in its heartbeats' steps; the request's deadline still holds).
+    Preempted,
     /// The decode worker is leaving (draining) or sheds sequences: move off it live, if
     /// another decode worker can take the request.
     Leave(MoveWhy),
