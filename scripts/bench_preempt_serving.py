@@ -16,7 +16,8 @@ pool is a fraction of what the streams at that rate grow to, under optimistic ad
 
 `tandem bench load` sends the requests and reports goodput with its default targets (TTFT
 <= 1,000 ms, each request's ITL p90 <= 100 ms); the path is read from the router's /metrics
-(the decode worker's preemptions by kind, resumed tokens and those found, G2 hits).
+(the decode worker's preemptions by kind, resumed tokens and those found, G2 hits), and every
+answer (greedy) is compared with the first arm's, request by request.
 
     cargo build --release && python3 scripts/bench_preempt_serving.py [--rate 1.5] [--requests 60]
 """
@@ -96,6 +97,11 @@ def main():
     def mean(name, key):
         return sum(r[key] for r in rows[name]) / len(rows[name])
 
+    # Every stream's answer against the first arm's first round's, request by request.
+    first = rows[next(iter(rows))][0]["answers"]
+    pairs = [(x, y) for rs in rows.values() for r in rs for x, y in zip(first, r["answers"]) if x and y]
+    same = sum(x == y for x, y in pairs)
+    print(f"answers identical to the first arm's: {same} of {len(pairs)} compared")
     if "swap" in rows and "recompute" in rows:
         for key in ("goodput_requests_per_s", "output_tokens_per_s"):
             s, c = mean("swap", key), mean("recompute", key)

@@ -213,6 +213,13 @@ impl<S: futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin> Lines<S> 
     }
 }
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// One byte into an FNV-1a digest.
+fn fnv1a(h: u64, b: u8) -> u64 {
+    (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
+}
+
 async fn one(
     http: &reqwest::Client,
     addr: SocketAddr,
@@ -235,6 +242,7 @@ async fn one(
             buf: Vec::new(),
         };
         let mut last = None::<Instant>;
+        let mut answer = FNV_OFFSET;
         while let Some(l) = lines.next().await? {
             if l.starts_with("event: error") {
                 let data = lines.next().await?.unwrap_or_default();
@@ -247,10 +255,9 @@ async fn one(
                 break;
             }
             let v: serde_json::Value = serde_json::from_str(data)?;
-            if v["choices"][0]["text"]
-                .as_str()
-                .is_some_and(|t| !t.is_empty())
-            {
+            let text = v["choices"][0]["text"].as_str().unwrap_or_default();
+            answer = text.bytes().fold(answer, fnv1a);
+            if !text.is_empty() {
                 let now = Instant::now();
                 match last {
                     None => o.ttft = Some(now - sent),
@@ -262,10 +269,11 @@ async fn one(
                 o.tokens = u["completion_tokens"].as_u64().unwrap_or(0) as usize;
             }
         }
-        Ok::<_, anyhow::Error>(())
+        Ok::<_, anyhow::Error>(answer)
     };
-    if let Err(e) = run.await {
-        o.error = Some(e.to_string());
+    match run.await {
+        Ok(answer) => o.answer = Some(answer),
+        Err(e) => o.error = Some(e.to_string()),
     }
     o.e2e = sent.elapsed();
     if o.tokens == 0 {
@@ -557,6 +565,7 @@ pub fn report(
         "ttft_cdf_ms": cdf(&mut ttft), "itl_cdf_ms": cdf(&mut itl),
         "timeline": timeline(a, run),
         "first_error": outcomes.iter().find_map(|o| o.error.clone()),
+        "answers": outcomes.iter().map(|o| o.answer.map(|h| format!("{h:016x}"))).collect::<Vec<_>>(),
         "prompt_tokens_sent": sent_prompt,
         "prompt_tokens_admitted": cache.map(|c| c.prompt),
         "prefix_hit_ratio": cache.map(|c| if c.prompt == 0 { 0.0 } else { c.hit as f64 / c.prompt as f64 }),

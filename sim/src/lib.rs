@@ -171,6 +171,10 @@ pub struct Outcome {
     pub decisions: Vec<PrefillDecision>,
     /// Refusals by decode workers.
     pub refusals: u32,
+    /// A digest of the answer's text as the client received it (FNV-1a), to compare two runs'
+    /// answers request by request; `None` for a failed request or a simulated one (its mock
+    /// tokens have no text).
+    pub answer: Option<u64>,
 }
 
 /// A run's results.
@@ -618,6 +622,7 @@ impl Sim {
                 phases: std::mem::take(&mut q.phases),
                 decisions: std::mem::take(&mut q.decisions),
                 refusals: q.refusals,
+                answer: None,
             });
         }
         for w in &self.workers {
