@@ -104,7 +104,7 @@ def decode_stat(m, field):
     return sum(v for k, v in m.items() if k.startswith(f"tandem_worker_{field}{{") and 'role="decode"' in k)
 
 
-def settled(addr, limit=30):
+def settled(addr, limit=20):
     """`/metrics` once the decode workers hold nothing (heartbeats carry their figures), or
     after `limit` seconds."""
     deadline = time.time() + limit

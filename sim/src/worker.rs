@@ -219,11 +219,12 @@ impl Sim {
             return;
         }
         wk.busy = false;
-        for ev in std::mem::take(&mut self.workers[w].pending) {
-            self.token(ev);
-        }
+        // As a real worker sends them: the step's preemptions, then its tokens.
         for id in self.workers[w].engine.take_preempted() {
             self.preempted(id);
+        }
+        for ev in std::mem::take(&mut self.workers[w].pending) {
+            self.token(ev);
         }
         for id in self.workers[w].engine.take_prefilled() {
             let Some(sent) = self.workers[w].engine.discard_prefilled(id) else {
