@@ -263,19 +263,15 @@ pub fn matmul_many(
         });
         acts[f] = q;
     }
-    // The 512-bit kernels take 8-bit weights' activations offset by 128: one copy a matmul.
+    // The 512-bit kernels take their activations widened: one copy a matmul.
     #[cfg(target_arch = "x86_64")]
-    let offset: [Vec<u8>; 5] = std::array::from_fn(|f| {
-        let wanted = crate::avx512()
-            && outs.iter().any(|(w, _)| {
-                w.packed.is_some()
-                    && act_format(w.dtype) == f
-                    && crate::packed::avx512::offset_weights(w.dtype)
-            });
-        if wanted {
-            crate::packed::avx512::offset_quants(&acts[f])
-        } else {
-            Vec::new()
+    let wide: [Vec<u8>; 5] = std::array::from_fn(|f| {
+        let packed = outs
+            .iter()
+            .find(|(w, _)| w.packed.is_some() && act_format(w.dtype) == f);
+        match packed {
+            Some((w, _)) if crate::avx512() => crate::packed::avx512::widen(w.dtype, &acts[f]),
+            _ => Vec::new(),
         }
     });
     // Work items: (matrix, first row, end row), each a whole number of NR-row tiles. A single
@@ -327,10 +323,7 @@ pub fn matmul_many(
                 (acts[f].as_ptr() as usize, acts[f].len() / m)
             };
             #[cfg(target_arch = "x86_64")]
-            let xo = match offset[f].is_empty() {
-                true => xp,
-                false => offset[f].as_ptr() as usize,
-            };
+            let xo = wide[f].as_ptr() as usize;
             #[cfg(not(target_arch = "x86_64"))]
             let xo = xp;
             (

@@ -453,7 +453,7 @@ mod tests {
                         _ => quantize_row_q8(xr, qr, with_sum),
                     }
                 }
-                let xo = avx512::offset_quants(&x);
+                let xo = avx512::widen(dt, &x);
                 let run = |kernel: usize, (n0, n1): (usize, usize)| {
                     let mut out = vec![0f32; m * rows];
                     // SAFETY: the CPU has AVX2/FMA/F16C (isa) and AVX-512 VNNI/VL (checked
