@@ -229,6 +229,20 @@ macro_rules! x86_kernels {
             }
         }
 
+        /// Prefetches `bytes` at `p` (a block of the next group, the next tile's): the
+        /// hardware's prefetchers alone leave a step waiting on its weights (see the 512-bit
+        /// kernels' `ahead`).
+        #[inline]
+        #[target_feature(enable = $features)]
+        unsafe fn ahead(p: *const u8, bytes: usize) {
+            let mut at = 0;
+            while at < bytes {
+                // A prefetch never faults, wherever it points.
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(at) as *const i8);
+                at += 64;
+            }
+        }
+
         /// 4-bit affine weights (Q4_1 with f16 scales, against Q8_1 activations; Q4_K sub-blocks
         /// with f32 ones, `F32S`, against Q8_K-style blocks with integer sums).
         #[allow(unused_unsafe)]
@@ -250,6 +264,7 @@ macro_rules! x86_kernels {
             unsafe {
                 for b in 0..nb {
                     let p = w.add(b * gb);
+                    ahead(p.wrapping_add(nb * gb), gb);
                     let d = scales::<F32S>(p);
                     let mn = scales::<F32S>(p.add(sb));
                     let mut v = [_mm256_setzero_si256(); 8];
@@ -342,6 +357,7 @@ macro_rules! x86_kernels {
             unsafe {
                 for b in 0..nb {
                     let p = w.add(b * gb);
+                    ahead(p.wrapping_add(nb * gb), gb);
                     let (d, d_hi) = if SPLIT {
                         (scales::<true>(p), scales::<true>(p.add(32)))
                     } else {
