@@ -75,4 +75,6 @@ pub enum KernelError {
 #[cfg(feature = "compute")]
 mod pool;
 #[cfg(feature = "compute")]
-pub use pool::{avx512, for_each, for_each_chunk_mut, isa, set_threads, threads, vnni, Isa};
+pub use pool::{
+    avx512, for_each, for_each_chunk_mut, isa, prefetch_weights, set_threads, threads, vnni, Isa,
+};

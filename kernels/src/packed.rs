@@ -151,6 +151,7 @@ macro_rules! x86_kernels {
             ldo: usize,
         ) {
             let gb = group_block_bytes(dtype) * nb;
+            let pf = crate::prefetch_weights();
             let mut mb = 0;
             while mb < m {
                 let me = (mb + 64).min(m);
@@ -171,15 +172,15 @@ macro_rules! x86_kernels {
                                 ($m:literal) => {
                                     match dtype {
                                         DType::Q4_1 => {
-                                            tile_q4::<$m, false>(wg, nb, xi, x_row, o, ldo)
+                                            tile_q4::<$m, false>(wg, nb, xi, x_row, o, ldo, pf)
                                         }
                                         DType::Q4_K => {
-                                            tile_q4::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                            tile_q4::<$m, true>(wg, nb, xi, x_row, o, ldo, pf)
                                         }
                                         DType::Q6_K => {
-                                            tile_q8::<$m, true>(wg, nb, xi, x_row, o, ldo)
+                                            tile_q8::<$m, true>(wg, nb, xi, x_row, o, ldo, pf)
                                         }
-                                        _ => tile_q8::<$m, false>(wg, nb, xi, x_row, o, ldo),
+                                        _ => tile_q8::<$m, false>(wg, nb, xi, x_row, o, ldo, pf),
                                     }
                                 };
                             }
@@ -245,7 +246,7 @@ macro_rules! x86_kernels {
 
         /// 4-bit affine weights (Q4_1 with f16 scales, against Q8_1 activations; Q4_K sub-blocks
         /// with f32 ones, `F32S`, against Q8_K-style blocks with integer sums).
-        #[allow(unused_unsafe)]
+        #[allow(unused_unsafe, clippy::too_many_arguments)]
         #[inline]
         #[target_feature(enable = $features)]
         unsafe fn tile_q4<const M: usize, const F32S: bool>(
@@ -255,6 +256,7 @@ macro_rules! x86_kernels {
             x_row: usize,
             out: *mut f32,
             ldo: usize,
+            pf: bool,
         ) {
             let mut acc = [_mm256_setzero_ps(); M];
             let low = _mm256_set1_epi8(0x0f);
@@ -264,7 +266,7 @@ macro_rules! x86_kernels {
             unsafe {
                 for b in 0..nb {
                     let p = w.add(b * gb);
-                    ahead(p.wrapping_add(nb * gb), gb);
+                    ahead(p.wrapping_add(nb * gb), if pf { gb } else { 0 });
                     let d = scales::<F32S>(p);
                     let mn = scales::<F32S>(p.add(sb));
                     let mut v = [_mm256_setzero_si256(); 8];
@@ -341,6 +343,7 @@ macro_rules! x86_kernels {
         /// 8-bit symmetric weights (Q8_0 with one f16 scale a block; Q6_K sub-blocks with an f32
         /// scale for each half, `SPLIT`) against Q8_0 activations.
         #[inline]
+        #[allow(clippy::too_many_arguments)]
         #[target_feature(enable = $features)]
         unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
             w: *const u8,
@@ -349,6 +352,7 @@ macro_rules! x86_kernels {
             x_row: usize,
             out: *mut f32,
             ldo: usize,
+            pf: bool,
         ) {
             let mut acc = [_mm256_setzero_ps(); M];
             let ones = _mm256_set1_epi16(1);
@@ -357,7 +361,7 @@ macro_rules! x86_kernels {
             unsafe {
                 for b in 0..nb {
                     let p = w.add(b * gb);
-                    ahead(p.wrapping_add(nb * gb), gb);
+                    ahead(p.wrapping_add(nb * gb), if pf { gb } else { 0 });
                     let (d, d_hi) = if SPLIT {
                         (scales::<true>(p), scales::<true>(p.add(32)))
                     } else {

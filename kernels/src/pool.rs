@@ -337,6 +337,14 @@ pub fn vnni() -> bool {
     })
 }
 
+/// Whether the packed matmul kernels prefetch the next tile's weights as they go (see
+/// `packed::avx512::ahead`): yes, unless `TANDEM_PREFETCH=off` (to measure it on a new CPU in
+/// one binary). Outputs are bitwise the same either way.
+pub fn prefetch_weights() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| !std::env::var("TANDEM_PREFETCH").is_ok_and(|v| v == "off"))
+}
+
 /// Whether the quantised matmul kernels run at 512 bits (two interleaved groups a vector, with
 /// AVX-512 F, BW, VL and VNNI): where [`vnni`] holds and the CPU has them, unless
 /// `TANDEM_ISA=vnni` asks for the 256-bit VNNI kernels. Outputs are bitwise the same either way.

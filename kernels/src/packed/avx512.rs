@@ -50,6 +50,7 @@ pub unsafe fn chunk(
 ) {
     let gb = group_block_bytes(dtype) * nb;
     let xw_row = nb * WIDE;
+    let pf = crate::prefetch_weights();
     let (g0, g1) = (n0 / GROUP, n1 / GROUP);
     let pairs_end = g0 + (g1 - g0) / 2 * 2;
     let mut mb = 0;
@@ -69,10 +70,16 @@ pub unsafe fn chunk(
                     macro_rules! tile {
                         ($m:literal) => {
                             match dtype {
-                                DType::Q4_1 => tile_q4::<$m, false>(wg, gb, nb, xi, xw_row, o, ldo),
-                                DType::Q4_K => tile_q4::<$m, true>(wg, gb, nb, xi, xw_row, o, ldo),
-                                DType::Q6_K => tile_q8::<$m, true>(wg, gb, nb, xi, xw_row, o, ldo),
-                                _ => tile_q8::<$m, false>(wg, gb, nb, xi, xw_row, o, ldo),
+                                DType::Q4_1 => {
+                                    tile_q4::<$m, false>(wg, gb, nb, xi, xw_row, o, ldo, pf)
+                                }
+                                DType::Q4_K => {
+                                    tile_q4::<$m, true>(wg, gb, nb, xi, xw_row, o, ldo, pf)
+                                }
+                                DType::Q6_K => {
+                                    tile_q8::<$m, true>(wg, gb, nb, xi, xw_row, o, ldo, pf)
+                                }
+                                _ => tile_q8::<$m, false>(wg, gb, nb, xi, xw_row, o, ldo, pf),
                             }
                         };
                     }
@@ -139,7 +146,7 @@ pub fn widen(dtype: DType, x: &[u8]) -> Vec<u8> {
 }
 
 /// Prefetches the block at `p` of the next pair of groups (`2 * apart` on, the next tile's),
-/// `bytes` long for each group. The hardware's prefetchers alone left a step waiting on its
+/// `bytes` long for each group (0 where [`crate::prefetch_weights`] is off). The hardware's prefetchers alone left a step waiting on its
 /// weights: with this, on a 2-vCPU Xeon, batch-1 decode ran 1.46x faster and a 5-row step
 /// 1.5x (BENCHMARKS, "what made it fast").
 #[inline]
@@ -203,6 +210,7 @@ unsafe fn scales<const F32S: bool>(p: *const u8, apart: usize) -> __m512 {
 /// against Q8_K-style blocks with integer sums), for groups at `w` and `w + apart`, against
 /// widened activations.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn tile_q4<const M: usize, const F32S: bool>(
     w: *const u8,
@@ -212,6 +220,7 @@ unsafe fn tile_q4<const M: usize, const F32S: bool>(
     x_row: usize,
     out: *mut f32,
     ldo: usize,
+    pf: bool,
 ) {
     let mut acc = [_mm512_setzero_ps(); M];
     let low = _mm512_set1_epi8(0x0f);
@@ -220,7 +229,7 @@ unsafe fn tile_q4<const M: usize, const F32S: bool>(
     unsafe {
         for b in 0..nb {
             let p = w.add(b * gb);
-            ahead(p, apart, gb);
+            ahead(p, apart, if pf { gb } else { 0 });
             let d = scales::<F32S>(p, apart);
             let mn = scales::<F32S>(p.add(sb), apart);
             let mut v = [_mm512_setzero_si512(); 8];
@@ -250,6 +259,7 @@ unsafe fn tile_q4<const M: usize, const F32S: bool>(
 /// 8-bit symmetric weights, as the 256-bit `tile_q8` (Q8_0; Q6_K sub-blocks with a scale for
 /// each half, `SPLIT`), for groups at `w` and `w + apart`, against activations offset by 128.
 #[inline]
+#[allow(clippy::too_many_arguments)]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
     w: *const u8,
@@ -259,6 +269,7 @@ unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
     x_row: usize,
     out: *mut f32,
     ldo: usize,
+    pf: bool,
 ) {
     let mut acc = [_mm512_setzero_ps(); M];
     let ones = _mm512_set1_epi8(1);
@@ -267,7 +278,7 @@ unsafe fn tile_q8<const M: usize, const SPLIT: bool>(
     unsafe {
         for b in 0..nb {
             let p = w.add(b * gb);
-            ahead(p, apart, gb);
+            ahead(p, apart, if pf { gb } else { 0 });
             let (d, d_hi) = if SPLIT {
                 (scales::<true>(p, apart), scales::<true>(p.add(32), apart))
             } else {
