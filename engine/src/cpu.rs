@@ -260,6 +260,14 @@ impl CpuForward {
         be.rms_norm(&rows, &self.weights.norm, c.rms_eps, &mut normed);
         let mut logits = vec![0f32; n * vocab];
         be.matmul(&self.weights.output, &normed, n, &mut logits)?;
+        let takes = |s: &SeqChunk<'_>| !s.logits.rows(s.tokens.len()).is_empty();
+        if batch.iter().filter(|s| takes(s)).count() == 1 {
+            // One sequence's rows (a batch-1 or verify step): its logits are all of them.
+            return Ok(batch
+                .iter()
+                .map(|s| takes(s).then(|| std::mem::take(&mut logits)))
+                .collect());
+        }
         let mut at = 0;
         Ok(batch
             .iter()

@@ -268,13 +268,25 @@ pub fn uniform(seed: u64, pos: usize) -> f64 {
 
 /// Index of the largest logit (the lowest index among equals).
 pub fn argmax(logits: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = i;
+    // The largest value in 16 lanes (vectorised: a verify step draws several rows of 49,152
+    // logits), then its first index. NaNs are never the largest, as in a scan keeping the first
+    // strictly greater value; a NaN first value wins there, and here too.
+    if logits.first().is_none_or(|v| v.is_nan()) {
+        return 0;
+    }
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let chunks = logits.chunks_exact(16);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for (m, &v) in lanes.iter_mut().zip(c) {
+            *m = if v > *m { v } else { *m };
         }
     }
-    best as u32
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    logits.iter().position(|&v| v == max).unwrap_or(0) as u32
 }
 
 /// Picks tokens for one request.
@@ -432,6 +444,43 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn argmax_is_the_first_strictly_greater_value_of_a_scan() {
+        let scan = |l: &[f32]| {
+            let mut best = 0;
+            for (i, &v) in l.iter().enumerate() {
+                if v > l[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        };
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        for case in 0..400 {
+            let n = 1 + case % 70;
+            let mut l: Vec<f32> = (0..n)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    // Few distinct values, so ties are common.
+                    (x % 5) as f32 - 2.0
+                })
+                .collect();
+            match case % 5 {
+                1 => l[(case * 7) % n] = f32::NAN,
+                2 => l[0] = f32::NAN,
+                3 => l.iter_mut().for_each(|v| *v = f32::NEG_INFINITY),
+                4 => l[(case * 3) % n] = -0.0,
+                _ => {}
+            }
+            assert_eq!(argmax(&l), scan(&l), "{l:?}");
+        }
+        assert_eq!(argmax(&[]), 0);
+        assert_eq!(argmax(&[0.0, -0.0, 0.0]), 0);
+        assert_eq!(argmax(&[-0.0, 0.0]), 0);
+    }
 
     /// A direct reading of the module doc's definition, value by value: each vocabulary
     /// entry's counts found by scanning the sequence.
