@@ -345,8 +345,8 @@ pub fn matmul_many(
             let (w, x, o, nb) = (packed as *const u8, xp as *const u8, o.0, k / QK);
             // SAFETY: as below; the packed copy exists only on AVX2 machines (the VNNI kernels
             // run only where `vnni()` found AVX-512 VNNI and VL, the 512-bit ones where
-            // `avx512()` found F and BW too, with `xo` the offset copy of `x` made above for
-            // 8-bit weights), its rows are a multiple of 8 and so are n0 and n1 (chunks are
+            // `avx512()` found F and BW too, with `xo` the widened copy of `x` made
+            // above), its rows are a multiple of 8 and so are n0 and n1 (chunks are
             // whole groups).
             unsafe {
                 use crate::packed::{avx2, avx512, vnni};

@@ -478,7 +478,7 @@ mod tests {
                     let mut out = vec![0f32; m * rows];
                     // SAFETY: the CPU has AVX2/FMA/F16C (isa) and AVX-512 VNNI/VL (checked
                     // above), and F/BW where the 512-bit kernel runs; the buffers hold `rows`
-                    // packed rows, `m` activation rows (and their offset copy) and `m * rows`
+                    // packed rows, `m` activation rows (and their widened copy) and `m * rows`
                     // outputs.
                     let (wp, xp, op) = (packed.as_ptr(), x.as_ptr(), out.as_mut_ptr());
                     let nb = cols / 32;

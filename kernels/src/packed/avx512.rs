@@ -146,9 +146,9 @@ pub fn widen(dtype: DType, x: &[u8]) -> Vec<u8> {
 }
 
 /// Prefetches the block at `p` of the next pair of groups (`2 * apart` on, the next tile's),
-/// `bytes` long for each group (0 where [`crate::prefetch_weights`] is off). The hardware's prefetchers alone left a step waiting on its
-/// weights: with this, on a 2-vCPU Xeon, batch-1 decode ran 1.46x faster and a 5-row step
-/// 1.5x (BENCHMARKS, "what made it fast").
+/// `bytes` long for each group (0 where [`crate::prefetch_weights`] is off). The hardware's
+/// prefetchers alone left a step waiting on its weights: with this, on a 2-vCPU Xeon, batch-1
+/// decode ran 1.4-1.8x faster and a 5-row step 1.5x (BENCHMARKS, "what made it fast").
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
 unsafe fn ahead(p: *const u8, apart: usize, bytes: usize) {
