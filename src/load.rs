@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
+use types::sum::{fnv1a, FNV_OFFSET};
 
 /// Arguments of `tandem bench load`.
 #[derive(Args, Debug)]
@@ -213,13 +214,6 @@ impl<S: futures::Stream<Item = reqwest::Result<bytes::Bytes>> + Unpin> Lines<S> 
     }
 }
 
-const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
-
-/// One byte into an FNV-1a digest.
-fn fnv1a(h: u64, b: u8) -> u64 {
-    (h ^ b as u64).wrapping_mul(0x0100_0000_01b3)
-}
-
 async fn one(
     http: &reqwest::Client,
     addr: SocketAddr,
@@ -256,7 +250,7 @@ async fn one(
             }
             let v: serde_json::Value = serde_json::from_str(data)?;
             let text = v["choices"][0]["text"].as_str().unwrap_or_default();
-            answer = text.bytes().fold(answer, fnv1a);
+            answer = text.bytes().fold(answer, |h, b| fnv1a(h, b as u64));
             if !text.is_empty() {
                 let now = Instant::now();
                 match last {

@@ -80,10 +80,9 @@ pub(crate) struct Drafter {
 /// The hash of an n-gram (FNV-1a over its length and ids; a collision is harmless, a match is
 /// checked).
 fn hash(tokens: &[u32]) -> u64 {
-    let seed = (0xcbf2_9ce4_8422_2325u64 ^ tokens.len() as u64).wrapping_mul(0x0100_0000_01b3);
-    tokens
-        .iter()
-        .fold(seed, |h, &t| (h ^ t as u64).wrapping_mul(0x0100_0000_01b3))
+    use types::sum::{fnv1a, FNV_OFFSET};
+    let seed = fnv1a(FNV_OFFSET, tokens.len() as u64);
+    tokens.iter().fold(seed, |h, &t| fnv1a(h, t as u64))
 }
 
 impl Drafter {

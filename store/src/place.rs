@@ -6,9 +6,8 @@ use crate::ObjectKey;
 
 /// FNV-1a over a node's name: stable across processes and builds.
 fn name_hash(name: &str) -> u64 {
-    name.bytes().fold(0xCBF2_9CE4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x0000_0100_0000_01B3)
-    })
+    use types::sum::{fnv1a, FNV_OFFSET};
+    name.bytes().fold(FNV_OFFSET, |h, b| fnv1a(h, b as u64))
 }
 
 /// SplitMix64's finaliser: every input bit moves every output bit.

@@ -6,6 +6,8 @@
 //! one stream. It catches storage corruption (a flipped bit, a torn or truncated file); it is
 //! not a defence against someone who can write the tier's files (only the worker's own user
 //! can).
+//!
+//! Beside it, FNV-1a ([`fnv1a`]): a small hash of names and ids, the same in every process.
 
 const LANES: usize = 8;
 const CHUNK: usize = LANES * 8;
@@ -208,4 +210,13 @@ mod tests {
         assert_ne!(sum(&[0u8; 40]), sum(&[0u8; 41]), "zeros of two lengths");
         assert_ne!(block_sum(&[1, 2], s), block_sum(&[2, 1], s), "tokens count");
     }
+}
+
+/// FNV-1a's offset basis, where a digest starts.
+pub const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// One value into an FNV-1a digest (a byte, or a token id or a length taken whole): a small
+/// hash that is the same in every process and build (placement, n-grams, answers' digests).
+pub fn fnv1a(h: u64, v: u64) -> u64 {
+    (h ^ v).wrapping_mul(0x0100_0000_01b3)
 }
