@@ -263,9 +263,19 @@ pub fn matmul_many(
         });
         acts[f] = q;
     }
-    // The 512-bit kernels take their activations widened: one copy a matmul.
+    // The 512-bit kernels take their activations widened: one copy a matmul, for the one
+    // packable dtype of each activation format (the widening reads its blocks).
     #[cfg(target_arch = "x86_64")]
     let wide: [Vec<u8>; 5] = std::array::from_fn(|f| {
+        debug_assert!(
+            outs.iter()
+                .filter(|(w, _)| w.packed.is_some() && act_format(w.dtype) == f)
+                .map(|(w, _)| w.dtype)
+                .collect::<std::collections::HashSet<_>>()
+                .len()
+                <= 1,
+            "one packable dtype per activation format"
+        );
         let packed = outs
             .iter()
             .find(|(w, _)| w.packed.is_some() && act_format(w.dtype) == f);

@@ -9,7 +9,7 @@
 //! - [`KvEvent`]: a worker's prefix-cache change on its way to the router's KV index;
 //! - [`KvRegions`]: a KV pool as raw memory, for RDMA registration;
 //! - [`sum`]: the checksum every stored KV block carries (a worker's tiers, the cluster's
-//!   store), computed as the bytes are copied.
+//!   store), computed as the bytes are copied; and FNV-1a, a small hash of names and ids.
 
 mod identity;
 mod ids;

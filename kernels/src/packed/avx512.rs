@@ -5,7 +5,7 @@
 //! number of activation rows. Where a range has an odd number of groups, the last one runs the
 //! 256-bit VNNI kernel.
 //!
-//! Two changes of form, not of value:
+//! Three changes of form, not of value:
 //! - 8-bit weights: `vpdpbusd` multiplies unsigned by signed bytes, so where the 256-bit kernels
 //!   move the weights' signs onto the activations (`|w| x sign(x, w)`, a sign instruction per
 //!   chunk and row) these take the activations offset by 128 (`x + 128`, unsigned) against the
@@ -145,7 +145,8 @@ pub fn widen(dtype: DType, x: &[u8]) -> Vec<u8> {
     v
 }
 
-/// Prefetches the block at `p` of the next pair of groups (`2 * apart` on, the next tile's),
+/// Prefetches the block at `p` of the next pair of groups (`2 * apart` on: the next tile's,
+/// where the rows fit one tile),
 /// `bytes` long for each group (0 where [`crate::prefetch_weights`] is off). The hardware's
 /// prefetchers alone left a step waiting on its weights: with this, on a 2-vCPU Xeon, batch-1
 /// decode ran 1.4-1.8x faster and a 5-row step 1.5x (BENCHMARKS, "what made it fast").
