@@ -339,10 +339,20 @@ pub fn vnni() -> bool {
 
 /// Whether the packed matmul kernels prefetch the next tile's weights as they go (see
 /// `packed::avx512::ahead`): yes, unless `TANDEM_PREFETCH=off` (to measure it on a new CPU in
-/// one binary). Outputs are bitwise the same either way.
+/// one binary; any value but `on` and `off` is said on stderr, not ignored silently). Outputs
+/// are bitwise the same either way.
 pub fn prefetch_weights() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();
-    *ON.get_or_init(|| !std::env::var("TANDEM_PREFETCH").is_ok_and(|v| v == "off"))
+    *ON.get_or_init(|| match std::env::var("TANDEM_PREFETCH").as_deref() {
+        Ok("off") => false,
+        Ok("on") | Err(_) => true,
+        Ok(v) => {
+            eprintln!(
+                "TANDEM_PREFETCH={v:?} is neither \"on\" nor \"off\": the weights are prefetched"
+            );
+            true
+        }
+    })
 }
 
 /// Whether the quantised matmul kernels run at 512 bits (two interleaved groups a vector, with
