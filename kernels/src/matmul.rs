@@ -284,12 +284,14 @@ pub fn matmul_many(
             _ => Vec::new(),
         }
     });
-    // Work items: (matrix, first row, end row), each a whole number of NR-row tiles. A single
-    // activation row (a batch-1 decode step, which streams the weights once) takes one item
-    // per thread: each thread reads one contiguous run of rows, which the prefetchers follow
-    // from start to end (4 or 8 items a thread, or items shrinking towards the end, measured
-    // slower: each new item starts a new stream and claims a shared counter). Otherwise a few
-    // equal items per thread.
+    // Work items: (matrix, first row, end row), each a whole number of NR-row tiles: a
+    // thread's share of the rows, cut where a matrix ends. Each thread reads one contiguous run
+    // of weights, which the prefetchers (and the kernels' own) follow from start to end. Four
+    // items a thread measured slower at every row count — for a single row (batch-1 decode,
+    // which streams the weights), and as much for 2-9 rows (a verify step, a small batch: 6-8%
+    // a step at 5 and 9 rows with the 512-bit kernels, BENCHMARKS): each new item starts a
+    // new stream and claims a shared counter. (For a single row, items shrinking towards the end
+    // were slower too.)
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     let threads = crate::pool::threads();
     // Items are whole pairs of interleaved groups where a matrix allows (the 512-bit kernels
@@ -301,12 +303,11 @@ pub fn matmul_many(
             work.push((i, 0, w.rows));
         }
     } else {
-        let chunk = total.div_ceil(threads * 4).div_ceil(g).max(1) * g;
         let per_thread = total.div_ceil(threads).div_ceil(g) * g;
         for (i, (w, _)) in outs.iter().enumerate() {
             let mut n0 = 0;
             while n0 < w.rows {
-                let n1 = (n0 + if m == 1 { per_thread } else { chunk }).min(w.rows);
+                let n1 = (n0 + per_thread).min(w.rows);
                 work.push((i, n0, n1));
                 n0 = n1;
             }
