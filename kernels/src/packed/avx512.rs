@@ -22,10 +22,12 @@ use std::arch::x86_64::*;
 use super::{group_block_bytes, GROUP};
 use crate::quant::DType;
 
-/// Activation rows per tile (the tiles below are written out for 1 to 8: a tile's
-/// accumulators and a block's unpacked weights fit the 32 vector registers).
-const MR: usize = 8;
-const _: () = assert!(MR == 8);
+/// Activation rows per tile (the tiles below are written out for 1 to 9: a tile's
+/// accumulators and a block's unpacked weights fit the 32 vector registers). Nine, not eight:
+/// a speculative verify step of 8 drafts has 9 rows, which one tile then takes where two
+/// unpacked each block twice (a 9-row step 4% faster here, 8 and 16 rows unchanged).
+const MR: usize = 9;
+const _: () = assert!(MR == 9);
 
 /// Computes output columns `n0..n1` (multiples of 8) for all `m` activation rows, bitwise as
 /// [`super::vnni::chunk`] does. `xw` is `x` through [`widen`] for `dtype` (made once a matmul,
@@ -55,7 +57,8 @@ pub unsafe fn chunk(
     let pairs_end = g0 + (g1 - g0) / 2 * 2;
     let mut mb = 0;
     while mb < m {
-        let me = (mb + 64).min(m);
+        // Seven tiles of rows at a time (63), their activations kept in cache across the groups.
+        let me = (mb + 7 * MR).min(m);
         for g in (g0..pairs_end).step_by(2) {
             let mut i = mb;
             while i < me {
@@ -84,6 +87,7 @@ pub unsafe fn chunk(
                         };
                     }
                     match rows {
+                        9 => tile!(9),
                         8 => tile!(8),
                         7 => tile!(7),
                         6 => tile!(6),
