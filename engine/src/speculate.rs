@@ -202,19 +202,13 @@ impl Acceptance {
     }
 }
 
-/// The measured time of a step by its tokens: a moving average per token count, read through
-/// its lower envelope — a step of more tokens is never faster than one of fewer, so a count's
-/// time is at most the least measured for any count above it. (Noise only adds time: a count
-/// measured in a slow moment, and then never chosen because it looked slow, would otherwise
-/// keep its bad figure; the envelope lets the counts above it correct it.)
+/// The measured time of a step by its tokens: a moving average per token count.
 #[derive(Debug)]
 pub(crate) struct StepCosts {
     secs: Vec<Option<f64>>,
     /// The token counts measured, ascending (an estimate is two binary searches, not a scan:
     /// it runs for every draft count of every speculating sequence, every step).
     known: Vec<usize>,
-    /// `floor[i]`: the least time measured for `known[i]` or any count above it.
-    floor: Vec<f64>,
 }
 
 impl Default for StepCosts {
@@ -222,7 +216,6 @@ impl Default for StepCosts {
         StepCosts {
             secs: vec![None; COSTED_TOKENS + 1],
             known: Vec::new(),
-            floor: Vec::new(),
         }
     }
 }
@@ -238,12 +231,6 @@ impl StepCosts {
             self.known.insert(at, tokens);
         }
         *slot = Some(slot.map_or(secs, |s| s + COST_EMA * (secs - s)));
-        self.floor.resize(self.known.len(), 0.0);
-        let mut least = f64::INFINITY;
-        for (f, &t) in self.floor.iter_mut().zip(&self.known).rev() {
-            least = least.min(self.secs[t].expect("a known count is measured"));
-            *f = least;
-        }
     }
 
     /// A step of `tokens` tokens' time: measured, or on the line through the nearest measured
@@ -252,7 +239,10 @@ impl StepCosts {
     /// nothing measured at or below it.
     fn estimate(&self, tokens: usize) -> Option<f64> {
         let tokens = tokens.min(COSTED_TOKENS);
-        let point = |i: usize| (self.known[i], self.floor[i]);
+        let point = |i: usize| {
+            let t = self.known[i];
+            (t, self.secs[t].expect("a known count is measured"))
+        };
         let at = self.known.partition_point(|&t| t <= tokens);
         let below = point(at.checked_sub(1)?);
         if below.0 == tokens {
@@ -380,13 +370,5 @@ mod tests {
         let mut c = StepCosts::default();
         c.observe(4, 0.004);
         assert_eq!(c.estimate(8), Some(0.004));
-        // A count measured in a slow moment is bounded by a larger count's time (and the line
-        // to it), not kept at its bad figure while it is never chosen.
-        let mut c = StepCosts::default();
-        c.observe(1, 0.003);
-        c.observe(6, 0.012);
-        c.observe(9, 0.009);
-        assert_eq!(c.estimate(6), Some(0.009));
-        assert!((c.estimate(5).unwrap() - 0.0078).abs() < 1e-12);
     }
 }
