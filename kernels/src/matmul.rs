@@ -285,13 +285,13 @@ pub fn matmul_many(
         }
     });
     // Work items: (matrix, first row, end row), each a whole number of NR-row tiles: a
-    // thread's share of the rows, cut where a matrix ends. Each thread reads one contiguous run
-    // of weights, which the prefetchers (and the kernels' own) follow from start to end. Four
-    // items a thread measured slower at every row count — for a single row (batch-1 decode,
-    // which streams the weights), and as much for 2-9 rows (a verify step, a small batch: 6-8%
-    // a step at 5 and 9 rows with the 512-bit kernels, BENCHMARKS): each new item starts a
-    // new stream and claims a shared counter. (For a single row, items shrinking towards the end
-    // were slower too.)
+    // thread's share of the rows, cut where a matrix ends — about one item a thread, each a
+    // contiguous run of weights, which the prefetchers (and the kernels' own) follow from start
+    // to end. Four items a thread were slower for a single row (batch-1 decode, which streams
+    // the weights) and for 5 and 9 rows with the 512-bit kernels (a verify step, a small batch:
+    // 6-8% a step), no different at 16 rows or with the 256-bit kernels (BENCHMARKS): each new
+    // item starts a new stream and claims a shared counter. (For a single row, items shrinking
+    // towards the end were slower too.)
     let total: usize = outs.iter().map(|(w, _)| w.rows).sum();
     let threads = crate::pool::threads();
     // Items are whole pairs of interleaved groups where a matrix allows (the 512-bit kernels

@@ -432,8 +432,9 @@ mod tests {
 
     /// The VNNI kernels, at 256 and at 512 bits, give bitwise the AVX2 kernels' outputs, for
     /// every interleaved format, for a batch of one (decode) and for tiles of four (256 bits) or
-    /// eight (512 bits) rows with some left over; the 512-bit ones over ranges of an even and an
-    /// odd number of groups (the last of an odd one runs at 256 bits).
+    /// nine (512 bits) rows, whole and with some left over, and (70 rows) over more than one
+    /// 512-bit pass of 63 rows; the 512-bit ones over ranges of an even and an odd number of
+    /// groups (the last of an odd one runs at 256 bits).
     #[test]
     fn vnni_kernels_equal_the_avx2_ones_bitwise() {
         if !(crate::isa() == crate::Isa::Avx2
@@ -461,7 +462,7 @@ mod tests {
             let packed = pack(dt, &w, rows, cols);
             let with_sum = matches!(dt, DType::Q4_1 | DType::Q4_K);
             let x_row = cols / 32 * if with_sum { Q8_1_BYTES } else { Q8_0_BYTES };
-            for m in [1, 2, 3, 5, 6, 7, 8, 9, 13] {
+            for m in [1, 2, 3, 5, 6, 7, 8, 9, 10, 13, 19, 70] {
                 let xf: Vec<f32> = bytes(m * cols, m as u64 + 3)
                     .iter()
                     .map(|&b| b as f32 / 64.0 - 2.0)
