@@ -219,6 +219,7 @@ fn worker_settings(
         secret: secret(cfg)?,
         ready_file: a.ready_file.clone(),
         store: store_nodes(cfg, a),
+        store_discover: *cfg.store.discover.get_ref(),
         store_fetch_timeout: Duration::from_millis(*cfg.store.fetch_timeout_ms.get_ref()),
         store_replicas: *cfg.store.replicas.get_ref() as usize,
         drain_timeout: Duration::from_millis(*pool.drain_timeout_ms.get_ref()),
@@ -283,7 +284,10 @@ pub(crate) fn routing(cfg: &ClusterConfig) -> router::routing::Routing {
 }
 
 /// `[discovery]` as a member with `security` uses it (its credentials for `https://` etcd).
-fn discovery(cfg: &ClusterConfig, security: &pki::Security) -> Option<discovery::Config> {
+pub(crate) fn discovery(
+    cfg: &ClusterConfig,
+    security: &pki::Security,
+) -> Option<discovery::Config> {
     let d = cfg.discovery.as_ref()?;
     let tls = security.credentials().map(|c| {
         let (cert, key, ca) = c.pems();
@@ -395,6 +399,7 @@ pub fn router(a: RoleArgs) -> Result<()> {
     let rc = router::RouterConfig {
         discovery: discovery(&cfg, &security),
         store: store_nodes(&cfg, &a),
+        store_discover: *cfg.store.discover.get_ref(),
         security,
         listen: a
             .listen

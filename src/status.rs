@@ -94,7 +94,11 @@ fn store_cell(s: &Value) -> String {
 /// A store node's line: its address, whether the router follows it, and its figures.
 fn store_node_line(n: &Value) -> String {
     let uri = n["uri"].as_str().unwrap_or("?");
-    let state = if n["up"] == true { "followed" } else { "down" };
+    let up = if n["up"] == true { "followed" } else { "down" };
+    let state = match n["source"].as_str() {
+        Some("etcd") => format!("{up} (found in etcd)"),
+        _ => up.to_string(),
+    };
     let l = &n["load"];
     if l.is_null() {
         return format!("store node {uri}: {state}, no figures yet\n");

@@ -28,6 +28,19 @@ fn limits(cfg: &ClusterConfig) -> store::Limits {
     }
 }
 
+/// The address the node registers in etcd: `store.advertise`, else the one it serves on.
+fn advertised(cfg: &ClusterConfig, bound: SocketAddr) -> Result<String> {
+    if let Some(a) = &cfg.store.advertise {
+        return Ok(a.get_ref().clone());
+    }
+    if bound.ip().is_unspecified() {
+        bail!(
+            "the store serves on {bound}, which no other machine can dial: set store.advertise              to the http://HOST:PORT workers and routers reach it at (it is registered in etcd)"
+        );
+    }
+    Ok(format!("http://{bound}"))
+}
+
 /// `tandem store`.
 pub fn run(a: RoleArgs) -> Result<()> {
     let cfg = ClusterConfig::load(&a.config)?;
@@ -80,6 +93,16 @@ pub fn run(a: RoleArgs) -> Result<()> {
             "tandem store: {name} serving on http://{bound} (data connections on {data_bound})"
         );
         cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
+        if let Some(d) = cluster::discovery(&cfg, &security) {
+            let uri = advertised(&cfg, bound)?;
+            // Registered for as long as the node serves (the key goes with its lease).
+            drop(d.register(
+                discovery::Kind::Store,
+                store::node_id(&uri),
+                uri.clone().into_bytes(),
+            ));
+            eprintln!("tandem store: {name} registered in etcd as {uri}");
+        }
         store::node::serve(listener, data, &security, node)
             .await
             .map_err(|e| anyhow::anyhow!("the store node on {bound}: {e}"))

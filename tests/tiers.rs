@@ -552,3 +552,90 @@ fn metric_lines(at: std::net::SocketAddr, prefix: &str) -> u64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum::<f64>() as u64
 }
+
+/// Store nodes found through etcd (`[store] discover`): the workers and the router are told
+/// nothing of the store but etcd's address. Before any node registers, a prompt's blocks have
+/// nowhere to go (dropped, counted); a node started then is found by all of them — the next
+/// prompt's blocks are put there, indexed by the router, and served from there to the other
+/// worker once the first is killed; the node killed, its registration expires and it leaves
+/// the workers' links, the router's index and its metrics.
+#[test]
+fn store_nodes_registered_in_etcd_are_found_used_and_forgotten() {
+    if !tandem_tests::etcd::available() {
+        return eprintln!("skipped: no etcd binary (apt install etcd-server)");
+    }
+    let etcd = tandem_tests::etcd::Etcd::start();
+    let scratch = std::env::temp_dir().join(format!("tandem-store-etcd-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).unwrap();
+    let security = format!("[security]\ndir = {:?}\n", scratch.join("pki"));
+    let discovery = format!(
+        "[discovery]\netcd = [{:?}]\nprefix = \"/tandem/store-{}\"\nlease_ttl_ms = 2000\n",
+        etcd.endpoint(),
+        std::process::id()
+    );
+    let decode = format!("[decode.kv_tiers]\nhost_bytes = 100_000_000\n\n[store]\ndiscover = true\n\n{security}{discovery}");
+    let mut c = Cluster::of(0, 2).pools(["", &decode]).start(EXE.as_ref());
+    let nodes_used =
+        |c: &Cluster| stat(c, "decode-0", "kv_store_nodes") + stat(c, "decode-1", "kv_store_nodes");
+    let found = |c: &Cluster, source: &str| {
+        metric_at(
+            c.operator,
+            &format!("tandem_router_store_nodes{{source=\"{source}\"}}"),
+        )
+    };
+    let dropped = |c: &Cluster| {
+        stat(c, "decode-0", "kv_store_puts_dropped") + stat(c, "decode-1", "kv_store_puts_dropped")
+    };
+    assert_eq!(nodes_used(&c), 0);
+    complete(&c, &prompt(21, 6));
+    wait_until(
+        "the blocks dropped: no node yet",
+        Duration::from_secs(20),
+        || dropped(&c) >= 6,
+    );
+
+    let store_cfg = scratch.join("store.toml");
+    let store = format!("[decode]\n{security}{discovery}[store]\ncapacity_bytes = 1_000_000_000\n");
+    std::fs::write(&store_cfg, store).unwrap();
+    let (mut node, _) = StoreNode::start(EXE.as_ref(), &store_cfg);
+    wait_until(
+        "the node found by both workers and the router",
+        Duration::from_secs(20),
+        || nodes_used(&c) == 2 && found(&c, "etcd") == 1.0,
+    );
+    assert_eq!(found(&c, "config"), 0.0);
+    let second = prompt(22, 6);
+    let (text, served, other) = put_by_one(&c, &second);
+    let indexed = "tandem_router_kv_index_tier_blocks{tier=\"store\"}";
+    wait_until(
+        "the node's blocks in the router's index",
+        Duration::from_secs(10),
+        || metric_at(c.operator, indexed) == 6.0,
+    );
+    c.kill_worker(served);
+    c.wait_for(0, 1);
+    assert_eq!(
+        complete(&c, &second),
+        text,
+        "the same text from the store's blocks"
+    );
+    assert_eq!(
+        stat(&c, other, "kv_store_hits"),
+        6,
+        "fetched from the node found in etcd"
+    );
+
+    node.kill();
+    wait_until(
+        "the node's registration expired and forgotten",
+        Duration::from_secs(20),
+        || found(&c, "etcd") == 0.0 && metric_at(c.operator, indexed) == 0.0,
+    );
+    wait_until(
+        "the worker's link without the node",
+        Duration::from_secs(10),
+        || stat(&c, other, "kv_store_nodes") == 0,
+    );
+    let _ = std::fs::remove_dir_all(&scratch);
+}

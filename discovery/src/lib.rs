@@ -2,9 +2,12 @@
 //!
 //! Every member keeps one key under a lease it renews: workers `<prefix>/workers/<id>` (their
 //! join request: address, role, model identity, KV offers, protocol version), routers
-//! `<prefix>/routers/<id>` (their control endpoint). Routers watch the workers' prefix, workers
-//! the routers': each learns the others joining, leaving and expiring (a member killed or cut
-//! off stops renewing; etcd deletes its key when the lease's TTL runs out) without being told.
+//! `<prefix>/routers/<id>` (their control endpoint), store nodes `<prefix>/stores/<id>` (their
+//! address; `id` its hash, so a node started again at one address takes its key back).
+//! Routers watch the workers' prefix, workers the routers', and both the store nodes' (with
+//! `[store] discover`): each learns the others joining, leaving and expiring (a member killed
+//! or cut off stops renewing; etcd deletes its key when the lease's TTL runs out) without
+//! being told.
 //! The planner's leader is elected through etcd's election API on `<prefix>/planner`.
 //!
 //! Each task here keeps going through etcd outages: it reconnects (every wait has a deadline,
@@ -58,6 +61,8 @@ pub enum Kind {
     Worker,
     /// A router.
     Router,
+    /// A node of the cluster KV store (its value: the address it serves on).
+    Store,
 }
 
 impl Kind {
@@ -65,6 +70,7 @@ impl Kind {
         match self {
             Kind::Worker => "workers",
             Kind::Router => "routers",
+            Kind::Store => "stores",
         }
     }
 }
@@ -271,6 +277,58 @@ impl Config {
     }
 }
 
+/// The members of one kind as a watch's changes leave them: what joined and what left with
+/// each change.
+#[derive(Debug, Default)]
+pub struct Members(std::collections::BTreeMap<u64, Vec<u8>>);
+
+/// What one change did to [`Members`]: members gone (a new value counts as the old one gone
+/// and the new one come), then members come.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Diff {
+    /// Left (or changed: their old value).
+    pub gone: Vec<(u64, Vec<u8>)>,
+    /// Joined (or changed: their new value).
+    pub came: Vec<(u64, Vec<u8>)>,
+}
+
+impl Members {
+    /// Applies `c`: an [`Change::All`] drops whoever it does not list.
+    pub fn apply(&mut self, c: Change) -> Diff {
+        let mut d = Diff::default();
+        let puts = match c {
+            Change::All(all) => {
+                let listed = |id: &u64| all.iter().any(|(i, _)| i == id);
+                let gone: Vec<u64> = self.0.keys().copied().filter(|i| !listed(i)).collect();
+                for id in gone {
+                    d.gone.extend(self.0.remove(&id).map(|v| (id, v)));
+                }
+                all
+            }
+            Change::Put(id, v) => vec![(id, v)],
+            Change::Delete(id) => {
+                d.gone.extend(self.0.remove(&id).map(|v| (id, v)));
+                Vec::new()
+            }
+        };
+        for (id, v) in puts {
+            match self.0.insert(id, v.clone()) {
+                Some(old) if old == v => {}
+                old => {
+                    d.gone.extend(old.map(|o| (id, o)));
+                    d.came.push((id, v));
+                }
+            }
+        }
+        d
+    }
+
+    /// Every member's value, by id.
+    pub fn values(&self) -> impl Iterator<Item = &[u8]> {
+        self.0.values().map(Vec::as_slice)
+    }
+}
+
 /// The id in a member's key `<dir><16 hex digits>`.
 fn member_id(dir: &str, key: &[u8]) -> Option<u64> {
     let rest = std::str::from_utf8(key).ok()?.strip_prefix(dir)?;
@@ -294,6 +352,28 @@ pub fn random_id() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn members_say_who_came_and_went() {
+        let mut m = Members::default();
+        let v = |s: &str| s.as_bytes().to_vec();
+        let d = m.apply(Change::All(vec![(1, v("a")), (2, v("b"))]));
+        assert_eq!(d.came, [(1, v("a")), (2, v("b"))]);
+        assert!(d.gone.is_empty());
+        assert_eq!(
+            m.apply(Change::Put(2, v("b"))),
+            Diff::default(),
+            "no change"
+        );
+        let d = m.apply(Change::Put(2, v("c")));
+        assert_eq!((d.gone, d.came), (vec![(2, v("b"))], vec![(2, v("c"))]));
+        let d = m.apply(Change::All(vec![(2, v("c")), (3, v("d"))]));
+        assert_eq!((d.gone, d.came), (vec![(1, v("a"))], vec![(3, v("d"))]));
+        let d = m.apply(Change::Delete(3));
+        assert_eq!((d.gone, d.came), (vec![(3, v("d"))], vec![]));
+        assert_eq!(m.apply(Change::Delete(9)), Diff::default(), "unknown");
+        assert_eq!(m.values().collect::<Vec<_>>(), [b"c"]);
+    }
 
     #[test]
     fn keys_name_their_kind_and_id() {

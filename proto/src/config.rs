@@ -80,6 +80,15 @@ pub struct StoreSection {
     /// node that leaves loses no block another holds.
     #[serde(default)]
     pub nodes: Option<Spanned<Vec<String>>>,
+    /// Workers and the router: also use every node registered in etcd (`[discovery]`), as
+    /// they come and go; store nodes register there whenever `[discovery]` is set.
+    #[serde(default = "default_off")]
+    pub discover: Spanned<bool>,
+    /// A node registered in etcd: the address workers and the router dial
+    /// (`http://HOST:PORT`; default: the address it serves on, which must then be a
+    /// specific one, not 0.0.0.0).
+    #[serde(default)]
+    pub advertise: Option<Spanned<String>>,
     /// Copies of each block among `nodes` (all of them when fewer).
     #[serde(default = "default_store_replicas")]
     pub replicas: Spanned<u64>,
@@ -107,6 +116,8 @@ impl Default for StoreSection {
             put_deadline_ms: default_store_put_deadline_ms(),
             node: None,
             nodes: None,
+            discover: default_off(),
+            advertise: None,
             replicas: default_store_replicas(),
             fetch_timeout_ms: default_store_fetch_timeout_ms(),
             embedded: true,
@@ -135,6 +146,14 @@ impl StoreSection {
             (None, Some(ns)) => Some((ns.span(), "store.nodes")),
             (None, None) => None,
         }
+    }
+
+    /// Where workers are told to use a store (nodes named, or found through etcd), and the
+    /// key: for errors about it; `None`: no store set.
+    pub fn used_span(&self) -> Option<(std::ops::Range<usize>, &'static str)> {
+        let discover = *self.discover.get_ref();
+        self.nodes_span()
+            .or_else(|| discover.then(|| (self.discover.span(), "store.discover")))
     }
 }
 
@@ -698,7 +717,7 @@ impl ClusterConfig {
         }
         ctx.kv_transfer(&cfg.kv_transfer)?;
         ctx.store(&cfg.store)?;
-        if let Some((span, key)) = cfg.store.nodes_span() {
+        if let Some((span, key)) = cfg.store.used_span() {
             for (name, pool) in [
                 ("prefill", cfg.prefill.as_ref()),
                 ("decode", Some(&cfg.decode)),
@@ -721,13 +740,18 @@ impl ClusterConfig {
         if let Some(d) = &cfg.discovery {
             ctx.discovery(d)?;
         }
+        let discover = &cfg.store.discover;
+        if *discover.get_ref() && cfg.discovery.is_none() {
+            let m = "store nodes are found through etcd: set [discovery]";
+            return ctx.err(discover.span(), "store.discover", m);
+        }
         Ok(cfg)
     }
 
     /// Whether `tandem up` starts a store node of its own (see [`StoreSection::embedded`]):
     /// no node set, embedding not turned off, and every pool has a host tier.
     pub fn embedded_store(&self) -> bool {
-        self.store.nodes_span().is_none()
+        self.store.used_span().is_none()
             && self.store.embedded
             && self.decode.has_host_tier()
             && self.prefill.as_ref().is_none_or(PoolSection::has_host_tier)

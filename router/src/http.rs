@@ -551,6 +551,11 @@ pub async fn metrics(AxState(state): AxState<Arc<State>>) -> Response {
     }
     let store = state.registry.indexed_store_blocks() as f64;
     metrics::gauge!("tandem_router_kv_index_tier_blocks", "tier" => "store").set(store);
+    let nodes = state.registry.store_nodes();
+    for source in crate::store_watch::Source::ALL {
+        let n = nodes.iter().filter(|n| n.source == source).count();
+        metrics::gauge!("tandem_router_store_nodes", "source" => source.name()).set(n as f64);
+    }
     for w in state.registry.workers() {
         let labels = [("worker", w.name.clone()), ("role", w.pool.to_string())];
         metrics::gauge!("tandem_worker_in_flight", &labels).set(w.in_flight() as f64);

@@ -95,6 +95,8 @@ pub struct RouterConfig {
     pub discovery: Option<discovery::Config>,
     /// The cluster KV store's nodes (`http://HOST:PORT`), whose holdings the KV index follows.
     pub store: Vec<String>,
+    /// Whether to follow the store nodes registered in etcd too (`[store] discover`).
+    pub store_discover: bool,
 }
 
 /// Which actuator the planner drives.
@@ -417,7 +419,12 @@ pub async fn run(cfg: RouterConfig, on_ready: impl FnOnce(Bound)) -> Result<(), 
     let router_id = discovery::random_id();
     for (node, uri) in cfg.store.iter().enumerate() {
         let (registry, security) = (state.registry.clone(), cfg.security.clone());
-        tokio::spawn(store_watch::follow(registry, security, node, uri.clone()));
+        let at = (node, store_watch::Source::Config);
+        tokio::spawn(store_watch::follow(registry, security, at, uri.clone()));
+    }
+    if let (Some(d), true) = (&cfg.discovery, cfg.store_discover) {
+        let (registry, security) = (state.registry.clone(), cfg.security.clone());
+        store_watch::discover(d, registry, security, &cfg.store);
     }
     if let Some(d) = &cfg.discovery {
         members::start(d, router_id, state.registry.clone(), http_addr, ctrl_addr);
@@ -544,6 +551,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_router_prefill_decisions_total", Counter, "Where each prompt was prefilled and why: remote, local: short suffix (its uncached rest on the decode worker is short), local: no prefill worker."),
     ("tandem_router_forwarded_total", Counter, "Requests passed to another model's router ([router] models), by model."),
     ("tandem_router_kv_index_blocks", Gauge, "Blocks in the router's KV index (one entry per block per worker caching it)."),
+    ("tandem_router_store_nodes", Gauge, "The cluster store's nodes the router follows, by how it knows of them (config: named in cluster.toml; etcd: registered there)."),
     ("tandem_router_kv_index_tier_blocks", Gauge, "The KV index's entries by the tier holding them (pool, host, disk; a block in two tiers of a worker counts in each), and the blocks of the cluster store's it follows (store)."),
     ("tandem_router_request_phases_total", Counter, "Requests entering each phase of their life (reserving, prefilling, decoding, recomputing, done, failed, gone)."),
     ("tandem_planner_desired_replicas", Gauge, "Replicas the planner wants, by pool."),

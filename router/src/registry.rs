@@ -31,7 +31,7 @@ pub struct Registry {
     /// When a worker is given up on.
     pub liveness: Liveness,
     /// The cluster store's nodes as last seen (by node number; the status page's).
-    store_nodes: Mutex<Vec<crate::store_watch::NodeView>>,
+    store_nodes: Mutex<std::collections::BTreeMap<usize, crate::store_watch::NodeView>>,
 }
 
 impl Registry {
@@ -106,15 +106,22 @@ impl Registry {
     /// Changes what is known of store node `node`.
     pub fn set_store_node(&self, node: usize, f: impl FnOnce(&mut crate::store_watch::NodeView)) {
         let mut nodes = self.store_nodes.lock().expect("store nodes lock");
-        if nodes.len() <= node {
-            nodes.resize_with(node + 1, Default::default);
-        }
-        f(&mut nodes[node]);
+        f(nodes.entry(node).or_default());
+    }
+
+    /// Forgets store node `node` (its registration went): nothing it held stays indexed.
+    pub fn forget_store_node(&self, node: usize) {
+        self.with(|t| t.index_mut().clear_store(node));
+        self.store_nodes
+            .lock()
+            .expect("store nodes lock")
+            .remove(&node);
     }
 
     /// The store's nodes as last seen.
     pub fn store_nodes(&self) -> Vec<crate::store_watch::NodeView> {
-        self.store_nodes.lock().expect("store nodes lock").clone()
+        let nodes = self.store_nodes.lock().expect("store nodes lock");
+        nodes.values().cloned().collect()
     }
 
     /// Blocks of the cluster store's in the KV index.

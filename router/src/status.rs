@@ -296,7 +296,7 @@ fn store_nodes(state: &State) -> Value {
                    "puts_abandoned": l.puts_abandoned, "evictions": l.evictions,
                    "leases": l.leases, "soft_pins": l.soft_pins, "hard_pins": l.hard_pins})
         });
-        json!({"uri": n.uri, "up": n.up, "load": figures})
+        json!({"uri": n.uri, "source": n.source.name(), "up": n.up, "load": figures})
     };
     nodes.iter().map(row).collect::<Vec<_>>().into()
 }

@@ -26,7 +26,7 @@ mod place;
 pub use objects::{
     Change, Got, LeaseId, Limits, ObjectKey, Objects, Pin, PutId, PutStart, StoreError, StoreStats,
 };
-pub use place::place;
+pub use place::{name_hash as node_id, place};
 
 /// Has the C allocator keep freed memory for reuse rather than return it to the system at
 /// once: KV blocks (about a MiB each) are allocated and freed all the time by a store node's

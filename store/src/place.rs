@@ -4,8 +4,8 @@
 
 use crate::ObjectKey;
 
-/// FNV-1a over a node's name: stable across processes and builds.
-fn name_hash(name: &str) -> u64 {
+/// FNV-1a over a node's name: stable across processes and builds (a node's id in etcd, too).
+pub fn name_hash(name: &str) -> u64 {
     use types::sum::{fnv1a, FNV_OFFSET};
     name.bytes().fold(FNV_OFFSET, |h, b| fnv1a(h, b as u64))
 }

@@ -68,6 +68,8 @@ pub struct Settings {
     pub ready_file: Option<PathBuf>,
     /// The cluster KV store's nodes (`http://host:port`; none: no store).
     pub store: Vec<String>,
+    /// Whether the store's nodes registered in etcd are used too (`[store] discover`).
+    pub store_discover: bool,
     /// Copies of each block among the store's nodes.
     pub store_replicas: usize,
     /// How long a request waits for its prompt's blocks from the store.

@@ -47,6 +47,8 @@ pub struct StoreCounters {
     pub load_us: AtomicU64,
     /// Fetches that failed or ran out of time.
     pub fetch_failures: AtomicU64,
+    /// The nodes used now.
+    pub nodes: AtomicU64,
 }
 
 /// How long a worker leaves the store alone after a fetch failed or ran out of time: a frozen
@@ -121,13 +123,21 @@ fn data_addr(uri: &str, port: u32) -> Result<String, String> {
     Ok(format!("{host}:{port}"))
 }
 
+/// The store's nodes at one moment: those `cluster.toml` names and, with `[store] discover`,
+/// those registered in etcd now.
+#[derive(Default)]
+struct Members {
+    nodes: Vec<Node>,
+    uris: Vec<String>,
+}
+
 /// The store's nodes as a worker uses them: each block put on its `replicas` nodes by
-/// rendezvous hashing ([`store::place`]), fetched from the first of them that answers.
+/// rendezvous hashing ([`store::place`]), fetched from the first of them that answers. Each
+/// batch of puts and each fetch works on the nodes of its moment.
 #[derive(Clone)]
 pub struct StoreLink {
-    nodes: Vec<Node>,
+    members: Arc<std::sync::RwLock<Arc<Members>>>,
     security: pki::Security,
-    uris: Vec<String>,
     replicas: usize,
     /// The engine's block-name seed and the store's model key ([`engine::Engine::store_names`]).
     names: (u64, u64),
@@ -153,27 +163,75 @@ impl StoreLink {
         block_size: usize,
         fetch_timeout: Duration,
     ) -> Result<StoreLink, String> {
-        let node = |uri: &String| {
-            let endpoint = proto::secure::endpoint(security, uri, pki::Role::Store.dns())
-                .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?
-                .connect_timeout(fetch_timeout.max(Duration::from_secs(1)));
-            Ok(Node {
-                uri: uri.clone(),
-                client: StoreClient::new(endpoint.connect_lazy()),
-                backoff: Arc::default(),
-                idle: Arc::default(),
-            })
-        };
-        Ok(StoreLink {
-            nodes: uris.iter().map(node).collect::<Result<_, String>>()?,
+        let link = StoreLink {
+            members: Arc::default(),
             security: security.clone(),
-            uris: uris.to_vec(),
-            replicas: replicas.clamp(1, uris.len().max(1)),
+            replicas: replicas.max(1),
             names,
             block_size,
             fetch_timeout,
             counters: Arc::default(),
+        };
+        link.set_nodes(uris.to_vec())?;
+        Ok(link)
+    }
+
+    /// The nodes now.
+    fn members(&self) -> Arc<Members> {
+        self.members.read().expect("not poisoned").clone()
+    }
+
+    /// Uses the nodes at `uris` from now on (a node kept keeps its connections).
+    pub fn set_nodes(&self, uris: Vec<String>) -> Result<(), String> {
+        let now = self.members();
+        let node = |uri: &String| match now.uris.iter().position(|u| u == uri) {
+            Some(i) => Ok(now.nodes[i].clone()),
+            None => self.dial(uri),
+        };
+        let nodes = uris.iter().map(node).collect::<Result<_, String>>()?;
+        let n = uris.len() as u64;
+        *self.members.write().expect("not poisoned") = Arc::new(Members { nodes, uris });
+        self.counters.nodes.store(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Node `uri`, dialled when first used.
+    fn dial(&self, uri: &str) -> Result<Node, String> {
+        let endpoint = proto::secure::endpoint(&self.security, uri, pki::Role::Store.dns())
+            .map_err(|e| format!("the store at {uri}: {}", proto::secure::explain(&e)))?
+            .connect_timeout(self.fetch_timeout.max(Duration::from_secs(1)));
+        Ok(Node {
+            uri: uri.to_string(),
+            client: StoreClient::new(endpoint.connect_lazy()),
+            backoff: Arc::default(),
+            idle: Arc::default(),
         })
+    }
+
+    /// Follows the store nodes registered in etcd, beside the `fixed` ones, for as long as
+    /// the worker runs.
+    pub fn discover(&self, d: &discovery::Config, fixed: Vec<String>) {
+        let mut changes = d.watch(discovery::Kind::Store);
+        let link = self.clone();
+        tokio::spawn(async move {
+            let mut members = discovery::Members::default();
+            while let Some(c) = changes.recv().await {
+                if members.apply(c) == discovery::Diff::default() {
+                    continue;
+                }
+                let mut uris = fixed.clone();
+                for v in members.values() {
+                    let uri = String::from_utf8_lossy(v).into_owned();
+                    if !uris.contains(&uri) {
+                        uris.push(uri);
+                    }
+                }
+                tracing::info!(nodes = ?uris, "the cluster store's nodes changed (etcd)");
+                if let Err(e) = link.set_nodes(uris) {
+                    tracing::warn!("a store node registered in etcd is not usable: {e}");
+                }
+            }
+        });
     }
 
     fn key(&self, block: BlockHash) -> ObjectKey {
@@ -183,15 +241,15 @@ impl StoreLink {
         }
     }
 
-    /// The nodes holding `block`, best first (their numbers).
-    fn holders(&self, block: BlockHash) -> Vec<usize> {
+    /// The nodes of `m` holding `block`, best first (their numbers there).
+    fn holders(&self, m: &Members, block: BlockHash) -> Vec<usize> {
         let key = store::ObjectKey {
             model: self.names.1,
             block,
         };
-        store::place(key, &self.uris, self.replicas)
+        store::place(key, &m.uris, self.replicas)
             .into_iter()
-            .filter_map(|u| self.uris.iter().position(|x| x == u))
+            .filter_map(|u| m.uris.iter().position(|x| x == u))
             .collect()
     }
 
@@ -203,16 +261,23 @@ impl StoreLink {
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(BATCH);
             while rx.recv_many(&mut batch, BATCH).await > 0 {
-                let mut by_node = vec![Vec::new(); link.nodes.len()];
+                let m = link.members();
+                if m.nodes.is_empty() {
+                    // No node yet (none registered in etcd): nowhere to put them.
+                    let n = batch.drain(..).len() as u64;
+                    link.counters.dropped.fetch_add(n, Ordering::Relaxed);
+                    continue;
+                }
+                let mut by_node = vec![Vec::new(); m.nodes.len()];
                 for b in batch.drain(..) {
-                    for n in link.holders(b.hash) {
+                    for n in link.holders(&m, b.hash) {
                         by_node[n].push(b.clone());
                     }
                 }
                 let mut puts = tokio::task::JoinSet::new();
-                for (n, blocks) in by_node.into_iter().enumerate() {
+                for (node, blocks) in m.nodes.iter().zip(by_node) {
                     if !blocks.is_empty() {
-                        puts.spawn(link.clone().put_within(n, blocks));
+                        puts.spawn(link.clone().put_within(node.clone(), blocks));
                     }
                 }
                 puts.join_all().await;
@@ -221,30 +286,30 @@ impl StoreLink {
         tx
     }
 
-    /// [`StoreLink::put`] on node `n` within [`PUT_DEADLINE`]; a failure drops the blocks,
+    /// [`StoreLink::put`] on `node` within [`PUT_DEADLINE`]; a failure drops the blocks,
     /// counted.
-    async fn put_within(self, n: usize, blocks: Vec<StoreBlock>) {
+    async fn put_within(self, node: Node, blocks: Vec<StoreBlock>) {
         let count = blocks.len() as u64;
         let deadline = tokio::time::Instant::now() + PUT_DEADLINE;
-        let why = match tokio::time::timeout_at(deadline, self.put(n, blocks, deadline)).await {
+        let put = self.put(&node, blocks, deadline);
+        let why = match tokio::time::timeout_at(deadline, put).await {
             Ok(Ok(())) => return,
             Ok(Err(e)) => e,
             Err(_) => format!("no answer within {PUT_DEADLINE:?}"),
         };
         self.counters.dropped.fetch_add(count, Ordering::Relaxed);
-        let uri = &self.nodes[n].uri;
+        let uri = &node.uri;
         tracing::debug!("store put of {count} blocks on {uri} failed: {why}");
     }
 
-    /// Offers `blocks` to node `n`, then sends the bytes of those it wants on a data
+    /// Offers `blocks` to `node`, then sends the bytes of those it wants on a data
     /// connection.
     async fn put(
         &self,
-        n: usize,
+        node: &Node,
         blocks: Vec<StoreBlock>,
         deadline: tokio::time::Instant,
     ) -> Result<(), String> {
-        let node = &self.nodes[n];
         let objects = blocks
             .iter()
             .map(|b| PutSpec {
@@ -294,17 +359,16 @@ impl StoreLink {
         let t0 = Instant::now();
         let deadline = tokio::time::Instant::now() + self.fetch_timeout;
         let mut got: Vec<Option<StoreBlock>> = vec![None; wanted.len()];
-        let holders: Vec<Vec<usize>> = wanted.iter().map(|h| self.holders(*h)).collect();
+        let m = self.members();
+        let holders: Vec<Vec<usize>> = wanted.iter().map(|h| self.holders(&m, *h)).collect();
         let mut tried = vec![0usize; wanted.len()];
         let mut asked = false;
         for _ in 0..self.replicas {
             // Each missing block from its next holder not resting.
-            let mut asks: Vec<Vec<usize>> = vec![Vec::new(); self.nodes.len()];
+            let mut asks: Vec<Vec<usize>> = vec![Vec::new(); m.nodes.len()];
             for (i, hs) in holders.iter().enumerate() {
                 let rest = hs.iter().skip(tried[i]);
-                let next = rest
-                    .copied()
-                    .find(|&n| !self.nodes[n].resting(Instant::now()));
+                let next = rest.copied().find(|&n| !m.nodes[n].resting(Instant::now()));
                 if let (None, Some(n)) = (&got[i], next) {
                     tried[i] = hs.iter().position(|&x| x == n).map_or(hs.len(), |p| p + 1);
                     asks[n].push(i);
@@ -312,12 +376,10 @@ impl StoreLink {
             }
             let mut gets = tokio::task::JoinSet::new();
             for (n, idx) in asks.into_iter().enumerate().filter(|(_, v)| !v.is_empty()) {
-                let (link, hashes) = (
-                    self.clone(),
-                    idx.iter().map(|&i| wanted[i]).collect::<Vec<_>>(),
-                );
+                let (link, node) = (self.clone(), m.nodes[n].clone());
+                let hashes = idx.iter().map(|&i| wanted[i]).collect::<Vec<_>>();
                 gets.spawn(async move {
-                    let r = tokio::time::timeout_at(deadline, link.get(n, &hashes, deadline));
+                    let r = tokio::time::timeout_at(deadline, link.get(&node, &hashes, deadline));
                     (n, idx, r.await)
                 });
             }
@@ -330,8 +392,11 @@ impl StoreLink {
                 let Ok((n, idx, r)) = joined else { continue };
                 let blocks = match r {
                     Ok(Ok(b)) => b,
-                    Ok(Err(e)) => self.failed(n, e),
-                    Err(_) => self.failed(n, format!("no answer within {:?}", self.fetch_timeout)),
+                    Ok(Err(e)) => self.failed(&m.nodes[n], e),
+                    Err(_) => {
+                        let why = format!("no answer within {:?}", self.fetch_timeout);
+                        self.failed(&m.nodes[n], why)
+                    }
                 };
                 for (i, b) in idx.into_iter().zip(blocks) {
                     got[i] = Some(b);
@@ -355,23 +420,22 @@ impl StoreLink {
         blocks
     }
 
-    /// Node `n`'s fetch failed: counted, and the node left alone for [`BACKOFF`].
-    fn failed(&self, n: usize, why: String) -> Vec<StoreBlock> {
-        let uri = &self.nodes[n].uri;
+    /// A fetch from `node` failed: counted, and the node left alone for [`BACKOFF`].
+    fn failed(&self, node: &Node, why: String) -> Vec<StoreBlock> {
+        let uri = &node.uri;
         tracing::warn!("store fetch from {uri} failed ({why}): another replica or computing instead; {uri} is left alone for {BACKOFF:?}");
         self.counters.fetch_failures.fetch_add(1, Ordering::Relaxed);
-        *self.nodes[n].backoff.lock().expect("not poisoned") = Some(Instant::now() + BACKOFF);
+        *node.backoff.lock().expect("not poisoned") = Some(Instant::now() + BACKOFF);
         Vec::new()
     }
 
-    /// The blocks of `hashes` node `n` holds, in order up to the first it does not.
+    /// The blocks of `hashes` `node` holds, in order up to the first it does not.
     async fn get(
         &self,
-        n: usize,
+        node: &Node,
         hashes: &[BlockHash],
         deadline: tokio::time::Instant,
     ) -> Result<Vec<StoreBlock>, String> {
-        let node = &self.nodes[n];
         let keys: Vec<(u64, u64)> = hashes.iter().map(|h| (self.names.1, h.0)).collect();
         let mut conn = node.data(&self.security, deadline).await?;
         let got = conn.get(&keys, deadline).await.map_err(|e| e.to_string())?;
@@ -412,7 +476,11 @@ pub fn link(
     settings: &crate::Settings,
     engine: &mut engine::Engine,
 ) -> Result<Option<(StoreLink, crate::engine_thread::StoreOut)>, crate::WorkerError> {
-    if settings.store.is_empty() {
+    let discover = settings
+        .discovery
+        .as_ref()
+        .filter(|_| settings.store_discover);
+    if settings.store.is_empty() && discover.is_none() {
         return Ok(None);
     }
     let Some(names) = engine.store_names() else {
@@ -433,6 +501,9 @@ pub fn link(
         settings.store_fetch_timeout,
     )
     .map_err(crate::WorkerError::Security)?;
+    if let Some(d) = discover {
+        link.discover(d, settings.store.clone());
+    }
     let out = (link.uploader(), link.counters.clone());
     Ok(Some((link, out)))
 }
@@ -447,6 +518,7 @@ pub fn fill(c: &StoreCounters, l: &mut proto::grpc::WorkerLoad) {
     l.kv_store_puts_held = get(&c.held);
     l.kv_store_puts_dropped = get(&c.dropped);
     l.kv_store_fetch_failures = get(&c.fetch_failures);
+    l.kv_store_nodes = get(&c.nodes) as u32;
 }
 
 #[cfg(test)]

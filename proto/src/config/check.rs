@@ -342,17 +342,19 @@ impl Ctx<'_> {
                 return self.err(span, key, "names no node");
             }
             for (i, uri) in uris.iter().enumerate() {
-                let addr = uri.strip_prefix("http://").unwrap_or_default();
-                if addr
-                    .rsplit_once(':')
-                    .is_none_or(|(_, p)| p.parse::<u16>().is_err())
-                {
+                if !http_host_port(uri) {
                     let m = format!("{uri:?} is not http://HOST:PORT");
                     return self.err(span.clone(), key, m);
                 }
                 if uris[..i].contains(uri) {
                     return self.err(span.clone(), key, format!("{uri:?} is named twice"));
                 }
+            }
+        }
+        if let Some(a) = &s.advertise {
+            if !http_host_port(a.get_ref()) {
+                let m = format!("{:?} is not http://HOST:PORT", a.get_ref());
+                return self.err(a.span(), "store.advertise", m);
             }
         }
         self.positive(&s.replicas, "store.replicas")?;
@@ -385,4 +387,11 @@ impl Ctx<'_> {
             "etcd's shortest lease is 2 s",
         )
     }
+}
+
+/// Whether `uri` is `http://HOST:PORT`.
+fn http_host_port(uri: &str) -> bool {
+    let addr = uri.strip_prefix("http://").unwrap_or_default();
+    addr.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
 }

@@ -332,6 +332,13 @@ fn the_store_section_has_defaults_and_is_checked_with_its_line() {
     assert_eq!(c.store.node_uris(), ["http://a:1", "http://b:2"]);
     assert_eq!(*c.store.replicas.get_ref(), 2);
     assert!(!c.embedded_store(), "nodes named: none embedded");
+    let found = "[discovery]\netcd = [\"http://e:2379\"]\n[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\n[store]\ndiscover = true\nadvertise = \"http://store-0:7400\"\n";
+    let c = parse(found).unwrap();
+    assert!(c.store.node_uris().is_empty() && *c.store.discover.get_ref());
+    assert!(
+        !c.embedded_store(),
+        "nodes found through etcd: none embedded"
+    );
     for (body, want) in [
         (
             "[decode]\n[store]\ncapacity_bytes = 1000\n",
@@ -369,6 +376,18 @@ fn the_store_section_has_defaults_and_is_checked_with_its_line() {
         (
             "[decode]\n[store]\nnodes = [\"http://b:1\"]\n",
             "store.nodes: the decode workers stage blocks fetched from the store in host memory",
+        ),
+        (
+            "[decode]\n[decode.kv_tiers]\nhost_bytes = 1000000\n[store]\ndiscover = true\n",
+            "cluster.toml:5: store.discover: store nodes are found through etcd: set [discovery]",
+        ),
+        (
+            "[discovery]\netcd = [\"http://e:2379\"]\n[decode]\n[store]\ndiscover = true\n",
+            "cluster.toml:5: store.discover: the decode workers stage blocks fetched from the store",
+        ),
+        (
+            "[decode]\n[store]\nadvertise = \"store-0:7400\"\n",
+            "cluster.toml:3: store.advertise: \"store-0:7400\" is not http://HOST:PORT",
         ),
     ] {
         let e = parse(body).unwrap_err().to_string();
