@@ -559,6 +559,7 @@ const METRICS: &[(&str, proto::metrics::Kind, &str)] = &[
     ("tandem_planner_p90_seconds", Gauge, "The p90 the planner read over its window (prefill: TTFT from decode reservation; decode: ITL)."),
     ("tandem_planner_predicted_seconds", Gauge, "Latency the queue predicts (prefill: pending prompt tokens over measured capacity; decode: admission wait while requests queue)."),
     ("tandem_planner_queued", Gauge, "Work queued in front of the pool (prefill: prompt tokens; decode: requests waiting for room)."),
+    ("tandem_planner_margin", Gauge, "What the planner multiplies a pool's measured demand by when it sizes the pool: 1, raised a tenth each tick the pool's latency p90 is over target, lowered back while it is calm (under half the target)."),
     ("tandem_planner_needed_replicas", Gauge, "Replicas the demand needs: observed now (horizon=now) and predicted a start-up ahead on its trend (horizon=lead)."),
     ("tandem_planner_start_up_seconds", Gauge, "The replicas' start-up the planner measured (asked for to serving; 0 until measured), by pool: how far ahead it sizes."),
     ("tandem_planner_replica_seconds", Gauge, "Worker-seconds so far: live replicas integrated over planner ticks, by pool."),

@@ -303,8 +303,9 @@ pub fn observe(signals: &Signals, watch: &mut Watch, table: &Table, now: Instant
 }
 
 /// Exports a tick's decision for `pool` and its inputs, and says it when it is not a hold.
-fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration) {
+fn report(pool: Pool, inputs: &Inputs, d: &Decision, tick: Duration, margin: f64) {
     let name = pool.name();
+    metrics::gauge!("tandem_planner_margin", "pool" => name).set(margin);
     let n = inputs.live;
     metrics::gauge!("tandem_planner_desired_replicas", "pool" => name).set(d.desired as f64);
     metrics::gauge!("tandem_planner_live_replicas", "pool" => name).set(n as f64);
@@ -394,7 +395,7 @@ pub async fn run(
             let on_way = starting.get(&pool).copied().unwrap_or(0);
             let inputs = observed.inputs(pool, live, on_way);
             let d = plan.decide(now, inputs);
-            report(pool, &inputs, &d, tick);
+            report(pool, &inputs, &d, tick, plan.margin());
             metrics::gauge!("tandem_planner_start_up_seconds", "pool" => pool.name())
                 .set(plan.lead().map_or(0.0, |l| l.as_secs_f64()));
             state.board.decided(now, pool, &inputs, &d);

@@ -268,15 +268,16 @@ fn a_decode_pool_is_sized_down_to_the_most_kv_held_over_a_window() {
     assert!(inputs.censored);
     let d = decode_plan().decide(t0, inputs);
     assert_eq!((d.desired, d.action), (20, Action::Down), "{}", d.why);
-    // … but never up by it: over target with replicas starting, a need of 60 (51,000 / 850)
-    // asks for more only when none waits.
+    // … but never up by it: over target with replicas starting, a need of 60 (51,000 / 850;
+    // 66 with the margin the window over target raised a tenth) asks for more only when none
+    // waits.
     seen.decode_blocks_peak = Some(51_000);
     seen.itl_p90 = Some(Duration::from_millis(150));
     let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 5));
     assert_eq!((d.desired, d.action), (50, Action::Hold), "{}", d.why);
     seen.decode_waiting = 0;
     let d = decode_plan().decide(t0, seen.inputs(Pool::Decode, 50, 5));
-    assert_eq!((d.desired, d.action), (60, Action::Up), "{}", d.why);
+    assert_eq!((d.desired, d.action), (66, Action::Up), "{}", d.why);
     seen.decode_blocks_peak = None;
     assert_eq!(seen.inputs(Pool::Decode, 50, 0).needed, None);
 }
@@ -445,13 +446,15 @@ fn over_target_while_replicas_start_only_the_demand_asks_for_more() {
         needed: Some(needed),
         ..inp(4, Some(900), Some(900), 5000)
     };
-    // Asked for 6 (4 serving, 2 starting): a demand of 5.5 asks nothing more.
+    // Asked for 6 (4 serving, 2 starting): a demand of 4.9 asks nothing more (5.9 with the
+    // margin, raised a tenth by each tick over target).
     let d = p.decide(t0, inp(4, Some(700), Some(700), 5000));
     assert_eq!((d.desired, d.action), (6, Action::Up), "{}", d.why);
-    let d = p.decide(t0 + Duration::from_secs(1), over(5.5));
+    let d = p.decide(t0 + Duration::from_secs(1), over(4.9));
     assert_eq!(d.action, Action::Hold, "{}", d.why);
-    // The demand grows to 9.2 replicas: up to 10 now, before the two have joined.
-    let d = p.decide(t0 + Duration::from_secs(2), over(9.2));
+    // The demand grows to 7.5 replicas (9.98 with the margin): up to 10 now, before the two
+    // have joined.
+    let d = p.decide(t0 + Duration::from_secs(2), over(7.5));
     assert_eq!((d.desired, d.action), (10, Action::Up), "{}", d.why);
     assert!(d.why.contains("the demand needs 10"), "{}", d.why);
 }
@@ -508,4 +511,35 @@ fn the_waits_of_a_line_still_waiting_count() {
     let ([all], n) = w.quantiles_with(now, [0.9], line.into_iter());
     assert_eq!(n, 11);
     assert!(all.unwrap() >= Duration::from_millis(1990), "{all:?}");
+}
+
+/// The sizing margin is learned from the pool's own latency: each tick whose window is over
+/// target raises it a tenth (to at most 2), each calm tick lowers it by half a percent (to 1);
+/// a tick within target but not calm leaves it.
+#[test]
+fn the_margin_rises_while_over_target_and_falls_back_while_calm() {
+    let t0 = Instant::now();
+    let mut p = plan(Pool::Prefill);
+    let at = |i: u64| t0 + Duration::from_secs(i);
+    let needed = |n: f64, p90: u64| Inputs {
+        needed: Some(n),
+        ..inp(10, Some(p90), None, 0)
+    };
+    assert_eq!(p.margin(), 1.0);
+    p.decide(at(0), needed(10.0, 900));
+    assert!((p.margin() - 1.1).abs() < 1e-9, "{}", p.margin());
+    assert_eq!(p.needed_ahead(&needed(10.0, 0)), Some(11));
+    for i in 1..20 {
+        p.decide(at(i), needed(10.0, 900));
+    }
+    assert_eq!(p.margin(), MARGIN_MAX);
+    let m = p.margin();
+    p.decide(at(20), needed(10.0, 400));
+    assert_eq!(p.margin(), m, "within target, not calm: kept");
+    p.decide(at(21), needed(10.0, 100));
+    assert!((p.margin() - m * MARGIN_STEP.1).abs() < 1e-9);
+    for i in 22..400 {
+        p.decide(at(i), needed(10.0, 100));
+    }
+    assert_eq!(p.margin(), 1.0, "back to none");
 }
