@@ -28,17 +28,20 @@ fn limits(cfg: &ClusterConfig) -> store::Limits {
     }
 }
 
-/// The address the node registers in etcd: `store.advertise`, else the one it serves on.
-fn advertised(cfg: &ClusterConfig, bound: SocketAddr) -> Result<String> {
+/// The address the node registers in etcd: `store.advertise`, else the one it serves on; none
+/// (said) when that is 0.0.0.0 or [::], which no other machine can dial.
+fn advertised(cfg: &ClusterConfig, bound: SocketAddr) -> Option<String> {
     if let Some(a) = &cfg.store.advertise {
-        return Ok(a.get_ref().clone());
+        return Some(a.get_ref().clone());
     }
     if bound.ip().is_unspecified() {
-        bail!(
-            "the store serves on {bound}, which no other machine can dial: set store.advertise              to the http://HOST:PORT workers and routers reach it at (it is registered in etcd)"
+        tracing::warn!(
+            "the store serves on {bound}, which no other machine can dial: not registered in \
+             etcd (set store.advertise to the http://HOST:PORT workers and routers reach it at)"
         );
+        return None;
     }
-    Ok(format!("http://{bound}"))
+    Some(format!("http://{bound}"))
 }
 
 /// `tandem store`.
@@ -92,9 +95,9 @@ pub fn run(a: RoleArgs) -> Result<()> {
         eprintln!(
             "tandem store: {name} serving on http://{bound} (data connections on {data_bound})"
         );
+        let register = cluster::discovery(&cfg, &security).zip(advertised(&cfg, bound));
         cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
-        if let Some(d) = cluster::discovery(&cfg, &security) {
-            let uri = advertised(&cfg, bound)?;
+        if let Some((d, uri)) = register {
             // Registered for as long as the node serves (the key goes with its lease).
             drop(d.register(
                 discovery::Kind::Store,

@@ -553,11 +553,51 @@ fn metric_lines(at: std::net::SocketAddr, prefix: &str) -> u64 {
         .sum::<f64>() as u64
 }
 
+/// Read repair: two store nodes, each block on both; one restarted empty on its address (so
+/// the same blocks are placed on it), a fresh worker fetching three prompts asks it first for
+/// some, finds them on the other, and puts those back on it — counted by the worker, held by
+/// the node again; the same texts throughout.
+#[test]
+fn a_store_node_restarted_empty_is_given_back_what_it_was_asked_for() {
+    let mut s = with_store_nodes("store-repair", 0, 1, 2);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(31 + i, 6)).collect();
+    let texts: Vec<String> = prompts.iter().map(|p| complete(&s.c, p)).collect();
+    let objects = |n: &StoreNode| metric_at(n.metrics, "tandem_store_objects");
+    wait_until("18 blocks on each node", Duration::from_secs(20), || {
+        (objects(&s.node), objects(&s.more[0])) == (18.0, 18.0)
+    });
+    s.node.restart();
+    assert_eq!(objects(&s.node), 0.0, "restarted empty");
+    // A fresh worker: nothing of the prompts in its own tiers.
+    let cfg = s.c.config_file().to_path_buf();
+    s.c.kill_worker("decode-0");
+    s.c.add_worker("decode", "decode-1", &cfg);
+    s.c.wait_for(0, 1);
+    for (p, text) in prompts.iter().zip(&texts) {
+        assert_eq!(&complete(&s.c, p), text, "the same text from the store");
+    }
+    assert_eq!(
+        stat(&s.c, "decode-1", "kv_store_hits"),
+        18,
+        "every block fetched"
+    );
+    let repaired = stat(&s.c, "decode-1", "kv_store_repaired");
+    // Each block is first asked of one of its two nodes: the chance that the restarted one
+    // was first for none of 18 is 2^-18.
+    assert!(repaired > 0, "nothing put back");
+    wait_until(
+        "the repaired blocks held again",
+        Duration::from_secs(10),
+        || objects(&s.node) == repaired as f64,
+    );
+    assert_eq!(objects(&s.more[0]), 18.0);
+}
+
 /// Store nodes found through etcd (`[store] discover`): the workers and the router are told
 /// nothing of the store but etcd's address. Before any node registers, a prompt's blocks have
 /// nowhere to go (dropped, counted); a node started then is found by all of them — the next
 /// prompt's blocks are put there, indexed by the router, and served from there to the other
-/// worker once the first is killed; the node killed, its registration expires and it leaves
+/// worker once the first is killed; its registration deleted while it still serves, it leaves
 /// the workers' links, the router's index and its metrics.
 #[test]
 fn store_nodes_registered_in_etcd_are_found_used_and_forgotten() {
@@ -626,9 +666,11 @@ fn store_nodes_registered_in_etcd_are_found_used_and_forgotten() {
         "fetched from the node found in etcd"
     );
 
-    node.kill();
+    // Its registration deleted while it still serves (the router's watch on it holds): only
+    // etcd says it is gone, and the router and the workers forget it.
+    etcd.delete(&format!("/tandem/store-{}/stores/", std::process::id()));
     wait_until(
-        "the node's registration expired and forgotten",
+        "the node's registration gone and the node forgotten",
         Duration::from_secs(20),
         || found(&c, "etcd") == 0.0 && metric_at(c.operator, indexed) == 0.0,
     );
@@ -637,5 +679,6 @@ fn store_nodes_registered_in_etcd_are_found_used_and_forgotten() {
         Duration::from_secs(10),
         || stat(&c, other, "kv_store_nodes") == 0,
     );
+    node.kill();
     let _ = std::fs::remove_dir_all(&scratch);
 }

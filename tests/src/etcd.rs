@@ -167,12 +167,16 @@ impl Etcd {
         ]
     }
 
+    /// Deletes the keys under `prefix` (their leases stay: a member that keeps its lease
+    /// alive does not know).
+    pub fn delete(&self, prefix: &str) {
+        let (status, v) = post_json(self.client, "/v3/kv/deleterange", &range(prefix));
+        assert_eq!(status, 200, "etcd deleterange: {v}");
+    }
+
     /// The keys under `prefix` with their leases.
     pub fn leases(&self, prefix: &str) -> Vec<(String, String)> {
-        let mut end = prefix.as_bytes().to_vec();
-        *end.last_mut().expect("a non-empty prefix") += 1;
-        let body = json!({"key": base64(prefix.as_bytes()), "range_end": base64(&end)});
-        let (status, v) = post_json(self.client, "/v3/kv/range", &body);
+        let (status, v) = post_json(self.client, "/v3/kv/range", &range(prefix));
         assert_eq!(status, 200, "etcd range: {v}");
         let kvs = v["kvs"].as_array().cloned().unwrap_or_default();
         kvs.iter()
@@ -189,6 +193,13 @@ impl Drop for Etcd {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The request body naming every key under `prefix`.
+fn range(prefix: &str) -> Value {
+    let mut end = prefix.as_bytes().to_vec();
+    *end.last_mut().expect("a non-empty prefix") += 1;
+    json!({"key": base64(prefix.as_bytes()), "range_end": base64(&end)})
 }
 
 fn base64(bytes: &[u8]) -> String {

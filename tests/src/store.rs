@@ -2,7 +2,7 @@
 
 use std::io::BufRead;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -11,6 +11,8 @@ pub struct StoreNode {
     child: Child,
     /// Its `/metrics` endpoint.
     pub metrics: SocketAddr,
+    /// How it was started: the binary, the cluster file, the environment, its address.
+    started: (PathBuf, PathBuf, Vec<(String, String)>, String),
 }
 
 impl StoreNode {
@@ -23,11 +25,33 @@ impl StoreNode {
     /// [`StoreNode::start`] with more environment (`env`: the fault-injection variables of
     /// `tandem store`, such as `TANDEM_FAULT_STORE_CORRUPT_GETS`).
     pub fn start_with(exe: &Path, config: &Path, env: &[(&str, &str)]) -> (StoreNode, String) {
+        let env: Vec<(String, String)> = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        StoreNode::start_at(exe, config, &env, "127.0.0.1:0")
+    }
+
+    /// Kills the node and starts it again on the same address, empty (a node restarted: the
+    /// same name, so the same share of the blocks is placed on it).
+    pub fn restart(&mut self) {
+        self.kill();
+        let (exe, config, env, at) = self.started.clone();
+        let listen = at.trim_start_matches("http://");
+        *self = StoreNode::start_at(&exe, &config, &env, listen).0;
+    }
+
+    fn start_at(
+        exe: &Path,
+        config: &Path,
+        env: &[(String, String)],
+        listen: &str,
+    ) -> (StoreNode, String) {
         let mut child = Command::new(exe)
-            .envs(env.iter().copied())
+            .envs(env.iter().cloned())
             .args(["store", "--config"])
             .arg(config)
-            .args(["--listen", "127.0.0.1:0"])
+            .args(["--listen", listen])
             .stderr(Stdio::piped())
             .spawn()
             .expect("tandem store starts");
@@ -56,7 +80,15 @@ impl StoreNode {
         }
         let [at, metrics] = lines.map(Option::unwrap);
         let metrics = metrics.parse().expect("the metrics address");
-        (StoreNode { child, metrics }, at)
+        let started = (exe.into(), config.into(), env.to_vec(), at.clone());
+        (
+            StoreNode {
+                child,
+                metrics,
+                started,
+            },
+            at,
+        )
     }
 }
 

@@ -49,6 +49,9 @@ pub struct StoreCounters {
     pub fetch_failures: AtomicU64,
     /// The nodes used now.
     pub nodes: AtomicU64,
+    /// Blocks put back on a node that lacked them (read repair; each then counted in `puts`,
+    /// `held` or `dropped` as any put).
+    pub repaired: AtomicU64,
 }
 
 /// How long a worker leaves the store alone after a fetch failed or ran out of time: a frozen
@@ -172,8 +175,10 @@ impl StoreLink {
             fetch_timeout,
             counters: Arc::default(),
         };
-        link.set_nodes(uris.to_vec())?;
-        Ok(link)
+        match link.set_nodes(uris.to_vec()).into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(link),
+        }
     }
 
     /// The nodes now.
@@ -181,18 +186,29 @@ impl StoreLink {
         self.members.read().expect("not poisoned").clone()
     }
 
-    /// Uses the nodes at `uris` from now on (a node kept keeps its connections).
-    pub fn set_nodes(&self, uris: Vec<String>) -> Result<(), String> {
+    /// Uses the nodes at `uris` from now on (a node kept keeps its connections); returns why
+    /// each one left out could not be used.
+    pub fn set_nodes(&self, uris: Vec<String>) -> Vec<String> {
         let now = self.members();
-        let node = |uri: &String| match now.uris.iter().position(|u| u == uri) {
-            Some(i) => Ok(now.nodes[i].clone()),
-            None => self.dial(uri),
-        };
-        let nodes = uris.iter().map(node).collect::<Result<_, String>>()?;
-        let n = uris.len() as u64;
-        *self.members.write().expect("not poisoned") = Arc::new(Members { nodes, uris });
+        let mut next = Members::default();
+        let mut bad = Vec::new();
+        for uri in uris {
+            let node = match now.uris.iter().position(|u| *u == uri) {
+                Some(i) => Ok(now.nodes[i].clone()),
+                None => self.dial(&uri),
+            };
+            match node {
+                Ok(node) => {
+                    next.nodes.push(node);
+                    next.uris.push(uri);
+                }
+                Err(e) => bad.push(e),
+            }
+        }
+        let n = next.uris.len() as u64;
+        *self.members.write().expect("not poisoned") = Arc::new(next);
         self.counters.nodes.store(n, Ordering::Relaxed);
-        Ok(())
+        bad
     }
 
     /// Node `uri`, dialled when first used.
@@ -227,8 +243,8 @@ impl StoreLink {
                     }
                 }
                 tracing::info!(nodes = ?uris, "the cluster store's nodes changed (etcd)");
-                if let Err(e) = link.set_nodes(uris) {
-                    tracing::warn!("a store node registered in etcd is not usable: {e}");
+                for e in link.set_nodes(uris) {
+                    tracing::warn!("a store node registered in etcd is left out: {e}");
                 }
             }
         });
@@ -362,6 +378,8 @@ impl StoreLink {
         let m = self.members();
         let holders: Vec<Vec<usize>> = wanted.iter().map(|h| self.holders(&m, *h)).collect();
         let mut tried = vec![0usize; wanted.len()];
+        // The nodes that answered without each block.
+        let mut lacked: Vec<Vec<usize>> = vec![Vec::new(); wanted.len()];
         let mut asked = false;
         for _ in 0..self.replicas {
             // Each missing block from its next holder not resting.
@@ -390,6 +408,9 @@ impl StoreLink {
             while let Some(joined) = gets.join_next().await {
                 // (A get's task panicking loses only its blocks: they are computed.)
                 let Ok((n, idx, r)) = joined else { continue };
+                if let Ok(Ok(b)) = &r {
+                    idx[b.len()..].iter().for_each(|&i| lacked[i].push(n));
+                }
                 let blocks = match r {
                     Ok(Ok(b)) => b,
                     Ok(Err(e)) => self.failed(&m.nodes[n], e),
@@ -411,6 +432,7 @@ impl StoreLink {
             return Vec::new();
         }
         let blocks: Vec<StoreBlock> = got.into_iter().map_while(|b| b).collect();
+        self.repair(&m, &lacked, &blocks);
         let c = &self.counters;
         c.hits.fetch_add(blocks.len() as u64, Ordering::Relaxed);
         let bytes = blocks.iter().map(|b| b.bytes.len() as u64).sum::<u64>();
@@ -418,6 +440,23 @@ impl StoreLink {
         c.load_us
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         blocks
+    }
+
+    /// Puts `blocks` (a fetch's, in order) back on the nodes that answered without them
+    /// (`lacked`, by block) while another replica had them — read repair, so a node restarted
+    /// empty or one that evicted a block holds it again — off the request's path.
+    fn repair(&self, m: &Members, lacked: &[Vec<usize>], blocks: &[StoreBlock]) {
+        let mut by_node = vec![Vec::new(); m.nodes.len()];
+        for (b, nodes) in blocks.iter().zip(lacked) {
+            nodes.iter().for_each(|&n| by_node[n].push(b.clone()));
+        }
+        for (node, blocks) in m.nodes.iter().zip(by_node) {
+            if !blocks.is_empty() {
+                let n = blocks.len() as u64;
+                self.counters.repaired.fetch_add(n, Ordering::Relaxed);
+                tokio::spawn(self.clone().put_within(node.clone(), blocks));
+            }
+        }
     }
 
     /// A fetch from `node` failed: counted, and the node left alone for [`BACKOFF`].
@@ -519,6 +558,7 @@ pub fn fill(c: &StoreCounters, l: &mut proto::grpc::WorkerLoad) {
     l.kv_store_puts_dropped = get(&c.dropped);
     l.kv_store_fetch_failures = get(&c.fetch_failures);
     l.kv_store_nodes = get(&c.nodes) as u32;
+    l.kv_store_repaired = get(&c.repaired);
 }
 
 #[cfg(test)]
