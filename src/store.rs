@@ -95,7 +95,9 @@ pub fn run(a: RoleArgs) -> Result<()> {
         eprintln!(
             "tandem store: {name} serving on http://{bound} (data connections on {data_bound})"
         );
-        let register = cluster::discovery(&cfg, &security).zip(advertised(&cfg, bound));
+        // Only with [discovery]: a node without it is never told it is not registered.
+        let register =
+            cluster::discovery(&cfg, &security).and_then(|d| Some((d, advertised(&cfg, bound)?)));
         cluster::report_ready(a.ready_fd, &serde_json::json!({"store": bound}), "store");
         if let Some((d, uri)) = register {
             // Registered for as long as the node serves (the key goes with its lease).

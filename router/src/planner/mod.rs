@@ -234,7 +234,7 @@ impl PoolPlan {
     /// [`MARGIN_MAX`]): the demand as measured — its p90 over the window, its trend a start-up
     /// ahead — was not enough for this pool's target. A window over target while replicas
     /// start raises it too, so such a window asks for more through the margin (learning only
-    /// from windows begun after the last scale-up met 87.6% of the simulated day, not 90.2%).
+    /// from windows begun after the last scale-up met 87.6–87.7% of the simulated day, not 90.2%).
     /// A tick under [`SIZED_DOWN_BELOW`] of the target lowers it by [`MARGIN_STEP`].1, back
     /// to 1 (so a pool whose long prompts keep it over half its target still sheds it). On
     /// the flat trace no window went over target and the margin stayed 1; on the day's ramp
